@@ -1,0 +1,31 @@
+# KCaaS: every target bootstraps what it needs into .venv.
+PY_SYS ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+
+.PHONY: install test bench up clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PY_SYS) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[node,gpu,dev]'
+	rm -f $(VENV)/.installed-* && touch $(STAMP)
+
+install: $(STAMP)
+
+# Kernel tests run the Triton kernels on the CPU through the interpreter; the variable must be
+# set before kernel modules are imported, so it is set for the whole run.
+test: install
+	TRITON_INTERPRET=1 $(PY) -m pytest -q
+
+bench: install
+	@for b in $$(ls bench/*.py | xargs -n1 basename | sed 's/\.py$$//' | grep -v '^_' | grep -v '^__init__$$'); do \
+		echo "== bench.$$b"; $(PY) -m bench.$$b --quick || exit 1; done
+
+up: install
+	@echo "make up arrives with the node agent (issue 4). Today: 'make test' runs the engine and kernel suites," ; \
+	 echo "and 'make bench' measures the engine and the kernels."
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,257 @@
+"""Block metadata of one cache: allocation, reference counts, the prefix index and LRU eviction.
+
+The bytes live in one preallocated tensor owned by PagedKVCache; this class owns everything *about* the blocks and is
+the only code that changes reference counts, the free stack, the LRU queue or the index. It is not thread-safe: the
+cache calls it under its lock.
+
+Every block is in exactly one of these states (checked by `check_invariants`):
+
+    state     ref_cnt  where                        cached (block_parent set)
+    free      0        _free_stack                  no
+    evictable 0        _evictable (LRU order)       yes: reachable from the root through the index
+    held      > 0      nowhere (a reader or writer)  yes (pinned), or no (being written, or doomed)
+
+- A *held, uncached* block is either being written by a put (it becomes cached at commit) or *doomed*: deleted or
+  cascaded out of the index while a reader held it; it is freed when the last holder releases it.
+- Full blocks are named by their chained hash in `cached_hash_to_block`. Every cached block (full or partial) is a
+  child of its parent hash in `hash_to_children`, which is how partial tails are found (by longest common prefix of
+  their tokens) and how removing a block also removes everything stored under it, so every cached block stays
+  reachable from the root and resident bytes never count orphans.
+
+Eviction order: the free stack first (blocks holding nothing), then `_evictable` from its head: least recently used
+first; blocks released together are appended tail-of-chain first, so on ties the tail of a chain is evicted before
+its prefix (a prefix is worth more: every longer sequence needs it). `_evictable` is an OrderedDict: a C hash map
+plus linked list, so removal from the middle (a hit on a cold block), append and pop-head are O(1) with no Python
+object per block; allocation and release work on whole batches of ids.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from gpu_node.block_hash import BlockHash
+
+NO_TOKEN = -1
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int):
+        assert num_blocks >= 1 and block_size >= 1
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # Holders of each block: readers that pinned it plus a put writing it. Only this class changes it.
+        self.ref_cnt = np.zeros(num_blocks, dtype=np.int32)
+        # Tokens whose KV is valid in each block (block_size for a full block); readers never read beyond it.
+        self.num_filled = np.zeros(num_blocks, dtype=np.int32)
+        # The token ids stored in each block (NO_TOKEN beyond num_filled): used to match partial tails.
+        self.block_tokens = np.full((num_blocks, block_size), NO_TOKEN, dtype=np.int32)
+        # The chained hash naming a full cached block; None for partial, free or uncommitted blocks.
+        self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        # The hash of the prefix a cached block continues (the root for a first block); None when not cached.
+        self.block_parent: list[BlockHash | None] = [None] * num_blocks
+        self.cached_hash_to_block: dict[BlockHash, int] = {}
+        self.hash_to_children: dict[BlockHash, list[int]] = {}
+        # Free blocks as a stack; popping the end hands out low ids first on a fresh pool.
+        self._free_stack: list[int] = list(range(num_blocks - 1, -1, -1))
+        # Cached blocks nobody holds, least recently used first.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.num_evictions = 0
+
+    # ---- counts -------------------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks holding nothing."""
+        return len(self._free_stack)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Blocks an allocation can get now: free plus evictable."""
+        return len(self._free_stack) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks holding data: cached, being written, or doomed but still read."""
+        return self.num_blocks - len(self._free_stack)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return sum(len(children) for children in self.hash_to_children.values())
+
+    def is_cached(self, block_id: int) -> bool:
+        return self.block_parent[block_id] is not None
+
+    # ---- allocation and holding ---------------------------------------------------------------------------------
+    def allocate(self, num_wanted: int) -> list[int]:
+        """Up to `num_wanted` blocks for a writer (fewer only when free + evictable run out), each with ref_cnt 1.
+
+        Takes free blocks first and evicts only under pressure, LRU first.
+        """
+        taken = self._free_stack[: -num_wanted - 1 : -1] if num_wanted else []  # top of the stack first
+        del self._free_stack[len(self._free_stack) - len(taken) :]
+        while len(taken) < num_wanted and (self._evictable or self._free_stack):
+            if self._free_stack:  # an eviction's cascade may have freed descendants
+                taken.append(self._free_stack.pop())
+                continue
+            block_id, _ = self._evictable.popitem(last=False)
+            self._uncache(block_id)
+            self.num_evictions += 1
+            taken.append(block_id)
+        if taken:
+            ids = np.asarray(taken, dtype=np.int64)
+            assert not self.ref_cnt[ids].any(), "allocated a held block"
+            self.ref_cnt[ids] = 1
+            self.num_filled[ids] = 0
+        return taken
+
+    def hold(self, block_ids: list[int]) -> None:
+        """Add a holder to each block (distinct ids); cached blocks leave the evictable queue while held."""
+        evictable = self._evictable
+        for block_id in block_ids:
+            if block_id in evictable:
+                del evictable[block_id]
+        self.ref_cnt[np.asarray(block_ids, dtype=np.int64)] += 1
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop a holder from each block (distinct ids). Pass a chain tail first: that order is the eviction order.
+
+        Blocks nobody holds any more become evictable when cached, free otherwise (doomed or never committed).
+        """
+        if not block_ids:
+            return
+        ids = np.asarray(block_ids, dtype=np.int64)
+        assert (self.ref_cnt[ids] > 0).all(), "released a block nobody holds"
+        self.ref_cnt[ids] -= 1
+        for block_id in ids[self.ref_cnt[ids] == 0].tolist():
+            if self.block_parent[block_id] is not None:
+                self._evictable[block_id] = None
+            else:
+                self._free(block_id)
+
+    def touch(self, block_ids: list[int]) -> None:
+        """Mark cached, unheld blocks most recently used, in the given order (pass a chain tail first)."""
+        evictable = self._evictable
+        for block_id in block_ids:
+            if block_id in evictable:
+                evictable.move_to_end(block_id)
+
+    # ---- the index ----------------------------------------------------------------------------------------------
+    def cache_block(self, block_id: int, parent: BlockHash, tokens: np.ndarray, block_hash: BlockHash | None) -> None:
+        """Publish a held, fully written block under `parent`; `block_hash` names it when it is full."""
+        assert self.ref_cnt[block_id] > 0 and self.block_parent[block_id] is None
+        num_tokens = len(tokens)
+        assert 0 < num_tokens <= self.block_size and (block_hash is not None) == (num_tokens == self.block_size)
+        self._set_tokens(block_id, tokens)
+        self.block_parent[block_id] = parent
+        self.hash_to_children.setdefault(parent, []).append(block_id)
+        if block_hash is not None:
+            assert block_hash not in self.cached_hash_to_block
+            self.block_hash[block_id] = block_hash
+            self.cached_hash_to_block[block_hash] = block_id
+
+    def extend_block(self, block_id: int, tokens: np.ndarray, block_hash: BlockHash | None) -> None:
+        """Publish more tokens in a cached partial block a writer filled in place (its first tokens are unchanged)."""
+        assert self.ref_cnt[block_id] > 0 and self.block_parent[block_id] is not None
+        assert self.block_hash[block_id] is None and len(tokens) > self.num_filled[block_id]
+        self._set_tokens(block_id, tokens)
+        if block_hash is not None and block_hash not in self.cached_hash_to_block:
+            self.block_hash[block_id] = block_hash
+            self.cached_hash_to_block[block_hash] = block_id
+
+    def _set_tokens(self, block_id: int, tokens: np.ndarray) -> None:
+        num_tokens = len(tokens)
+        self.block_tokens[block_id, :num_tokens] = tokens
+        self.block_tokens[block_id, num_tokens:] = NO_TOKEN
+        self.num_filled[block_id] = num_tokens
+
+    def get_cached_block(self, block_hash: BlockHash) -> int | None:
+        return self.cached_hash_to_block.get(block_hash)
+
+    def children(self, parent: BlockHash) -> list[int]:
+        return self.hash_to_children.get(parent, [])
+
+    def best_child(self, parent: BlockHash, segment: np.ndarray) -> tuple[int, int]:
+        """The cached child of `parent` whose tokens share the longest prefix with `segment`: (id, length) or (-1, 0).
+
+        One matching rule for reads (partial tails) and writes (reuse, extend, copy-on-write).
+        """
+        children = self.hash_to_children.get(parent)
+        if not children or not len(segment):
+            return -1, 0
+        ids = np.asarray(children, dtype=np.int64)
+        equal = self.block_tokens[ids, : len(segment)] == segment  # NO_TOKEN beyond num_filled never matches
+        common = np.where(equal.all(axis=1), len(segment), equal.argmin(axis=1))
+        best = int(common.argmax())
+        return int(ids[best]), int(common[best])
+
+    def uncache(self, block_ids: list[int]) -> int:
+        """Remove blocks and everything stored under them from the index; returns how many blocks that removed.
+
+        Unheld ones are freed now; held ones are doomed: readers keep their bytes until they release them.
+        """
+        num_removed = 0
+        for block_id in block_ids:
+            if self.block_parent[block_id] is None:
+                continue
+            num_removed += self._uncache(block_id)
+            if self.ref_cnt[block_id] == 0:
+                del self._evictable[block_id]
+                self._free(block_id)
+        return num_removed
+
+    def _uncache(self, block_id: int) -> int:
+        """Unlink one cached block and, depth first, its descendants (freeing unheld descendants)."""
+        parent = self.block_parent[block_id]
+        siblings = self.hash_to_children[parent]
+        siblings.remove(block_id)
+        if not siblings:
+            del self.hash_to_children[parent]
+        self.block_parent[block_id] = None
+        num_removed = 1
+        block_hash = self.block_hash[block_id]
+        if block_hash is not None:
+            self.block_hash[block_id] = None
+            del self.cached_hash_to_block[block_hash]
+            for child in list(self.hash_to_children.get(block_hash, ())):
+                num_removed += self._uncache(child)
+                if self.ref_cnt[child] == 0:
+                    del self._evictable[child]
+                    self._free(child)
+        return num_removed
+
+    def _free(self, block_id: int) -> None:
+        assert self.ref_cnt[block_id] == 0 and self.block_parent[block_id] is None
+        self.num_filled[block_id] = 0
+        self._free_stack.append(block_id)
+
+    # ---- checking -----------------------------------------------------------------------------------------------
+    def check_invariants(self, root: BlockHash) -> None:
+        """O(num_blocks) audit of the state table in the module docstring (tests call it after every step)."""
+        free = set(self._free_stack)
+        evictable = set(self._evictable)
+        held = set(np.flatnonzero(self.ref_cnt > 0).tolist())
+        assert len(free) == len(self._free_stack), "a block is on the free stack twice"
+        assert not (free & evictable) and not (free & held) and not (evictable & held)
+        assert len(free) + len(evictable) + len(held) == self.num_blocks, "a block is in no state"
+        assert (self.ref_cnt >= 0).all()
+        for block_id in free:
+            assert self.block_parent[block_id] is None and self.block_hash[block_id] is None
+        for block_id in evictable:
+            assert self.block_parent[block_id] is not None, "an evictable block is not cached"
+        num_children = 0
+        for parent, children in self.hash_to_children.items():
+            assert children, "empty child list kept"
+            assert parent == root or parent in self.cached_hash_to_block, "a cached block is unreachable"
+            for child in children:
+                assert self.block_parent[child] == parent
+                assert 0 < self.num_filled[child] <= self.block_size
+                num_children += 1
+        for block_hash, block_id in self.cached_hash_to_block.items():
+            assert self.block_hash[block_id] == block_hash and self.num_filled[block_id] == self.block_size
+            assert block_id in self.hash_to_children[self.block_parent[block_id]]
+        assert num_children == sum(p is not None for p in self.block_parent)

@@ -1,0 +1,327 @@
+"""PagedKVCache: one attached cache — a preallocated block pool on one device, a keyed prefix index, LRU eviction.
+
+Storage layout (one tensor per cache, allocated and pre-faulted at attach):
+
+    pool   [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]   storage dtype
+    scales [num_blocks, num_layers, 2, block_size, num_kv_heads]             float32, int8/fp8 storage only
+
+Block-major, so one block (every layer, K and V) is one contiguous run of bytes: a tier copy, a checksum or a
+migration frame is one memcpy per block. Inside a block each (layer, K/V) is [block_size, heads, head_dim] — the NHD
+layout vLLM and FlashInfer page in — so `pool[:, layer, 0]` is a layer's paged K cache with a block stride of
+num_layers*2*block_size*heads*head_dim elements, which paged attention reads in place (kernels/paged_attention.py).
+
+Engines hand KV over as [num_layers, 2, num_tokens, num_kv_heads, head_dim] in their dtype and get the same back.
+
+Concurrency and visibility: metadata changes happen under one lock; bytes move outside it. A put plans under the
+lock (which blocks it reuses, extends in place, copies on write, or allocates), holds every block it touches, writes
+without the lock, then publishes under the lock. Blocks enter the index only at publish and a partial block's
+`num_filled` grows only at publish, so readers never see a block (or a slot) before its bytes are fully written.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+import kernels
+from gpu_node.block_hash import BlockHasher, tokens_as_int32
+from gpu_node.block_pool import BlockPool
+from gpu_node.put_plan import BlockWrite, PutPlan, plan_put
+from kcaas.spec import KVCacheSpec
+
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
+    "fp8_e4m3": torch.float8_e4m3fn,
+}
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    num_tokens: int  # tokens in the request
+    num_cached_tokens: int  # leading tokens cached after the put (== num_tokens unless out_of_space)
+    num_written_tokens: int  # tokens whose KV this put wrote (the rest were cached already: deduplicated)
+    num_new_blocks: int  # blocks allocated (new blocks and copy-on-write copies)
+    num_cow_copies: int  # partial blocks copied before a divergent extension
+    out_of_space: bool  # every other block is held by readers: only a prefix (maybe none) was stored
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    num_blocks: int
+    num_used_blocks: int  # blocks holding data (cached, being written, or held by a reader after deletion)
+    num_free_blocks: int  # blocks holding nothing
+    num_cached_blocks: int  # blocks readers can find
+    num_hit_tokens: int  # tokens served from cache by get/acquire
+    num_miss_tokens: int  # tokens asked of get/acquire and not cached
+    num_evictions: int  # cached blocks reclaimed under pressure
+    num_cow_copies: int
+    num_stored_tokens: int  # tokens written by puts
+    block_bytes: int
+    bytes_resident: int  # used blocks x block bytes: what billing integrates over time
+    bytes_capacity: int
+
+
+@dataclass(slots=True)
+class PrefixHandle:
+    """The longest cached prefix of a sequence, held so its blocks cannot be evicted or reused while it is read.
+
+    `block_ids` are in chain order; the last one may be partially used (num_tokens need not be a block multiple).
+    Release exactly once (or use as a context manager).
+    """
+
+    cache: PagedKVCache
+    num_tokens: int
+    block_ids: list[int]
+    released: bool = field(default=False)
+
+    def slot_mapping(self) -> torch.Tensor:
+        return self.cache._slots_for(self.block_ids, self.num_tokens)
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.cache._release(self.block_ids)
+
+    def __enter__(self) -> PrefixHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        *,
+        hash_key: bytes,
+        num_blocks: int | None = None,
+        capacity_bytes: int | None = None,
+        device: torch.device | str | None = None,
+    ):
+        if (num_blocks is None) == (capacity_bytes is None):
+            raise ValueError("give exactly one of num_blocks and capacity_bytes")
+        if num_blocks is None:
+            num_blocks = capacity_bytes // spec.block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"capacity holds no block (a block is {spec.block_bytes} bytes)")
+        self.spec = spec
+        self.device = torch.device(device) if device is not None else default_device()
+        self.kv_dtype = TORCH_DTYPES[spec.kv_dtype]
+        self.block_size = spec.block_size
+        self._hasher = BlockHasher(hash_key, spec.block_size, spec.model_fingerprint)
+        self._blocks = BlockPool(num_blocks, spec.block_size)
+        self._lock = threading.Lock()
+        self._extending: set[int] = set()  # partial blocks a put is filling in place right now
+        self.pool, self.scales = self._allocate_storage(num_blocks)
+        self._num_hit_tokens = self._num_miss_tokens = self._num_cow_copies = self._num_stored_tokens = 0
+
+    def _allocate_storage(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        spec = self.spec
+        shape = (num_blocks, spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        # Pre-fault now: first touch of fresh pages costs ~15x a warm copy and would land on the first puts.
+        pool = torch.zeros(shape, dtype=TORCH_DTYPES[spec.storage_dtype], device=self.device)
+        scales = torch.ones(shape[:-1], dtype=torch.float32, device=self.device) if spec.is_quantized else None
+        return pool, scales
+
+    # ---- checks -------------------------------------------------------------------------------------------------
+    def _check_identity(self, identity: KVCacheSpec | None) -> None:
+        if identity is not None:
+            self.spec.check_matches(identity)
+
+    def _check_kv(self, kv: torch.Tensor, num_tokens: int) -> None:
+        spec = self.spec
+        expected = (spec.num_layers, 2, num_tokens, spec.num_kv_heads, spec.head_dim)
+        if not isinstance(kv, torch.Tensor):
+            raise TypeError("kv must be a torch.Tensor [num_layers, 2, num_tokens, num_kv_heads, head_dim]")
+        if tuple(kv.shape) != expected:
+            raise ValueError(
+                f"kv has shape {tuple(kv.shape)}, this cache takes {expected} "
+                "= [num_layers, 2, num_tokens, num_kv_heads, head_dim]"
+            )
+        if kv.dtype != self.kv_dtype:
+            raise ValueError(f"kv has dtype {kv.dtype}, this cache's engine dtype is {self.kv_dtype}")
+
+    # ---- reads --------------------------------------------------------------------------------------------------
+    def _match(self, tokens: np.ndarray) -> tuple[int, list[int]]:
+        """Longest cached prefix: (num_tokens, block ids in chain order). Call under the lock."""
+        blocks = self._blocks
+        block_ids: list[int] = []
+        parent = self._hasher.root
+        for block_hash in self._hasher.iter_block_hashes(tokens):
+            block_id = blocks.get_cached_block(block_hash)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+            parent = block_hash
+        num_tokens = len(block_ids) * self.block_size
+        rest = tokens[num_tokens : num_tokens + self.block_size]
+        tail_id, tail_len = blocks.best_child(parent, rest)
+        if tail_len:
+            block_ids.append(tail_id)
+            num_tokens += tail_len
+        return num_tokens, block_ids
+
+    def lookup(self, tokens, *, identity: KVCacheSpec | None = None) -> int:
+        """How many leading tokens of `tokens` are cached (whole blocks, then the longest matching partial tail)."""
+        self._check_identity(identity)
+        tokens = tokens_as_int32(tokens)
+        with self._lock:
+            num_tokens, block_ids = self._match(tokens)
+            self._blocks.touch(block_ids[::-1])
+        return num_tokens
+
+    def acquire(self, tokens, *, identity: KVCacheSpec | None = None) -> PrefixHandle:
+        """Hold the longest cached prefix of `tokens` (for reading in place, e.g. paged attention)."""
+        self._check_identity(identity)
+        tokens = tokens_as_int32(tokens)
+        with self._lock:
+            num_tokens, block_ids = self._match(tokens)
+            self._blocks.hold(block_ids)
+            self._num_hit_tokens += num_tokens
+            self._num_miss_tokens += len(tokens) - num_tokens
+        return PrefixHandle(self, num_tokens, block_ids)
+
+    def get(self, tokens, *, identity: KVCacheSpec | None = None) -> tuple[int, torch.Tensor]:
+        """(n, kv) for the longest cached prefix: kv is [num_layers, 2, n, num_kv_heads, head_dim] in the engine dtype."""
+        with self.acquire(tokens, identity=identity) as handle:
+            kv = kernels.read_kv(self.pool, self.scales, handle.slot_mapping(), out_dtype=self.kv_dtype)
+        return handle.num_tokens, kv
+
+    def _slots_for(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        ids = torch.as_tensor(block_ids, dtype=torch.int64)
+        slots = (ids[:, None] * self.block_size + torch.arange(self.block_size)).reshape(-1)[:num_tokens]
+        return slots.to(self.device)
+
+    def _release(self, block_ids: list[int]) -> None:
+        with self._lock:
+            self._blocks.release(block_ids[::-1])
+
+    # ---- writes -------------------------------------------------------------------------------------------------
+    def put(self, tokens, kv: torch.Tensor, *, identity: KVCacheSpec | None = None) -> PutResult:
+        """Store the KV of `tokens` (kv covers every token); blocks already cached are deduplicated, not rewritten."""
+        self._check_identity(identity)
+        tokens = tokens_as_int32(tokens)
+        self._check_kv(kv, len(tokens))
+        with self._lock:
+            plan = plan_put(self._blocks, self._hasher, tokens, self._extending)
+        try:
+            self._write(plan, kv)
+        except BaseException:
+            with self._lock:
+                self._abandon(plan)
+            raise
+        with self._lock:
+            num_cached = self._publish(plan, tokens)
+            self._num_cow_copies += plan.num_cow_copies
+            self._num_stored_tokens += plan.num_written_tokens
+        return PutResult(
+            num_tokens=len(tokens),
+            num_cached_tokens=num_cached,
+            num_written_tokens=plan.num_written_tokens,
+            num_new_blocks=plan.num_new_blocks,
+            num_cow_copies=plan.num_cow_copies,
+            out_of_space=plan.out_of_space,
+        )
+
+    def _write(self, plan: PutPlan, kv: torch.Tensor) -> None:
+        """Move the bytes of a plan: copy-on-write copies first, then one batched write of every new slot."""
+        if plan.cow_sources:
+            src = torch.as_tensor(plan.cow_sources, dtype=torch.int64, device=self.device)
+            dst = torch.as_tensor(plan.cow_targets, dtype=torch.int64, device=self.device)
+            kernels.copy_blocks(self.pool, self.scales, self.pool, self.scales, src, dst)
+        if plan.num_written_tokens:
+            first, slots = plan.slot_mapping(self.block_size)
+            slot_tensor = torch.from_numpy(slots).to(self.device)
+            kv_written = kv[:, :, first : first + len(slots)].to(self.device)
+            kernels.write_kv(kv_written, self.pool, self.scales, slot_tensor)
+
+    def _publish(self, plan: PutPlan, tokens: np.ndarray) -> int:
+        """Enter written blocks into the index in chain order, then release everything the put held."""
+        blocks = self._blocks
+        num_cached = 0
+        for write in plan.writes:
+            if not self._publish_one(write, tokens):
+                break
+            num_cached = write.end
+        self._extending.difference_update(w.block_id for w in plan.writes if w.kind == BlockWrite.EXTEND)
+        blocks.release([w.block_id for w in reversed(plan.writes)])
+        if plan.cow_sources:
+            blocks.release(plan.cow_sources)
+        return num_cached
+
+    def _publish_one(self, write: BlockWrite, tokens: np.ndarray) -> bool:
+        blocks = self._blocks
+        if write.parent != self._hasher.root and blocks.get_cached_block(write.parent) is None:
+            return False  # the prefix was deleted while we wrote: do not publish an unreachable block
+        if write.kind == BlockWrite.REUSE:
+            return blocks.is_cached(write.block_id)
+        segment = tokens[write.start : write.end]
+        if write.kind == BlockWrite.EXTEND:
+            if not blocks.is_cached(write.block_id):
+                return False
+            blocks.extend_block(write.block_id, segment, write.block_hash)
+            return True
+        if write.block_hash is not None and blocks.get_cached_block(write.block_hash) is not None:
+            return True  # a concurrent put published the same block first; ours is released unpublished
+        blocks.cache_block(write.block_id, write.parent, segment, write.block_hash)
+        return True
+
+    def _abandon(self, plan: PutPlan) -> None:
+        self._extending.difference_update(w.block_id for w in plan.writes if w.kind == BlockWrite.EXTEND)
+        self._blocks.release([w.block_id for w in reversed(plan.writes)])
+        if plan.cow_sources:
+            self._blocks.release(plan.cow_sources)
+
+    # ---- removal ------------------------------------------------------------------------------------------------
+    def delete(self, tokens, *, identity: KVCacheSpec | None = None) -> int:
+        """Forget the cached prefix of `tokens` and everything stored under it; returns the blocks removed.
+
+        Readers holding a removed block keep reading it; its memory is reused after they release it.
+        """
+        self._check_identity(identity)
+        tokens = tokens_as_int32(tokens)
+        with self._lock:
+            _, block_ids = self._match(tokens)
+            return self._blocks.uncache(block_ids[:1] if len(tokens) else [])
+
+    def clear(self) -> int:
+        """Forget every cached block; returns how many were removed."""
+        with self._lock:
+            return self._blocks.uncache(list(self._blocks.children(self._hasher.root)))
+
+    # ---- accounting ---------------------------------------------------------------------------------------------
+    def stats(self) -> CacheStats:
+        with self._lock:
+            blocks = self._blocks
+            block_bytes = self.spec.block_bytes
+            return CacheStats(
+                num_blocks=blocks.num_blocks,
+                num_used_blocks=blocks.num_used_blocks,
+                num_free_blocks=blocks.num_free_blocks,
+                num_cached_blocks=blocks.num_cached_blocks,
+                num_hit_tokens=self._num_hit_tokens,
+                num_miss_tokens=self._num_miss_tokens,
+                num_evictions=blocks.num_evictions,
+                num_cow_copies=self._num_cow_copies,
+                num_stored_tokens=self._num_stored_tokens,
+                block_bytes=block_bytes,
+                bytes_resident=blocks.num_used_blocks * block_bytes,
+                bytes_capacity=blocks.num_blocks * block_bytes,
+            )
+
+    def check_invariants(self) -> None:
+        with self._lock:
+            self._blocks.check_invariants(self._hasher.root)
+            assert all(self._blocks.ref_cnt[b] > 0 for b in self._extending)
+

@@ -1,0 +1,121 @@
+"""The identity and layout of an attached KV cache (torch-free: the SDK, the node and the control plane share it).
+
+A cache holds KV for exactly one model layout. Every request that carries KV (or asks for it) is checked against this
+identity field by field, because a silently mismatched layout (another head count, another block size, another dtype,
+another model revision with the same shapes) produces plausible-looking but wrong attention — the most common bug
+class in KV-cache stores. A mismatch is refused with `IdentityMismatch`, naming each differing field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+KV_DTYPES = ("float32", "float16", "bfloat16")
+STORAGE_DTYPES = ("float32", "float16", "bfloat16", "int8", "fp8_e4m3")
+QUANTIZED_STORAGE_DTYPES = ("int8", "fp8_e4m3")
+DTYPE_NUM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "fp8_e4m3": 1}
+SCALE_NUM_BYTES = 4  # one float32 scale per (token, layer, K/V, kv head) for quantized storage
+MAX_BLOCK_SIZE = 1024
+MAX_FINGERPRINT_LEN = 256
+
+
+class SpecError(ValueError):
+    """An identity/layout that is invalid on its own (e.g. head_dim 0, unknown dtype)."""
+
+    code = "invalid_spec"
+
+
+class IdentityMismatch(ValueError):
+    """A request's identity differs from the cache's; `fields` maps each field to (cache value, request value)."""
+
+    code = "identity_mismatch"
+
+    def __init__(self, fields: dict[str, tuple[Any, Any]]):
+        self.fields = fields
+        detail = ", ".join(f"{name}: cache has {have!r}, request has {got!r}" for name, (have, got) in fields.items())
+        super().__init__(f"KV identity mismatch ({detail})")
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    """What a cache stores: one model's KV, in one layout."""
+
+    model_fingerprint: str  # model name + revision (or a weights digest): same shapes, other model => other cache
+    num_layers: int  # attention layers whose KV is stored
+    num_kv_heads: int  # KV heads per layer (GQA: fewer than query heads)
+    head_dim: int  # elements per head
+    block_size: int  # tokens per block: the unit of hashing, sharing and eviction
+    kv_dtype: str  # the engine's KV dtype, what put takes and get returns
+    storage_dtype: str  # what the pool holds: kv_dtype as-is, a wider/narrower float, or int8/fp8 with scales
+
+    def __post_init__(self) -> None:
+        problems = self._problems()
+        if problems:
+            raise SpecError("invalid KV cache spec: " + "; ".join(problems))
+
+    def _problems(self) -> list[str]:
+        problems = []
+        if not isinstance(self.model_fingerprint, str) or not 0 < len(self.model_fingerprint) <= MAX_FINGERPRINT_LEN:
+            problems.append(f"model_fingerprint must be a non-empty string of at most {MAX_FINGERPRINT_LEN} chars")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(self.block_size, int) and self.block_size > MAX_BLOCK_SIZE:
+            problems.append(f"block_size must be at most {MAX_BLOCK_SIZE}")
+        if self.kv_dtype not in KV_DTYPES:
+            problems.append(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        if self.storage_dtype not in STORAGE_DTYPES:
+            problems.append(f"storage_dtype must be one of {STORAGE_DTYPES}, got {self.storage_dtype!r}")
+        return problems
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.storage_dtype in QUANTIZED_STORAGE_DTYPES
+
+    @property
+    def elements_per_token(self) -> int:
+        """K and V elements of one token over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of one token's KV in the engine's dtype (what crosses the API)."""
+        return self.elements_per_token * DTYPE_NUM_BYTES[self.kv_dtype]
+
+    @property
+    def storage_bytes_per_token(self) -> int:
+        """Bytes one token occupies in the pool, scales included."""
+        scale_bytes = 2 * self.num_layers * self.num_kv_heads * SCALE_NUM_BYTES if self.is_quantized else 0
+        return self.elements_per_token * DTYPE_NUM_BYTES[self.storage_dtype] + scale_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_size * self.storage_bytes_per_token
+
+    def mismatches(self, other: KVCacheSpec) -> dict[str, tuple[Any, Any]]:
+        return {
+            f.name: (getattr(self, f.name), getattr(other, f.name))
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        }
+
+    def check_matches(self, other: KVCacheSpec) -> None:
+        """Raise IdentityMismatch unless `other` is exactly this identity."""
+        fields = self.mismatches(other)
+        if fields:
+            raise IdentityMismatch(fields)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KVCacheSpec:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        missing = names - set(data)
+        if unknown or missing:
+            raise SpecError(f"invalid KV cache spec: unknown fields {sorted(unknown)}, missing fields {sorted(missing)}")
+        return cls(**data)
