@@ -257,3 +257,23 @@ def test_concurrent_puts_and_gets_only_ever_return_exact_kv():
     assert failures == []
     cache.check_invariants()
     assert cache.stats().num_used_blocks == cache.stats().num_cached_blocks  # nothing held or leaked
+
+
+@pytest.mark.parametrize("storage", ["int8", "fp8_e4m3"])
+def test_quantized_storage_serves_kv_within_the_documented_bound(storage):
+    from kernels.quant import error_bound
+
+    cache = tiny_cache(block_size=4, storage_dtype=storage, head_dim=8)
+    shared = tokens_of(6)
+    first, second = shared + [1, 2, 3], shared + [4]  # the second copies the first's partial block on write
+    for seq in (first, second):
+        cache.put(seq, prefix_kv(cache.spec, seq))
+    torch_storage = torch.int8 if storage == "int8" else torch.float8_e4m3fn
+    assert cache.pool.dtype == torch_storage and cache.scales.dtype == torch.float32
+    for seq in (first, second):
+        n, kv = cache.get(seq)
+        exact = prefix_kv(cache.spec, seq)
+        assert n == len(seq)
+        assert ((kv - exact).abs() <= error_bound(exact, torch_storage)).all()
+        assert not torch.equal(kv, exact)
+    assert cache.stats().block_bytes == 4 * (2 * 2 * 2 * 8 * 1 + 2 * 2 * 2 * 4)  # int8/fp8 values + fp32 scales

@@ -1,0 +1,74 @@
+"""Triton jit helpers shared by the kernels: exact rounding, quantize/dequantize of [..., D] tiles, output casts.
+
+Why explicit rounding instead of plain casts (all found by running triton 3.9's interpreter against torch):
+  * float -> int8 ``.to(tl.int8)`` truncates toward zero (on CUDA too: fptosi), so int8 needs an explicit rint.
+    ``libdevice.rint`` is an extern call the interpreter refuses, so ``_rint`` uses the fp32 trick
+    (x + 1.5*2**23) - 1.5*2**23, which is round-half-to-even for |x| < 2**22 on every IEEE fp32 unit and
+    matches ``torch.round`` bit for bit. (No fast-math reassociation in Triton, so the compiler keeps it.)
+  * fp32 -> float8e4nv and fp32 -> bfloat16 casts are wrong in the interpreter (a mantissa carry is dropped, so
+    1.99 -> 1.0; ties are not to even; e4m3 subnormals are off). ``_round_to_e4m3`` / ``_round_to_bf16`` round in
+    fp32 first (round to nearest even, same as the CUDA cvt.rn instructions and torch), after which the cast is
+    exact on both the interpreter and the GPU. Decoding fp8 -> fp32 is exact in the interpreter for all finite
+    bytes (the NaN bytes 0x7f/0xff decode as +-480 there; pools never hold them).
+  * Divisions use ``tl.math.div_rn`` (IEEE, correctly rounded); plain ``/`` is an approximate division on CUDA
+    and would break bit-equality with the torch reference.
+"""
+
+from kernels._common import tl, triton
+
+INT8_QMAX = tl.constexpr(127.0)
+FP8_E4M3_QMAX = tl.constexpr(448.0)
+
+
+@triton.jit
+def _rint(x):
+    """Round fp32 to the nearest integer, ties to even, for |x| < 2**22."""
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _round_to_e4m3(y):
+    """Round fp32 |y| <= 448 to the nearest e4m3 value (ties to even), still as fp32.
+
+    Adding M = 1.5 * 2**(e+20), whose ulp is 2**(e-3), rounds |y| in [2**e, 2**(e+1)) to the e4m3 step 2**(e-3);
+    below 2**-6 the exponent is clamped so the step stays 2**-9 (the e4m3 subnormal spacing).
+    """
+    mag = tl.abs(y)
+    exponent = (mag.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    exponent = tl.maximum(exponent, 121)  # 121 - 127 = -6, the smallest normal e4m3 exponent
+    magic = (((exponent + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    rounded = (mag + magic) - magic
+    return tl.where(y < 0, -rounded, rounded)
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """Round fp32 to the nearest bfloat16 value (ties to even), still as fp32; inputs finite."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _cast_rne(x, DST: tl.constexpr):
+    """Cast fp32 ``x`` to the float dtype DST, rounding to nearest even on every backend."""
+    if DST == tl.bfloat16:
+        x = _round_to_bf16(x)
+    return x.to(DST)
+
+
+@triton.jit
+def _quantize_rows(x, QDTYPE: tl.constexpr, AXIS: tl.constexpr):
+    """Quantize fp32 ``x`` per row along AXIS (head_dim); returns (q as QDTYPE, fp32 scale without AXIS)."""
+    if QDTYPE == tl.int8:
+        qmax = INT8_QMAX
+    else:
+        qmax = FP8_E4M3_QMAX
+    amax = tl.max(tl.abs(x), axis=AXIS)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, qmax, tl.float32)), 1.0)
+    y = tl.math.div_rn(x, tl.expand_dims(scale, AXIS))
+    if QDTYPE == tl.int8:
+        q = tl.minimum(tl.maximum(_rint(y), -INT8_QMAX), INT8_QMAX).to(tl.int8)
+    else:
+        q = _round_to_e4m3(tl.minimum(tl.maximum(y, -FP8_E4M3_QMAX), FP8_E4M3_QMAX)).to(tl.float8e4nv)
+    return q, scale

@@ -1,0 +1,159 @@
+"""Plain-torch implementations of the four kernel families: the test oracle AND the production CPU path.
+
+Inputs are assumed validated by the public wrappers (kernels/write_kv.py etc.); see kernels/_common.py.
+
+Layout (fixed, the engine depends on it):
+  pool   [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]   block-major, contiguous
+  scales [num_blocks, num_layers, 2, block_size, num_kv_heads] fp32        only for int8 / fp8 pools
+  kv     [num_layers, 2, num_tokens, num_kv_heads, head_dim]               engine dtype
+  slot = block_id * block_size + offset_in_block, -1 = skip (write) / zeros (read)
+
+How the copies stay fast without Python loops over tokens or blocks: the pool is viewed as a 2-D table of rows.
+A row is one (block, layer, K/V, slot) run of H*D contiguous elements, or, when the slot mapping covers whole
+blocks in order (each run of block_size tokens fills one block from offset 0), one (block, layer, K/V) run of
+block_size*H*D elements. Rows are then moved with a single ``index_select`` (read) or ``index_copy_`` (write),
+which copy row by row instead of element by element.
+"""
+
+import math
+
+import torch
+
+from kernels._common import QUANT_DTYPES
+from kernels.quant import dequantize, quantize
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Same bytes, a dtype every indexing op supports (CPU ``index_copy_`` has no float8)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _rows_per_slot_run(slots: torch.Tensor, block_size: int) -> int:
+    """block_size when ``slots`` (no -1) is a sequence of whole blocks, each filled in order; else 1."""
+    num_tokens = slots.shape[0]
+    if block_size == 1 or num_tokens % block_size != 0:
+        return 1
+    runs = slots.view(-1, block_size)
+    starts = runs[:, :1]
+    offsets = torch.arange(block_size, device=slots.device)
+    if bool((starts % block_size == 0).all()) and bool((runs == starts + offsets).all()):
+        return block_size
+    return 1
+
+
+def _row_ids(slots: torch.Tensor, num_layers: int, block_size: int, granule: int) -> torch.Tensor:
+    """Row ids, ordered [layer, K/V, unit], of the units (granule consecutive slots) starting at slots[::granule].
+
+    The pool is viewed as rows of granule*H*D elements; a slot's (layer, kv) run starts at element-row
+    (block * num_layers * 2 + layer * 2 + kv) * block_size + offset in units of H*D.
+    """
+    units = slots[::granule]
+    first_row = (units // block_size) * (num_layers * 2 * block_size) + units % block_size
+    layer_kv = torch.arange(num_layers * 2, device=slots.device) * block_size
+    return ((first_row.unsqueeze(0) + layer_kv.unsqueeze(1)) // granule).flatten()
+
+
+def write_kv_reference(
+    kv: torch.Tensor, pool: torch.Tensor, scales: torch.Tensor | None, slot_mapping: torch.Tensor
+) -> None:
+    """pool[slot] = kv[:, :, token] for every token with slot >= 0 (quantized when the pool is int8/fp8)."""
+    num_layers, _, _, num_heads, head_dim = kv.shape
+    block_size = pool.shape[3]
+    valid = slot_mapping >= 0
+    slots = slot_mapping
+    if not bool(valid.all()):
+        kv, slots = kv[:, :, valid], slot_mapping[valid]
+    if slots.numel() == 0:
+        return
+    granule = _rows_per_slot_run(slots, block_size)
+    rows = _row_ids(slots, num_layers, block_size, granule)
+    if pool.dtype in QUANT_DTYPES:
+        values, row_scales = quantize(kv, pool.dtype)
+        scales.view(-1, granule * num_heads).index_copy_(0, rows, row_scales.reshape(-1, granule * num_heads))
+    else:
+        values = kv.to(pool.dtype)
+    row_len = granule * num_heads * head_dim
+    _bits(pool).view(-1, row_len).index_copy_(0, rows, _bits(values).reshape(-1, row_len))
+
+
+def read_kv_reference(
+    pool: torch.Tensor, scales: torch.Tensor | None, slot_mapping: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """out[:, :, token] = pool[slot] (dequantized, cast to out_dtype); zeros where slot == -1."""
+    _, num_layers, _, block_size, num_heads, head_dim = pool.shape
+    num_tokens = slot_mapping.shape[0]
+    out_shape = (num_layers, 2, num_tokens, num_heads, head_dim)
+    if num_tokens == 0:
+        return torch.empty(out_shape, dtype=out_dtype, device=pool.device)
+    valid = slot_mapping >= 0
+    all_valid = bool(valid.all())
+    slots = slot_mapping if all_valid else torch.where(valid, slot_mapping, 0)
+    granule = _rows_per_slot_run(slots, block_size) if all_valid else 1
+    rows = _row_ids(slots, num_layers, block_size, granule)
+    row_len = granule * num_heads * head_dim
+    if pool.dtype in QUANT_DTYPES:
+        q = _bits(pool).view(-1, row_len).index_select(0, rows).view(pool.dtype).view(out_shape)
+        row_scales = scales.view(-1, granule * num_heads).index_select(0, rows).view(out_shape[:-1])
+        out = dequantize(q, row_scales, out_dtype)
+    elif out_dtype == pool.dtype:
+        out = torch.empty(out_shape, dtype=out_dtype, device=pool.device)
+        torch.index_select(pool.view(-1, row_len), 0, rows, out=out.view(-1, row_len))
+    else:
+        out = pool.view(-1, row_len).index_select(0, rows).view(out_shape).to(out_dtype)
+    if not all_valid:
+        out[:, :, ~valid] = 0
+    return out
+
+
+def copy_blocks_reference(
+    src_pool: torch.Tensor,
+    src_scales: torch.Tensor | None,
+    dst_pool: torch.Tensor,
+    dst_scales: torch.Tensor | None,
+    src_ids: torch.Tensor,
+    dst_ids: torch.Tensor,
+) -> None:
+    """dst[dst_ids[i]] = src[src_ids[i]] for whole blocks (and their scales); pools may differ in device."""
+    pairs = [(src_pool, dst_pool)] + ([(src_scales, dst_scales)] if src_scales is not None else [])
+    for src, dst in pairs:
+        src_rows = _bits(src).view(src.shape[0], -1)
+        dst_rows = _bits(dst).view(dst.shape[0], -1)
+        # index_select first, so a same-pool copy reads every source before it writes any destination.
+        moved = src_rows.index_select(0, src_ids.to(src.device)).to(dst.device, non_blocking=False)
+        dst_rows.index_copy_(0, dst_ids.to(dst.device), moved)
+
+
+def _gather_layer(pool, scales, layer: int, k_or_v: int, pages: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """K or V of one sequence and layer as fp32 [seq_len, num_kv_heads, head_dim] (dequantized)."""
+    num_heads, head_dim = pool.shape[4:]
+    values = pool[:, layer, k_or_v].index_select(0, pages).reshape(-1, num_heads, head_dim)[:seq_len]
+    if scales is None:
+        return values.float()
+    row_scales = scales[:, layer, k_or_v].index_select(0, pages).reshape(-1, num_heads)[:seq_len]
+    return dequantize(values, row_scales)
+
+
+def paged_decode_attention_reference(
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    scales: torch.Tensor | None,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """softmax(q K^T * sm_scale) V per sequence over its first seq_len cached tokens; fp32 math, q.dtype out."""
+    batch, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = pool.shape[3], pool.shape[4]
+    group = num_q_heads // num_kv_heads
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    out = torch.empty_like(q)
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        pages = block_tables[b, : -(-seq_len // block_size)].to(torch.int64)
+        k = _gather_layer(pool, scales, layer, 0, pages, seq_len)
+        v = _gather_layer(pool, scales, layer, 1, pages, seq_len)
+        q_grouped = q[b].float().view(num_kv_heads, group, head_dim)
+        scores = torch.einsum("hgd,nhd->hgn", q_grouped, k) * sm_scale
+        probs = torch.softmax(scores, dim=-1)
+        out[b] = torch.einsum("hgn,nhd->hgd", probs, v).reshape(num_q_heads, head_dim).to(q.dtype)
+    return out
