@@ -70,7 +70,7 @@ def prompts():
 def serve_and_continue(model, engine, first, second):
     """Prefill `first`, put its KV, get the cached prefix of `second`, run only the rest: (n, served kv, logits)."""
     prefill = model(first, use_cache=True)
-    first_kv = kv_from_dynamic_cache(prefill.past_key_values)
+    first_kv = kv_from_dynamic_cache(prefill.cache)
     result = engine.put(first[0], first_kv)
     assert result.num_cached_tokens == first.shape[1] and not result.out_of_space
     n, kv = engine.get(second[0])
