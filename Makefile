@@ -2,11 +2,11 @@
 PY_SYS ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml gpu_node/_blockhash.c | sha1sum | cut -c1-12)
 
 .PHONY: install test bench up clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml gpu_node/_blockhash.c
 	test -x $(PY) || $(PY_SYS) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[node,gpu,dev]'

@@ -19,7 +19,11 @@ with a public, invertible function that is easy to collide on purpose.
 
 Why BLAKE2b: keyed mode is built in (a MAC, not an ad hoc salt), it is in hashlib, and it is faster per byte than
 SHA-256 in CPython. Digests are 16 bytes: with a secret key, 128 bits leaves forging out of reach and keeps the index
-small. A keyed hasher is created once per cache and `.copy()`-ed per block so the key block is not recompressed.
+small.
+
+Speed: the chain is computed in C (gpu_node/_blockhash.c, BLAKE2b from RFC 7693, byte-identical to hashlib's keyed
+blake2b) in one call per sequence, ~0.15 us per block, instead of four Python-level hashlib calls per block
+(~0.5 us). Without the extension the same chain comes from hashlib (`chain_hashes_python`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,11 @@ import hashlib
 from typing import NewType
 
 import numpy as np
+
+try:
+    from gpu_node._blockhash import chain_hashes as _chain_hashes_c
+except ImportError:  # not built (e.g. a source checkout without `pip install -e .`): hashlib does the same
+    _chain_hashes_c = None
 
 BlockHash = NewType("BlockHash", bytes)
 
@@ -49,6 +58,23 @@ def tokens_as_int32(tokens) -> np.ndarray:
     return np.ascontiguousarray(array, dtype="<i4")
 
 
+def chain_hashes_python(key: bytes, parent: bytes, data: bytes, block_bytes: int, digest_size: int) -> bytes:
+    """The reference chain (and the fallback): h_i = BLAKE2b_key(h_{i-1} || block i), concatenated."""
+    keyed = hashlib.blake2b(key=key, digest_size=digest_size)
+    out = bytearray()
+    view = memoryview(data)
+    for start in range(0, (len(data) // block_bytes) * block_bytes, block_bytes):
+        hasher = keyed.copy()
+        hasher.update(parent)
+        hasher.update(view[start : start + block_bytes])
+        parent = hasher.digest()
+        out += parent
+    return bytes(out)
+
+
+chain_hashes = _chain_hashes_c or chain_hashes_python
+
+
 class BlockHasher:
     """Computes the chain of block hashes for token sequences under one cache's secret key."""
 
@@ -56,28 +82,15 @@ class BlockHasher:
         if not isinstance(key, bytes) or not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
             raise ValueError(f"hash key must be {MIN_KEY_BYTES}..{MAX_KEY_BYTES} secret bytes")
         self.block_size = block_size
-        self._keyed = hashlib.blake2b(key=key, digest_size=HASH_NUM_BYTES)
+        self._key = key
         fingerprint_digest = hashlib.sha256(model_fingerprint.encode()).digest()
-        self.root = self._hash(b"kcaas/root/v1", fingerprint_digest)
+        keyed = hashlib.blake2b(b"kcaas/root/v1" + fingerprint_digest, key=key, digest_size=HASH_NUM_BYTES)
+        self.root = BlockHash(keyed.digest())
 
-    def _hash(self, parent: bytes, token_bytes) -> BlockHash:
-        hasher = self._keyed.copy()
-        hasher.update(parent)
-        hasher.update(token_bytes)
-        return BlockHash(hasher.digest())
-
-    def iter_block_hashes(self, tokens: np.ndarray, parent: BlockHash | None = None):
-        """Yield h_i for each full block of `tokens` (int32), lazily so lookups stop at the first miss."""
-        data = memoryview(tokens.view(np.uint8))
-        step = self.block_size * 4
-        parent = self.root if parent is None else parent
-        keyed_copy = self._keyed.copy
-        for start in range(0, (len(tokens) // self.block_size) * step, step):
-            hasher = keyed_copy()
-            hasher.update(parent)
-            hasher.update(data[start : start + step])
-            parent = hasher.digest()
-            yield parent
+    def chain(self, tokens: np.ndarray) -> bytes:
+        """h_1 .. h_n of the full blocks of `tokens` (int32), concatenated: HASH_NUM_BYTES bytes each."""
+        return chain_hashes(self._key, self.root, tokens.view(np.uint8), self.block_size * 4, HASH_NUM_BYTES)
 
     def block_hashes(self, tokens: np.ndarray) -> list[BlockHash]:
-        return list(self.iter_block_hashes(tokens))
+        chain = self.chain(tokens)
+        return [BlockHash(chain[i : i + HASH_NUM_BYTES]) for i in range(0, len(chain), HASH_NUM_BYTES)]

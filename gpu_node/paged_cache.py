@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 import kernels
-from gpu_node.block_hash import BlockHasher, tokens_as_int32
+from gpu_node.block_hash import HASH_NUM_BYTES, BlockHasher, tokens_as_int32
 from gpu_node.block_pool import BlockPool
 from gpu_node.put_plan import BlockWrite, PutPlan, plan_put
 from kcaas.spec import KVCacheSpec
@@ -153,40 +153,56 @@ class PagedKVCache:
             raise ValueError(f"kv has dtype {kv.dtype}, this cache's engine dtype is {self.kv_dtype}")
 
     # ---- reads --------------------------------------------------------------------------------------------------
-    def _match(self, tokens: np.ndarray) -> tuple[int, list[int]]:
-        """Longest cached prefix: (num_tokens, block ids in chain order). Call under the lock."""
+    def _num_cached_full_blocks(self, chain: bytes) -> int:
+        """How many leading hashes of `chain` are cached, in O(log n) index probes.
+
+        Cached chains are prefix closed (a cached full block's parent is cached: BlockPool.check_invariants), so
+        presence along a chain is monotone and a binary search finds its end; a full hit costs one probe.
+        """
+        index = self._blocks.cached_hash_to_block
+        num_hashes = len(chain) // HASH_NUM_BYTES
+        if num_hashes == 0 or chain[-HASH_NUM_BYTES:] in index:
+            return num_hashes
+        low, high = 0, num_hashes - 1  # the first `low` are cached; hash number `high` (0-based) is not
+        while low < high:
+            middle = (low + high + 1) // 2
+            if chain[(middle - 1) * HASH_NUM_BYTES : middle * HASH_NUM_BYTES] in index:
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+    def _match(self, tokens: np.ndarray, *, want_ids: bool) -> tuple[int, list[int]]:
+        """Longest cached prefix: (num_tokens, block ids in chain order if want_ids). Call under the lock."""
         blocks = self._blocks
-        block_ids: list[int] = []
-        parent = self._hasher.root
-        for block_hash in self._hasher.iter_block_hashes(tokens):
-            block_id = blocks.get_cached_block(block_hash)
-            if block_id is None:
-                break
-            block_ids.append(block_id)
-            parent = block_hash
-        num_tokens = len(block_ids) * self.block_size
-        rest = tokens[num_tokens : num_tokens + self.block_size]
-        tail_id, tail_len = blocks.best_child(parent, rest)
+        chain = self._hasher.chain(tokens)
+        num_full = self._num_cached_full_blocks(chain)
+        hashes = [chain[i * HASH_NUM_BYTES : (i + 1) * HASH_NUM_BYTES] for i in range(num_full)] if want_ids else []
+        block_ids = [blocks.cached_hash_to_block[h] for h in hashes]
+        parent = chain[(num_full - 1) * HASH_NUM_BYTES : num_full * HASH_NUM_BYTES] if num_full else self._hasher.root
+        num_tokens = num_full * self.block_size
+        tail_id, tail_len = blocks.best_child(parent, tokens[num_tokens : num_tokens + self.block_size])
         if tail_len:
             block_ids.append(tail_id)
             num_tokens += tail_len
         return num_tokens, block_ids
 
     def lookup(self, tokens, *, identity: KVCacheSpec | None = None) -> int:
-        """How many leading tokens of `tokens` are cached (whole blocks, then the longest matching partial tail)."""
+        """How many leading tokens of `tokens` are cached (whole blocks, then the longest matching partial tail).
+
+        A pure query: it neither holds nor touches blocks (get/acquire do).
+        """
         self._check_identity(identity)
         tokens = tokens_as_int32(tokens)
         with self._lock:
-            num_tokens, block_ids = self._match(tokens)
-            self._blocks.touch(block_ids[::-1])
-        return num_tokens
+            return self._match(tokens, want_ids=False)[0]
 
     def acquire(self, tokens, *, identity: KVCacheSpec | None = None) -> PrefixHandle:
         """Hold the longest cached prefix of `tokens` (for reading in place, e.g. paged attention)."""
         self._check_identity(identity)
         tokens = tokens_as_int32(tokens)
         with self._lock:
-            num_tokens, block_ids = self._match(tokens)
+            num_tokens, block_ids = self._match(tokens, want_ids=True)
             self._blocks.hold(block_ids)
             self._num_hit_tokens += num_tokens
             self._num_miss_tokens += len(tokens) - num_tokens
@@ -292,7 +308,7 @@ class PagedKVCache:
         self._check_identity(identity)
         tokens = tokens_as_int32(tokens)
         with self._lock:
-            _, block_ids = self._match(tokens)
+            _, block_ids = self._match(tokens, want_ids=True)
             return self._blocks.uncache(block_ids[:1] if len(tokens) else [])
 
     def clear(self) -> int:

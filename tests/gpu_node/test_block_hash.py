@@ -1,7 +1,16 @@
+import hashlib
+import os
+
 import numpy as np
 import pytest
 
-from gpu_node.block_hash import HASH_NUM_BYTES, BlockHasher, tokens_as_int32
+from gpu_node.block_hash import (
+    HASH_NUM_BYTES,
+    BlockHasher,
+    _chain_hashes_c,
+    chain_hashes_python,
+    tokens_as_int32,
+)
 
 KEY_A = bytes(range(32))
 KEY_B = bytes(range(1, 33))
@@ -55,3 +64,17 @@ def test_tokens_outside_int32_ids_are_refused(bad):
 def test_weak_or_malformed_keys_are_refused(key):
     with pytest.raises(ValueError):
         BlockHasher(key, 16, "m")
+
+
+@pytest.mark.parametrize("block_bytes", [4, 64, 112, 128, 4096])
+@pytest.mark.parametrize("key_len", [16, 64])
+def test_c_chain_is_byte_identical_to_hashlib(block_bytes, key_len):
+    assert _chain_hashes_c is not None, "the C extension is not built: `make install` builds it"
+    key, parent, data = os.urandom(key_len), os.urandom(16), os.urandom(block_bytes * 5 + 3)
+    assert _chain_hashes_c(key, parent, data, block_bytes, 16) == chain_hashes_python(key, parent, data, block_bytes, 16)
+    expected, previous = b"", parent
+    for i in range(5):
+        previous = hashlib.blake2b(previous + data[i * block_bytes : (i + 1) * block_bytes], key=key, digest_size=16)
+        previous = previous.digest()
+        expected += previous
+    assert chain_hashes_python(key, parent, data, block_bytes, 16) == expected
