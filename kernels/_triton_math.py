@@ -6,9 +6,10 @@ Why explicit rounding instead of plain casts (all found by running triton 3.9's 
     (x + 1.5*2**23) - 1.5*2**23, which is round-half-to-even for |x| < 2**22 on every IEEE fp32 unit and
     matches ``torch.round`` bit for bit. (No fast-math reassociation in Triton, so the compiler keeps it.)
   * fp32 -> float8e4nv and fp32 -> bfloat16 casts are wrong in the interpreter (a mantissa carry is dropped, so
-    1.99 -> 1.0; ties are not to even; e4m3 subnormals are off). ``_round_to_e4m3`` / ``_round_to_bf16`` round in
-    fp32 first (round to nearest even, same as the CUDA cvt.rn instructions and torch), after which the cast is
-    exact on both the interpreter and the GPU. Decoding fp8 -> fp32 is exact in the interpreter for all finite
+    1.99 -> 1.0; ties are not to even; e4m3 subnormals are off; fp32 subnormal inputs are mangled).
+    ``_round_to_e4m3`` rounds in fp32 first (nearest even, like the CUDA cvt.rn instructions and torch), after
+    which the cast is exact on the interpreter and the GPU; ``_to_bf16_rne`` builds the bfloat16 bits with integer
+    ops and never uses the float cast. Decoding fp8 -> fp32 is exact in the interpreter for all finite
     bytes (the NaN bytes 0x7f/0xff decode as +-480 there; pools never hold them).
   * Divisions use ``tl.math.div_rn`` (IEEE, correctly rounded); plain ``/`` is an approximate division on CUDA
     and would break bit-equality with the torch reference.
@@ -33,28 +34,31 @@ def _round_to_e4m3(y):
     Adding M = 1.5 * 2**(e+20), whose ulp is 2**(e-3), rounds |y| in [2**e, 2**(e+1)) to the e4m3 step 2**(e-3);
     below 2**-6 the exponent is clamped so the step stays 2**-9 (the e4m3 subnormal spacing).
     """
+    y_bits = y.to(tl.int32, bitcast=True)
     mag = tl.abs(y)
-    exponent = (mag.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    exponent = (y_bits >> 23) & 0xFF
     exponent = tl.maximum(exponent, 121)  # 121 - 127 = -6, the smallest normal e4m3 exponent
     magic = (((exponent + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
     rounded = (mag + magic) - magic
-    return tl.where(y < 0, -rounded, rounded)
+    # Put y's sign bit back (also on zeros, so -0.0 stays -0.0 like torch's cast).
+    return (rounded.to(tl.int32, bitcast=True) | (y_bits & -2147483648)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _round_to_bf16(x):
-    """Round fp32 to the nearest bfloat16 value (ties to even), still as fp32; inputs finite."""
+def _to_bf16_rne(x):
+    """fp32 -> bfloat16, round to nearest even, by integer ops on the bits (finite inputs)."""
     bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
 def _cast_rne(x, DST: tl.constexpr):
     """Cast fp32 ``x`` to the float dtype DST, rounding to nearest even on every backend."""
     if DST == tl.bfloat16:
-        x = _round_to_bf16(x)
-    return x.to(DST)
+        return _to_bf16_rne(x)
+    else:
+        return x.to(DST)
 
 
 @triton.jit
