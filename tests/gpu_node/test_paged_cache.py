@@ -277,3 +277,55 @@ def test_quantized_storage_serves_kv_within_the_documented_bound(storage):
         assert ((kv - exact).abs() <= error_bound(exact, torch_storage)).all()
         assert not torch.equal(kv, exact)
     assert cache.stats().block_bytes == 4 * (2 * 2 * 2 * 8 * 1 + 2 * 2 * 2 * 4)  # int8/fp8 values + fp32 scales
+
+
+def test_blocks_and_extended_slots_become_visible_only_after_their_bytes_are_written(monkeypatch):
+    import kernels
+
+    cache = tiny_cache(block_size=4)
+    short = tokens_of(6)
+    cache.put(short, prefix_kv(cache.spec, short))
+    writing, proceed = threading.Event(), threading.Event()
+    real_write_kv = kernels.write_kv
+
+    def paused_write_kv(*args, **kwargs):  # the real kernel, run only once the test has looked
+        writing.set()
+        assert proceed.wait(10)
+        return real_write_kv(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "write_kv", paused_write_kv)
+    longer = short + [31, 32, 33, 34, 35]  # extends the partial block in place, then one new block
+    writer = threading.Thread(target=cache.put, args=(longer, prefix_kv(cache.spec, longer)))
+    writer.start()
+    assert writing.wait(10)
+    assert cache.lookup(longer) == 6  # neither the new slots of the partial block nor the new block show yet
+    assert_get_exact(cache, longer, 6)
+    proceed.set()
+    writer.join()
+    monkeypatch.setattr(kernels, "write_kv", real_write_kv)
+    assert cache.lookup(longer) == 11
+    assert_get_exact(cache, longer, 11)
+
+
+def test_a_put_that_fails_mid_write_publishes_nothing_and_holds_nothing(monkeypatch):
+    import kernels
+
+    cache = tiny_cache(block_size=4)
+    short = tokens_of(6)
+    cache.put(short, prefix_kv(cache.spec, short))
+    before = cache.stats()
+
+    def failing_write_kv(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    longer = short + [41, 42, 43, 44, 45]
+    with monkeypatch.context() as patch:
+        patch.setattr(kernels, "write_kv", failing_write_kv)
+        with pytest.raises(RuntimeError, match="device lost"):
+            cache.put(longer, prefix_kv(cache.spec, longer))
+    cache.check_invariants()
+    assert cache.stats().num_used_blocks == before.num_used_blocks
+    assert cache.lookup(longer) == 6
+    retry = cache.put(longer, prefix_kv(cache.spec, longer))
+    assert retry.num_cow_copies == 0  # the failed put's claim on the partial block was released
+    assert_get_exact(cache, longer, 11)
