@@ -92,16 +92,20 @@ class BlockPool:
 
         Takes free blocks first and evicts only under pressure, LRU first.
         """
-        taken = self._free_stack[: -num_wanted - 1 : -1] if num_wanted else []  # top of the stack first
-        del self._free_stack[len(self._free_stack) - len(taken) :]
-        while len(taken) < num_wanted and (self._evictable or self._free_stack):
-            if self._free_stack:  # an eviction's cascade may have freed descendants
-                taken.append(self._free_stack.pop())
-                continue
-            block_id, _ = self._evictable.popitem(last=False)
-            self._uncache(block_id)
-            self.num_evictions += 1
-            taken.append(block_id)
+        free_stack = self._free_stack
+        taken = free_stack[: -num_wanted - 1 : -1] if num_wanted else []  # top of the stack first
+        del free_stack[len(free_stack) - len(taken) :]
+        evictable, uncache = self._evictable, self._uncache
+        while len(taken) < num_wanted:
+            if free_stack:  # an eviction's cascade may have freed descendants
+                taken.append(free_stack.pop())
+            elif evictable:
+                block_id = evictable.popitem(last=False)[0]
+                uncache(block_id)
+                self.num_evictions += 1
+                taken.append(block_id)
+            else:
+                break
         if taken:
             ids = np.asarray(taken, dtype=np.int64)
             assert not self.ref_cnt[ids].any(), "allocated a held block"
@@ -127,11 +131,15 @@ class BlockPool:
         ids = np.asarray(block_ids, dtype=np.int64)
         assert (self.ref_cnt[ids] > 0).all(), "released a block nobody holds"
         self.ref_cnt[ids] -= 1
+        block_parent, evictable, freed = self.block_parent, self._evictable, []
         for block_id in ids[self.ref_cnt[ids] == 0].tolist():
-            if self.block_parent[block_id] is not None:
-                self._evictable[block_id] = None
+            if block_parent[block_id] is not None:
+                evictable[block_id] = None
             else:
-                self._free(block_id)
+                freed.append(block_id)
+        if freed:  # _free for a batch: ref_cnt is 0 and the blocks are uncached, checked above
+            self.num_filled[freed] = 0
+            self._free_stack.extend(freed)
 
     def touch(self, block_ids: list[int]) -> None:
         """Mark cached, unheld blocks most recently used, in the given order (pass a chain tail first)."""
@@ -206,22 +214,26 @@ class BlockPool:
 
     def _uncache(self, block_id: int) -> int:
         """Unlink one cached block and, depth first, its descendants (freeing unheld descendants)."""
-        parent = self.block_parent[block_id]
-        siblings = self.hash_to_children[parent]
-        siblings.remove(block_id)
-        if not siblings:
-            del self.hash_to_children[parent]
-        self.block_parent[block_id] = None
+        block_parent, hash_to_children = self.block_parent, self.hash_to_children
+        parent = block_parent[block_id]
+        siblings = hash_to_children[parent]
+        if len(siblings) == 1:
+            del hash_to_children[parent]  # the common case: the only child (siblings == [block_id])
+        else:
+            siblings.remove(block_id)
+        block_parent[block_id] = None
         num_removed = 1
         block_hash = self.block_hash[block_id]
         if block_hash is not None:
             self.block_hash[block_id] = None
             del self.cached_hash_to_block[block_hash]
-            for child in list(self.hash_to_children.get(block_hash, ())):
-                num_removed += self._uncache(child)
-                if self.ref_cnt[child] == 0:
-                    del self._evictable[child]
-                    self._free(child)
+            children = hash_to_children.get(block_hash)
+            if children:
+                for child in list(children):
+                    num_removed += self._uncache(child)
+                    if self.ref_cnt[child] == 0:
+                        del self._evictable[child]
+                        self._free(child)
         return num_removed
 
     def _free(self, block_id: int) -> None:

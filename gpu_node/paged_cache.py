@@ -140,8 +140,7 @@ class PagedKVCache:
             self.spec.check_matches(identity)
 
     def _check_kv(self, kv: torch.Tensor, num_tokens: int) -> None:
-        spec = self.spec
-        expected = (spec.num_layers, 2, num_tokens, spec.num_kv_heads, spec.head_dim)
+        expected = self._kv_shape(num_tokens)
         if not isinstance(kv, torch.Tensor):
             raise TypeError("kv must be a torch.Tensor [num_layers, 2, num_tokens, num_kv_heads, head_dim]")
         if tuple(kv.shape) != expected:
@@ -208,11 +207,38 @@ class PagedKVCache:
             self._num_miss_tokens += len(tokens) - num_tokens
         return PrefixHandle(self, num_tokens, block_ids)
 
-    def get(self, tokens, *, identity: KVCacheSpec | None = None) -> tuple[int, torch.Tensor]:
-        """(n, kv) for the longest cached prefix: kv is [num_layers, 2, n, num_kv_heads, head_dim] in the engine dtype."""
+    def get(
+        self, tokens, *, identity: KVCacheSpec | None = None, out: torch.Tensor | None = None
+    ) -> tuple[int, torch.Tensor]:
+        """(n, kv) for the longest cached prefix: kv is [num_layers, 2, n, num_kv_heads, head_dim] in the engine dtype.
+
+        `out`: an optional reusable staging buffer (contiguous, engine dtype, on the cache's device, at least
+        len(tokens) tokens of KV); kv is then a view into it and no memory is allocated (fresh pages cost far more
+        than the copy itself).
+        """
+        tokens = tokens_as_int32(tokens)
+        if out is not None:
+            self._check_staging(out, len(tokens))
         with self.acquire(tokens, identity=identity) as handle:
-            kv = kernels.read_kv(self.pool, self.scales, handle.slot_mapping(), out_dtype=self.kv_dtype)
+            view = None
+            if out is not None:
+                view = out.view(-1)[: handle.num_tokens * self._kv_numel_per_token].view(self._kv_shape(handle.num_tokens))
+            kv = kernels.read_kv(self.pool, self.scales, handle.slot_mapping(), out_dtype=self.kv_dtype, out=view)
         return handle.num_tokens, kv
+
+    @property
+    def _kv_numel_per_token(self) -> int:
+        return self.spec.elements_per_token
+
+    def _kv_shape(self, num_tokens: int) -> tuple[int, ...]:
+        spec = self.spec
+        return (spec.num_layers, 2, num_tokens, spec.num_kv_heads, spec.head_dim)
+
+    def _check_staging(self, out: torch.Tensor, num_tokens: int) -> None:
+        if not isinstance(out, torch.Tensor) or out.dtype != self.kv_dtype or out.device != self.device:
+            raise ValueError(f"out must be a {self.kv_dtype} tensor on {self.device}")
+        if not out.is_contiguous() or out.numel() < num_tokens * self._kv_numel_per_token:
+            raise ValueError(f"out must be contiguous with room for {num_tokens} tokens of KV")
 
     def _slots_for(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
         ids = torch.as_tensor(block_ids, dtype=torch.int64)

@@ -26,6 +26,7 @@ except ImportError:  # reference-only install: the kernel modules still import, 
     tl = types.SimpleNamespace(constexpr=lambda value=None: value)
 
 IMPLS = ("triton", "reference")
+TARGET_BYTES_PER_PROGRAM = 16384  # write/read kernels: engine-side bytes one GPU program moves
 
 # Engine-side dtypes (what engines write and read back) and pool storage dtypes.
 ENGINE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -56,6 +57,14 @@ def resolve_impl(impl: str | None, device: torch.device, kernel) -> str:
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"impl='triton' supports cuda (or cpu under the interpreter), not {device.type}")
     return impl
+
+
+def layers_per_program(num_layers: int, layer_bytes: int, kernel) -> int:
+    """Layers one write/read program handles: all of them under the interpreter (it pays per program, not per
+    byte), else enough for ~TARGET_BYTES_PER_PROGRAM engine-side bytes per program."""
+    if is_interpreted(kernel):
+        return num_layers
+    return max(1, min(num_layers, TARGET_BYTES_PER_PROGRAM // layer_bytes))
 
 
 def check_pool(pool: torch.Tensor, scales: torch.Tensor | None, name: str = "pool") -> None:

@@ -4,11 +4,11 @@ Why explicit rounding instead of plain casts (all found by running triton 3.9's 
   * float -> int8 ``.to(tl.int8)`` truncates toward zero (on CUDA too: fptosi), so int8 needs an explicit rint.
     ``libdevice.rint`` is an extern call the interpreter refuses, so ``_rint`` uses the fp32 trick
     (x + 1.5*2**23) - 1.5*2**23, which is round-half-to-even for |x| < 2**22 on every IEEE fp32 unit and
-    matches ``torch.round`` bit for bit. (No fast-math reassociation in Triton, so the compiler keeps it.)
+    matches ``torch.round`` bit for bit. (Triton does not reassociate fp adds; the sm_90 PTX keeps the add/sub.)
   * fp32 -> float8e4nv and fp32 -> bfloat16 casts are wrong in the interpreter (a mantissa carry is dropped, so
     1.99 -> 1.0; ties are not to even; e4m3 subnormals are off; fp32 subnormal inputs are mangled).
-    ``_round_to_e4m3`` rounds in fp32 first (nearest even, like the CUDA cvt.rn instructions and torch), after
-    which the cast is exact on the interpreter and the GPU; ``_to_bf16_rne`` builds the bfloat16 bits with integer
+    ``_round_to_e4m3`` rounds in fp32 first (nearest even, like torch and the cvt.rn.satfinite.e4m3x2.f32 that
+    Triton emits on sm_90), after which the cast is exact on the interpreter and the GPU; ``_to_bf16_rne`` builds the bfloat16 bits with integer
     ops and never uses the float cast. Decoding fp8 -> fp32 is exact in the interpreter for all finite
     bytes (the NaN bytes 0x7f/0xff decode as +-480 there; pools never hold them).
   * Divisions use ``tl.math.div_rn`` (IEEE, correctly rounded); plain ``/`` is an approximate division on CUDA
@@ -56,9 +56,10 @@ def _to_bf16_rne(x):
 def _cast_rne(x, DST: tl.constexpr):
     """Cast fp32 ``x`` to the float dtype DST, rounding to nearest even on every backend."""
     if DST == tl.bfloat16:
-        return _to_bf16_rne(x)
+        y = _to_bf16_rne(x)
     else:
-        return x.to(DST)
+        y = x.to(DST)
+    return y
 
 
 @triton.jit

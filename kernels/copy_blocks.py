@@ -41,7 +41,7 @@ def _launch_one(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst
     else:
         chunk = min(triton.next_power_of_2(block_numel), CUDA_CHUNK)
     grid = (src_ids.shape[0], triton.cdiv(block_numel, chunk))
-    _copy_blocks_kernel[grid](src_rows, dst_rows, src_ids, dst_ids, block_numel, CHUNK=chunk)
+    _copy_blocks_kernel[grid](src_rows, dst_rows, src_ids, dst_ids, block_numel, CHUNK=chunk, enable_fp_fusion=False)
 
 
 def _launch(src_pool, src_scales, dst_pool, dst_scales, src_ids, dst_ids) -> None:
@@ -54,7 +54,8 @@ def _as_ids(ids, name: str) -> torch.Tensor:
     if not isinstance(ids, torch.Tensor):
         ids = torch.as_tensor(list(ids), dtype=torch.int64)
     if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name} must be a 1-D int32/int64 tensor or a sequence of ints, got {ids.dtype} {ids.dim()}-D")
+        raise ValueError(f"{name} must be a 1-D int32/int64 tensor or a sequence of ints, got {ids.dtype} "
+                         f"{ids.dim()}-D")
     return ids.to(torch.int64)
 
 
@@ -100,6 +101,7 @@ def copy_blocks(
         raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
     if src_pool.device == dst_pool.device and resolve_impl(impl, dst_pool.device, _copy_blocks_kernel) == "triton":
         device = dst_pool.device
-        _launch(src_pool, src_scales, dst_pool, dst_scales, src_ids.to(device), dst_ids.to(device))
+        src_ids, dst_ids = src_ids.to(device).contiguous(), dst_ids.to(device).contiguous()
+        _launch(src_pool, src_scales, dst_pool, dst_scales, src_ids, dst_ids)
     else:  # includes every cross-device copy, whatever impl says
         copy_blocks_reference(src_pool, src_scales, dst_pool, dst_scales, src_ids, dst_ids)

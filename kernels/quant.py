@@ -42,25 +42,53 @@ def qmax_for(dtype: torch.dtype) -> float:
     raise ValueError(f"{dtype} is not a quantized storage dtype (int8 or float8_e4m3fn)")
 
 
-def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize rows over the last dim: returns (q of ``dtype`` shaped like x, fp32 scales of x.shape[:-1])."""
-    qmax = qmax_for(dtype)
-    x = x.float()
+# On CPU, rows are (de)quantized in chunks of this many elements so the fp32 temporaries stay small and reused
+# (cache-resident, no fresh pages to fault in); results do not depend on the chunking.
+CPU_CHUNK_ELEMENTS = 1 << 18
+
+
+def _row_chunks(num_rows: int, row_len: int, device: torch.device):
+    step = num_rows if device.type != "cpu" else max(1, CPU_CHUNK_ELEMENTS // max(row_len, 1))
+    for start in range(0, num_rows, step):
+        yield slice(start, start + step)
+
+
+def _quantize_chunk(x: torch.Tensor, dtype: torch.dtype, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x.to(torch.float32, copy=True)  # a private copy: divided in place below
     amax = x.abs().amax(dim=-1)
     # A tensor divisor, not a Python scalar: torch may turn division by a scalar into a multiplication by its
     # reciprocal, which is not always the correctly rounded quotient the kernels compute.
     scale = torch.where(amax > 0, amax / torch.full_like(amax, qmax), torch.ones_like(amax))
-    y = x / scale.unsqueeze(-1)
+    y = x.div_(scale.unsqueeze(-1))
     if dtype == torch.int8:
-        q = torch.round(y).clamp_(-INT8_QMAX, INT8_QMAX).to(torch.int8)
-    else:
-        q = y.clamp_(-FP8_E4M3_QMAX, FP8_E4M3_QMAX).to(torch.float8_e4m3fn)
-    return q, scale
+        return y.round_().clamp_(-INT8_QMAX, INT8_QMAX).to(torch.int8), scale
+    return y.clamp_(-FP8_E4M3_QMAX, FP8_E4M3_QMAX).to(torch.float8_e4m3fn), scale
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of ``quantize``: q.float() * scale (broadcast over the last dim), cast to ``out_dtype``."""
-    return (q.float() * scale.unsqueeze(-1)).to(out_dtype)
+def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize rows over the last dim: returns (q of ``dtype`` shaped like x, fp32 scales of x.shape[:-1])."""
+    qmax = qmax_for(dtype)
+    rows = x.reshape(-1, x.shape[-1])
+    q = torch.empty(rows.shape, dtype=dtype, device=x.device)
+    scale = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
+    for part in _row_chunks(rows.shape[0], rows.shape[1], x.device):
+        q[part], scale[part] = _quantize_chunk(rows[part], dtype, qmax)
+    return q.view(x.shape), scale.view(x.shape[:-1])
+
+
+def dequantize(
+    q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Inverse of ``quantize``: q.float() * scale (broadcast over the last dim), cast to ``out_dtype``.
+
+    ``out``: optional contiguous destination shaped like q (its dtype wins over ``out_dtype``).
+    """
+    out = torch.empty(q.shape, dtype=out_dtype, device=q.device) if out is None else out
+    q_rows, out_rows = q.reshape(-1, q.shape[-1]), out.view(-1, q.shape[-1])
+    scale_rows = scale.reshape(-1, 1)
+    for part in _row_chunks(q_rows.shape[0], q_rows.shape[1], q.device):
+        out_rows[part] = q_rows[part].to(torch.float32, copy=True).mul_(scale_rows[part])
+    return out
 
 
 def error_bound(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

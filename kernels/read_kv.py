@@ -16,13 +16,13 @@ from kernels._common import (
     check_pool,
     check_same_device,
     check_slot_mapping,
+    layers_per_program,
     resolve_impl,
     tl,
     triton,
 )
 from kernels._triton_math import _cast_rne
 from kernels.reference import read_kv_reference
-from kernels.write_kv import layers_per_program
 
 
 @triton.jit
@@ -87,7 +87,16 @@ def _launch(
         BLOCK_SIZE=pool.shape[3], NUM_HEADS=num_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
         LAYERS_PER_PROGRAM=per_program, QUANTIZED=quantized,
+        enable_fp_fusion=False,  # no mul+add contraction: bit-equality with the reference
     )
+
+
+def _check_out(out: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != dtype:
+        raise ValueError(f"out must be a {dtype} tensor of shape {shape}, got {getattr(out, 'dtype', out)} "
+                         f"{tuple(getattr(out, 'shape', ()))}")
+    if out.device != device or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous and on {device}")
 
 
 def read_kv(
@@ -97,21 +106,27 @@ def read_kv(
     *,
     out_dtype: torch.dtype,
     impl: str | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Return kv [num_layers, 2, num_tokens, H, D] of out_dtype with kv[:, :, t] = pool[slot_mapping[t]].
 
-    Dequantizes int8/fp8 pools; a slot of -1 produces zeros for that token.
+    Dequantizes int8/fp8 pools; a slot of -1 produces zeros for that token. ``out`` (optional): a contiguous
+    destination of that shape and dtype on the pool's device (e.g. a reused or pinned staging buffer); it is
+    filled and returned instead of a freshly allocated tensor.
     """
     check_pool(pool, scales)
     if out_dtype not in ENGINE_DTYPES:
         raise ValueError(f"out_dtype must be one of {ENGINE_DTYPES}, got {out_dtype}")
     check_slot_mapping(slot_mapping, None, pool.shape[0] * pool.shape[3])
     check_same_device(pool, slot_mapping=slot_mapping)
-    if resolve_impl(impl, pool.device, _read_kv_kernel) == "reference":
-        return read_kv_reference(pool, scales, slot_mapping, out_dtype)
     _, num_layers, _, _, num_heads, head_dim = pool.shape
-    num_tokens = slot_mapping.shape[0]
-    out = torch.empty((num_layers, 2, num_tokens, num_heads, head_dim), dtype=out_dtype, device=pool.device)
-    if num_tokens > 0:
-        _launch(pool, scales, slot_mapping, out)
+    shape = (num_layers, 2, slot_mapping.shape[0], num_heads, head_dim)
+    if out is None:
+        out = torch.empty(shape, dtype=out_dtype, device=pool.device)
+    else:
+        _check_out(out, shape, out_dtype, pool.device)
+    if resolve_impl(impl, pool.device, _read_kv_kernel) == "reference":
+        return read_kv_reference(pool, scales, slot_mapping, out_dtype, out)
+    if slot_mapping.shape[0] > 0:
+        _launch(pool, scales, slot_mapping.contiguous(), out)
     return out

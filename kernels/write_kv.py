@@ -16,15 +16,13 @@ from kernels._common import (
     check_pool,
     check_same_device,
     check_slot_mapping,
-    is_interpreted,
+    layers_per_program,
     resolve_impl,
     tl,
     triton,
 )
 from kernels._triton_math import _cast_rne, _quantize_rows
 from kernels.reference import write_kv_reference
-
-TARGET_BYTES_PER_PROGRAM = 16384
 
 
 @triton.jit
@@ -82,13 +80,6 @@ def _write_kv_kernel(
         )
 
 
-def layers_per_program(num_layers: int, layer_bytes: int, kernel) -> int:
-    """All layers in one program under the interpreter (it pays per program); ~16 KiB per program on GPU."""
-    if is_interpreted(kernel):
-        return num_layers
-    return max(1, min(num_layers, TARGET_BYTES_PER_PROGRAM // layer_bytes))
-
-
 def _launch(kv: torch.Tensor, pool: torch.Tensor, scales: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
     num_layers, _, num_tokens, num_heads, head_dim = kv.shape
     quantized = pool.dtype in QUANT_DTYPES
@@ -101,6 +92,7 @@ def _launch(kv: torch.Tensor, pool: torch.Tensor, scales: torch.Tensor | None, s
         BLOCK_SIZE=pool.shape[3], NUM_HEADS=num_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
         LAYERS_PER_PROGRAM=per_program, QUANTIZED=quantized,
+        enable_fp_fusion=False,  # no mul+add contraction: bit-equality with the reference
     )
 
 
@@ -109,7 +101,8 @@ def check_engine_kv(kv: torch.Tensor, pool: torch.Tensor) -> None:
     if not isinstance(kv, torch.Tensor):
         raise ValueError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
     num_layers, num_heads, head_dim = pool.shape[1], pool.shape[4], pool.shape[5]
-    if kv.dim() != 5 or kv.shape[1] != 2 or (kv.shape[0], kv.shape[3], kv.shape[4]) != (num_layers, num_heads, head_dim):
+    expected = (num_layers, 2, num_heads, head_dim)
+    if kv.dim() != 5 or (kv.shape[0], kv.shape[1], kv.shape[3], kv.shape[4]) != expected:
         raise ValueError(
             f"kv must have shape [num_layers={num_layers}, 2, num_tokens, num_kv_heads={num_heads}, "
             f"head_dim={head_dim}], got {tuple(kv.shape)}"
@@ -141,4 +134,4 @@ def write_kv(
     if resolve_impl(impl, pool.device, _write_kv_kernel) == "reference":
         write_kv_reference(kv, pool, scales, slot_mapping)
     else:
-        _launch(kv, pool, scales, slot_mapping)
+        _launch(kv, pool, scales, slot_mapping.contiguous())
