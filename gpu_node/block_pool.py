@@ -150,17 +150,36 @@ class BlockPool:
 
     # ---- the index ----------------------------------------------------------------------------------------------
     def cache_block(self, block_id: int, parent: BlockHash, tokens: np.ndarray, block_hash: BlockHash | None) -> None:
-        """Publish a held, fully written block under `parent`; `block_hash` names it when it is full."""
-        assert self.ref_cnt[block_id] > 0 and self.block_parent[block_id] is None
-        num_tokens = len(tokens)
-        assert 0 < num_tokens <= self.block_size and (block_hash is not None) == (num_tokens == self.block_size)
-        self._set_tokens(block_id, tokens)
-        self.block_parent[block_id] = parent
-        self.hash_to_children.setdefault(parent, []).append(block_id)
-        if block_hash is not None:
-            assert block_hash not in self.cached_hash_to_block
-            self.block_hash[block_id] = block_hash
-            self.cached_hash_to_block[block_hash] = block_id
+        """Publish one held, fully written block under `parent`; `block_hash` names it when it is full."""
+        self.publish_chain([block_id], parent, tokens, [block_hash])
+
+    def publish_chain(
+        self, block_ids: list[int], parent: BlockHash, tokens: np.ndarray, hashes: list[BlockHash | None]
+    ) -> None:
+        """Publish held, fully written blocks as a chain under `parent`: block i holds tokens [i*bs, (i+1)*bs) and
+        is named hashes[i] (None only for a partial last block). A block whose hash a concurrent writer published
+        first is skipped (it stays unpublished and is freed on release); the chain continues under that hash.
+        """
+        block_size = self.block_size
+        num_blocks = len(block_ids)
+        assert num_blocks == len(hashes) and (num_blocks - 1) * block_size < len(tokens) <= num_blocks * block_size
+        ids = np.asarray(block_ids, dtype=np.int64)
+        assert (self.ref_cnt[ids] > 0).all(), "publishing a block nobody holds"
+        rows = np.full(num_blocks * block_size, NO_TOKEN, dtype=np.int32)
+        rows[: len(tokens)] = tokens
+        self.block_tokens[ids] = rows.reshape(num_blocks, block_size)
+        self.num_filled[ids] = block_size
+        self.num_filled[ids[-1]] = len(tokens) - (num_blocks - 1) * block_size
+        block_parent, index, hash_to_children = self.block_parent, self.cached_hash_to_block, self.hash_to_children
+        for block_id, block_hash in zip(block_ids, hashes):
+            assert block_parent[block_id] is None, "publishing a cached block"
+            if block_hash is None or block_hash not in index:
+                block_parent[block_id] = parent
+                hash_to_children.setdefault(parent, []).append(block_id)
+                if block_hash is not None:
+                    self.block_hash[block_id] = block_hash
+                    index[block_hash] = block_id
+            parent = block_hash
 
     def extend_block(self, block_id: int, tokens: np.ndarray, block_hash: BlockHash | None) -> None:
         """Publish more tokens in a cached partial block a writer filled in place (its first tokens are unchanged)."""

@@ -29,7 +29,7 @@ import torch
 import kernels
 from gpu_node.block_hash import HASH_NUM_BYTES, BlockHasher, tokens_as_int32
 from gpu_node.block_pool import BlockPool
-from gpu_node.put_plan import BlockWrite, PutPlan, plan_put
+from gpu_node.put_plan import COW, EXTEND, PutPlan, plan_put
 from kcaas.spec import KVCacheSpec
 
 TORCH_DTYPES = {
@@ -255,16 +255,20 @@ class PagedKVCache:
         self._check_identity(identity)
         tokens = tokens_as_int32(tokens)
         self._check_kv(kv, len(tokens))
+        hashes = self._hasher.block_hashes(tokens)
         with self._lock:
-            plan = plan_put(self._blocks, self._hasher, tokens, self._extending)
+            plan = plan_put(self._blocks, hashes, self._hasher.root, tokens, self._extending)
         try:
             self._write(plan, kv)
         except BaseException:
             with self._lock:
-                self._abandon(plan)
+                self._release_plan(plan)
             raise
         with self._lock:
-            num_cached = self._publish(plan, tokens)
+            try:
+                num_cached = self._publish(plan, tokens)
+            finally:
+                self._release_plan(plan)
             self._num_cow_copies += plan.num_cow_copies
             self._num_stored_tokens += plan.num_written_tokens
         return PutResult(
@@ -277,53 +281,46 @@ class PagedKVCache:
         )
 
     def _write(self, plan: PutPlan, kv: torch.Tensor) -> None:
-        """Move the bytes of a plan: copy-on-write copies first, then one batched write of every new slot."""
-        if plan.cow_sources:
-            src = torch.as_tensor(plan.cow_sources, dtype=torch.int64, device=self.device)
-            dst = torch.as_tensor(plan.cow_targets, dtype=torch.int64, device=self.device)
-            kernels.copy_blocks(self.pool, self.scales, self.pool, self.scales, src, dst)
+        """Move the bytes of a plan: the copy-on-write copy first, then one batched write of every new slot."""
+        head = plan.head
+        if head is not None and head.kind == COW:
+            kernels.copy_blocks(self.pool, self.scales, self.pool, self.scales, [head.cow_source], [head.block_id])
         if plan.num_written_tokens:
-            first, slots = plan.slot_mapping(self.block_size)
+            first, slots = plan.slot_mapping()
             slot_tensor = torch.from_numpy(slots).to(self.device)
             kv_written = kv[:, :, first : first + len(slots)].to(self.device)
             kernels.write_kv(kv_written, self.pool, self.scales, slot_tensor)
 
     def _publish(self, plan: PutPlan, tokens: np.ndarray) -> int:
-        """Enter written blocks into the index in chain order, then release everything the put held."""
-        blocks = self._blocks
-        num_cached = 0
-        for write in plan.writes:
-            if not self._publish_one(write, tokens):
-                break
-            num_cached = write.end
-        self._extending.difference_update(w.block_id for w in plan.writes if w.kind == BlockWrite.EXTEND)
-        blocks.release([w.block_id for w in reversed(plan.writes)])
-        if plan.cow_sources:
-            blocks.release(plan.cow_sources)
-        return num_cached
+        """Enter the written blocks into the index in chain order; returns the leading tokens now cached."""
+        blocks, block_size = self._blocks, self.block_size
+        if plan.reused_ids and not blocks.is_cached(plan.reused_ids[-1]):
+            return 0  # the prefix was deleted while we wrote (cached chains are prefix closed: the last suffices)
+        num_cached = min(plan.num_tokens, len(plan.reused_ids) * block_size)
+        head = plan.head
+        if head is None:
+            return num_cached
+        head_hash = plan.position_hash(head.position)
+        segment = plan.position_tokens(tokens, head.position)
+        if head.kind == EXTEND:
+            if not blocks.is_cached(head.block_id):
+                return num_cached  # deleted while we wrote
+            blocks.extend_block(head.block_id, segment, head_hash)
+        else:
+            blocks.publish_chain([head.block_id], plan.position_parent(head.position), segment, [head_hash])
+        if not plan.tail_ids:
+            return plan.end
+        # The head is full here and its hash is cached (ours, or a concurrent writer's): the tail hangs off it.
+        first = head.position + 1
+        tail_hashes = plan.hashes[first : first + len(plan.tail_ids)]
+        tail_hashes += [None] * (len(plan.tail_ids) - len(tail_hashes))  # a partial last block has no hash
+        blocks.publish_chain(plan.tail_ids, head_hash, tokens[first * block_size : plan.end], tail_hashes)
+        return plan.end
 
-    def _publish_one(self, write: BlockWrite, tokens: np.ndarray) -> bool:
-        blocks = self._blocks
-        if write.parent != self._hasher.root and blocks.get_cached_block(write.parent) is None:
-            return False  # the prefix was deleted while we wrote: do not publish an unreachable block
-        if write.kind == BlockWrite.REUSE:
-            return blocks.is_cached(write.block_id)
-        segment = tokens[write.start : write.end]
-        if write.kind == BlockWrite.EXTEND:
-            if not blocks.is_cached(write.block_id):
-                return False
-            blocks.extend_block(write.block_id, segment, write.block_hash)
-            return True
-        if write.block_hash is not None and blocks.get_cached_block(write.block_hash) is not None:
-            return True  # a concurrent put published the same block first; ours is released unpublished
-        blocks.cache_block(write.block_id, write.parent, segment, write.block_hash)
-        return True
-
-    def _abandon(self, plan: PutPlan) -> None:
-        self._extending.difference_update(w.block_id for w in plan.writes if w.kind == BlockWrite.EXTEND)
-        self._blocks.release([w.block_id for w in reversed(plan.writes)])
-        if plan.cow_sources:
-            self._blocks.release(plan.cow_sources)
+    def _release_plan(self, plan: PutPlan) -> None:
+        if plan.head is not None and plan.head.kind == EXTEND:
+            self._extending.discard(plan.head.block_id)
+        self._blocks.release(plan.held_ids())
 
     # ---- removal ------------------------------------------------------------------------------------------------
     def delete(self, tokens, *, identity: KVCacheSpec | None = None) -> int:

@@ -1,19 +1,22 @@
-"""Planning a put: for each block position of a sequence, reuse, extend in place, copy on write, or allocate.
+"""Planning a put: reuse the cached prefix, then extend / copy-on-write / allocate the first block to write, then
+allocate the rest in bulk.
 
-For block position i (tokens [start, end), end - start <= block_size) under parent hash p:
-- REUSE  a cached block holds these tokens already (full: by hash; partial: a child of p whose stored tokens
-         begin with them) — deduplicated, nothing written;
-- EXTEND a cached partial child of p holds a strict prefix of them and nothing after it: the new tokens go into its
-         free slots in place (no other sequence reads those slots: readers stop at their own length);
-- COW    a cached child of p shares a prefix with them but then holds *other* tokens (two sequences that shared a
-         partial block and diverged), or another put is extending it right now: copy the block, then write the
-         divergent slots into the copy — the original stays exactly what its readers were promised;
-- NEW    nothing shares a prefix: a fresh block.
-Positions after a NEW/EXTEND/COW block have an unpublished parent, so they are NEW.
+Walking a sequence's block positions under their parent hashes, a put meets, in this order:
+1. REUSE positions — the cached prefix: full blocks found by hash, and possibly a cached partial tail that already
+   holds the sequence's last tokens. Deduplicated, nothing written.
+2. At most one *head* position, the first that is not cached, which is one of
+   - EXTEND: a cached partial child of the parent holds a strict prefix of the position's tokens and nothing after
+     it: the new tokens go into its free slots in place (readers stop at their own length, so none is disturbed);
+   - COW: a cached child shares a prefix but then holds *other* tokens (two sequences shared a partial block and
+     diverged), or another put is extending it now: copy it, then write the divergent slots into the copy — the
+     original stays exactly what its readers were promised;
+   - NEW: nothing shares a prefix.
+3. Every later position is NEW: its parent is the head's hash, which is not published yet, so nothing can hang off it.
+   These *tail* blocks are allocated, written, and published in bulk (vectorised, no per-block objects).
 
-The planner holds every block the put will touch (reused, extended, copy sources) before allocating, so the
-allocation's evictions cannot take them; when blocks run out the plan is cut at the first position without a block
-and the held blocks beyond the cut are released: the put stores a prefix and says so.
+The planner holds every block the put touches (reused, extended, the copy source) before allocating, so the
+allocation's evictions cannot take them. When blocks run out the plan is cut at the first position without a block:
+the put stores a prefix and says so.
 """
 
 from __future__ import annotations
@@ -22,117 +25,123 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gpu_node.block_hash import BlockHash, BlockHasher
+from gpu_node.block_hash import BlockHash
 from gpu_node.block_pool import BlockPool
+
+REUSE, EXTEND, COW, NEW = "reuse", "extend", "cow", "new"
 
 
 @dataclass(slots=True)
-class BlockWrite:
-    REUSE = "reuse"
-    EXTEND = "extend"
-    COW = "cow"
-    NEW = "new"
-
-    kind: str
-    block_id: int  # -1 until allocation for COW/NEW
-    parent: BlockHash  # hash of the prefix this block continues
-    block_hash: BlockHash | None  # the block's own chained hash when the segment is a full block
-    start: int  # sequence index of the block's first token
-    end: int  # one past the last token of this sequence in the block
-    first_new: int  # first token this put writes into the block (== end when nothing is written)
+class HeadWrite:
+    kind: str  # EXTEND, COW or NEW
+    position: int  # block position in the sequence
+    block_id: int  # the extended block, else the allocated one (-1 until allocation)
+    first_new: int  # first token this put writes into it (sequence index)
+    cow_source: int = -1  # the block copied, for COW
 
 
 @dataclass(slots=True)
 class PutPlan:
-    writes: list[BlockWrite] = field(default_factory=list)  # chain order
-    cow_sources: list[int] = field(default_factory=list)  # held until publish
-    cow_targets: list[int] = field(default_factory=list)
+    num_tokens: int
+    block_size: int
+    parent: BlockHash  # parent hash of position 0 (the root)
+    hashes: list[BlockHash]  # chained hashes of every full block of the sequence
+    reused_ids: list[int] = field(default_factory=list)  # positions 0..len-1
+    head: HeadWrite | None = None
+    tail_ids: list[int] = field(default_factory=list)  # positions head.position+1 .. in order
     num_new_blocks: int = 0
     out_of_space: bool = False
 
     @property
-    def num_cow_copies(self) -> int:
-        return len(self.cow_sources)
+    def num_positions(self) -> int:
+        return len(self.reused_ids) + (self.head is not None) + len(self.tail_ids)
+
+    @property
+    def end(self) -> int:
+        """One past the last token the plan covers (num_tokens unless cut for space)."""
+        return min(self.num_tokens, self.num_positions * self.block_size)
 
     @property
     def num_written_tokens(self) -> int:
-        return sum(w.end - w.first_new for w in self.writes)
+        return self.end - self.head.first_new if self.head is not None else 0
 
-    def slot_mapping(self, block_size: int) -> tuple[int, np.ndarray]:
-        """(first token written, slots for tokens [first, end of plan)); -1 marks tokens not written."""
-        written = [w for w in self.writes if w.end > w.first_new]
-        first, last = written[0].first_new, self.writes[-1].end
-        slots = np.full(last - first, -1, dtype=np.int64)
-        for w in written:
-            base = w.block_id * block_size - w.start
-            slots[w.first_new - first : w.end - first] = np.arange(base + w.first_new, base + w.end)
-        return first, slots
+    @property
+    def num_cow_copies(self) -> int:
+        return int(self.head is not None and self.head.kind == COW)
+
+    def held_ids(self) -> list[int]:
+        """Every block the plan holds, tail of the chain first (the order release makes them evictable in)."""
+        head = [] if self.head is None or self.head.block_id < 0 else [self.head.block_id]
+        source = [self.head.cow_source] if self.head is not None and self.head.kind == COW else []
+        return self.tail_ids[::-1] + head + self.reused_ids[::-1] + source
+
+    def slot_mapping(self) -> tuple[int, np.ndarray]:
+        """(first token written, int64 slots of tokens [first, end)); call only when num_written_tokens > 0."""
+        head, bs = self.head, self.block_size
+        head_end = min(self.num_tokens, (head.position + 1) * bs)
+        base = head.block_id * bs - head.position * bs
+        head_slots = np.arange(base + head.first_new, base + head_end, dtype=np.int64)
+        if not self.tail_ids:
+            return head.first_new, head_slots
+        tail = (np.asarray(self.tail_ids, dtype=np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
+        return head.first_new, np.concatenate([head_slots, tail[: self.end - head_end]])
+
+    def position_tokens(self, tokens: np.ndarray, position: int) -> np.ndarray:
+        return tokens[position * self.block_size : min(self.num_tokens, (position + 1) * self.block_size)]
+
+    def position_hash(self, position: int) -> BlockHash | None:
+        return self.hashes[position] if position < len(self.hashes) else None
+
+    def position_parent(self, position: int) -> BlockHash:
+        return self.hashes[position - 1] if position else self.parent
 
 
-def plan_put(blocks: BlockPool, hasher: BlockHasher, tokens: np.ndarray, extending: set[int]) -> PutPlan:
+def plan_put(blocks: BlockPool, hashes: list[BlockHash], root: BlockHash, tokens: np.ndarray, extending: set[int]):
     """Plan (and hold the blocks of) a put of `tokens`; call under the cache lock. `extending` is updated."""
-    block_size = blocks.block_size
-    hashes = hasher.block_hashes(tokens)
-    plan = PutPlan()
-    parent, parent_cached = hasher.root, True
-    for index, start in enumerate(range(0, len(tokens), block_size)):
-        end = min(start + block_size, len(tokens))
-        block_hash = hashes[index] if end - start == block_size else None
-        write = BlockWrite(BlockWrite.NEW, -1, parent, block_hash, start, end, start)
-        if parent_cached:
-            _place(blocks, write, tokens[start:end], extending)
-        if write.kind == BlockWrite.COW:
-            plan.cow_sources.append(write.block_id)
-            write.block_id = -1
-        plan.writes.append(write)
-        parent, parent_cached = block_hash, write.kind == BlockWrite.REUSE and block_hash is not None
-    blocks.hold([w.block_id for w in plan.writes if w.block_id >= 0] + plan.cow_sources)
-    _allocate(blocks, plan, extending)
+    plan = PutPlan(len(tokens), blocks.block_size, root, hashes)
+    num_positions = -(-len(tokens) // blocks.block_size)
+    position = 0
+    while position < num_positions:
+        block_hash = plan.position_hash(position)
+        cached = blocks.get_cached_block(block_hash) if block_hash is not None else None
+        if cached is None:
+            break
+        plan.reused_ids.append(cached)
+        position += 1
+    if position < num_positions:
+        segment = plan.position_tokens(tokens, position)
+        child, common = blocks.best_child(plan.position_parent(position), segment)
+        if common == len(segment) and plan.position_hash(position) is None:
+            plan.reused_ids.append(child)  # a cached partial tail already holds the sequence's last tokens
+        else:
+            plan.head = _head_write(blocks, position, segment, child, common, extending)
+    blocks.hold(plan.held_ids())
+    _allocate(blocks, plan, num_positions, extending)
     return plan
 
 
-def _place(blocks: BlockPool, write: BlockWrite, segment: np.ndarray, extending: set[int]) -> None:
-    if write.block_hash is not None:
-        cached = blocks.get_cached_block(write.block_hash)
-        if cached is not None:
-            write.kind, write.block_id, write.first_new = BlockWrite.REUSE, cached, write.end
-            return
-    child, common = blocks.best_child(write.parent, segment)
-    if common == 0:
-        return
-    if common == len(segment):
-        if write.block_hash is None:  # a full match of a full segment is a hash hit, handled above
-            write.kind, write.block_id, write.first_new = BlockWrite.REUSE, child, write.end
-        return
-    write.first_new = write.start + common
+def _head_write(blocks, position, segment, child, common, extending) -> HeadWrite:
+    start = position * blocks.block_size
+    if common == 0 or common == len(segment):  # no shared prefix (a full-length match of a full block is a hash hit)
+        return HeadWrite(NEW, position, -1, start)
     if common == blocks.num_filled[child] and child not in extending:
         extending.add(child)
-        write.kind, write.block_id = BlockWrite.EXTEND, child
-    else:
-        write.kind, write.block_id = BlockWrite.COW, child  # block_id is the copy source until allocation
+        return HeadWrite(EXTEND, position, child, start + common)
+    return HeadWrite(COW, position, -1, start + common, cow_source=child)
 
 
-def _allocate(blocks: BlockPool, plan: PutPlan, extending: set[int]) -> None:
-    needy = [w for w in plan.writes if w.block_id < 0]
-    allocated = blocks.allocate(len(needy))
-    plan.num_new_blocks = len(allocated)
-    cow_index = 0
-    cut = len(plan.writes)
-    for write, block_id in zip(needy, allocated):
-        write.block_id = block_id
-    for index, write in enumerate(plan.writes):
-        if write.block_id < 0:
-            cut = index
-            break
-        if write.kind == BlockWrite.COW:
-            plan.cow_targets.append(write.block_id)
-            cow_index += 1
-    if cut == len(plan.writes):
+def _allocate(blocks: BlockPool, plan: PutPlan, num_positions: int, extending: set[int]) -> None:
+    head = plan.head
+    if head is None:
         return
-    plan.out_of_space = True
-    dropped = plan.writes[cut:]
-    plan.writes = plan.writes[:cut]
-    sources_dropped = plan.cow_sources[cow_index:]
-    plan.cow_sources = plan.cow_sources[:cow_index]
-    extending.difference_update(w.block_id for w in dropped if w.kind == BlockWrite.EXTEND)
-    blocks.release([w.block_id for w in reversed(dropped) if w.block_id >= 0] + sources_dropped)
+    num_wanted = (head.kind != EXTEND) + num_positions - head.position - 1
+    allocated = blocks.allocate(num_wanted)
+    plan.num_new_blocks = len(allocated)
+    if head.kind != EXTEND:
+        if not allocated:  # not even the head fits: drop it and what it held
+            plan.head, plan.out_of_space = None, True
+            blocks.release([head.cow_source] if head.kind == COW else [])
+            return
+        head.block_id = allocated.pop(0)
+    plan.tail_ids = allocated
+    plan.out_of_space = plan.num_positions < num_positions
