@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Kernel checks for a lent CUDA machine (H200): the kernel test suite on CUDA (compiled Triton, no interpreter),
-# then the full-size kernel benchmark. No network is assumed; finishes in about five minutes at most.
+# then the full-size kernel benchmark and the quick engine benchmark. No network is assumed; finishes in about five minutes at most.
 # Everything printed is also written under ${OUT:-/tmp}/: gpu_check.log, kernels-pytest.txt, kernels-junit.xml,
-# bench-kernels.txt and bench-kernels.json (the benchmark's last line).
+# bench-kernels.txt and bench-kernels.json (the benchmark's last line), bench-engine.txt and bench-engine.json.
 #
 # Python: $GPU_CHECK_PYTHON if set, else the first of python3 / python3.11 / python that imports torch (with CUDA) and triton; that is usually a
 # system-wide CUDA build of torch, which a fresh venv would only replace with a download. Only when none does is a
@@ -55,6 +55,10 @@ timeout 210 "$PY" -m pytest -q -rs tests/kernels -p no:cacheprovider \
 echo "== python -m bench.kernels (full size)"
 timeout 120 "$PY" -m bench.kernels 2>&1 | tee "$OUT_DIR/bench-kernels.txt" || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
 tail -n 1 "$OUT_DIR/bench-kernels.txt" > "$OUT_DIR/bench-kernels.json" || true
+
+echo "== python -m bench.engine --quick (the engine on CUDA: Triton write/read, Python planning)"
+timeout 90 "$PY" -m bench.engine --quick 2>&1 | tee "$OUT_DIR/bench-engine.txt" || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
+tail -n 1 "$OUT_DIR/bench-engine.txt" > "$OUT_DIR/bench-engine.json" || true
 
 echo "== done (exit status $status); outputs in $OUT_DIR"
 exit "$status"

@@ -12,8 +12,8 @@ How write/read stay fast without Python loops over tokens or blocks: the pool is
 A row is one (block, layer, K/V, slot) run of H*D contiguous elements, or, when the slot mapping covers whole
 blocks in order (each run of block_size tokens fills one block from offset 0), one (block, layer, K/V) run of
 block_size*H*D elements. Rows are then moved with a single ``index_select`` (read) or ``index_copy_`` (write),
-which copy row by row instead of element by element; large whole blocks get one memcpy each (see
-LOOP_MIN_BLOCK_BYTES).
+which copy row by row instead of element by element; large whole blocks are written with one strided memcpy per run
+of consecutive block ids (see LOOP_MIN_BLOCK_BYTES).
 """
 
 import math
@@ -24,9 +24,10 @@ from kernels._common import QUANT_DTYPES
 from kernels.quant import dequantize, quantize
 
 
-# Whole blocks at least this large are written/copied with one ``copy_`` per block: a (strided) memcpy that torch
-# runs on all cores, where CPU ``index_copy_`` is single-threaded and element-wise (~0.4-0.65x memcpy on this
-# 2-core box). Each iteration then moves >= 256 KiB, so the Python loop costs ~1%. Smaller blocks stay vectorised.
+# Whole blocks at least this large are written with one ``copy_`` per run of consecutive block ids (copied with one
+# per block): a strided memcpy that torch runs on all cores, where CPU ``index_copy_`` is single-threaded and
+# element-wise (~0.4-0.65x memcpy on this 2-core box). Each iteration moves >= 256 KiB, so the Python loop costs
+# ~1%. Smaller blocks stay vectorised.
 LOOP_MIN_BLOCK_BYTES = 256 << 10
 
 
