@@ -222,13 +222,10 @@ class PagedKVCache:
         with self.acquire(tokens, identity=identity) as handle:
             view = None
             if out is not None:
-                view = out.view(-1)[: handle.num_tokens * self._kv_numel_per_token].view(self._kv_shape(handle.num_tokens))
+                numel = handle.num_tokens * self.spec.elements_per_token
+                view = out.view(-1)[:numel].view(self._kv_shape(handle.num_tokens))
             kv = kernels.read_kv(self.pool, self.scales, handle.slot_mapping(), out_dtype=self.kv_dtype, out=view)
         return handle.num_tokens, kv
-
-    @property
-    def _kv_numel_per_token(self) -> int:
-        return self.spec.elements_per_token
 
     def _kv_shape(self, num_tokens: int) -> tuple[int, ...]:
         spec = self.spec
@@ -237,7 +234,7 @@ class PagedKVCache:
     def _check_staging(self, out: torch.Tensor, num_tokens: int) -> None:
         if not isinstance(out, torch.Tensor) or out.dtype != self.kv_dtype or out.device != self.device:
             raise ValueError(f"out must be a {self.kv_dtype} tensor on {self.device}")
-        if not out.is_contiguous() or out.numel() < num_tokens * self._kv_numel_per_token:
+        if not out.is_contiguous() or out.numel() < num_tokens * self.spec.elements_per_token:
             raise ValueError(f"out must be contiguous with room for {num_tokens} tokens of KV")
 
     def _slots_for(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
@@ -332,7 +329,7 @@ class PagedKVCache:
         tokens = tokens_as_int32(tokens)
         with self._lock:
             _, block_ids = self._match(tokens, want_ids=True)
-            return self._blocks.uncache(block_ids[:1] if len(tokens) else [])
+            return self._blocks.uncache(block_ids[:1])
 
     def clear(self) -> int:
         """Forget every cached block; returns how many were removed."""

@@ -3,7 +3,7 @@
 Layout (explicit strides; the head_dim stride of the pool and the head stride of the scales are 1):
   pool   [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
   scales [num_blocks, num_layers, 2, block_size, num_kv_heads]  fp32, int8/fp8 pools only
-  out    [num_layers, 2, num_tokens, num_kv_heads, head_dim]   out_dtype, freshly allocated (contiguous)
+  out    [num_layers, 2, num_tokens, num_kv_heads, head_dim]   out_dtype, contiguous: allocated, or the caller's out=
   slot   = block * block_size + offset; -1 yields zeros.
 Grid: (num_tokens, cdiv(num_layers, LAYERS_PER_PROGRAM)); a program moves one token's [2, H, D] tile per layer.
 """

@@ -9,13 +9,12 @@ in docs/ARCHITECTURE.md (LOGIT_ERR_BOUND below, measured with margin on this mod
 
 import pytest
 import torch
+import transformers
 
 from gpu_node.paged_cache import PagedKVCache
 from kcaas.spec import KVCacheSpec
 from kcaas.transformers_kv import dynamic_cache_from_kv, kv_from_dynamic_cache
 from kernels.quant import error_bound
-
-transformers = pytest.importorskip("transformers")
 
 # max |logit difference| / max |logit| for quantized storage on this model (see docs/ARCHITECTURE.md)
 LOGIT_ERR_BOUND = {"int8": 0.005, "fp8_e4m3": 0.02}  # measured 0.0015 and 0.0050

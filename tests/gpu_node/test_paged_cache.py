@@ -329,3 +329,16 @@ def test_a_put_that_fails_mid_write_publishes_nothing_and_holds_nothing(monkeypa
     retry = cache.put(longer, prefix_kv(cache.spec, longer))
     assert retry.num_cow_copies == 0  # the failed put's claim on the partial block was released
     assert_get_exact(cache, longer, 11)
+
+
+def test_get_into_a_reused_staging_buffer_is_exact_and_checks_the_buffer():
+    cache = tiny_cache(block_size=4)
+    seq = tokens_of(10)
+    cache.put(seq, prefix_kv(cache.spec, seq))
+    staging = torch.full((cache.spec.elements_per_token * 16,), float("nan"))
+    n, kv = cache.get(seq + [1, 2], out=staging)
+    assert n == 10 and torch.equal(kv, prefix_kv(cache.spec, seq))
+    assert kv.data_ptr() == staging.data_ptr()  # a view into the caller's buffer: nothing allocated
+    for bad in (staging[:10], staging.to(torch.float16), staging.view(-1, 2)[:, 0]):
+        with pytest.raises(ValueError):
+            cache.get(seq, out=bad)
