@@ -9,14 +9,17 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml gpu_node/_blockhash.c | 
 $(STAMP): pyproject.toml gpu_node/_blockhash.c
 	test -x $(PY) || $(PY_SYS) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[node,gpu,dev]'
+	$(PY) -m pip install -q -e '.[control,node,gpu,dev]'
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 install: $(STAMP)
 
 # Kernel tests run the Triton kernels on the CPU through the interpreter; the variable must be
 # set before kernel modules are imported, so it is set for the whole run.
+# PostgreSQL and Redis are started when they are not running (scripts/services.sh prints where they answer).
 test: install
+	@eval "$$(scripts/services.sh)" && \
+	DATABASE_URL="$$DATABASE_URL" REDIS_URL=redis://127.0.0.1:6379/15 CELERY_BROKER_URL=redis://127.0.0.1:6379/14 \
 	TRITON_INTERPRET=1 $(PY) -m pytest -q
 
 bench: install

@@ -1,0 +1,167 @@
+"""Control-plane settings, all from environment variables, with an embedded default that needs no external service.
+
+Embedded default (`make up`): SQLite under var/, a file-system Celery transport under var/celery, an in-process rate
+limiter. Production and the tests: DATABASE_URL (PostgreSQL), REDIS_URL (rate limits, key usage counters) and
+CELERY_BROKER_URL (defaults to REDIS_URL).
+"""
+
+import os
+import secrets
+from pathlib import Path
+
+import dj_database_url
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+VAR_DIR = Path(os.environ.get("KCAAS_VAR_DIR", REPO_ROOT / "var"))
+
+
+def env_bool(name: str, default: bool) -> bool:
+    return os.environ.get(name, str(default)).strip().lower() in {"1", "true", "yes", "on"}
+
+
+def env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def _dev_secret(name: str) -> str:
+    """A random secret kept under var/ for the embedded default; production sets the variable."""
+    path = VAR_DIR / "secrets" / name
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(secrets.token_urlsafe(48))
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
+SECRET_KEY = os.environ.get("SECRET_KEY") or _dev_secret("django-secret-key")
+DEBUG = env_bool("DEBUG", False)
+ALLOWED_HOSTS = [h for h in os.environ.get("ALLOWED_HOSTS", "127.0.0.1,localhost,testserver").split(",") if h]
+
+INSTALLED_APPS = [
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "drf_spectacular",
+    "tenants",
+    "fleet",
+    "caches",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+
+ROOT_URLCONF = "controlplane.urls"
+WSGI_APPLICATION = "controlplane.wsgi.application"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+DATABASES = {
+    "default": dj_database_url.parse(
+        os.environ.get("DATABASE_URL", f"sqlite:///{VAR_DIR / 'kcaas.sqlite3'}"), conn_max_age=60
+    )
+}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+USE_TZ = True
+TIME_ZONE = "UTC"
+STATIC_URL = "static/"
+STATIC_ROOT = VAR_DIR / "static"
+
+REDIS_URL = os.environ.get("REDIS_URL", "")  # empty: the embedded default (in-process rate limiter)
+
+# ---- Celery ---------------------------------------------------------------------------------------------------------
+CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL") or REDIS_URL or "filesystem://"
+CELERY_BROKER_TRANSPORT_OPTIONS = (
+    {
+        "data_folder_in": str(VAR_DIR / "celery" / "queue"),
+        "data_folder_out": str(VAR_DIR / "celery" / "queue"),
+        "processed_folder": str(VAR_DIR / "celery" / "processed"),
+        "store_processed": False,
+    }
+    if CELERY_BROKER_URL == "filesystem://"
+    else {"visibility_timeout": 3600}
+)
+CELERY_TASK_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_DEFAULT_QUEUE = "control"
+CELERY_TASK_ACKS_LATE = True  # a task is acknowledged after it ran: a worker lost mid-task leaves it queued
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BEAT_SCHEDULE = {
+    "fleet-sweep-leases": {"task": "fleet.sweep_leases", "schedule": 10.0},
+    "tenants-flush-key-usage": {"task": "tenants.flush_key_usage", "schedule": 30.0},
+}
+
+# ---- REST -----------------------------------------------------------------------------------------------------------
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "tenants.authentication.ApiKeyAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+        "rest_framework.authentication.BasicAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_THROTTLE_CLASSES": ["tenants.ratelimit.TenantRateThrottle"],
+    "EXCEPTION_HANDLER": "controlplane.errors.exception_handler",
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "PAGE_SIZE": 50,
+    "UNAUTHENTICATED_USER": None,
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "KCaaS control plane API",
+    "DESCRIPTION": "Tenants, API keys, quotas, caches, data-plane tokens and the node fleet.",
+    "VERSION": "1.0.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "COMPONENT_SPLIT_REQUEST": True,
+}
+
+# ---- KCaaS ------------------------------------------------------------------------------------------------------------
+# Pepper for API key and node credential hashes (HMAC-SHA256): a server secret, so a leaked table cannot be
+# brute-forced offline even for a weak secret (ours are 256-bit anyway).
+KCAAS_KEY_PEPPER = os.environ.get("KCAAS_KEY_PEPPER") or _dev_secret("key-pepper")
+# Ed25519 private key (PEM) signing data-plane tokens; nodes verify with the public key at /.well-known/jwks.json.
+KCAAS_TOKEN_SIGNING_KEY_PEM = os.environ.get("KCAAS_TOKEN_SIGNING_KEY_PEM", "")
+KCAAS_TOKEN_SIGNING_KEY_FILE = os.environ.get("KCAAS_TOKEN_SIGNING_KEY_FILE", str(VAR_DIR / "secrets" / "token-ed25519.pem"))
+KCAAS_TOKEN_ISSUER = os.environ.get("KCAAS_TOKEN_ISSUER", "kcaas-control-plane")
+KCAAS_DATA_TOKEN_TTL_SECONDS = env_int("KCAAS_DATA_TOKEN_TTL_SECONDS", 15 * 60)
+# Key-encryption key for per-cache secrets held by the control plane (AES-256-GCM).
+KCAAS_KEK = os.environ.get("KCAAS_KEK") or _dev_secret("kek")
+
+KCAAS_QUOTA_DEFAULTS = {
+    "max_caches": env_int("KCAAS_QUOTA_MAX_CACHES", 10),
+    "max_device_bytes": env_int("KCAAS_QUOTA_MAX_DEVICE_BYTES", 16 * 2**30),
+    "max_dram_bytes": env_int("KCAAS_QUOTA_MAX_DRAM_BYTES", 64 * 2**30),
+    "max_ssd_bytes": env_int("KCAAS_QUOTA_MAX_SSD_BYTES", 256 * 2**30),
+    "max_requests_per_second": env_int("KCAAS_QUOTA_MAX_RPS", 50),
+    "max_data_tokens_outstanding": env_int("KCAAS_QUOTA_MAX_DATA_TOKENS", 100),
+}
+KCAAS_NODE_HEARTBEAT_SECONDS = env_int("KCAAS_NODE_HEARTBEAT_SECONDS", 10)
+KCAAS_NODE_LEASE_SECONDS = env_int("KCAAS_NODE_LEASE_SECONDS", 40)  # Kubernetes' node grace period
+KCAAS_IDEMPOTENCY_TTL_SECONDS = env_int("KCAAS_IDEMPOTENCY_TTL_SECONDS", 24 * 3600)
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "WARNING")},
+}

@@ -1,0 +1,25 @@
+from django.http import JsonResponse
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView
+
+from controlplane import errors
+
+
+def healthz(request):
+    return JsonResponse({"status": "ok"})
+
+
+urlpatterns = [
+    path("healthz", healthz, name="healthz"),
+    path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/docs/", SpectacularRedocView.as_view(url_name="schema"), name="docs"),
+    path("api/v1/", include("tenants.urls")),
+    path("api/v1/", include("fleet.urls")),
+    path("api/v1/", include("caches.urls")),
+    path("", include("caches.well_known_urls")),
+]
+
+handler400 = errors.json_400
+handler403 = errors.json_403
+handler404 = errors.json_404
+handler500 = errors.json_500

@@ -1,0 +1,28 @@
+"""Shared fixtures. Control-plane tests run against the real PostgreSQL and Redis that `make test` starts."""
+
+import os
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _database_is_postgresql(request):
+    """Any test that touches the database must be talking to PostgreSQL, never a SQLite stand-in."""
+    if "django_db_setup" not in request.fixturenames:
+        return
+    from django.db import connection
+
+    assert connection.vendor == "postgresql", "control-plane tests need DATABASE_URL=postgres://... (make test)"
+
+
+@pytest.fixture
+def redis_client():
+    """The tests' Redis database (REDIS_URL, db 15 under make test), emptied before and after the test."""
+    import redis
+
+    url = os.environ.get("REDIS_URL")
+    assert url, "control-plane tests need REDIS_URL (make test starts Redis)"
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    yield client
+    client.flushdb()
