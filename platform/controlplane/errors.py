@@ -63,7 +63,10 @@ _DRF_CODES = {
 
 def exception_handler(exc, context):
     if isinstance(exc, ApplicationError):
-        return Response(error_body(exc.code, exc.message, exc.details), status=exc.status_code)
+        response = Response(error_body(exc.code, exc.message, exc.details), status=exc.status_code)
+        for name, value in (getattr(exc, "headers", None) or {}).items():
+            response[name] = value
+        return response
     if isinstance(exc, Http404):
         exc = exceptions.NotFound()
     elif isinstance(exc, DjangoPermissionDenied):

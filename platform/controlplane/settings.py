@@ -45,6 +45,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "rest_framework",
     "drf_spectacular",
+    "drf_spectacular_sidecar",
     "tenants",
     "fleet",
     "caches",
@@ -108,7 +109,7 @@ CELERY_TASK_ACKS_LATE = True  # a task is acknowledged after it ran: a worker lo
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BEAT_SCHEDULE = {
-    "fleet-sweep-leases": {"task": "fleet.sweep_leases", "schedule": 10.0},
+    "caches-sweep-leases": {"task": "caches.sweep_leases", "schedule": 10.0},
     "tenants-flush-key-usage": {"task": "tenants.flush_key_usage", "schedule": 30.0},
 }
 
@@ -123,7 +124,7 @@ REST_FRAMEWORK = {
     "DEFAULT_THROTTLE_CLASSES": ["tenants.ratelimit.TenantRateThrottle"],
     "EXCEPTION_HANDLER": "controlplane.errors.exception_handler",
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "DEFAULT_PAGINATION_CLASS": "tenants.pagination.BoundedLimitOffsetPagination",
     "PAGE_SIZE": 50,
     "UNAUTHENTICATED_USER": None,
 }
@@ -133,6 +134,11 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
+    "REDOC_DIST": "SIDECAR",  # the docs page works without internet access
+    "ENUM_NAME_OVERRIDES": {
+        "NodeStateEnum": "fleet.models.NodeState",
+        "ApiKeyStateEnum": "tenants.models.ApiKey.State",
+    },
 }
 
 # ---- KCaaS ------------------------------------------------------------------------------------------------------------
@@ -158,6 +164,8 @@ KCAAS_QUOTA_DEFAULTS = {
 KCAAS_NODE_HEARTBEAT_SECONDS = env_int("KCAAS_NODE_HEARTBEAT_SECONDS", 10)
 KCAAS_NODE_LEASE_SECONDS = env_int("KCAAS_NODE_LEASE_SECONDS", 40)  # Kubernetes' node grace period
 KCAAS_IDEMPOTENCY_TTL_SECONDS = env_int("KCAAS_IDEMPOTENCY_TTL_SECONDS", 24 * 3600)
+# GCRA burst: a tenant may send this many seconds' worth of its rate at once.
+KCAAS_RATE_LIMIT_BURST_SECONDS = float(os.environ.get("KCAAS_RATE_LIMIT_BURST_SECONDS", "1"))
 
 LOGGING = {
     "version": 1,

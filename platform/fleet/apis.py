@@ -1,0 +1,233 @@
+"""Fleet REST views. Each validates its input, calls one service or selector, and serializes the result.
+
+Bodies are JSON only. Node endpoints (`nodes/register`, `nodes/heartbeat`) authenticate with the node credential
+only and admit only node principals; they are not rate limited per tenant. Admin endpoints use the project's default
+authenticators (tenant keys, sessions, basic) and admit staff only, so a tenant key gets 403 and a node credential
+401.
+"""
+
+from django.conf import settings
+from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_serializer, inline_serializer
+from rest_framework import serializers, status
+from rest_framework.pagination import LimitOffsetPagination
+from rest_framework.parsers import JSONParser
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from fleet import selectors, services
+from fleet.authentication import NodeCredentialAuthentication
+from fleet.models import NodeState
+from fleet.permissions import IsNode
+from fleet.serializers import (
+    NodeDetailSerializer,
+    NodeSerializer,
+    ResidentCacheSerializer,
+    TierBytesSerializer,
+)
+from fleet.validators import MAX_ENDPOINT_LENGTH, NODE_NAME_RE, endpoint_error
+from tenants.openapi import error_responses
+from tenants.permissions import IsStaff
+
+MAX_RESIDENT_ENTRIES = 10_000  # caches one node may report in a heartbeat
+
+
+def _validate_endpoint(value: str) -> str:
+    problem = endpoint_error(value)
+    if problem:
+        raise serializers.ValidationError(problem)
+    return value
+
+
+# ---- node agents ----------------------------------------------------------------------------------------------------
+
+
+class _NodeApi(APIView):
+    authentication_classes = [NodeCredentialAuthentication]
+    parser_classes = [JSONParser]
+    permission_classes = [IsNode]
+    throttle_classes: list = []
+
+
+class NodeRegisterApi(_NodeApi):
+    @extend_schema_serializer(component_name="NodeRegister")
+    class InputSerializer(serializers.Serializer):
+        endpoint = serializers.CharField(
+            max_length=MAX_ENDPOINT_LENGTH, trim_whitespace=False, validators=[_validate_endpoint]
+        )
+        capacity = TierBytesSerializer()
+
+    @extend_schema_serializer(component_name="NodeRegistration")
+    class OutputSerializer(serializers.Serializer):
+        node = NodeSerializer()
+        heartbeat_interval_seconds = serializers.IntegerField()
+        lease_seconds = serializers.IntegerField()
+        caches = serializers.ListField(
+            child=serializers.DictField(),
+            help_text="caches the control plane believes this node hosts; not filled yet (always empty): an agent "
+            "must not purge anything because of it",
+        )
+
+    @extend_schema(
+        operation_id="nodes_register",
+        tags=["nodes"],
+        request=InputSerializer,
+        responses={200: OutputSerializer, **error_responses(400, 401, 409)},
+        summary="Register (or re-register after a restart) the calling node agent",
+    )
+    def post(self, request):
+        data = _validated(self.InputSerializer, request.data)
+        registration = services.node_register(
+            node_id=request.user.node.pk, endpoint=data["endpoint"], capacity=dict(data["capacity"])
+        )
+        body = {
+            "node": registration.node,
+            "heartbeat_interval_seconds": settings.KCAAS_NODE_HEARTBEAT_SECONDS,
+            "lease_seconds": settings.KCAAS_NODE_LEASE_SECONDS,
+            "caches": registration.caches,
+        }
+        return Response(self.OutputSerializer(body).data)
+
+
+class NodeHeartbeatApi(_NodeApi):
+    @extend_schema_serializer(component_name="NodeHeartbeat")
+    class InputSerializer(serializers.Serializer):
+        capacity = TierBytesSerializer()
+        resident = ResidentCacheSerializer(many=True, required=False, max_length=MAX_RESIDENT_ENTRIES)
+
+        def validate_resident(self, entries):
+            ids = [entry["cache_id"] for entry in entries]
+            if len(ids) != len(set(ids)):
+                raise serializers.ValidationError("each cache_id may appear once")
+            return entries
+
+    @extend_schema_serializer(component_name="NodeHeartbeatAck")
+    class OutputSerializer(serializers.Serializer):
+        state = serializers.ChoiceField(choices=NodeState.choices)
+        lease_expires_at = serializers.DateTimeField()
+        heartbeat_interval_seconds = serializers.IntegerField()
+
+    @extend_schema(
+        operation_id="nodes_heartbeat",
+        tags=["nodes"],
+        request=InputSerializer,
+        responses={200: OutputSerializer, **error_responses(400, 401, 409)},
+        summary="Renew the calling node's lease; report capacity and resident bytes per cache",
+        description="A lost node is answered 409 reregister_required: it must call register again.",
+    )
+    def post(self, request):
+        data = _validated(self.InputSerializer, request.data)
+        node = services.node_heartbeat(
+            node_id=request.user.node.pk, capacity=dict(data["capacity"]), resident=data.get("resident")
+        )
+        body = {
+            "state": node.state,
+            "lease_expires_at": node.lease_expires_at,
+            "heartbeat_interval_seconds": settings.KCAAS_NODE_HEARTBEAT_SECONDS,
+        }
+        return Response(self.OutputSerializer(body).data)
+
+
+def _validated(serializer_class, data) -> dict:
+    serializer = serializer_class(data=data)
+    serializer.is_valid(raise_exception=True)
+    return serializer.validated_data
+
+
+# ---- staff ----------------------------------------------------------------------------------------------------------
+
+
+class _AdminApi(APIView):
+    permission_classes = [IsStaff]
+    parser_classes = [JSONParser]
+
+
+class AdminNodesApi(_AdminApi):
+    """GET lists nodes, POST creates one and returns its credential once."""
+
+    @extend_schema_serializer(component_name="NodeListFilter")
+    class FilterSerializer(serializers.Serializer):
+        state = serializers.ChoiceField(choices=NodeState.choices, required=False)
+
+    @extend_schema_serializer(component_name="NodeCreate")
+    class InputSerializer(serializers.Serializer):
+        name = serializers.RegexField(NODE_NAME_RE, max_length=100)
+
+    @extend_schema_serializer(component_name="NodeCreated")
+    class OutputSerializer(serializers.Serializer):
+        node = NodeSerializer()
+        credential = serializers.CharField(help_text="kc_node_... shown once; only its hash is stored")
+
+    PageSerializer = inline_serializer(
+        name="PaginatedNodeList",
+        fields={
+            "count": serializers.IntegerField(),
+            "next": serializers.URLField(allow_null=True),
+            "previous": serializers.URLField(allow_null=True),
+            "results": NodeSerializer(many=True),
+        },
+    )
+
+    @extend_schema(
+        operation_id="admin_nodes_list",
+        tags=["admin"],
+        parameters=[
+            FilterSerializer,
+            OpenApiParameter("limit", int, description="page size"),
+            OpenApiParameter("offset", int, description="index of the first node"),
+        ],
+        responses={200: PageSerializer, **error_responses(400, 401, 403)},
+        summary="List nodes (staff)",
+    )
+    def get(self, request):
+        filters = _validated(self.FilterSerializer, request.query_params)
+        paginator = LimitOffsetPagination()
+        page = paginator.paginate_queryset(selectors.node_list(**filters), request, view=self)
+        return paginator.get_paginated_response(NodeSerializer(page, many=True).data)
+
+    @extend_schema(
+        operation_id="admin_nodes_create",
+        tags=["admin"],
+        request=InputSerializer,
+        responses={201: OutputSerializer, **error_responses(400, 401, 403, 409)},
+        summary="Create a node and issue its credential (staff)",
+    )
+    def post(self, request):
+        data = _validated(self.InputSerializer, request.data)
+        issued = services.node_create(name=data["name"])
+        body = {"node": issued.node, "credential": issued.credential}
+        return Response(self.OutputSerializer(body).data, status=status.HTTP_201_CREATED)
+
+
+class AdminNodeDetailApi(_AdminApi):
+    @extend_schema(
+        operation_id="admin_nodes_retrieve",
+        tags=["admin"],
+        responses={200: NodeDetailSerializer, **error_responses(401, 403, 404)},
+        summary="One node with its latest resident-bytes snapshot (staff)",
+    )
+    def get(self, request, node_id):
+        return Response(NodeDetailSerializer(selectors.node_get(node_id=node_id)).data)
+
+
+class AdminNodeCordonApi(_AdminApi):
+    @extend_schema(
+        operation_id="admin_nodes_cordon",
+        tags=["admin"],
+        request=None,
+        responses={200: NodeSerializer, **error_responses(401, 403, 404, 409)},
+        summary="Cordon a ready node: no new placements, its caches stay (staff; idempotent)",
+    )
+    def post(self, request, node_id):
+        return Response(NodeSerializer(services.node_cordon(node_id=node_id)).data)
+
+
+class AdminNodeUncordonApi(_AdminApi):
+    @extend_schema(
+        operation_id="admin_nodes_uncordon",
+        tags=["admin"],
+        request=None,
+        responses={200: NodeSerializer, **error_responses(401, 403, 404, 409)},
+        summary="Return a cordoned node to ready (staff; idempotent)",
+    )
+    def post(self, request, node_id):
+        return Response(NodeSerializer(services.node_uncordon(node_id=node_id)).data)

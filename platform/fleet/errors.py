@@ -1,0 +1,50 @@
+"""Fleet's refusals: each an ApplicationError with a stable code, rendered in the one error shape."""
+
+from rest_framework import status
+
+from controlplane.errors import ApplicationError, ConflictError
+
+
+class NoCapacity(ApplicationError):
+    """No ready node with a live lease has the requested bytes free on every requested tier."""
+
+    status_code = status.HTTP_503_SERVICE_UNAVAILABLE
+    code = "no_capacity"
+
+
+class InvalidCapacity(ApplicationError):
+    """A capacity mapping names an unknown tier, or holds a negative, non-integer or out-of-bounds value."""
+
+    code = "invalid_capacity"
+
+
+class InvalidEndpoint(ApplicationError):
+    """Not a connectable host:port."""
+
+    code = "invalid_endpoint"
+
+
+class InvalidNodeName(ApplicationError):
+    code = "invalid_node_name"
+
+
+class EndpointInUse(ConflictError):
+    """Another live node already answers on this endpoint."""
+
+    code = "endpoint_in_use"
+
+
+class NodeNameTaken(ConflictError):
+    code = "node_name_taken"
+
+
+class InvalidNodeState(ConflictError):
+    """The node's state does not allow the requested transition (e.g. cordoning a lost node)."""
+
+    code = "invalid_node_state"
+
+
+class ReregisterRequired(ConflictError):
+    """A heartbeat from a node that is lost (or never registered): the agent must call register again."""
+
+    code = "reregister_required"

@@ -1,0 +1,90 @@
+"""The node registry: one row per node agent (one agent per GPU).
+
+Invariants held by fleet.services (the only writer):
+- capacity and reserved bytes are non-negative per tier (database check constraints);
+- reserved bytes only grow through `node_place`, which adds them under a row lock after checking that they fit,
+  so placement never reserves past capacity. Capacity itself is whatever the agent last reported: if a node
+  reports less than is reserved, nothing is evicted here, the node simply has no free bytes on that tier;
+- `credential_public_id` identifies the node credential; only an HMAC of its secret is kept (`credential_hash`);
+- the lease is renewed by register/heartbeat; `nodes_expire_leases` turns nodes whose lease passed into `lost`,
+  and only a re-register brings a lost node back to `ready`.
+"""
+
+import uuid
+
+from django.db import models
+from django.db.models import Q
+
+TIERS: tuple[str, ...] = ("device", "dram", "ssd")  # fastest first: the order placement ranks tiers in
+
+
+class NodeState(models.TextChoices):
+    REGISTERING = "registering"  # credential issued, the agent has not registered yet
+    READY = "ready"  # live lease, accepts placements
+    DRAINING = "draining"  # live, no new placements, caches are being moved away
+    CORDONED = "cordoned"  # live, no new placements, caches stay
+    LOST = "lost"  # lease expired; its caches are flagged by the caches room
+
+
+class Node(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    name = models.CharField(max_length=100, unique=True)
+    # "host:port" of the agent's data-plane server; empty until the agent registers.
+    endpoint = models.CharField(max_length=300, blank=True, default="")
+    state = models.CharField(max_length=16, choices=NodeState.choices, default=NodeState.REGISTERING)
+
+    device_capacity_bytes = models.BigIntegerField(default=0)
+    dram_capacity_bytes = models.BigIntegerField(default=0)
+    ssd_capacity_bytes = models.BigIntegerField(default=0)
+    device_reserved_bytes = models.BigIntegerField(default=0)
+    dram_reserved_bytes = models.BigIntegerField(default=0)
+    ssd_reserved_bytes = models.BigIntegerField(default=0)
+
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+    registered_at = models.DateTimeField(null=True, blank=True)  # last (re-)registration
+    # Latest per-cache resident bytes reported by heartbeat: {"reported_at": iso, "caches": {id: {tier: bytes}}}.
+    resident_snapshot = models.JSONField(default=dict, blank=True)
+
+    credential_public_id = models.CharField(max_length=32, unique=True)
+    credential_hash = models.CharField(max_length=64)  # hex HMAC-SHA256 of the secret with the server pepper
+
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+        indexes = [models.Index(fields=["state", "lease_expires_at"], name="fleet_node_state_lease")]
+        constraints = [
+            models.CheckConstraint(condition=Q(state__in=NodeState.values), name="fleet_node_state_valid"),
+            # Two live nodes never answer on the same endpoint (a data-plane client routes by it).
+            models.UniqueConstraint(
+                fields=["endpoint"],
+                condition=~Q(state=NodeState.LOST) & ~Q(endpoint=""),
+                name="fleet_node_endpoint_unique_live",
+            ),
+            *(
+                models.CheckConstraint(
+                    condition=Q(**{f"{tier}_{kind}_bytes__gte": 0}), name=f"fleet_node_{tier}_{kind}_nonneg"
+                )
+                for tier in TIERS
+                for kind in ("capacity", "reserved")
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.state})"
+
+    @property
+    def capacity(self) -> dict[str, int]:
+        return {tier: getattr(self, f"{tier}_capacity_bytes") for tier in TIERS}
+
+    @property
+    def reserved(self) -> dict[str, int]:
+        return {tier: getattr(self, f"{tier}_reserved_bytes") for tier in TIERS}
+
+    @property
+    def free(self) -> dict[str, int]:
+        """Unreserved bytes per tier, never negative (a node may report less capacity than is reserved)."""
+        capacity, reserved = self.capacity, self.reserved
+        return {tier: max(0, capacity[tier] - reserved[tier]) for tier in TIERS}

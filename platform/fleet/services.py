@@ -1,0 +1,277 @@
+"""Writes to the node registry: creation with a credential, registration, heartbeats, cordon/drain, placement and
+reservations, lease expiry.
+
+Locking: every service that changes a node takes its row lock (SELECT ... FOR UPDATE) first, and the ones that lock
+several rows (`node_place`, `nodes_expire_leases`) lock them in primary-key order, so two of them never deadlock.
+A caller that locks node rows itself must do so after `node_place`, not before.
+"""
+
+import logging
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import F, Q
+from django.utils import timezone
+
+from controlplane.errors import NotFoundError
+from fleet.credentials import credential_new
+from fleet.errors import (
+    EndpointInUse,
+    InvalidEndpoint,
+    InvalidCapacity,
+    InvalidNodeName,
+    InvalidNodeState,
+    NoCapacity,
+    NodeNameTaken,
+    ReregisterRequired,
+)
+from fleet.models import TIERS, Node, NodeState
+from fleet.validators import NODE_NAME_RE, capacity_errors, endpoint_error, endpoint_normalize
+
+logger = logging.getLogger("kcaas.fleet")
+
+
+@dataclass(frozen=True, slots=True)
+class IssuedNode:
+    node: Node
+    credential: str  # the raw node credential: shown to staff once, never stored
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRegistration:
+    node: Node
+    # What the control plane believes the node hosts. Always empty for now: fleet cannot see caches (caches sits
+    # above it), and how the caches room supplies this list is still open (see the register view's help text).
+    caches: list[dict] = field(default_factory=list)
+
+
+def _lock(node_id: uuid.UUID) -> Node:
+    """The node's row, locked until the transaction ends; 404 not_found when there is none."""
+    node = Node.objects.select_for_update().filter(pk=node_id).first()
+    if node is None:
+        raise NotFoundError("No such node.", details={"node_id": str(node_id)})
+    return node
+
+
+def _lease_until(now: datetime) -> datetime:
+    return now + timedelta(seconds=settings.KCAAS_NODE_LEASE_SECONDS)
+
+
+def _checked_capacity(capacity: object, *, require_all: bool) -> dict[str, int]:
+    """A full {tier: bytes} mapping (missing tiers 0) after validation; InvalidCapacity (400) otherwise."""
+    errors = capacity_errors(capacity, require_all=require_all)
+    if errors:
+        raise InvalidCapacity("The capacity is invalid.", details={"capacity": errors})
+    return {tier: int(capacity.get(tier, 0)) for tier in TIERS}
+
+
+def _set_capacity(node: Node, capacity: dict[str, int]) -> None:
+    for tier, nbytes in capacity.items():
+        setattr(node, f"{tier}_capacity_bytes", nbytes)
+    for tier in TIERS:
+        if node.capacity[tier] < node.reserved[tier]:
+            logger.warning("node %s reports %s capacity below its reservations", node.pk, tier)
+
+
+# ---- lifecycle ------------------------------------------------------------------------------------------------------
+
+
+@transaction.atomic
+def node_create(*, name: str) -> IssuedNode:
+    """A node in state `registering` and its credential, returned once. Names are unique (409 node_name_taken)."""
+    if not isinstance(name, str) or not NODE_NAME_RE.match(name):
+        raise InvalidNodeName("A node name is 1-100 letters, digits, '.', '_' or '-', starting alphanumeric.")
+    credential = credential_new()
+    try:
+        with transaction.atomic():
+            node = Node.objects.create(
+                name=name, credential_public_id=credential.public_id, credential_hash=credential.secret_hash
+            )
+    except IntegrityError:
+        raise NodeNameTaken("A node with this name exists.", details={"name": name}) from None
+    return IssuedNode(node=node, credential=credential.raw)
+
+
+@transaction.atomic
+def node_register(
+    *, node_id: uuid.UUID, endpoint: str, capacity: dict[str, int], now: datetime | None = None
+) -> NodeRegistration:
+    """(Re-)registration by the agent itself: endpoint and whole capacity recorded, lease started.
+
+    A new (`registering`) or `lost` node becomes `ready`; a cordoned or draining node keeps that state (an agent
+    restart does not undo an operator's decision); the node id never changes. Reservations are kept: the caches
+    placed on the node are still the control plane's to release. 409 endpoint_in_use when another live node
+    answers on the same endpoint.
+    """
+    problem = endpoint_error(endpoint)
+    if problem:
+        raise InvalidEndpoint(f"The endpoint {problem}.", details={"endpoint": problem})
+    checked = _checked_capacity(capacity, require_all=True)
+    now = now or timezone.now()
+    node = _lock(node_id)
+    node.endpoint = endpoint_normalize(endpoint)
+    _set_capacity(node, checked)
+    if node.state in (NodeState.REGISTERING, NodeState.LOST):
+        node.state = NodeState.READY
+    node.registered_at = node.last_heartbeat_at = now
+    node.lease_expires_at = _lease_until(now)
+    try:
+        with transaction.atomic():
+            node.save()
+    except IntegrityError:
+        raise EndpointInUse("Another live node answers on this endpoint.", details={"endpoint": endpoint}) from None
+    return NodeRegistration(node=node)
+
+
+@transaction.atomic
+def node_heartbeat(
+    *,
+    node_id: uuid.UUID,
+    capacity: dict[str, int],
+    resident: list[dict] | None = None,
+    now: datetime | None = None,
+) -> Node:
+    """Lease renewal with the node's current capacity and, optionally, its per-cache resident bytes.
+
+    `resident` is an absolute snapshot ([{"cache_id", "device_bytes", "dram_bytes", "ssd_bytes"}]) that replaces
+    the previous one; None keeps the previous one. A `lost` or never-registered node is refused with 409
+    reregister_required: only register brings it back, so the caches room has seen it lost before it is ready again.
+    A node whose lease has passed but that no sweep has marked lost yet is renewed: it was never declared lost.
+    """
+    checked = _checked_capacity(capacity, require_all=True)
+    now = now or timezone.now()
+    node = _lock(node_id)
+    if node.state in (NodeState.REGISTERING, NodeState.LOST):
+        raise ReregisterRequired("This node must register before it heartbeats.", details={"state": node.state})
+    _set_capacity(node, checked)
+    if resident is not None:
+        node.resident_snapshot = _snapshot(resident, now)
+    node.last_heartbeat_at = now
+    node.lease_expires_at = _lease_until(now)
+    node.save()
+    return node
+
+
+def _snapshot(resident: list[dict], now: datetime) -> dict:
+    caches = {
+        str(entry["cache_id"]): {tier: int(entry.get(f"{tier}_bytes", 0)) for tier in TIERS} for entry in resident
+    }
+    return {"reported_at": now.isoformat(), "caches": caches}
+
+
+def _transition(node_id: uuid.UUID, *, allowed: set[str], target: str, action: str) -> Node:
+    node = _lock(node_id)
+    if node.state == target:
+        return node  # idempotent: repeating the order changes nothing
+    if node.state not in allowed:
+        raise InvalidNodeState(
+            f"A {node.state} node cannot be {action}.", details={"state": node.state, "allowed": sorted(allowed)}
+        )
+    node.state = target
+    node.save(update_fields=["state", "updated_at"])
+    return node
+
+
+@transaction.atomic
+def node_cordon(*, node_id: uuid.UUID) -> Node:
+    """ready -> cordoned: no new placements, hosted caches stay. Idempotent; other states are 409."""
+    return _transition(node_id, allowed={NodeState.READY}, target=NodeState.CORDONED, action="cordoned")
+
+
+@transaction.atomic
+def node_uncordon(*, node_id: uuid.UUID) -> Node:
+    """cordoned -> ready. Idempotent on a ready node; other states are 409."""
+    return _transition(node_id, allowed={NodeState.CORDONED}, target=NodeState.READY, action="uncordoned")
+
+
+@transaction.atomic
+def node_drain(*, node_id: uuid.UUID) -> Node:
+    """ready/cordoned -> draining: no new placements while its caches are moved away (migration orchestration)."""
+    allowed = {NodeState.READY, NodeState.CORDONED}
+    return _transition(node_id, allowed=allowed, target=NodeState.DRAINING, action="drained")
+
+
+@transaction.atomic
+def nodes_expire_leases(*, now: datetime | None = None) -> list[uuid.UUID]:
+    """Nodes whose lease passed become `lost`; returns their ids (the caller flags their caches in the same
+    transaction).
+
+    Applies to ready, draining and cordoned nodes: a cordoned node still hosts caches, so its death must be seen.
+    Rows are locked in id order; PostgreSQL re-checks the lease condition on a row a concurrent heartbeat just
+    renewed, so a node that heartbeat in time is never marked lost.
+    """
+    now = now or timezone.now()
+    live = [NodeState.READY, NodeState.DRAINING, NodeState.CORDONED]
+    expired = Node.objects.select_for_update().filter(state__in=live, lease_expires_at__lt=now).order_by("id")
+    ids = list(expired.values_list("id", flat=True))
+    if ids:
+        Node.objects.filter(pk__in=ids).update(state=NodeState.LOST, updated_at=timezone.now())
+        logger.warning("nodes lost (lease expired): %s", ", ".join(map(str, ids)))
+    return ids
+
+
+# ---- placement ------------------------------------------------------------------------------------------------------
+
+
+@transaction.atomic
+def node_place(*, capacity: dict[str, int], now: datetime | None = None) -> Node:
+    """Reserve `capacity` ({tier: bytes}, missing tiers 0) on the best-fitting node and return that node.
+
+    Rule (best fit): the candidates are the `ready` nodes whose lease is still running and on which every requested
+    tier has at least the requested bytes free (capacity - reserved). Among them the winner leaves the fewest free
+    bytes on the primary tier afterwards, the primary tier being the fastest tier requested with a positive byte
+    count (device, then dram, then ssd); ties go to the fewest free bytes left on the other requested tiers in that
+    order, then to the node name. Draining, cordoned, lost and registering nodes are never chosen. Best fit keeps
+    large holes free for large caches.
+
+    Concurrency: the candidate rows are locked (SELECT ... FOR UPDATE, id order) in the caller's transaction, which
+    keeps them locked until it commits; a concurrently changed row is re-checked by PostgreSQL against the fit
+    condition before it is returned, so two placements can never together reserve past a node's capacity.
+    Raises InvalidCapacity (400) for a bad mapping or one asking for nothing, NoCapacity (503 no_capacity) when no
+    node fits.
+    """
+    want = _checked_capacity(capacity, require_all=False)
+    requested = [tier for tier in TIERS if want[tier] > 0]
+    if not requested:
+        raise InvalidCapacity("A placement must ask for bytes on at least one tier.", details={"capacity": want})
+    now = now or timezone.now()
+    fits = Q()
+    for tier in requested:
+        fits &= Q(**{f"{tier}_capacity_bytes__gte": F(f"{tier}_reserved_bytes") + want[tier]})
+    live = Node.objects.filter(state=NodeState.READY, lease_expires_at__gt=now)
+    candidates = list(live.filter(fits).select_for_update().order_by("id"))
+    if not candidates:
+        raise NoCapacity("No node has the requested capacity free.", details={"requested": want})
+    best = min(candidates, key=lambda node: _fit_rank(node, want, requested))
+    Node.objects.filter(pk=best.pk).update(
+        **{f"{tier}_reserved_bytes": F(f"{tier}_reserved_bytes") + want[tier] for tier in requested},
+        updated_at=timezone.now(),
+    )
+    best.refresh_from_db()
+    return best
+
+
+def _fit_rank(node: Node, want: dict[str, int], requested: list[str]) -> tuple:
+    free = node.free
+    return (*(free[tier] - want[tier] for tier in requested), node.name)
+
+
+@transaction.atomic
+def node_unreserve(*, node_id: uuid.UUID, capacity: dict[str, int]) -> Node:
+    """Give back bytes a placement reserved (detach, failed provisioning, migration away).
+
+    The caller guarantees it releases each reservation once (its own status guard). Releasing more than is
+    reserved is clamped at zero and logged, never stored as a negative reservation.
+    """
+    give_back = _checked_capacity(capacity, require_all=False)
+    node = _lock(node_id)
+    for tier, nbytes in give_back.items():
+        reserved = getattr(node, f"{tier}_reserved_bytes")
+        if nbytes > reserved:
+            logger.error("node %s: releasing %d %s bytes but only %d reserved", node.pk, nbytes, tier, reserved)
+        setattr(node, f"{tier}_reserved_bytes", max(0, reserved - nbytes))
+    node.save(update_fields=[f"{tier}_reserved_bytes" for tier in TIERS] + ["updated_at"])
+    return node

@@ -1,0 +1,375 @@
+"""REST API of the tenants app: a tenant's API keys (scope ``keys``) and staff administration of tenants and quotas.
+
+Each view validates its input, calls one service or selector, and serializes. Tenant isolation: a tenant key only
+ever reaches its own tenant's rows (another tenant's key id is a 404, not a 403). The raw key appears only in the
+responses of create and rotate; no response carries a secret or a hash.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.core.validators import RegexValidator
+from django.utils import timezone
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_serializer
+from rest_framework import serializers, status
+from rest_framework.parsers import JSONParser
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from controlplane.errors import ApplicationError
+from tenants import scopes as scope_rules, selectors, services
+from tenants.models import Tenant
+from tenants.fields import StrictCharField, StrictIntegerField
+from tenants.openapi import AUTH_ERRORS, RATE_LIMIT_HEADERS, RejectUnknownFieldsMixin, error_responses
+from tenants.pagination import BoundedLimitOffsetPagination
+from tenants.permissions import IsStaff, ScopePermission
+from tenants.principals import TenantPrincipal, request_tenant
+
+DEFAULT_OVERLAP_SECONDS = 3600
+MAX_KEY_LIFETIME_SECONDS = 5 * 366 * 24 * 3600
+
+
+class JsonApi(APIView):
+    """The base of this app's views: JSON request bodies only (the schema then lists exactly that)."""
+
+    parser_classes = [JSONParser]
+
+
+class PaginatedApi(JsonApi):
+    """A view whose GET lists: LimitOffsetPagination at runtime and in the schema."""
+
+    pagination_class = BoundedLimitOffsetPagination
+
+    def paginated(self, queryset, serializer_class):
+        paginator = self.pagination_class()
+        page = paginator.paginate_queryset(queryset, self.request, view=self)
+        return paginator.get_paginated_response(serializer_class(page, many=True).data)
+
+
+# ---- API keys ------------------------------------------------------------------------------------------------------
+
+
+class KeyOutputSerializer(serializers.Serializer):
+    id = serializers.UUIDField()
+    tenant_id = serializers.UUIDField()
+    name = serializers.CharField()
+    public_id = serializers.CharField(help_text="The key's public handle; the key starts kc_live_<public_id>_.")
+    scopes = serializers.ListField(child=serializers.ChoiceField(choices=scope_rules.ALL_SCOPES))
+    state = serializers.ChoiceField(choices=["active", "expired", "revoked"])
+    created_at = serializers.DateTimeField()
+    expires_at = serializers.DateTimeField(allow_null=True)
+    revoked_at = serializers.DateTimeField(allow_null=True)
+    last_used_at = serializers.DateTimeField(allow_null=True, help_text="Updated by a periodic flush.")
+    use_count = serializers.IntegerField(help_text="Updated by a periodic flush.")
+    rotated_from = serializers.UUIDField(source="rotated_from_id", allow_null=True)
+
+
+class IssuedKeyOutputSerializer(KeyOutputSerializer):
+    key = serializers.CharField(help_text="The raw key. Shown only in this response: store it now.")
+
+
+def _issued(issued: services.IssuedKey) -> dict:
+    """The IssuedKeyOutputSerializer shape: the key's fields plus the raw key."""
+    return {**KeyOutputSerializer(issued.api_key).data, "key": issued.raw_key}
+
+
+_TENANT_ID_PARAM = OpenApiParameter(
+    "tenant_id", OpenApiTypes.UUID, required=False, description="Staff only (required for staff): the tenant."
+)
+
+
+def _caller_scopes_cover(request, wanted) -> None:
+    """A tenant key may not mint or rotate into scopes it does not hold itself (staff may)."""
+    user = request.user
+    if isinstance(user, TenantPrincipal) and not scope_rules.covers(user.scopes, wanted):
+        missing = sorted(s for s in wanted if not scope_rules.covers(user.scopes, [s]))
+        raise ApplicationError(
+            "A key cannot grant scopes it does not hold.",
+            code="permission_denied",
+            status_code=403,
+            details={"not_held": missing},
+        )
+
+
+class KeyListCreateApi(PaginatedApi):
+    permission_classes = [ScopePermission]
+    scope_resource = "keys"
+
+    class FilterSerializer(serializers.Serializer):
+        tenant_id = serializers.UUIDField(required=False)
+
+    @extend_schema_serializer(component_name="KeyCreate")
+    class InputSerializer(serializers.Serializer):
+        name = StrictCharField(
+            max_length=100,
+            required=False,
+            allow_blank=True,
+            default="",
+            validators=[RegexValidator(services.NAME_PATTERN, "No control characters.")],
+        )
+        scopes = serializers.ListField(
+            child=serializers.ChoiceField(choices=scope_rules.ALL_SCOPES),
+            min_length=1,
+            max_length=len(scope_rules.ALL_SCOPES),
+        )
+        expires_in_seconds = StrictIntegerField(
+            required=False,
+            allow_null=True,
+            default=None,
+            min_value=60,
+            max_value=MAX_KEY_LIFETIME_SECONDS,
+            help_text="Lifetime of the key; null or absent: it never expires (revoke or rotate it instead).",
+        )
+        tenant_id = serializers.UUIDField(required=False, help_text="Staff only (required for staff).")
+
+    @extend_schema(
+        operation_id="keys_list",
+        summary="List this tenant's API keys (never secrets or hashes)",
+        parameters=[_TENANT_ID_PARAM, *RATE_LIMIT_HEADERS],
+        responses={200: KeyOutputSerializer(many=True), **error_responses(*AUTH_ERRORS, 404)},
+    )
+    def get(self, request):
+        """Newest first, paginated. Staff name the tenant with `tenant_id`; a tenant key sees only its own keys."""
+        query = self.FilterSerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        tenant = request_tenant(request, query.validated_data.get("tenant_id"))
+        return self.paginated(selectors.api_key_list(tenant=tenant), KeyOutputSerializer)
+
+    @extend_schema(
+        operation_id="keys_create",
+        summary="Issue an API key; the raw key is in this response only",
+        request=InputSerializer,
+        parameters=RATE_LIMIT_HEADERS,
+        responses={201: IssuedKeyOutputSerializer, **error_responses(*AUTH_ERRORS, 404, 409)},
+    )
+    def post(self, request):
+        """Scopes are `<resource>:<action>`; a key may only grant scopes it holds. The raw key is returned once."""
+        body = self.InputSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = body.validated_data
+        tenant = request_tenant(request, data.get("tenant_id"))
+        _caller_scopes_cover(request, data["scopes"])
+        lifetime = data["expires_in_seconds"]
+        expires_at = timezone.now() + timedelta(seconds=lifetime) if lifetime is not None else None
+        issued = services.api_key_issue(tenant=tenant, scopes=data["scopes"], name=data["name"], expires_at=expires_at)
+        return Response(_issued(issued), status=status.HTTP_201_CREATED)
+
+
+def _visible_key(request, key_id):
+    """The key if this caller may see it: staff any, a tenant key only its tenant's (else 404)."""
+    user = request.user
+    tenant = user.tenant if isinstance(user, TenantPrincipal) else None
+    return selectors.api_key_get(key_id=key_id, tenant=tenant)
+
+
+class KeyDetailApi(JsonApi):
+    permission_classes = [ScopePermission]
+    scope_resource = "keys"
+
+    @extend_schema(
+        operation_id="keys_retrieve",
+        summary="One API key of this tenant",
+        parameters=RATE_LIMIT_HEADERS,
+        responses={200: KeyOutputSerializer, **error_responses(*AUTH_ERRORS, 404)},
+    )
+    def get(self, request, key_id):
+        """A key of the caller's tenant (another tenant's key id is a 404)."""
+        return Response(KeyOutputSerializer(_visible_key(request, key_id)).data)
+
+
+class KeyRevokeApi(JsonApi):
+    permission_classes = [ScopePermission]
+    scope_resource = "keys"
+
+    @extend_schema(
+        operation_id="keys_revoke",
+        summary="Revoke an API key (irreversible)",
+        request=None,
+        parameters=RATE_LIMIT_HEADERS,
+        responses={200: KeyOutputSerializer, **error_responses(*AUTH_ERRORS, 404)},
+    )
+    def post(self, request, key_id):
+        """Revoked keys are refused from now on (401 `api_key_revoked`); revoking twice keeps the first time."""
+        api_key = services.api_key_revoke(api_key=_visible_key(request, key_id))
+        return Response(KeyOutputSerializer(api_key).data)
+
+
+class KeyRotateApi(JsonApi):
+    permission_classes = [ScopePermission]
+    scope_resource = "keys"
+
+    @extend_schema_serializer(component_name="KeyRotate")
+    class InputSerializer(serializers.Serializer):
+        overlap_seconds = StrictIntegerField(
+            min_value=0,
+            max_value=services.MAX_OVERLAP_SECONDS,
+            default=DEFAULT_OVERLAP_SECONDS,
+            help_text="How long the old key keeps working (then it is refused as expired).",
+        )
+
+    @extend_schema(
+        operation_id="keys_rotate",
+        summary="Rotate an API key: a successor now, the old key expires after the overlap",
+        request=InputSerializer,
+        parameters=RATE_LIMIT_HEADERS,
+        responses={201: IssuedKeyOutputSerializer, **error_responses(*AUTH_ERRORS, 404, 409)},
+    )
+    def post(self, request, key_id):
+        """The successor has the same scopes, name and expiry; the old key works for `overlap_seconds`, then 401."""
+        body = self.InputSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        api_key = _visible_key(request, key_id)
+        _caller_scopes_cover(request, api_key.scopes)
+        issued = services.api_key_rotate(api_key=api_key, overlap_seconds=body.validated_data["overlap_seconds"])
+        return Response(_issued(issued), status=status.HTTP_201_CREATED)
+
+
+# ---- staff: tenants and quotas ---------------------------------------------------------------------------------------
+
+STAFF_ERRORS = (400, 401, 403)
+
+
+class TenantOutputSerializer(serializers.Serializer):
+    id = serializers.UUIDField()
+    name = serializers.CharField()
+    status = serializers.ChoiceField(choices=Tenant.Status.choices)
+    created_at = serializers.DateTimeField()
+
+
+class TenantListCreateApi(PaginatedApi):
+    permission_classes = [IsStaff]
+
+    @extend_schema_serializer(component_name="TenantCreate")
+    class InputSerializer(serializers.Serializer):
+        name = StrictCharField(
+            max_length=services.TENANT_NAME_MAX_LENGTH,
+            validators=[RegexValidator(services.NONBLANK_NAME_PATTERN, "Printable, not blank.")],
+        )
+
+    @extend_schema(
+        operation_id="admin_tenants_list",
+        summary="List tenants (staff)",
+        responses={200: TenantOutputSerializer(many=True), **error_responses(*STAFF_ERRORS)},
+    )
+    def get(self, request):
+        """All tenants, oldest first, paginated."""
+        return self.paginated(selectors.tenant_list(), TenantOutputSerializer)
+
+    @extend_schema(
+        operation_id="admin_tenants_create",
+        summary="Create a tenant (staff)",
+        request=InputSerializer,
+        responses={201: TenantOutputSerializer, **error_responses(*STAFF_ERRORS, 409)},
+    )
+    def post(self, request):
+        """A new active tenant with default quotas; names are unique (409 `tenant_name_taken`)."""
+        body = self.InputSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        tenant = services.tenant_create(name=body.validated_data["name"])
+        return Response(TenantOutputSerializer(tenant).data, status=status.HTTP_201_CREATED)
+
+
+class TenantDetailApi(JsonApi):
+    permission_classes = [IsStaff]
+
+    @extend_schema_serializer(component_name="TenantStatusUpdate")
+    class InputSerializer(serializers.Serializer):
+        status = serializers.ChoiceField(choices=[Tenant.Status.ACTIVE, Tenant.Status.SUSPENDED], required=False)
+
+    @extend_schema(
+        operation_id="admin_tenants_retrieve",
+        summary="One tenant (staff)",
+        responses={200: TenantOutputSerializer, **error_responses(*STAFF_ERRORS, 404)},
+    )
+    def get(self, request, tenant_id):
+        """One tenant by id."""
+        return Response(TenantOutputSerializer(selectors.tenant_get(tenant_id=tenant_id)).data)
+
+    @extend_schema(
+        operation_id="admin_tenants_update_status",
+        summary="Suspend or reactivate a tenant (staff)",
+        request=InputSerializer,
+        responses={200: TenantOutputSerializer, **error_responses(*STAFF_ERRORS, 404, 409)},
+    )
+    def patch(self, request, tenant_id):
+        """Set `status` to `suspended` (its keys are refused with 401 `tenant_inactive`) or back to `active`."""
+        body = self.InputSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        tenant = selectors.tenant_get(tenant_id=tenant_id)
+        if "status" in body.validated_data:  # PATCH semantics: an empty body changes nothing
+            tenant = services.tenant_set_status(tenant=tenant, status=body.validated_data["status"])
+        return Response(TenantOutputSerializer(tenant).data)
+
+
+def _quota_field(field: str, **kwargs) -> serializers.IntegerField:
+    low, high = services.QUOTA_BOUNDS[field]
+    return StrictIntegerField(min_value=low, max_value=high, **kwargs)
+
+
+def _quota_serializer(name: str, doc: str, base=serializers.Serializer, **field_kwargs) -> type:
+    """A serializer class with one bounded integer field per quota limit."""
+    attrs = {field: _quota_field(field, **field_kwargs) for field in services.QUOTA_BOUNDS}
+    return type(name, (base,), {**attrs, "__doc__": doc, "__module__": __name__})
+
+
+QuotaOverridesSerializer = _quota_serializer(
+    "QuotaOverridesSerializer", "Per-tenant overrides; null means the default.", allow_null=True
+)
+
+
+class QuotaOutputSerializer(_quota_serializer("QuotaLimitsSerializer", "Effective limits.")):
+    tenant_id = serializers.UUIDField()
+    overrides = QuotaOverridesSerializer()
+
+
+class _QuotaPatchBase(RejectUnknownFieldsMixin, serializers.Serializer):
+    pass
+
+
+QuotaPatchSerializer = _quota_serializer(
+    "QuotaPatchSerializer",
+    "Any subset of the limits; null resets one to the default. Unknown fields are refused.",
+    base=_QuotaPatchBase,
+    required=False,
+    allow_null=True,
+)
+
+
+def _quota_data(tenant: Tenant) -> dict:
+    limits = selectors.quota_limits(tenant=tenant)
+    return {
+        "tenant_id": tenant.pk,
+        **{field: getattr(limits, field) for field in services.QUOTA_BOUNDS},
+        "overrides": selectors.quota_overrides(tenant=tenant),
+    }
+
+
+class TenantQuotaApi(JsonApi):
+    permission_classes = [IsStaff]
+
+    @extend_schema(
+        operation_id="admin_tenants_quota_retrieve",
+        summary="A tenant's effective quota and overrides (staff)",
+        responses={200: QuotaOutputSerializer, **error_responses(*STAFF_ERRORS, 404)},
+    )
+    def get(self, request, tenant_id):
+        """Effective limits (overrides merged over the defaults) and the overrides themselves."""
+        tenant = selectors.tenant_get(tenant_id=tenant_id)
+        return Response(QuotaOutputSerializer(_quota_data(tenant)).data)
+
+    @extend_schema(
+        operation_id="admin_tenants_quota_update",
+        summary="Override quota limits; null resets to the default (staff)",
+        request=QuotaPatchSerializer,
+        responses={200: QuotaOutputSerializer, **error_responses(*STAFF_ERRORS, 404)},
+    )
+    def patch(self, request, tenant_id):
+        """Integers within the documented bounds, or null for the default; unknown fields are a 400."""
+        body = QuotaPatchSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        tenant = selectors.tenant_get(tenant_id=tenant_id)
+        services.quota_update(tenant=tenant, **body.validated_data)
+        tenant = selectors.tenant_get(tenant_id=tenant_id)
+        return Response(QuotaOutputSerializer(_quota_data(tenant)).data)

@@ -1,0 +1,38 @@
+"""``manage.py kcaas_create_tenant NAME [--scopes ...] [--reuse]``: create a tenant and print a fresh API key.
+
+The raw key is the only thing written to stdout (so ``KEY=$(manage.py kcaas_create_tenant demo)`` works); what was
+done goes to stderr. ``make up`` uses it for the demo tenant.
+"""
+
+from django.core.management.base import BaseCommand, CommandError
+
+from controlplane.errors import ApplicationError
+from tenants import scopes as scope_rules, services
+from tenants.models import Tenant
+
+
+class Command(BaseCommand):
+    help = "Create a tenant (or reuse one with --reuse) and print a new API key for it."
+
+    def add_arguments(self, parser):
+        parser.add_argument("name")
+        parser.add_argument(
+            "--scopes", nargs="+", default=list(scope_rules.ALL_SCOPES), choices=scope_rules.ALL_SCOPES,
+            help="Scopes of the key (default: all).",
+        )
+        parser.add_argument("--key-name", default="created by kcaas_create_tenant")
+        parser.add_argument("--reuse", action="store_true", help="Use the tenant of that name if it exists.")
+
+    def handle(self, *args, name, scopes, key_name, reuse, **options):
+        tenant = Tenant.objects.filter(name=name.strip()).first() if reuse else None
+        try:
+            if tenant is None:
+                tenant = services.tenant_create(name=name)
+                self.stderr.write(f"created tenant {tenant.name} ({tenant.pk})")
+            else:
+                self.stderr.write(f"reusing tenant {tenant.name} ({tenant.pk})")
+            issued = services.api_key_issue(tenant=tenant, scopes=scopes, name=key_name)
+        except ApplicationError as exc:
+            raise CommandError(f"{exc.code}: {exc.message} {exc.details or ''}".strip()) from None
+        self.stderr.write(f"key {issued.api_key.public_id} scopes {' '.join(issued.api_key.scopes)}")
+        self.stdout.write(issued.raw_key)

@@ -1,0 +1,93 @@
+"""Reads of the tenants app. Tenant scoping happens here: a selector given a tenant never returns another's rows."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from django.conf import settings
+from django.db.models import QuerySet
+
+from controlplane.errors import NotFoundError
+from tenants.models import QUOTA_FIELDS, ApiKey, Quota, Tenant
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaLimits:
+    """A tenant's effective limits: its overrides merged over settings.KCAAS_QUOTA_DEFAULTS."""
+
+    max_caches: int
+    max_device_bytes: int
+    max_dram_bytes: int
+    max_ssd_bytes: int
+    max_requests_per_second: int
+    max_data_tokens_outstanding: int
+
+    def capacity_bytes(self) -> dict[str, int]:
+        """Per-tier byte limits keyed like cache capacities (``device``/``dram``/``ssd``)."""
+        return {"device": self.max_device_bytes, "dram": self.max_dram_bytes, "ssd": self.max_ssd_bytes}
+
+
+def _loaded_quota(tenant: Tenant) -> Quota | None:
+    """The tenant's Quota row, using a select_related cache when present; None when the tenant has no row."""
+    try:
+        return tenant.quota
+    except Quota.DoesNotExist:
+        return None
+
+
+def quota_limits(*, tenant: Tenant) -> QuotaLimits:
+    defaults = settings.KCAAS_QUOTA_DEFAULTS
+    quota = _loaded_quota(tenant)
+    values = {}
+    for field in QUOTA_FIELDS:
+        override = getattr(quota, field) if quota is not None else None
+        values[field] = int(override if override is not None else defaults[field])
+    return QuotaLimits(**values)
+
+
+def quota_overrides(*, tenant: Tenant) -> dict[str, int | None]:
+    quota = _loaded_quota(tenant)
+    return {field: (getattr(quota, field) if quota is not None else None) for field in QUOTA_FIELDS}
+
+
+def _uuid_or_none(value) -> uuid.UUID | None:
+    if isinstance(value, uuid.UUID):
+        return value
+    try:
+        return uuid.UUID(str(value))
+    except ValueError:
+        return None
+
+
+def tenant_list() -> QuerySet[Tenant]:
+    return Tenant.objects.select_related("quota").order_by("created_at", "id")
+
+
+def tenant_get(*, tenant_id) -> Tenant:
+    wanted = _uuid_or_none(tenant_id)
+    tenant = Tenant.objects.select_related("quota").filter(pk=wanted).first() if wanted else None
+    if tenant is None:
+        raise NotFoundError("No such tenant.")
+    return tenant
+
+
+def api_key_list(*, tenant: Tenant) -> QuerySet[ApiKey]:
+    return ApiKey.objects.filter(tenant=tenant).order_by("-created_at", "id")
+
+
+def api_key_get(*, key_id, tenant: Tenant | None) -> ApiKey:
+    """The key with that id, within ``tenant`` (None: any tenant, for staff). Another tenant's key is a 404."""
+    wanted = _uuid_or_none(key_id)
+    queryset = ApiKey.objects.select_related("tenant")
+    if tenant is not None:
+        queryset = queryset.filter(tenant=tenant)
+    api_key = queryset.filter(pk=wanted).first() if wanted else None
+    if api_key is None:
+        raise NotFoundError("No such API key.")
+    return api_key
+
+
+def api_key_for_authentication(*, public_id: str) -> ApiKey | None:
+    """The key with that public id, its tenant and quota in one query (the per-request authentication read)."""
+    return ApiKey.objects.select_related("tenant", "tenant__quota").filter(public_id=public_id).first()

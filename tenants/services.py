@@ -1,0 +1,279 @@
+"""Writes of the tenants app: tenants, API keys, quotas, key usage.
+
+Functions are keyword-only; writes run in a transaction (``tenant_lock`` joins the caller's, and
+``api_key_usage_flush`` commits one transaction per usage batch). Invariants kept here:
+- a raw key is returned once (IssuedKey.raw_key) and never stored; only keys.key_hash(secret) is;
+- revocation is irreversible; a key is rotated at most once (ApiKey.rotated_from is one-to-one);
+- after ``api_key_rotate(overlap_seconds=s)`` the old key works until now + s (or its own earlier expiry), then it
+  is refused as expired;
+- quota values are integers within QUOTA_BOUNDS, or None for the default;
+- ``tenant_lock`` is the serialization point of every quota check: callers hold it to the end of their transaction.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from django.db import IntegrityError, connection, transaction
+from django.db.models import F, Value
+from django.db.models.functions import Coalesce, Greatest
+from django.utils import timezone
+
+from controlplane.errors import ApplicationError, ConflictError, NotFoundError
+from tenants import keys, scopes as scope_rules, usage
+from tenants.models import QUOTA_FIELDS, ApiKey, KeyUsageFlush, Quota, Tenant
+from tenants.redis_client import get_redis
+
+logger = logging.getLogger("kcaas.tenants")
+
+# Inclusive bounds per quota field: sane for one tenant, and below 2**53 so every JSON client reads them exactly.
+QUOTA_BOUNDS: dict[str, tuple[int, int]] = {
+    "max_caches": (0, 10_000),
+    "max_device_bytes": (0, 2**50),  # 1 PiB
+    "max_dram_bytes": (0, 2**50),
+    "max_ssd_bytes": (0, 2**52),  # 4 PiB
+    "max_requests_per_second": (1, 100_000),  # 0 would lock a tenant out of its own API: suspend it instead
+    "max_data_tokens_outstanding": (0, 1_000_000),
+}
+MAX_OVERLAP_SECONDS = 7 * 24 * 3600
+TENANT_NAME_MAX_LENGTH = 100
+# Display names (tenants, keys): no control characters (PostgreSQL text refuses NUL). Lone surrogates are refused
+# too (by DRF for the API, by _printable here); they stay out of the published pattern, which JSON Schema tools
+# built on Rust's regex engine cannot compile.
+_CONTROL_CHARS = r"\x00-\x1f\x7f"
+NAME_PATTERN = rf"^[^{_CONTROL_CHARS}]*$"
+NONBLANK_NAME_PATTERN = rf"^[^{_CONTROL_CHARS}]*[^\s{_CONTROL_CHARS}][^{_CONTROL_CHARS}]*$"
+
+
+def _printable(name: str) -> bool:
+    return re.fullmatch(NAME_PATTERN, name) is not None and not any("\ud800" <= c <= "\udfff" for c in name)
+
+
+@dataclass(frozen=True, slots=True)
+class IssuedKey:
+    """A newly issued key and its raw form, which is shown once and never stored."""
+
+    api_key: ApiKey
+    raw_key: str
+
+
+class ValidationFailed(ApplicationError):
+    code = "validation_error"
+
+
+def _invalid(field: str, message: str) -> ValidationFailed:
+    """The same 400 shape DRF validation gives: details.fields.<field> = [message]."""
+    return ValidationFailed("The request is invalid.", details={"fields": {field: [message]}})
+
+
+# ---- tenants ----------------------------------------------------------------------------------------------------
+
+
+@transaction.atomic
+def tenant_create(*, name: str) -> Tenant:
+    """A new active tenant with an all-default Quota row. Names are unique (409 ``tenant_name_taken``)."""
+    name = (name or "").strip()
+    if not name or len(name) > TENANT_NAME_MAX_LENGTH or not _printable(name):
+        raise _invalid("name", f"1 to {TENANT_NAME_MAX_LENGTH} printable characters.")
+    try:
+        with transaction.atomic():
+            tenant = Tenant.objects.create(name=name)
+    except IntegrityError:
+        raise ConflictError(f"A tenant named {name!r} exists.", code="tenant_name_taken") from None
+    Quota.objects.create(tenant=tenant)
+    return tenant
+
+
+def tenant_lock(*, tenant_id) -> Tenant:
+    """The tenant row locked FOR UPDATE until the caller's transaction ends (must be called inside one)."""
+    if not connection.in_atomic_block:
+        raise RuntimeError("tenant_lock must be called inside transaction.atomic()")
+    tenant = Tenant.objects.select_for_update().filter(pk=tenant_id).first()
+    if tenant is None:
+        raise NotFoundError("No such tenant.")
+    return tenant
+
+
+_SETTABLE_STATUSES = {Tenant.Status.ACTIVE, Tenant.Status.SUSPENDED}
+
+
+@transaction.atomic
+def tenant_set_status(*, tenant: Tenant, status: str) -> Tenant:
+    """Suspend or reactivate a tenant. Erasing/erased are owned by the privacy app and are final here."""
+    if status not in _SETTABLE_STATUSES:
+        raise _invalid("status", "active or suspended.")
+    locked = tenant_lock(tenant_id=tenant.pk)
+    if locked.status not in _SETTABLE_STATUSES:
+        raise ConflictError(f"The tenant is {locked.status}.", code="tenant_inactive")
+    locked.status = status
+    locked.save(update_fields=["status"])
+    return locked
+
+
+# ---- API keys ----------------------------------------------------------------------------------------------------
+
+
+def _check_issuable(tenant: Tenant) -> None:
+    if tenant.status in (Tenant.Status.ERASING, Tenant.Status.ERASED):
+        raise ConflictError(f"The tenant is {tenant.status}.", code="tenant_inactive")
+
+
+@transaction.atomic
+def api_key_issue(
+    *, tenant: Tenant, scopes: list[str], name: str = "", expires_at: datetime | None = None
+) -> IssuedKey:
+    """A new key for ``tenant`` with the given scopes (validated, de-duplicated) and optional expiry (future)."""
+    try:
+        normalized = scope_rules.normalize_scopes(scopes)
+    except scope_rules.InvalidScope as exc:
+        raise _invalid("scopes", f"Unknown scope {exc.args[0]!r}.") from None
+    if not normalized:
+        raise _invalid("scopes", "At least one scope.")
+    if expires_at is not None and expires_at <= timezone.now():
+        raise _invalid("expires_at", "Must be in the future.")
+    _check_issuable(tenant)
+    raw, public_id, secret = keys.generate_key(keys.TENANT_KEY_PREFIX)
+    api_key = ApiKey.objects.create(
+        tenant=tenant,
+        name=name or "",
+        public_id=public_id,
+        secret_hash=keys.key_hash(secret),
+        scopes=normalized,
+        expires_at=expires_at,
+    )
+    return IssuedKey(api_key=api_key, raw_key=raw)
+
+
+def _lock_key(api_key: ApiKey) -> ApiKey:
+    return ApiKey.objects.select_for_update().select_related("tenant").get(pk=api_key.pk)
+
+
+@transaction.atomic
+def api_key_revoke(*, api_key: ApiKey) -> ApiKey:
+    """Revoke now (irreversible). Revoking a revoked key is a no-op that keeps the first revocation time."""
+    locked = _lock_key(api_key)
+    if locked.revoked_at is None:
+        locked.revoked_at = timezone.now()
+        locked.save(update_fields=["revoked_at"])
+    return locked
+
+
+@transaction.atomic
+def api_key_rotate(*, api_key: ApiKey, overlap_seconds: int) -> IssuedKey:
+    """A successor with the same tenant, name, scopes and expiry; the old key expires after the overlap window.
+
+    Refused (409) for a revoked, expired or already rotated key.
+    """
+    if isinstance(overlap_seconds, bool) or not isinstance(overlap_seconds, int):
+        raise _invalid("overlap_seconds", "An integer.")
+    if not 0 <= overlap_seconds <= MAX_OVERLAP_SECONDS:
+        raise _invalid("overlap_seconds", f"Between 0 and {MAX_OVERLAP_SECONDS}.")
+    locked = _lock_key(api_key)
+    now = timezone.now()
+    state = locked.state_at(now)
+    if state != ApiKey.State.ACTIVE:
+        raise ConflictError(f"The key is {state}.", code="api_key_inactive")
+    if ApiKey.objects.filter(rotated_from=locked).exists():
+        raise ConflictError("The key was already rotated.", code="api_key_already_rotated")
+    _check_issuable(locked.tenant)
+    raw, public_id, secret = keys.generate_key(keys.TENANT_KEY_PREFIX)
+    successor = ApiKey.objects.create(
+        tenant=locked.tenant,
+        name=locked.name,
+        public_id=public_id,
+        secret_hash=keys.key_hash(secret),
+        scopes=list(locked.scopes),
+        expires_at=locked.expires_at,
+        rotated_from=locked,
+    )
+    overlap_end = now + timedelta(seconds=overlap_seconds)
+    if locked.expires_at is None or overlap_end < locked.expires_at:
+        locked.expires_at = overlap_end
+        locked.save(update_fields=["expires_at"])
+    return IssuedKey(api_key=successor, raw_key=raw)
+
+
+# ---- quotas --------------------------------------------------------------------------------------------------------
+
+
+def _validate_limits(limits: dict) -> dict[str, int | None]:
+    errors: dict[str, list[str]] = {}
+    cleaned: dict[str, int | None] = {}
+    for field, value in limits.items():
+        if field not in QUOTA_BOUNDS:
+            errors[field] = ["Unknown quota field."]
+            continue
+        low, high = QUOTA_BOUNDS[field]
+        if value is None:
+            cleaned[field] = None
+        elif isinstance(value, bool) or not isinstance(value, int):
+            errors[field] = ["An integer or null."]
+        elif not low <= value <= high:
+            errors[field] = [f"Between {low} and {high}."]
+        else:
+            cleaned[field] = value
+    if errors:
+        raise ValidationFailed("The request is invalid.", details={"fields": errors})
+    return cleaned
+
+
+@transaction.atomic
+def quota_update(*, tenant: Tenant, **limits) -> Quota:
+    """Set quota overrides; None resets a field to settings.KCAAS_QUOTA_DEFAULTS. Fields not given are unchanged.
+
+    Takes the tenant lock, so a change never interleaves with a quota check in flight.
+    """
+    cleaned = _validate_limits(limits)
+    tenant_lock(tenant_id=tenant.pk)
+    quota, _ = Quota.objects.select_for_update().get_or_create(tenant_id=tenant.pk)
+    for field, value in cleaned.items():
+        setattr(quota, field, value)
+    quota.updated_at = timezone.now()
+    quota.save(update_fields=[*cleaned, "updated_at"])
+    return quota
+
+
+assert set(QUOTA_BOUNDS) == set(QUOTA_FIELDS)
+
+
+# ---- key usage -----------------------------------------------------------------------------------------------------
+
+
+@transaction.atomic
+def api_key_usage_apply(*, batch: usage.UsageBatch) -> bool:
+    """Add one claimed usage batch to the keys; False (and no change) when that batch was applied before."""
+    try:
+        with transaction.atomic():
+            KeyUsageFlush.objects.create(batch_id=batch.batch_id, num_keys=len(batch.counts))
+    except IntegrityError:
+        return False
+    for key_id in sorted(set(batch.counts) | set(batch.last_used)):
+        updates = {"use_count": F("use_count") + batch.counts.get(key_id, 0)}
+        last = batch.last_used.get(key_id)
+        if last is not None:
+            updates["last_used_at"] = Greatest(Coalesce("last_used_at", Value(last)), Value(last))
+        ApiKey.objects.filter(pk=key_id).update(**updates)
+    return True
+
+
+FLUSH_RECORD_RETENTION = timedelta(days=2)
+
+
+def api_key_usage_flush() -> int:
+    """Move every pending usage batch from Redis to PostgreSQL; the number of batches applied. Safe to rerun."""
+    client = get_redis()
+    if client is None:
+        return 0  # the embedded default writes usage directly
+    applied = 0
+    for _ in range(3):  # a pending batch left by a dead flush, then the live counters
+        batch = usage.claim_batch(client)
+        if batch is None:
+            break
+        if api_key_usage_apply(batch=batch):
+            applied += 1
+        usage.release_batch(client, batch.batch_id)
+    KeyUsageFlush.objects.filter(flushed_at__lt=timezone.now() - FLUSH_RECORD_RETENTION).delete()
+    return applied

@@ -1,0 +1,42 @@
+"""The one error shape and the published OpenAPI schema, for routes that no room owns."""
+
+import pytest
+from django.test import Client
+
+
+@pytest.fixture
+def client():
+    return Client()
+
+
+def assert_error(response, status: int, code: str) -> dict:
+    assert response.status_code == status, response.content
+    assert response["Content-Type"].startswith("application/json")
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"code", "message", "details"}
+    assert body["error"]["code"] == code
+    return body["error"]
+
+
+def test_unknown_url_is_a_json_404(client):
+    assert_error(client.get("/no/such/page"), 404, "not_found")
+
+
+def test_health_needs_no_credentials(client):
+    response = client.get("/healthz")
+    assert response.status_code == 200 and response.json() == {"status": "ok"}
+
+
+def test_the_schema_is_openapi_3_and_names_the_api(client):
+    response = client.get("/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json")
+    assert response.status_code == 200
+    schema = response.json()
+    assert schema["openapi"].startswith("3.")
+    assert schema["info"]["title"] == "KCaaS control plane API"
+
+
+def test_the_docs_page_is_served_without_a_cdn(client):
+    response = client.get("/api/docs/")
+    assert response.status_code == 200
+    page = response.content.decode()
+    assert "redoc" in page.lower() and "cdn.jsdelivr" not in page

@@ -1,0 +1,62 @@
+"""Schemathesis over the tenants endpoints of the published schema: no 5xx, every response matches the schema,
+schema-valid requests are accepted and schema-violating ones refused (positive and negative generation).
+
+Two callers: a tenant key with the keys scopes (keys endpoints) and a staff user over Basic auth (admin endpoints).
+Kept small (a few examples per operation) so the suite stays fast; the whole-schema run is the project's.
+"""
+
+import base64
+import os
+
+import pytest
+import schemathesis
+from schemathesis import GenerationMode
+from django.contrib.auth import get_user_model
+from django.core.signals import request_finished, request_started
+from django.core.wsgi import get_wsgi_application
+from django.db import close_old_connections
+from django.test import override_settings
+from hypothesis import HealthCheck, given, settings
+
+from tenants import services
+
+FAST_HASHER = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # Basic auth hashes per request; tests only
+TENANTS_PATHS = r"^/api/v1/(keys|admin/tenants)"
+MAX_EXAMPLES = int(os.environ.get("KCAAS_FUZZ_EXAMPLES", "10"))  # per operation; raise it for a deeper run
+
+
+@pytest.fixture
+def wsgi_app(db):
+    # Like Django's test client: requests must not close the test's (transactional) database connection.
+    request_started.disconnect(close_old_connections)
+    request_finished.disconnect(close_old_connections)
+    yield get_wsgi_application()
+    request_started.connect(close_old_connections)
+    request_finished.connect(close_old_connections)
+
+
+@pytest.fixture
+def credentials(db):
+    tenant = services.tenant_create(name="fuzzed")
+    services.quota_update(tenant=tenant, max_requests_per_second=100_000)
+    raw = services.api_key_issue(tenant=tenant, scopes=["keys:read", "keys:write", "caches:read"]).raw_key
+    with override_settings(PASSWORD_HASHERS=FAST_HASHER):
+        get_user_model().objects.create_user("fuzz-ops", password="pw", is_staff=True)
+        yield {"tenant": f"Bearer {raw}", "staff": "Basic " + base64.b64encode(b"fuzz-ops:pw").decode()}
+
+
+def test_tenants_endpoints_conform_to_the_schema(wsgi_app, credentials):
+    schema = schemathesis.openapi.from_wsgi("/api/schema/?format=json", wsgi_app).include(path_regex=TENANTS_PATHS)
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert len(operations) == 11
+
+    for operation in operations:
+        who = "staff" if operation.path.startswith("/api/v1/admin/") else "tenant"
+        for mode, examples in ((GenerationMode.POSITIVE, MAX_EXAMPLES), (GenerationMode.NEGATIVE, MAX_EXAMPLES // 2)):
+
+            @given(case=operation.as_strategy(generation_mode=mode))
+            @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+            def check(case):
+                case.call_and_validate(headers={"Authorization": credentials[who]})
+
+            check()
