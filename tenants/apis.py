@@ -132,7 +132,7 @@ class KeyListCreateApi(PaginatedApi):
     )
     def get(self, request):
         """Newest first, paginated. Staff name the tenant with `tenant_id`; a tenant key sees only its own keys."""
-        query = self.FilterSerializer(data=request.query_params)
+        query = self.FilterSerializer(data=request.query_params.dict())
         query.is_valid(raise_exception=True)
         tenant = request_tenant(request, query.validated_data.get("tenant_id"))
         return self.paginated(selectors.api_key_list(tenant=tenant), KeyOutputSerializer)
@@ -373,3 +373,29 @@ class TenantQuotaApi(JsonApi):
         services.quota_update(tenant=tenant, **body.validated_data)
         tenant = selectors.tenant_get(tenant_id=tenant_id)
         return Response(QuotaOutputSerializer(_quota_data(tenant)).data)
+
+
+# ---- who am I --------------------------------------------------------------------------------------------------------
+
+
+class WhoAmIOutputSerializer(serializers.Serializer):
+    kind = serializers.ChoiceField(choices=["tenant_key", "staff"])
+    tenant_id = serializers.UUIDField(allow_null=True)
+    key_id = serializers.UUIDField(allow_null=True)
+    scopes = serializers.ListField(child=serializers.ChoiceField(choices=scope_rules.ALL_SCOPES))
+
+
+class WhoAmIApi(JsonApi):
+    """The caller as the control plane sees it: lets an SDK check a key (and its scopes) in one cheap request."""
+
+    @extend_schema(operation_id="whoami", responses={200: WhoAmIOutputSerializer, **error_responses(*AUTH_ERRORS)})
+    def get(self, request):
+        user = request.user
+        if isinstance(user, TenantPrincipal):
+            data = {"kind": "tenant_key", "tenant_id": user.tenant.id, "key_id": user.api_key.id,
+                    "scopes": sorted(user.scopes)}
+        elif getattr(user, "is_staff", False):
+            data = {"kind": "staff", "tenant_id": None, "key_id": None, "scopes": []}
+        else:
+            raise ApplicationError("This account has no role in the API.", code="permission_denied", status_code=403)
+        return Response(WhoAmIOutputSerializer(data).data)

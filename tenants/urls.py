@@ -5,6 +5,7 @@ from django.urls import path
 from tenants import apis
 
 urlpatterns = [
+    path("whoami", apis.WhoAmIApi.as_view(), name="whoami"),
     path("keys", apis.KeyListCreateApi.as_view(), name="keys"),
     path("keys/<uuid:key_id>", apis.KeyDetailApi.as_view(), name="key-detail"),
     path("keys/<uuid:key_id>/revoke", apis.KeyRevokeApi.as_view(), name="key-revoke"),

@@ -1,1 +1,9 @@
-urlpatterns = []
+from django.urls import path
+
+from caches import apis
+
+urlpatterns = [
+    path("caches", apis.CacheListAttachApi.as_view(), name="caches"),
+    path("caches/<uuid:cache_id>", apis.CacheDetailDetachApi.as_view(), name="cache"),
+    path("caches/<uuid:cache_id>/tokens", apis.DataTokenIssueApi.as_view(), name="cache-tokens"),
+]

@@ -110,6 +110,7 @@ CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BEAT_SCHEDULE = {
     "caches-sweep-leases": {"task": "caches.sweep_leases", "schedule": 10.0},
+    "caches-purge-expired": {"task": "caches.purge_expired", "schedule": 3600.0},
     "tenants-flush-key-usage": {"task": "tenants.flush_key_usage", "schedule": 30.0},
 }
 
@@ -136,6 +137,7 @@ SPECTACULAR_SETTINGS = {
     "COMPONENT_SPLIT_REQUEST": True,
     "REDOC_DIST": "SIDECAR",  # the docs page works without internet access
     "ENUM_NAME_OVERRIDES": {
+        "CacheStateEnum": "caches.models.CacheState",
         "NodeStateEnum": "fleet.models.NodeState",
         "ApiKeyStateEnum": "tenants.models.ApiKey.State",
     },

@@ -1,0 +1,345 @@
+"""REST API of the caches room: attach, list, get, detach (scope `caches`), data tokens, and the JWKS.
+
+Each view validates, calls one service or selector, and serializes. Tenant isolation: a tenant key reaches only its
+own tenant's caches; another tenant's cache id (guessed, listed or forged) is a 404, never a 403. Staff users see
+every tenant's caches (optionally one, with `tenant_id`) and attach for a named tenant; they get no data tokens.
+"""
+
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_serializer
+from rest_framework import serializers, status
+from rest_framework.parsers import JSONParser
+from rest_framework.permissions import AllowAny, BasePermission
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from caches import selectors, services, signing
+from caches.errors import InvalidCapacity, InvalidSpec
+from caches.idempotency import HEADER as IDEMPOTENCY_HEADER, KEY_PATTERN, REPLAYED_HEADER, idempotent
+from caches.models import CacheState
+from tenants.pagination import BoundedLimitOffsetPagination
+from controlplane.errors import ApplicationError
+from kcaas.spec import KV_DTYPES, MAX_BLOCK_SIZE, MAX_FINGERPRINT_LEN, STORAGE_DTYPES, KVCacheSpec, SpecError
+from tenants.openapi import AUTH_ERRORS, RATE_LIMIT_HEADERS, error_responses
+from tenants.permissions import ScopePermission
+from tenants.principals import TenantPrincipal, is_staff_user, request_tenant
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+MAX_SHAPE = 1 << 16  # layers, heads, head_dim: far above any model, small enough that byte sizes stay exact
+
+
+# ---- serializers shared by the operations ---------------------------------------------------------------------------
+
+
+class SpecSerializer(serializers.Serializer):
+    """The cache's KV identity/layout (kcaas.spec.KVCacheSpec)."""
+
+    model_fingerprint = serializers.CharField(
+        max_length=MAX_FINGERPRINT_LEN, help_text="Model name + revision or a weights digest."
+    )
+    num_layers = serializers.IntegerField(min_value=1, max_value=MAX_SHAPE)
+    num_kv_heads = serializers.IntegerField(min_value=1, max_value=MAX_SHAPE)
+    head_dim = serializers.IntegerField(min_value=1, max_value=MAX_SHAPE)
+    block_size = serializers.IntegerField(min_value=1, max_value=MAX_BLOCK_SIZE, help_text="Tokens per block.")
+    kv_dtype = serializers.ChoiceField(choices=KV_DTYPES)
+    storage_dtype = serializers.ChoiceField(choices=STORAGE_DTYPES)
+
+
+class CapacitySerializer(serializers.Serializer):
+    """Bytes per tier. device: at least one block; dram/ssd: 0 (default) or at least one block."""
+
+    device = serializers.IntegerField(min_value=1, max_value=services.MAX_TIER_BYTES)
+    dram = serializers.IntegerField(min_value=0, max_value=services.MAX_TIER_BYTES, required=False, default=0)
+    ssd = serializers.IntegerField(min_value=0, max_value=services.MAX_TIER_BYTES, required=False, default=0)
+
+
+@extend_schema_serializer(component_name="Cache")
+class CacheOutputSerializer(serializers.Serializer):
+    id = serializers.UUIDField()
+    tenant_id = serializers.UUIDField()
+    name = serializers.CharField()
+    spec = serializers.SerializerMethodField()
+    capacity = serializers.SerializerMethodField()
+    block_bytes = serializers.SerializerMethodField(help_text="Bytes of one block in this layout.")
+    state = serializers.ChoiceField(choices=CacheState.choices)
+    failure_reason = serializers.CharField(help_text="Why the cache failed (e.g. node_lost); empty otherwise.")
+    node_id = serializers.UUIDField(allow_null=True)
+    endpoint = serializers.CharField(help_text="The node's data-plane address once ready; empty before.")
+    epoch = serializers.IntegerField(help_text="Grows whenever the cache moves to another node.")
+    created_at = serializers.DateTimeField()
+    updated_at = serializers.DateTimeField()
+
+    def get_spec(self, cache) -> SpecSerializer:
+        return cache.spec_dict()
+
+    def get_capacity(self, cache) -> CapacitySerializer:
+        return cache.capacity()
+
+    def get_block_bytes(self, cache) -> int:
+        return KVCacheSpec(**cache.spec_dict()).block_bytes
+
+
+def _tenant_scope(request, tenant_id) -> object:
+    """The tenant id the caller's reads are confined to: its own for a key; the named one (or None: all) for staff."""
+    if is_staff_user(request.user) and tenant_id is None:
+        return None
+    return request_tenant(request, tenant_id).pk
+
+
+_TENANT_ID_PARAM = OpenApiParameter(
+    "tenant_id", OpenApiTypes.UUID, required=False, description="Staff only: confine to this tenant."
+)
+_IDEMPOTENCY_PARAM = OpenApiParameter(
+    IDEMPOTENCY_HEADER,
+    str,
+    location=OpenApiParameter.HEADER,
+    required=False,
+    pattern=KEY_PATTERN,
+    description="Stripe semantics, per tenant: the same key and body replay the stored response "
+    f"(with `{REPLAYED_HEADER}: true`); another body is 422 idempotency_key_reused; a concurrent duplicate is "
+    "409 idempotency_in_progress. Only successful responses are stored.",
+)
+_REPLAYED_HEADER = OpenApiParameter(
+    REPLAYED_HEADER, str, location=OpenApiParameter.HEADER, response=[201], description="`true` on a replay."
+)
+
+
+def _validated(serializer_class, data) -> dict:
+    if hasattr(data, "dict"):  # a QueryDict: validate "?tenant_id=" as the empty string it is, not as "absent"
+        data = data.dict()
+    serializer = serializer_class(data=data)
+    serializer.is_valid(raise_exception=True)
+    return serializer.validated_data
+
+
+# ---- caches ---------------------------------------------------------------------------------------------------------
+
+
+class CacheListAttachApi(APIView):
+    permission_classes = [ScopePermission]
+    scope_resource = "caches"
+    pagination_class = BoundedLimitOffsetPagination
+    parser_classes = [JSONParser]
+
+    @extend_schema_serializer(component_name="CacheListFilter")
+    class FilterSerializer(serializers.Serializer):
+        tenant_id = serializers.UUIDField(required=False)
+        state = serializers.ChoiceField(choices=CacheState.choices, required=False)
+
+    @extend_schema_serializer(component_name="CacheAttachInput")
+    class AttachInputSerializer(serializers.Serializer):
+        name = serializers.RegexField(
+            NAME_PATTERN, max_length=63, help_text="Unique among the tenant's attached caches."
+        )
+        spec = SpecSerializer()
+        capacity = CapacitySerializer()
+
+    def idempotency_tenant_id(self, request):
+        return request_tenant(request, _validated(self.FilterSerializer, request.query_params).get("tenant_id")).pk
+
+    @extend_schema(
+        operation_id="caches_list",
+        tags=["caches"],
+        parameters=[
+            _TENANT_ID_PARAM,
+            OpenApiParameter("state", str, enum=CacheState.values, required=False),
+            *RATE_LIMIT_HEADERS,
+        ],
+        responses={200: CacheOutputSerializer(many=True), **error_responses(*AUTH_ERRORS, 404)},
+    )
+    def get(self, request):
+        filters = _validated(self.FilterSerializer, request.query_params)
+        caches = selectors.cache_list(
+            tenant_id=_tenant_scope(request, filters.get("tenant_id")), state=filters.get("state")
+        )
+        paginator = self.pagination_class()
+        page = paginator.paginate_queryset(caches, request, view=self)
+        return paginator.get_paginated_response(CacheOutputSerializer(page, many=True).data)
+
+    @extend_schema(
+        operation_id="caches_attach",
+        tags=["caches"],
+        request=AttachInputSerializer,
+        parameters=[_TENANT_ID_PARAM, _IDEMPOTENCY_PARAM, _REPLAYED_HEADER, *RATE_LIMIT_HEADERS],
+        responses={
+            201: CacheOutputSerializer,
+            **error_responses(*AUTH_ERRORS, 404, 409, 422, 503),
+        },
+        description="Attach a cache. 400 invalid_spec / invalid_capacity / validation_error; 403 quota_exceeded "
+        "(details.limit names the limit) or permission_denied; 409 cache_name_taken or idempotency_in_progress; "
+        "422 idempotency_key_reused; 503 no_capacity. The cache is returned `provisioning`; it becomes `ready` "
+        "(or `failed`) when its node answers.",
+    )
+    @idempotent
+    def post(self, request):
+        tenant = request_tenant(request, _validated(self.FilterSerializer, request.query_params).get("tenant_id"))
+        body = self.AttachInputSerializer(data=request.data)
+        if not body.is_valid():
+            errors = dict(body.errors)
+            if "spec" in errors:
+                raise InvalidSpec("The KV cache spec is invalid.", details={"fields": errors})
+            if "capacity" in errors:
+                raise InvalidCapacity("The capacity is invalid.", details={"fields": errors})
+            raise serializers.ValidationError(errors)
+        data = body.validated_data
+        try:
+            spec = KVCacheSpec(**data["spec"])
+        except SpecError as exc:
+            raise InvalidSpec(str(exc), details={"fields": {"spec": [str(exc)]}}) from None
+        cache = services.cache_attach(
+            tenant_id=tenant.pk, name=data["name"], spec=spec, capacity=dict(data["capacity"])
+        )
+        return Response(CacheOutputSerializer(cache).data, status=status.HTTP_201_CREATED)
+
+
+class CacheDetailDetachApi(APIView):
+    permission_classes = [ScopePermission]
+    scope_resource = "caches"
+
+    @extend_schema(
+        operation_id="caches_retrieve",
+        tags=["caches"],
+        parameters=RATE_LIMIT_HEADERS,
+        responses={200: CacheOutputSerializer, **error_responses(*AUTH_ERRORS, 404)},
+    )
+    def get(self, request, cache_id):
+        cache = selectors.cache_get(cache_id=cache_id, tenant_id=_tenant_scope(request, None))
+        return Response(CacheOutputSerializer(cache).data)
+
+    @extend_schema(
+        operation_id="caches_detach",
+        tags=["caches"],
+        request=None,
+        parameters=RATE_LIMIT_HEADERS,
+        responses={
+            202: OpenApiResponse(CacheOutputSerializer, description="Detaching (or already detaching)."),
+            200: OpenApiResponse(CacheOutputSerializer, description="Already detached: its state, unchanged."),
+            **error_responses(*AUTH_ERRORS, 404),
+        },
+        description="Detach: the cache becomes `detaching`, its node drops it and it becomes `detached` (a failed "
+        "cache is detached at once). Idempotent. Outstanding data tokens are revoked.",
+    )
+    def delete(self, request, cache_id):
+        cache = services.cache_detach(cache_id=cache_id, tenant_id=_tenant_scope(request, None))
+        code = status.HTTP_200_OK if cache.state == CacheState.DETACHED else status.HTTP_202_ACCEPTED
+        return Response(CacheOutputSerializer(cache).data, status=code)
+
+
+# ---- data tokens ----------------------------------------------------------------------------------------------------
+
+
+class DataTokenPermission(BasePermission):
+    """Data tokens are for tenant keys holding at least caches:read (the access level is checked on the body);
+    staff users and nodes get none: reading a tenant's KV is the tenant's own capability."""
+
+    def has_permission(self, request, view) -> bool:
+        user = request.user
+        if not isinstance(user, TenantPrincipal):
+            return False
+        if not user.has_scope("caches", "read"):
+            raise _missing_scope("caches:read")
+        return True
+
+
+def _missing_scope(scope: str) -> ApplicationError:
+    return ApplicationError(
+        f"This key lacks the {scope} scope.",
+        code="permission_denied",
+        status_code=403,
+        details={"required_scope": scope},
+    )
+
+
+class DataTokenIssueApi(APIView):
+    permission_classes = [DataTokenPermission]
+    parser_classes = [JSONParser]
+
+    @extend_schema_serializer(component_name="DataTokenIssueInput")
+    class InputSerializer(serializers.Serializer):
+        access = serializers.ChoiceField(
+            choices=services.ACCESS_LEVELS,
+            default="read",
+            help_text="read (lookup/get; needs caches:read) or readwrite (also put/delete; needs caches:write).",
+        )
+        ttl_seconds = serializers.IntegerField(
+            required=False,
+            min_value=1,
+            max_value=2**31 - 1,
+            help_text="Requested lifetime, clamped to [60, the configured maximum].",
+        )
+
+    @extend_schema_serializer(component_name="DataToken")
+    class OutputSerializer(serializers.Serializer):
+        token = serializers.CharField(help_text="The JWT (EdDSA); verify with /.well-known/jwks.json.")
+        token_type = serializers.CharField(default="Bearer")
+        jti = serializers.UUIDField()
+        cache_id = serializers.UUIDField()
+        access = serializers.ChoiceField(choices=services.ACCESS_LEVELS)
+        epoch = serializers.IntegerField()
+        node_id = serializers.UUIDField()
+        endpoint = serializers.CharField()
+        expires_at = serializers.DateTimeField()
+
+    @extend_schema(
+        operation_id="caches_tokens_create",
+        tags=["caches"],
+        request=InputSerializer,
+        parameters=RATE_LIMIT_HEADERS,
+        responses={201: OutputSerializer, **error_responses(*AUTH_ERRORS, 404, 409)},
+        description="Issue a short-lived data-plane token for one ready cache: aud `cache:<id>`, sub "
+        "`tenant:<id>`, with epoch, node and access claims. 403 quota_exceeded past max_data_tokens_outstanding; "
+        "409 cache_not_ready.",
+    )
+    def post(self, request, cache_id):
+        data = _validated(self.InputSerializer, request.data)
+        if data["access"] == "readwrite" and not request.user.has_scope("caches", "write"):
+            raise _missing_scope("caches:write")
+        issued = services.data_token_issue(
+            tenant_id=request.user.tenant.pk,
+            cache_id=cache_id,
+            access=data["access"],
+            ttl_seconds=data.get("ttl_seconds"),
+        )
+        token = issued.data_token
+        body = {
+            "token": issued.token,
+            "token_type": "Bearer",
+            "jti": token.jti,
+            "cache_id": token.cache_id,
+            "access": token.access,
+            "epoch": issued.claims["epoch"],
+            "node_id": issued.claims["node"],
+            "endpoint": token.cache.endpoint,
+            "expires_at": token.expires_at,
+        }
+        return Response(self.OutputSerializer(body).data, status=status.HTTP_201_CREATED)
+
+
+# ---- JWKS -----------------------------------------------------------------------------------------------------------
+
+
+class JwkSerializer(serializers.Serializer):
+    kty = serializers.CharField()
+    crv = serializers.CharField()
+    x = serializers.CharField(help_text="The raw Ed25519 public key, base64url without padding.")
+    kid = serializers.CharField(help_text="RFC 7638 thumbprint; the `kid` header of tokens it signed.")
+    use = serializers.CharField()
+    alg = serializers.CharField()
+
+
+class JwksApi(APIView):
+    """The public keys verifying data-plane tokens (RFC 7517). Public: no credentials, not rate limited."""
+
+    authentication_classes: list = []
+    permission_classes = [AllowAny]
+    throttle_classes: list = []
+
+    @extend_schema_serializer(component_name="Jwks")
+    class OutputSerializer(serializers.Serializer):
+        keys = JwkSerializer(many=True)
+
+    @extend_schema(operation_id="jwks", tags=["well-known"], auth=[], responses={200: OutputSerializer})
+    def get(self, request):
+        response = Response(self.OutputSerializer(signing.jwks()).data)
+        response["Cache-Control"] = "public, max-age=300"
+        return response

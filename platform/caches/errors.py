@@ -1,0 +1,44 @@
+"""The caches room's refusals: each an ApplicationError with a stable code, rendered in the one error shape."""
+
+from rest_framework import status
+
+from controlplane.errors import ApplicationError, ConflictError
+
+
+class InvalidSpec(ApplicationError):
+    """The KV identity/layout is invalid (unknown dtype, zero heads, ...); details name each field."""
+
+    code = "invalid_spec"
+
+
+class InvalidCapacity(ApplicationError):
+    """A capacity that is not a whole block on the device tier, or a non-zero tier smaller than one block."""
+
+    code = "invalid_capacity"
+
+
+class CacheNameTaken(ConflictError):
+    code = "cache_name_taken"
+
+
+class CacheNotReady(ConflictError):
+    """The operation needs a `ready` cache (tokens: the node must be serving it)."""
+
+    code = "cache_not_ready"
+
+
+class InvalidIdempotencyKey(ApplicationError):
+    code = "invalid_idempotency_key"
+
+
+class IdempotencyKeyReused(ApplicationError):
+    """Same Idempotency-Key, different request: refused rather than guessing which one the client meant."""
+
+    status_code = status.HTTP_422_UNPROCESSABLE_ENTITY
+    code = "idempotency_key_reused"
+
+
+class IdempotencyInProgress(ConflictError):
+    """A request with this Idempotency-Key is still being processed; retry after it finishes."""
+
+    code = "idempotency_in_progress"

@@ -1,0 +1,143 @@
+"""A tenant's attached caches, the data-plane tokens issued for them, and stored idempotent responses.
+
+Invariants held by caches.services (the only writer):
+- a cache holds a reservation on its node exactly while it is pending, provisioning, ready or detaching; the
+  transition out of that set (to failed or detached) releases it, once, under the cache's row lock;
+- non-detached caches count against the tenant's quota (failed ones too: they still hold the name and the tenant
+  must detach them), and a tenant's non-detached caches have distinct names;
+- `hash_key_sealed` is the per-cache block-hash key (32 random bytes) sealed with AES-256-GCM under the KEK, with
+  the cache id as associated data, so a sealed key copied onto another row does not open;
+- `epoch` fences the serving node: it grows whenever the cache moves, and node-facing tasks carry it.
+"""
+
+import uuid
+
+from django.db import models
+from django.db.models import Q
+
+from kcaas.spec import KV_DTYPES, MAX_FINGERPRINT_LEN, STORAGE_DTYPES
+
+TIERS: tuple[str, ...] = ("device", "dram", "ssd")
+
+
+class CacheState(models.TextChoices):
+    PENDING = "pending"  # row created, the node's provisioning task not yet sent
+    PROVISIONING = "provisioning"  # provisioning task sent to the node's queue, no answer yet
+    READY = "ready"  # the node holds the pool and serves it at `endpoint`
+    FAILED = "failed"  # provisioning failed or the node was lost; see failure_reason
+    DETACHING = "detaching"  # detach ordered, the node has not confirmed yet
+    DETACHED = "detached"  # gone: no bytes, no reservation, no quota
+
+
+# States in which the cache holds a reservation on its node.
+RESERVING_STATES = (CacheState.PENDING, CacheState.PROVISIONING, CacheState.READY, CacheState.DETACHING)
+
+
+class Cache(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="caches")
+    name = models.CharField(max_length=63)
+
+    # The identity/layout (kcaas.spec.KVCacheSpec), validated by it before a row is written.
+    model_fingerprint = models.CharField(max_length=MAX_FINGERPRINT_LEN)
+    num_layers = models.PositiveIntegerField()
+    num_kv_heads = models.PositiveIntegerField()
+    head_dim = models.PositiveIntegerField()
+    block_size = models.PositiveIntegerField()
+    kv_dtype = models.CharField(max_length=16, choices=[(d, d) for d in KV_DTYPES])
+    storage_dtype = models.CharField(max_length=16, choices=[(d, d) for d in STORAGE_DTYPES])
+
+    # Bytes reserved per tier; device is at least one block, the others 0 or at least one block.
+    device_capacity_bytes = models.BigIntegerField()
+    dram_capacity_bytes = models.BigIntegerField(default=0)
+    ssd_capacity_bytes = models.BigIntegerField(default=0)
+
+    state = models.CharField(max_length=16, choices=CacheState.choices, default=CacheState.PENDING)
+    failure_reason = models.CharField(max_length=300, blank=True, default="")
+    node = models.ForeignKey("fleet.Node", null=True, blank=True, on_delete=models.PROTECT, related_name="caches")
+    endpoint = models.CharField(max_length=300, blank=True, default="")  # the node's data-plane address once ready
+    epoch = models.PositiveIntegerField(default=1)
+    hash_key_sealed = models.BinaryField()
+
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-created_at", "id"]
+        indexes = [
+            models.Index(fields=["tenant", "state"], name="caches_cache_tenant_state"),
+            models.Index(fields=["node", "state"], name="caches_cache_node_state"),
+        ]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["tenant", "name"], condition=~Q(state="detached"), name="caches_cache_name_unique_live"
+            ),
+            models.CheckConstraint(condition=Q(state__in=CacheState.values), name="caches_cache_state_valid"),
+            models.CheckConstraint(condition=Q(device_capacity_bytes__gt=0), name="caches_cache_device_positive"),
+            models.CheckConstraint(
+                condition=Q(dram_capacity_bytes__gte=0) & Q(ssd_capacity_bytes__gte=0),
+                name="caches_cache_tiers_nonneg",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.state})"
+
+    def capacity(self) -> dict[str, int]:
+        return {tier: getattr(self, f"{tier}_capacity_bytes") for tier in TIERS}
+
+    def spec_dict(self) -> dict:
+        return {
+            "model_fingerprint": self.model_fingerprint,
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "block_size": self.block_size,
+            "kv_dtype": self.kv_dtype,
+            "storage_dtype": self.storage_dtype,
+        }
+
+
+class DataToken(models.Model):
+    """One issued data-plane token (the JWT itself is never stored): counts toward the outstanding quota until it
+    expires or is revoked."""
+
+    jti = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    cache = models.ForeignKey(Cache, on_delete=models.CASCADE, related_name="data_tokens")
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="data_tokens")
+    access = models.CharField(max_length=16)  # "read" | "readwrite"
+    issued_at = models.DateTimeField()
+    expires_at = models.DateTimeField()
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["tenant", "expires_at"], name="caches_token_tenant_exp")]
+
+
+class IdempotencyState(models.TextChoices):
+    IN_PROGRESS = "in_progress"
+    COMPLETE = "complete"
+
+
+class IdempotencyRecord(models.Model):
+    """An Idempotency-Key seen from a tenant: the request's fingerprint and, once done, the response to replay.
+
+    `lock_token` fences the holder: the response is stored only by the request whose token is still on the row,
+    in the same transaction as the change it describes, so a record is `complete` iff that change committed.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="idempotency_records")
+    key = models.CharField(max_length=255)
+    fingerprint = models.CharField(max_length=64)  # sha256 hex of method, path and the canonical JSON body
+    state = models.CharField(max_length=16, choices=IdempotencyState.choices, default=IdempotencyState.IN_PROGRESS)
+    lock_token = models.UUIDField(default=uuid.uuid4)
+    locked_at = models.DateTimeField()
+    response_status = models.PositiveSmallIntegerField(null=True, blank=True)
+    response_body = models.JSONField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["tenant", "key"], name="caches_idempotency_tenant_key")]
+        indexes = [models.Index(fields=["expires_at"], name="caches_idempotency_expires")]

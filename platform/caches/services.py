@@ -1,0 +1,345 @@
+"""Writes of the caches app: attach/detach, the node's provisioning answers, lost nodes, data tokens.
+
+Every function is keyword-only and transactional. Invariants kept here (see caches.models for the data's own):
+- quota is checked under `tenant_lock`, so N concurrent attaches of one tenant are serialized and never pass
+  max_caches or the per-tier byte limits together; the outstanding-token count is checked under the same lock;
+- a cache leaves the reserving states (pending/provisioning/ready/detaching) once, under its row lock, and that
+  transition releases its node reservation (`node_unreserve`) in the same transaction;
+- node answers are status-guarded: only a `provisioning` cache becomes ready/failed, only a `detaching` one becomes
+  detached, and only on a message from the node it is placed on; duplicates and stale deliveries change nothing;
+- messages to a node are sent on commit (a rolled-back attach sends nothing), to the node's own queue.
+
+Lock order: tenant -> nodes (node_place) for attach; cache -> node everywhere else, caches in id order.
+"""
+
+import base64
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from caches import selectors
+from caches.errors import CacheNameTaken, CacheNotReady, InvalidCapacity
+from caches.models import RESERVING_STATES, TIERS, Cache, CacheState, DataToken
+from caches.sealing import hash_key_new_sealed, hash_key_unseal
+from caches.signing import token_sign
+from controlplane.celery import app as celery_app, node_queue
+from controlplane.errors import ConflictError, NotFoundError, QuotaExceeded
+from fleet.models import NodeState
+from fleet.services import node_place, node_unreserve, nodes_expire_leases
+from kcaas.spec import KVCacheSpec
+from tenants.models import Tenant
+from tenants.selectors import quota_limits
+from tenants.services import tenant_lock
+
+logger = logging.getLogger("kcaas.caches")
+
+PROVISION_TASK = "kcaas.node.provision_cache"
+DETACH_TASK = "kcaas.node.detach_cache"
+MAX_TIER_BYTES = 2**50  # 1 PiB per tier per cache: far above any node, far below integer overflow
+MAX_REASON_LENGTH = 300
+NODE_LOST = "node_lost"
+ACCESS_LEVELS = ("read", "readwrite")
+MIN_TOKEN_TTL_SECONDS = 60
+
+
+def _send_to_node(task_name: str, node_id: uuid.UUID, args: list) -> None:
+    """Send `task_name(*args)` to the node's own queue once the current transaction commits.
+
+    robust=True: the change is committed whatever the broker does; a failed send is logged, and the cache stays in
+    its state for an operator (or a retried request) to see.
+    """
+
+    def send() -> None:
+        celery_app.send_task(task_name, args=args, queue=node_queue(node_id))
+
+    transaction.on_commit(send, robust=True)
+
+
+# ---- attach ---------------------------------------------------------------------------------------------------------
+
+
+def capacity_check(*, spec: KVCacheSpec, capacity: dict[str, int]) -> dict[str, int]:
+    """A full {tier: bytes} mapping: device at least one whole block, dram/ssd 0 or at least one block, each at
+    most MAX_TIER_BYTES. InvalidCapacity (400, details per tier) otherwise."""
+    unknown = sorted(set(capacity) - set(TIERS))
+    full = {tier: capacity.get(tier, 0) for tier in TIERS}
+    problems: dict[str, list[str]] = {tier: [f"unknown tier (tiers: {', '.join(TIERS)})"] for tier in unknown}
+    for tier, nbytes in full.items():
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            problems[tier] = ["must be an integer number of bytes"]
+        elif nbytes > MAX_TIER_BYTES:
+            problems[tier] = [f"must be at most {MAX_TIER_BYTES} bytes"]
+        elif (tier == "device" or nbytes != 0) and nbytes < spec.block_bytes:
+            zero = "" if tier == "device" else "0 or "
+            problems[tier] = [f"must be {zero}at least one block ({spec.block_bytes} bytes for this layout)"]
+    if problems:
+        raise InvalidCapacity(
+            "The capacity is invalid for this layout.",
+            details={"fields": {"capacity": problems}, "block_bytes": spec.block_bytes},
+        )
+    return full
+
+
+def _check_quota(*, tenant: Tenant, capacity: dict[str, int]) -> None:
+    limits = quota_limits(tenant=tenant)
+    usage = selectors.cache_usage(tenant_id=tenant.pk)
+    if usage.num_caches + 1 > limits.max_caches:
+        raise QuotaExceeded(
+            f"The tenant may hold at most {limits.max_caches} caches.",
+            details={"limit": "max_caches", "limit_value": limits.max_caches, "in_use": usage.num_caches},
+        )
+    for tier, limit in limits.capacity_bytes().items():
+        in_use = usage.capacity_bytes[tier]
+        if in_use + capacity[tier] > limit:
+            raise QuotaExceeded(
+                f"The tenant's caches may hold at most {limit} {tier} bytes.",
+                details={
+                    "limit": f"max_{tier}_bytes",
+                    "limit_value": limit,
+                    "in_use": in_use,
+                    "requested": capacity[tier],
+                },
+            )
+
+
+@transaction.atomic
+def cache_attach(*, tenant_id: uuid.UUID, name: str, spec: KVCacheSpec, capacity: dict[str, int]) -> Cache:
+    """Attach a cache: quota under the tenant lock, placement, the row, and provisioning sent on commit.
+
+    Returns the cache in state `provisioning`. Refusals: 400 invalid_capacity, 409 cache_name_taken,
+    409 tenant_inactive, 403 quota_exceeded (naming the limit), 503 no_capacity (fleet).
+    """
+    capacity = capacity_check(spec=spec, capacity=capacity)
+    tenant = tenant_lock(tenant_id=tenant_id)
+    if tenant.status != Tenant.Status.ACTIVE:
+        raise ConflictError(f"The tenant is {tenant.status}.", code="tenant_inactive")
+    if Cache.objects.filter(tenant_id=tenant.pk, name=name).exclude(state=CacheState.DETACHED).exists():
+        raise CacheNameTaken("A cache with this name is attached.", details={"name": name})
+    _check_quota(tenant=tenant, capacity=capacity)
+    node = node_place(capacity=capacity)
+    cache_id = uuid.uuid4()
+    try:
+        with transaction.atomic():
+            cache = Cache.objects.create(
+                id=cache_id,
+                tenant=tenant,
+                name=name,
+                **spec.to_dict(),
+                **{f"{tier}_capacity_bytes": capacity[tier] for tier in TIERS},
+                state=CacheState.PENDING,
+                node=node,
+                epoch=1,
+                hash_key_sealed=hash_key_new_sealed(cache_id=cache_id),
+            )
+    except IntegrityError:  # the partial unique index: cannot happen under the tenant lock, but never a 500
+        raise CacheNameTaken("A cache with this name is attached.", details={"name": name}) from None
+    hash_key = hash_key_unseal(cache_id=cache.pk, sealed=cache.hash_key_sealed)
+    _send_to_node(
+        PROVISION_TASK,
+        node.pk,
+        [str(cache.pk), cache.spec_dict(), cache.capacity(), base64.b64encode(hash_key).decode(), cache.epoch],
+    )
+    cache.state = CacheState.PROVISIONING
+    cache.save(update_fields=["state", "updated_at"])
+    return cache
+
+
+# ---- detach ---------------------------------------------------------------------------------------------------------
+
+
+def _lock_cache(cache_id, *, tenant_id: uuid.UUID | None = None) -> Cache | None:
+    wanted = selectors.as_uuid(cache_id)
+    if wanted is None:
+        return None
+    caches = Cache.objects.select_for_update(of=("self",))
+    if tenant_id is not None:
+        caches = caches.filter(tenant_id=tenant_id)
+    return caches.filter(pk=wanted).first()
+
+
+def _release(cache: Cache) -> None:
+    """Give the cache's node reservation back; the caller moves it out of RESERVING_STATES in this transaction."""
+    if cache.node_id is not None:
+        node_unreserve(node_id=cache.node_id, capacity=cache.capacity())
+
+
+def _revoke_tokens(cache: Cache, now: datetime) -> None:
+    DataToken.objects.filter(cache=cache, revoked_at__isnull=True, expires_at__gt=now).update(revoked_at=now)
+
+
+@transaction.atomic
+def cache_detach(*, cache_id: uuid.UUID, tenant_id: uuid.UUID | None) -> Cache:
+    """Detach: pending/provisioning/ready -> detaching (the node is told on commit; its answer finishes it);
+    failed -> detached at once (it holds no reservation; the node is still told, to drop anything left).
+    Detaching and detached caches are returned as they are. Outstanding data tokens are revoked.
+    Another tenant's cache is a 404 (tenant_id None: any tenant, for staff)."""
+    cache = _lock_cache(cache_id, tenant_id=tenant_id)
+    if cache is None:
+        raise NotFoundError("No such cache.")
+    if cache.state in (CacheState.DETACHING, CacheState.DETACHED):
+        return cache
+    now = timezone.now()
+    _revoke_tokens(cache, now)
+    cache.state = CacheState.DETACHED if cache.state == CacheState.FAILED else CacheState.DETACHING
+    cache.save(update_fields=["state", "updated_at"])
+    if cache.node_id is not None:
+        _send_to_node(DETACH_TASK, cache.node_id, [str(cache.pk), cache.epoch])
+    return cache
+
+
+# ---- the node's answers ---------------------------------------------------------------------------------------------
+
+
+def _same_node(cache: Cache, node_id) -> bool:
+    return cache.node_id is not None and str(cache.node_id) == str(node_id)
+
+
+@transaction.atomic
+def cache_provision_result(
+    *, cache_id: uuid.UUID, node_id: uuid.UUID, ok: bool, reason: str = "", endpoint: str = ""
+) -> Cache | None:
+    """The node's answer to provisioning: provisioning -> ready (with the node's endpoint) or failed (with the
+    reason, reservation released). Anything else (unknown cache, another node, another state) is a no-op."""
+    cache = _lock_cache(cache_id)
+    if cache is None or not _same_node(cache, node_id) or cache.state != CacheState.PROVISIONING:
+        logger.info("ignored provision result for cache %s from node %s", cache_id, node_id)
+        return cache
+    if ok:
+        cache.state = CacheState.READY
+        cache.endpoint = (endpoint or cache.node.endpoint)[:300]
+        cache.failure_reason = ""
+    else:
+        cache.state = CacheState.FAILED
+        cache.failure_reason = (reason or "provisioning_failed")[:MAX_REASON_LENGTH]
+        _release(cache)
+    cache.save(update_fields=["state", "endpoint", "failure_reason", "updated_at"])
+    return cache
+
+
+@transaction.atomic
+def cache_detach_result(*, cache_id: uuid.UUID, node_id: uuid.UUID) -> Cache | None:
+    """The node confirms a detach: detaching -> detached, reservation released. Anything else is a no-op."""
+    cache = _lock_cache(cache_id)
+    if cache is None or not _same_node(cache, node_id) or cache.state != CacheState.DETACHING:
+        logger.info("ignored detach result for cache %s from node %s", cache_id, node_id)
+        return cache
+    cache.state = CacheState.DETACHED
+    _release(cache)
+    cache.save(update_fields=["state", "updated_at"])
+    return cache
+
+
+@transaction.atomic
+def caches_sweep_leases(*, now: datetime | None = None) -> list[uuid.UUID]:
+    """Expire node leases (fleet) and flag the caches of lost nodes; returns the ids of the caches changed.
+
+    Caches on a lost node: pending/provisioning/ready -> failed (`node_lost`), detaching -> detached (the tenant
+    asked for it to go, and the node that held it is gone); both release the reservation. Caches of nodes that
+    were already lost (marked by an earlier run, or by fleet itself) are flagged too, so a missed run loses nothing.
+    The candidate caches are locked (id order) before fleet locks the nodes: the cache -> node lock order of every
+    other service, so a sweep never deadlocks with a provisioning answer.
+    """
+    now = now or timezone.now()
+    dying = Q(node__state=NodeState.LOST) | Q(
+        node__state__in=[NodeState.READY, NodeState.DRAINING, NodeState.CORDONED], node__lease_expires_at__lt=now
+    )
+    candidates = list(
+        Cache.objects.select_for_update(of=("self",)).filter(dying, state__in=RESERVING_STATES).order_by("id")
+    )
+    nodes_expire_leases(now=now)
+    lost_nodes = set(
+        Cache.objects.filter(pk__in=[c.pk for c in candidates], node__state=NodeState.LOST).values_list(
+            "node_id", flat=True
+        )
+    )
+    changed = []
+    for cache in candidates:
+        if cache.node_id not in lost_nodes:
+            continue  # a heartbeat renewed the lease meanwhile
+        if cache.state == CacheState.DETACHING:
+            cache.state = CacheState.DETACHED
+        else:
+            cache.state, cache.failure_reason = CacheState.FAILED, NODE_LOST
+        _release(cache)
+        cache.save(update_fields=["state", "failure_reason", "updated_at"])
+        changed.append(cache.pk)
+    if changed:
+        logger.warning("caches flagged on lost nodes: %s", ", ".join(map(str, changed)))
+    return changed
+
+
+# ---- data tokens ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class IssuedToken:
+    token: str  # the signed JWT, returned once and never stored
+    claims: dict
+    data_token: DataToken
+
+
+@transaction.atomic
+def data_token_issue(
+    *, tenant_id: uuid.UUID, cache_id: uuid.UUID, access: str, ttl_seconds: int | None = None
+) -> IssuedToken:
+    """Issue a short-lived EdDSA JWT for one ready cache of the tenant (see caches.signing for its verification).
+
+    Claims: iss, aud `cache:<id>`, sub `tenant:<id>`, iat = nbf, exp (ttl clamped to [60 s, the configured TTL]),
+    jti, epoch, node, access ("read" | "readwrite") and scope (the same as OAuth scopes `kv:read [kv:write]`).
+    The tenant's outstanding (unexpired, unrevoked) tokens are counted under the tenant lock: at most
+    max_data_tokens_outstanding (403 quota_exceeded). 404 for another tenant's cache, 409 cache_not_ready.
+    """
+    if access not in ACCESS_LEVELS:
+        raise ValueError(f"access must be one of {ACCESS_LEVELS}")
+    tenant = tenant_lock(tenant_id=tenant_id)
+    if tenant.status != Tenant.Status.ACTIVE:
+        raise ConflictError(f"The tenant is {tenant.status}.", code="tenant_inactive")
+    wanted = selectors.as_uuid(cache_id)
+    cache = Cache.objects.select_related("node").filter(pk=wanted, tenant_id=tenant.pk).first() if wanted else None
+    if cache is None:
+        raise NotFoundError("No such cache.")
+    if cache.state != CacheState.READY:
+        raise CacheNotReady(f"The cache is {cache.state}, not ready.", details={"state": cache.state})
+    limit = quota_limits(tenant=tenant).max_data_tokens_outstanding
+    issued_at = int(time.time())
+    now = datetime.fromtimestamp(issued_at, tz=UTC)
+    outstanding = selectors.data_tokens_outstanding(tenant_id=tenant.pk, now=now)
+    if outstanding >= limit:
+        raise QuotaExceeded(
+            f"The tenant may hold at most {limit} outstanding data tokens.",
+            details={"limit": "max_data_tokens_outstanding", "limit_value": limit, "in_use": outstanding},
+        )
+    max_ttl = settings.KCAAS_DATA_TOKEN_TTL_SECONDS
+    ttl = max_ttl if ttl_seconds is None else max(min(ttl_seconds, max_ttl), min(MIN_TOKEN_TTL_SECONDS, max_ttl))
+    data_token = DataToken.objects.create(
+        cache=cache, tenant=tenant, access=access, issued_at=now, expires_at=now + timedelta(seconds=ttl)
+    )
+    claims = {
+        "iss": settings.KCAAS_TOKEN_ISSUER,
+        "aud": f"cache:{cache.pk}",
+        "sub": f"tenant:{tenant.pk}",
+        "iat": issued_at,
+        "nbf": issued_at,
+        "exp": issued_at + ttl,
+        "jti": str(data_token.jti),
+        "epoch": cache.epoch,
+        "node": str(cache.node_id),
+        "access": access,
+        "scope": "kv:read kv:write" if access == "readwrite" else "kv:read",
+    }
+    return IssuedToken(token=token_sign(claims), claims=claims, data_token=data_token)
+
+
+@transaction.atomic
+def data_tokens_purge(*, now: datetime | None = None, keep_seconds: int = 24 * 3600) -> int:
+    """Delete token rows expired more than `keep_seconds` ago (they no longer count); returns how many."""
+    cutoff = (now or timezone.now()) - timedelta(seconds=keep_seconds)
+    deleted, _ = DataToken.objects.filter(expires_at__lt=cutoff).delete()
+    return deleted

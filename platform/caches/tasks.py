@@ -1,0 +1,40 @@
+"""Control-queue tasks of the caches room. Each takes ids, loads rows and calls one service; status guards in the
+services make redelivery and duplicates no-ops. The node agents send the two `*_result` tasks (by name, with
+`send_task`, to the `control` queue); beat runs the sweeps."""
+
+import logging
+
+from celery import shared_task
+
+from caches import services
+from caches.idempotency import idempotency_records_purge
+
+logger = logging.getLogger("kcaas.caches")
+
+
+@shared_task(name="caches.provision_result")
+def provision_result(cache_id: str, node_id: str, ok: bool, reason: str = "", endpoint: str = "") -> str | None:
+    """A node's answer to `kcaas.node.provision_cache`: ready (ok, with its data-plane endpoint) or failed."""
+    cache = services.cache_provision_result(
+        cache_id=cache_id, node_id=node_id, ok=bool(ok), reason=str(reason or ""), endpoint=str(endpoint or "")
+    )
+    return cache.state if cache is not None else None
+
+
+@shared_task(name="caches.detach_result")
+def detach_result(cache_id: str, node_id: str) -> str | None:
+    """A node confirms `kcaas.node.detach_cache`: the pool is gone."""
+    cache = services.cache_detach_result(cache_id=cache_id, node_id=node_id)
+    return cache.state if cache is not None else None
+
+
+@shared_task(name="caches.sweep_leases")
+def sweep_leases() -> int:
+    """Beat, every few seconds: expire node leases, flag the caches of lost nodes."""
+    return len(services.caches_sweep_leases())
+
+
+@shared_task(name="caches.purge_expired")
+def purge_expired() -> int:
+    """Beat, hourly: forget expired idempotency keys and long-expired data-token rows."""
+    return idempotency_records_purge() + services.data_tokens_purge()

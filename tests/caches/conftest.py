@@ -1,0 +1,171 @@
+"""Caches fixtures: tenants and keys made through the tenants services, nodes registered through the fleet services,
+API clients holding a real key (real authentication, real Redis rate limiter), and attach bodies."""
+
+import base64
+import itertools
+import uuid
+from dataclasses import dataclass
+
+import pytest
+from django.contrib.auth import get_user_model
+from rest_framework.test import APIClient
+
+from caches.models import Cache
+from fleet import services as fleet_services
+from fleet.models import Node
+from tenants import services as tenant_services
+from tenants.models import Tenant
+
+GIB = 2**30
+PASSWORD = "correct horse battery staple"
+_ports = itertools.count(9101)
+_names = itertools.count(1)
+
+# A tiny layout: 2 layers x 2 KV heads x 8 dims x fp16 x 16 tokens = 2*2*2*8*2*16 = 2048 bytes per block.
+SPEC = {
+    "model_fingerprint": "tiny-llama@rev1",
+    "num_layers": 2,
+    "num_kv_heads": 2,
+    "head_dim": 8,
+    "block_size": 16,
+    "kv_dtype": "float16",
+    "storage_dtype": "float16",
+}
+BLOCK_BYTES = 2048
+
+
+def attach_body(name: str = "c1", *, device: int = 64 * BLOCK_BYTES, dram: int = 0, ssd: int = 0, **spec) -> dict:
+    return {"name": name, "spec": {**SPEC, **spec}, "capacity": {"device": device, "dram": dram, "ssd": ssd}}
+
+
+def bearer_client(raw_key: str) -> APIClient:
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {raw_key}")
+    return client
+
+
+@dataclass
+class TenantHandle:
+    tenant: Tenant
+    raw_key: str
+
+    @property
+    def client(self) -> APIClient:
+        return bearer_client(self.raw_key)
+
+    def key(self, *scopes: str) -> APIClient:
+        """A client with another key of this tenant, holding `scopes`."""
+        issued = tenant_services.api_key_issue(tenant=self.tenant, scopes=list(scopes))
+        return bearer_client(issued.raw_key)
+
+
+@pytest.fixture
+def make_tenant(db):
+    """make_tenant(scopes=("caches:write",), **quota) -> TenantHandle with a fresh key. Rate limits are lifted so
+    tests are not throttled (the limiter has its own tests)."""
+
+    def make(*, scopes=("caches:write",), **quota) -> TenantHandle:
+        tenant = tenant_services.tenant_create(name=f"tenant-{next(_names)}-{uuid.uuid4().hex[:6]}")
+        tenant_services.quota_update(tenant=tenant, max_requests_per_second=100_000, **quota)
+        issued = tenant_services.api_key_issue(tenant=tenant, scopes=list(scopes))
+        return TenantHandle(tenant=tenant, raw_key=issued.raw_key)
+
+    return make
+
+
+@pytest.fixture
+def tenant_a(make_tenant) -> TenantHandle:
+    return make_tenant()
+
+
+@pytest.fixture
+def tenant_b(make_tenant) -> TenantHandle:
+    return make_tenant()
+
+
+@pytest.fixture
+def make_node(db):
+    """make_node(device=, dram=, ssd=) -> a registered (ready, live lease) Node."""
+
+    def make(*, device: int = 8 * GIB, dram: int = 64 * GIB, ssd: int = 512 * GIB, now=None) -> Node:
+        issued = fleet_services.node_create(name=f"node-{next(_names)}-{uuid.uuid4().hex[:6]}")
+        fleet_services.node_register(
+            node_id=issued.node.pk,
+            endpoint=f"10.1.0.1:{next(_ports)}",
+            capacity={"device": device, "dram": dram, "ssd": ssd},
+            now=now,
+        )
+        return Node.objects.get(pk=issued.node.pk)
+
+    return make
+
+
+@pytest.fixture
+def node(make_node) -> Node:
+    return make_node()
+
+
+@pytest.fixture
+def fast_password_hasher(settings):
+    """Basic authentication hashes the password on every request: a fast hasher keeps staff tests quick."""
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
+@pytest.fixture
+def staff_client(db, fast_password_hasher) -> APIClient:
+    get_user_model().objects.create_user(f"ops-{uuid.uuid4().hex[:6]}", password=PASSWORD, is_staff=True)
+    user = get_user_model().objects.filter(is_staff=True).latest("id")
+    client = APIClient()
+    token = base64.b64encode(f"{user.username}:{PASSWORD}".encode()).decode()
+    client.credentials(HTTP_AUTHORIZATION=f"Basic {token}")
+    return client
+
+
+def reserved(node: Node) -> dict[str, int]:
+    node.refresh_from_db()
+    return {tier: getattr(node, f"{tier}_reserved_bytes") for tier in ("device", "dram", "ssd")}
+
+
+def make_ready(cache_id) -> Cache:
+    """Answer provisioning as the cache's node would (the node side has its own integration test)."""
+    from caches import services
+
+    cache = Cache.objects.get(pk=cache_id)
+    return services.cache_provision_result(
+        cache_id=cache.pk, node_id=cache.node_id, ok=True, endpoint=f"{cache.node.endpoint}"
+    )
+
+
+def purge_node_queue(node_id) -> None:
+    """Drop what tests sent to a node's queue on the real broker (its list and its kombu binding)."""
+    import os
+
+    import redis
+
+    from controlplane.celery import node_queue
+
+    client = redis.Redis.from_url(os.environ["CELERY_BROKER_URL"])
+    for key in client.scan_iter(match=f"*{node_queue(node_id)}*"):
+        client.delete(key)
+    client.close()
+
+
+def run_in_thread(fn, *args, **kwargs):
+    """Call fn in a new thread with its own database connection (closed afterwards); returns a started thread whose
+    `.result` (or `.error`) is set when it finishes."""
+    import threading
+
+    from django.db import connections
+
+    def target():
+        try:
+            thread.result = fn(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            thread.error = exc
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.result = thread.error = None
+    thread.start()
+    return thread

@@ -1,0 +1,114 @@
+"""End to end over the real broker: attach -> provisioning -> ready -> detach -> detached, and a failed provisioning,
+with two real Celery workers in threads: the control plane's on `control` and a minimal node agent
+(tests/caches/node_consumer.py, its own Celery app, no Django) on `node.<id>`."""
+
+import base64
+import time
+import uuid
+
+import pytest
+from celery import bootsteps
+from celery.contrib.testing.worker import start_worker
+from celery.signals import task_postrun
+from celery.worker import state as worker_state
+from django.db import connections
+
+from caches.models import Cache
+from caches.sealing import hash_key_unseal
+from fleet.models import Node
+from controlplane.celery import app as control_app, node_queue
+from tests.caches import node_consumer
+from tests.caches.conftest import SPEC, attach_body, purge_node_queue, reserved
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+NOTHING = {"device": 0, "dram": 0, "ssd": 0}
+
+
+# The workers outlive each test (starting and stopping a pair costs seconds), so the node they serve keeps one id:
+# every test registers its node under it (the database is emptied between transactional tests).
+NODE_ID = uuid.UUID("6e0de000-0000-4000-8000-00000000cafe")
+
+
+def _close_thread_connections(**kwargs) -> None:
+    # Worker threads open their own database connections; close them after each task so nothing outlives a test.
+    connections.close_all()
+
+
+def _stop_together(*workers, timeout=15.0) -> None:
+    """Ask every worker to stop at once instead of one after the other (each takes seconds to notice)."""
+    worker_state.should_terminate = 0
+    deadline = time.monotonic() + timeout
+    while any(w.blueprint.state == bootsteps.RUN for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def workers():
+    task_postrun.connect(_close_thread_connections, weak=False)
+    # use_eventloop=False: each worker drains its own connection. With the event loop, two workers in one process
+    # share kombu's process-global hub and steal each other's socket events (a read then blocks forever).
+    options = {"perform_ping_check": False, "shutdown_timeout": 20, "use_eventloop": False}
+    try:
+        with start_worker(control_app, queues=["control"], **options) as control_worker:
+            with start_worker(node_consumer.node_app, queues=[node_queue(NODE_ID)], **options) as node_worker:
+                yield node_consumer.behaviour
+                _stop_together(control_worker, node_worker)
+    finally:
+        task_postrun.disconnect(_close_thread_connections)
+        control_app.set_current()
+        control_app.set_default()
+        purge_node_queue(NODE_ID)
+
+
+@pytest.fixture
+def node(make_node, workers):
+    """A registered node with the id the node worker serves; the consumer told who it is and to succeed."""
+    made = make_node()
+    Node.objects.filter(pk=made.pk).update(id=NODE_ID)
+    made = Node.objects.get(pk=NODE_ID)
+    behaviour = node_consumer.behaviour
+    with behaviour.lock:
+        behaviour.node_id, behaviour.endpoint = str(made.pk), made.endpoint
+        behaviour.fail_reason, behaviour.received = None, []
+    return made
+
+
+def _wait_for(client, cache_id, state, timeout=20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        body = client.get(f"/api/v1/caches/{cache_id}").json()
+        if body["state"] == state:
+            return body
+        assert time.monotonic() < deadline, f"cache stuck in {body['state']} (waiting for {state})"
+        time.sleep(0.05)
+
+
+def test_attach_provision_ready_then_detach(tenant_a, node, workers):
+    response = tenant_a.client.post("/api/v1/caches", attach_body(), format="json")
+    assert response.status_code == 201 and response.json()["state"] == "provisioning"
+    cache_id = response.json()["id"]
+
+    ready = _wait_for(tenant_a.client, cache_id, "ready")
+    assert ready["endpoint"] == node.endpoint and ready["node_id"] == str(node.pk)
+    (name, (sent_id, spec, capacity, hash_key_b64, epoch)), = workers.received
+    cache = Cache.objects.get(pk=cache_id)
+    assert (name, sent_id, spec, epoch) == ("provision_cache", cache_id, SPEC, 1)
+    assert capacity == cache.capacity()
+    assert base64.b64decode(hash_key_b64) == hash_key_unseal(cache_id=cache.pk, sealed=cache.hash_key_sealed)
+    assert tenant_a.client.post(f"/api/v1/caches/{cache_id}/tokens", {}, format="json").status_code == 201
+
+    detaching = tenant_a.client.delete(f"/api/v1/caches/{cache_id}")
+    assert detaching.status_code == 202 and detaching.json()["state"] == "detaching"
+    _wait_for(tenant_a.client, cache_id, "detached")
+    assert workers.received[-1] == ("detach_cache", [cache_id, 1])
+    assert reserved(node) == NOTHING
+
+
+def test_failed_provisioning_reports_the_nodes_reason(tenant_a, node, workers):
+    workers.fail_reason = "not enough device memory"
+    response = tenant_a.client.post("/api/v1/caches", attach_body(), format="json")
+    assert response.status_code == 201
+    failed = _wait_for(tenant_a.client, response.json()["id"], "failed")
+    assert failed["failure_reason"] == "not enough device memory" and failed["endpoint"] == ""
+    assert reserved(node) == NOTHING
