@@ -139,7 +139,7 @@ SPECTACULAR_SETTINGS = {
     "ENUM_NAME_OVERRIDES": {
         "CacheStateEnum": "caches.models.CacheState",
         "NodeStateEnum": "fleet.models.NodeState",
-        "ApiKeyStateEnum": "tenants.models.ApiKey.State",
+        "ApiKeyStateEnum": ["active", "expired", "revoked"],
     },
 }
 
