@@ -23,6 +23,7 @@ test: install
 	TRITON_INTERPRET=1 $(PY) -m pytest -q
 
 bench: install
+	@scripts/services.sh >/dev/null
 	@for b in $$(ls bench/*.py | xargs -n1 basename | sed 's/\.py$$//' | grep -v '^_' | grep -v '^__init__$$'); do \
 		echo "== bench.$$b"; $(PY) -m bench.$$b --quick || exit 1; done
 
