@@ -6,13 +6,13 @@ tenant cannot learn whether another tenant's id exists.
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass, field
 
 from rest_framework.exceptions import PermissionDenied
 
 from controlplane.errors import ApplicationError, NotFoundError
 from tenants import scopes as scope_rules
+from tenants.ids import as_uuid
 from tenants.models import ApiKey, Tenant
 
 
@@ -53,15 +53,6 @@ def is_staff_user(user) -> bool:
     return bool(getattr(user, "is_authenticated", False) and getattr(user, "is_staff", False))
 
 
-def _as_uuid(value) -> uuid.UUID | None:
-    if value is None or isinstance(value, uuid.UUID):
-        return value
-    try:
-        return uuid.UUID(str(value))
-    except ValueError:
-        return None
-
-
 def request_tenant(request, tenant_id=None) -> Tenant:
     """The tenant this request acts on.
 
@@ -71,13 +62,13 @@ def request_tenant(request, tenant_id=None) -> Tenant:
     """
     user = getattr(request, "user", None)
     if isinstance(user, TenantPrincipal):
-        if tenant_id is not None and _as_uuid(tenant_id) != user.tenant.id:
+        if tenant_id is not None and as_uuid(tenant_id) != user.tenant.id:
             raise NotFoundError("No such tenant.")
         return user.tenant
     if is_staff_user(user):
         if tenant_id is None:
             raise ApplicationError("Staff must name the tenant (tenant_id).", code="tenant_required")
-        wanted = _as_uuid(tenant_id)
+        wanted = as_uuid(tenant_id)
         tenant = Tenant.objects.filter(pk=wanted).first() if wanted is not None else None
         if tenant is None:
             raise NotFoundError("No such tenant.")

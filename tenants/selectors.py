@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass
 
 from django.conf import settings
 from django.db.models import QuerySet
 
 from controlplane.errors import NotFoundError
+from tenants.ids import as_uuid
 from tenants.models import QUOTA_FIELDS, ApiKey, Quota, Tenant
 
 
@@ -51,21 +51,12 @@ def quota_overrides(*, tenant: Tenant) -> dict[str, int | None]:
     return {field: (getattr(quota, field) if quota is not None else None) for field in QUOTA_FIELDS}
 
 
-def _uuid_or_none(value) -> uuid.UUID | None:
-    if isinstance(value, uuid.UUID):
-        return value
-    try:
-        return uuid.UUID(str(value))
-    except ValueError:
-        return None
-
-
 def tenant_list() -> QuerySet[Tenant]:
     return Tenant.objects.select_related("quota").order_by("created_at", "id")
 
 
 def tenant_get(*, tenant_id) -> Tenant:
-    wanted = _uuid_or_none(tenant_id)
+    wanted = as_uuid(tenant_id)
     tenant = Tenant.objects.select_related("quota").filter(pk=wanted).first() if wanted else None
     if tenant is None:
         raise NotFoundError("No such tenant.")
@@ -78,7 +69,7 @@ def api_key_list(*, tenant: Tenant) -> QuerySet[ApiKey]:
 
 def api_key_get(*, key_id, tenant: Tenant | None) -> ApiKey:
     """The key with that id, within ``tenant`` (None: any tenant, for staff). Another tenant's key is a 404."""
-    wanted = _uuid_or_none(key_id)
+    wanted = as_uuid(key_id)
     queryset = ApiKey.objects.select_related("tenant")
     if tenant is not None:
         queryset = queryset.filter(tenant=tenant)

@@ -26,3 +26,18 @@ def redis_client():
     client.flushdb()
     yield client
     client.flushdb()
+
+
+@pytest.fixture
+def wsgi_app(db):
+    """The project's WSGI application for in-process schemathesis runs. As in Django's test client, requests must
+    not close the test's database connection (it holds the test transaction)."""
+    from django.core.signals import request_finished, request_started
+    from django.core.wsgi import get_wsgi_application
+    from django.db import close_old_connections
+
+    request_started.disconnect(close_old_connections)
+    request_finished.disconnect(close_old_connections)
+    yield get_wsgi_application()
+    request_started.connect(close_old_connections)
+    request_finished.connect(close_old_connections)

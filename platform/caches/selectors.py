@@ -8,6 +8,7 @@ from django.utils import timezone
 
 from caches.models import TIERS, Cache, CacheState, DataToken
 from controlplane.errors import NotFoundError
+from tenants.ids import as_uuid
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,16 +17,6 @@ class CacheUsage:
 
     num_caches: int
     capacity_bytes: dict[str, int]
-
-
-def as_uuid(value) -> uuid.UUID | None:
-    """The UUID a value spells, or None (a malformed id finds nothing, like an unknown one)."""
-    if isinstance(value, uuid.UUID):
-        return value
-    try:
-        return uuid.UUID(str(value))
-    except ValueError:
-        return None
 
 
 def cache_list(*, tenant_id: uuid.UUID | None, state: str | None = None) -> QuerySet[Cache]:

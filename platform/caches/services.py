@@ -37,6 +37,7 @@ from kcaas.spec import KVCacheSpec
 from tenants.models import Tenant
 from tenants.selectors import quota_limits
 from tenants.services import tenant_lock
+from tenants.ids import as_uuid
 
 logger = logging.getLogger("kcaas.caches")
 
@@ -155,7 +156,7 @@ def cache_attach(*, tenant_id: uuid.UUID, name: str, spec: KVCacheSpec, capacity
 
 
 def _lock_cache(cache_id, *, tenant_id: uuid.UUID | None = None) -> Cache | None:
-    wanted = selectors.as_uuid(cache_id)
+    wanted = as_uuid(cache_id)
     if wanted is None:
         return None
     caches = Cache.objects.select_for_update(of=("self",))
@@ -301,7 +302,7 @@ def data_token_issue(
     tenant = tenant_lock(tenant_id=tenant_id)
     if tenant.status != Tenant.Status.ACTIVE:
         raise ConflictError(f"The tenant is {tenant.status}.", code="tenant_inactive")
-    wanted = selectors.as_uuid(cache_id)
+    wanted = as_uuid(cache_id)
     cache = Cache.objects.select_related("node").filter(pk=wanted, tenant_id=tenant.pk).first() if wanted else None
     if cache is None:
         raise NotFoundError("No such cache.")

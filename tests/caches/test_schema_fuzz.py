@@ -9,11 +9,7 @@ could run out of room (503).
 
 import os
 
-import pytest
 import schemathesis
-from django.core.signals import request_finished, request_started
-from django.core.wsgi import get_wsgi_application
-from django.db import close_old_connections
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
@@ -21,16 +17,6 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 CACHES_PATHS = r"^/(api/v1/caches|\.well-known/jwks\.json)"
 MAX_EXAMPLES = int(os.environ.get("KCAAS_FUZZ_EXAMPLES", "10"))
 TIER_LIMIT = 2**50  # the most a node may report per tier (fleet) and the most a tenant quota may hold per tier
-
-
-@pytest.fixture
-def wsgi_app(db):
-    # As in Django's test client: a request must not close the test's database connection.
-    request_started.disconnect(close_old_connections)
-    request_finished.disconnect(close_old_connections)
-    yield get_wsgi_application()
-    request_started.connect(close_old_connections)
-    request_finished.connect(close_old_connections)
 
 
 def test_caches_endpoints_conform_to_the_schema(wsgi_app, make_tenant, make_node):

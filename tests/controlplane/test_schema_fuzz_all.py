@@ -15,9 +15,6 @@ import uuid
 
 import pytest
 import schemathesis
-from django.core.signals import request_finished, request_started
-from django.core.wsgi import get_wsgi_application
-from django.db import close_old_connections
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance, use_after_free
@@ -28,15 +25,6 @@ from tenants import scopes, services as tenant_services
 MAX_EXAMPLES = int(os.environ.get("KCAAS_FUZZ_EXAMPLES", "8"))
 TIER_LIMIT = 2**50
 TENANT_OWN = ("keys", "caches", "whoami", "jwks")
-
-
-@pytest.fixture
-def wsgi_app(db):
-    request_started.disconnect(close_old_connections)  # as Django's test client: keep the test's connection
-    request_finished.disconnect(close_old_connections)
-    yield get_wsgi_application()
-    request_started.connect(close_old_connections)
-    request_finished.connect(close_old_connections)
 
 
 @pytest.fixture

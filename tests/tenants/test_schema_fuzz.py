@@ -12,9 +12,6 @@ import pytest
 import schemathesis
 from schemathesis import GenerationMode
 from django.contrib.auth import get_user_model
-from django.core.signals import request_finished, request_started
-from django.core.wsgi import get_wsgi_application
-from django.db import close_old_connections
 from django.test import override_settings
 from hypothesis import HealthCheck, given, settings
 
@@ -23,16 +20,6 @@ from tenants import services
 FAST_HASHER = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # Basic auth hashes per request; tests only
 TENANTS_PATHS = r"^/api/v1/(keys|admin/tenants)"
 MAX_EXAMPLES = int(os.environ.get("KCAAS_FUZZ_EXAMPLES", "10"))  # per operation; raise it for a deeper run
-
-
-@pytest.fixture
-def wsgi_app(db):
-    # Like Django's test client: requests must not close the test's (transactional) database connection.
-    request_started.disconnect(close_old_connections)
-    request_finished.disconnect(close_old_connections)
-    yield get_wsgi_application()
-    request_started.connect(close_old_connections)
-    request_finished.connect(close_old_connections)
 
 
 @pytest.fixture
