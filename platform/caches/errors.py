@@ -3,18 +3,13 @@
 from rest_framework import status
 
 from controlplane.errors import ApplicationError, ConflictError
+from fleet.errors import InvalidCapacity  # noqa: F401  one refusal, one class: caches adds the one-block rule
 
 
 class InvalidSpec(ApplicationError):
     """The KV identity/layout is invalid (unknown dtype, zero heads, ...); details name each field."""
 
     code = "invalid_spec"
-
-
-class InvalidCapacity(ApplicationError):
-    """A capacity that is not a whole block on the device tier, or a non-zero tier smaller than one block."""
-
-    code = "invalid_capacity"
 
 
 class CacheNameTaken(ConflictError):
