@@ -38,11 +38,10 @@ from tenants.models import Tenant
 from tenants.selectors import quota_limits
 from tenants.services import tenant_lock
 from tenants.ids import as_uuid
+from kcaas.node_messages import DETACH_TASK, PROVISION_TASK
 
 logger = logging.getLogger("kcaas.caches")
 
-PROVISION_TASK = "kcaas.node.provision_cache"
-DETACH_TASK = "kcaas.node.detach_cache"
 MAX_TIER_BYTES = 2**50  # 1 PiB per tier per cache: far above any node, far below integer overflow
 MAX_REASON_LENGTH = 300
 NODE_LOST = "node_lost"

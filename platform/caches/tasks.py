@@ -8,11 +8,12 @@ from celery import shared_task
 
 from caches import services
 from caches.idempotency import idempotency_records_purge
+from kcaas.node_messages import DETACH_RESULT_TASK, PROVISION_RESULT_TASK
 
 logger = logging.getLogger("kcaas.caches")
 
 
-@shared_task(name="caches.provision_result")
+@shared_task(name=PROVISION_RESULT_TASK)
 def provision_result(cache_id: str, node_id: str, ok: bool, reason: str = "", endpoint: str = "") -> str | None:
     """A node's answer to `kcaas.node.provision_cache`: ready (ok, with its data-plane endpoint) or failed."""
     cache = services.cache_provision_result(
@@ -21,7 +22,7 @@ def provision_result(cache_id: str, node_id: str, ok: bool, reason: str = "", en
     return cache.state if cache is not None else None
 
 
-@shared_task(name="caches.detach_result")
+@shared_task(name=DETACH_RESULT_TASK)
 def detach_result(cache_id: str, node_id: str) -> str | None:
     """A node confirms `kcaas.node.detach_cache`: the pool is gone."""
     cache = services.cache_detach_result(cache_id=cache_id, node_id=node_id)

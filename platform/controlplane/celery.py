@@ -5,12 +5,11 @@ import os
 
 from celery import Celery
 
+from kcaas.node_messages import node_queue  # noqa: F401  re-exported: the rooms import it from here
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 
 app = Celery("kcaas")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
 
-
-def node_queue(node_id) -> str:
-    return f"node.{node_id}"

@@ -3,10 +3,13 @@ API clients holding a real key (real authentication, real Redis rate limiter), a
 
 import base64
 import itertools
+import time
 import uuid
 from dataclasses import dataclass
 
 import pytest
+from celery import bootsteps
+from celery.worker import state as worker_state
 from django.contrib.auth import get_user_model
 from rest_framework.test import APIClient
 
@@ -169,3 +172,21 @@ def run_in_thread(fn, *args, **kwargs):
     thread.result = thread.error = None
     thread.start()
     return thread
+
+
+def stop_workers_together(*workers, timeout=15.0) -> None:
+    """Ask every worker to stop at once instead of one after the other (each takes seconds to notice)."""
+    worker_state.should_terminate = 0
+    deadline = time.monotonic() + timeout
+    while any(w.blueprint.state == bootsteps.RUN for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def wait_for_state(client, cache_id, state, timeout=20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        body = client.get(f"/api/v1/caches/{cache_id}").json()
+        if body["state"] == state:
+            return body
+        assert time.monotonic() < deadline, f"cache stuck in {body['state']} (waiting for {state})"
+        time.sleep(0.05)

@@ -44,7 +44,7 @@ def _answer(task_name: str, args: list) -> None:
     node_app.send_task(task_name, args=args, queue=CONTROL_QUEUE)
 
 
-@node_app.task(name="kcaas.node.provision_cache")
+@node_app.task(name="kcaas.node.provision_cache", shared=False)
 def provision_cache(cache_id: str, spec: dict, capacity: dict, hash_key_b64: str, epoch: int) -> None:
     with behaviour.lock:
         behaviour.received.append(("provision_cache", [cache_id, spec, capacity, hash_key_b64, epoch]))
@@ -56,7 +56,7 @@ def provision_cache(cache_id: str, spec: dict, capacity: dict, hash_key_b64: str
     _answer("caches.provision_result", [cache_id, behaviour.node_id, ok, reason, behaviour.endpoint if ok else ""])
 
 
-@node_app.task(name="kcaas.node.detach_cache")
+@node_app.task(name="kcaas.node.detach_cache", shared=False)
 def detach_cache(cache_id: str, epoch: int) -> None:
     with behaviour.lock:
         behaviour.received.append(("detach_cache", [cache_id, epoch]))

@@ -3,14 +3,11 @@ with two real Celery workers in threads: the control plane's on `control` and a 
 (tests/caches/node_consumer.py, its own Celery app, no Django) on `node.<id>`."""
 
 import base64
-import time
 import uuid
 
 import pytest
-from celery import bootsteps
 from celery.contrib.testing.worker import start_worker
 from celery.signals import task_postrun
-from celery.worker import state as worker_state
 from django.db import connections
 
 from caches.models import Cache
@@ -18,7 +15,7 @@ from caches.sealing import hash_key_unseal
 from fleet.models import Node
 from controlplane.celery import app as control_app, node_queue
 from tests.caches import node_consumer
-from tests.caches.conftest import SPEC, attach_body, purge_node_queue, reserved
+from tests.caches.conftest import SPEC, attach_body, purge_node_queue, reserved, stop_workers_together, wait_for_state
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -35,14 +32,6 @@ def _close_thread_connections(**kwargs) -> None:
     connections.close_all()
 
 
-def _stop_together(*workers, timeout=15.0) -> None:
-    """Ask every worker to stop at once instead of one after the other (each takes seconds to notice)."""
-    worker_state.should_terminate = 0
-    deadline = time.monotonic() + timeout
-    while any(w.blueprint.state == bootsteps.RUN for w in workers) and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
 def workers():
     task_postrun.connect(_close_thread_connections, weak=False)
@@ -53,7 +42,7 @@ def workers():
         with start_worker(control_app, queues=["control"], **options) as control_worker:
             with start_worker(node_consumer.node_app, queues=[node_queue(NODE_ID)], **options) as node_worker:
                 yield node_consumer.behaviour
-                _stop_together(control_worker, node_worker)
+                stop_workers_together(control_worker, node_worker)
     finally:
         task_postrun.disconnect(_close_thread_connections)
         control_app.set_current()
@@ -74,22 +63,12 @@ def node(make_node, workers):
     return made
 
 
-def _wait_for(client, cache_id, state, timeout=20.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        body = client.get(f"/api/v1/caches/{cache_id}").json()
-        if body["state"] == state:
-            return body
-        assert time.monotonic() < deadline, f"cache stuck in {body['state']} (waiting for {state})"
-        time.sleep(0.05)
-
-
 def test_attach_provision_ready_then_detach(tenant_a, node, workers):
     response = tenant_a.client.post("/api/v1/caches", attach_body(), format="json")
     assert response.status_code == 201 and response.json()["state"] == "provisioning"
     cache_id = response.json()["id"]
 
-    ready = _wait_for(tenant_a.client, cache_id, "ready")
+    ready = wait_for_state(tenant_a.client, cache_id, "ready")
     assert ready["endpoint"] == node.endpoint and ready["node_id"] == str(node.pk)
     (name, (sent_id, spec, capacity, hash_key_b64, epoch)), = workers.received
     cache = Cache.objects.get(pk=cache_id)
@@ -100,7 +79,7 @@ def test_attach_provision_ready_then_detach(tenant_a, node, workers):
 
     detaching = tenant_a.client.delete(f"/api/v1/caches/{cache_id}")
     assert detaching.status_code == 202 and detaching.json()["state"] == "detaching"
-    _wait_for(tenant_a.client, cache_id, "detached")
+    wait_for_state(tenant_a.client, cache_id, "detached")
     assert workers.received[-1] == ("detach_cache", [cache_id, 1])
     assert reserved(node) == NOTHING
 
@@ -109,6 +88,6 @@ def test_failed_provisioning_reports_the_nodes_reason(tenant_a, node, workers):
     workers.fail_reason = "not enough device memory"
     response = tenant_a.client.post("/api/v1/caches", attach_body(), format="json")
     assert response.status_code == 201
-    failed = _wait_for(tenant_a.client, response.json()["id"], "failed")
+    failed = wait_for_state(tenant_a.client, response.json()["id"], "failed")
     assert failed["failure_reason"] == "not enough device memory" and failed["endpoint"] == ""
     assert reserved(node) == NOTHING

@@ -1,0 +1,80 @@
+"""The node agent's Celery side: the tasks the control plane sends to this node's queue, and its answers.
+
+The agent builds one Celery app of its own (no Django: configuration is the broker URL and the node's identity) and
+runs a worker inside the agent process, because the pool that holds the caches must run the tasks. Handlers are
+idempotent (CacheRegistry's epoch rules) and always answer, so the control plane's status guards settle the cache:
+provisioning answers ok (with this node's data-plane endpoint) or failed with a machine-readable reason.
+Message names and arguments: kcaas/node_messages.py.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+
+from celery import Celery
+
+from gpu_node.registry import CacheRegistry, ProvisionError
+from kcaas.node_messages import (
+    CONTROL_QUEUE,
+    DETACH_RESULT_TASK,
+    DETACH_TASK,
+    PROVISION_RESULT_TASK,
+    PROVISION_TASK,
+)
+from kcaas.spec import KVCacheSpec, SpecError
+
+logger = logging.getLogger("kcaas.node")
+HASH_KEY_BYTES = 32
+
+
+def provision(registry: CacheRegistry, cache_id: str, spec: dict, capacity: dict, hash_key_b64: str, epoch: int):
+    """(ok, reason) for one provisioning request; never raises for a bad request (it is answered as failed)."""
+    try:
+        layout = KVCacheSpec.from_dict(spec)
+        hash_key = base64.b64decode(hash_key_b64, validate=True)
+        if len(hash_key) != HASH_KEY_BYTES:
+            return False, "invalid_hash_key"
+        registry.provision(cache_id=cache_id, spec=layout, capacity=capacity, hash_key=hash_key, epoch=int(epoch))
+    except SpecError:
+        return False, "invalid_spec"
+    except (binascii.Error, ValueError, TypeError):
+        return False, "invalid_request"
+    except ProvisionError as refusal:
+        return False, refusal.code
+    except (MemoryError, RuntimeError) as error:  # the allocator (torch raises RuntimeError for CUDA OOM)
+        logger.warning("provisioning %s failed: %s", cache_id, error)
+        return False, "allocation_failed"
+    return True, ""
+
+
+def build_node_app(*, broker_url: str, node_id: str, endpoint: str, registry: CacheRegistry) -> Celery:
+    """A Celery app whose two tasks act on `registry` and answer on the control queue as node `node_id`."""
+    app = Celery(f"kcaas-node-{node_id}", broker=broker_url)
+    app.conf.update(
+        task_serializer="json",
+        accept_content=["json"],
+        task_acks_late=True,  # a provisioning interrupted by a crash is redelivered, not lost
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+    )
+
+    def answer(task_name: str, args: list) -> None:
+        app.send_task(task_name, args=args, queue=CONTROL_QUEUE)
+
+    @app.task(name=PROVISION_TASK, shared=False)  # tasks of this app only (several agents may share a process in tests)
+    def provision_cache(cache_id: str, spec: dict, capacity: dict, hash_key_b64: str, epoch: int) -> bool:
+        ok, reason = provision(registry, cache_id, spec, capacity, hash_key_b64, epoch)
+        answer(PROVISION_RESULT_TASK, [cache_id, node_id, ok, reason, endpoint if ok else ""])
+        return ok
+
+    @app.task(name=DETACH_TASK, shared=False)
+    def detach_cache(cache_id: str, epoch: int) -> bool:
+        detached = registry.detach(cache_id=cache_id, epoch=int(epoch))
+        answer(DETACH_RESULT_TASK, [cache_id, node_id])
+        return detached
+
+    return app

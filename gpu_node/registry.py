@@ -1,0 +1,109 @@
+"""The caches one node agent hosts: cache id -> (epoch, identity, capacity, the PagedKVCache holding its blocks).
+
+Invariants (under the registry lock):
+- the device bytes promised to hosted caches plus those reserved by provisionings in flight never exceed the node's
+  device capacity;
+- a cache id is hosted at most once, at one epoch; provisioning is idempotent per (id, epoch): a duplicate or stale
+  delivery (same or older epoch) returns what is hosted, a newer epoch replaces it (the control plane moved the
+  cache away and back);
+- detaching with an older epoch than the hosted one is ignored (a stale message must not drop a newer incarnation).
+The pool of a new cache is allocated (and pre-faulted) outside the lock, so provisioning one cache never stalls
+requests to the others.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from gpu_node.paged_cache import PagedKVCache
+from kcaas.spec import KVCacheSpec
+
+TIERS = ("device", "dram", "ssd")
+
+
+class ProvisionError(Exception):
+    """A provisioning the node refuses; `code` is what it reports to the control plane."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class HostedCache:
+    cache_id: str
+    epoch: int
+    spec: KVCacheSpec
+    capacity: dict[str, int]
+    engine: PagedKVCache
+
+
+class CacheRegistry:
+    def __init__(self, *, device_capacity_bytes: int, device: torch.device | str | None = None):
+        self.device_capacity_bytes = device_capacity_bytes
+        self.device = device
+        self._lock = threading.Lock()
+        self._caches: dict[str, HostedCache] = {}
+        self._reserved_in_flight = 0
+
+    def provision(
+        self, *, cache_id: str, spec: KVCacheSpec, capacity: dict[str, int], hash_key: bytes, epoch: int
+    ) -> HostedCache:
+        device_bytes = int(capacity.get("device", 0))
+        if device_bytes < spec.block_bytes:
+            raise ProvisionError("invalid_capacity", f"device capacity {device_bytes} holds no {spec.block_bytes}-byte block")
+        with self._lock:
+            hosted = self._caches.get(cache_id)
+            if hosted is not None and hosted.epoch >= epoch:
+                return hosted
+            replaced_bytes = hosted.capacity["device"] if hosted is not None else 0
+            if self._used_locked() - replaced_bytes + device_bytes > self.device_capacity_bytes:
+                raise ProvisionError("insufficient_capacity", "not enough device memory on this node")
+            self._reserved_in_flight += device_bytes
+        try:
+            engine = PagedKVCache(spec, hash_key=hash_key, capacity_bytes=device_bytes, device=self.device)
+        finally:
+            with self._lock:
+                self._reserved_in_flight -= device_bytes
+        hosted = HostedCache(cache_id, epoch, spec, {t: int(capacity.get(t, 0)) for t in TIERS}, engine)
+        with self._lock:
+            current = self._caches.get(cache_id)
+            if current is not None and current.epoch >= epoch:
+                return current  # a concurrent delivery of the same provisioning won
+            self._caches[cache_id] = hosted
+        return hosted
+
+    def detach(self, *, cache_id: str, epoch: int) -> bool:
+        """Stop hosting a cache (readers holding its blocks keep them until they let go); False if not hosted."""
+        with self._lock:
+            hosted = self._caches.get(cache_id)
+            if hosted is None or hosted.epoch > epoch:
+                return False
+            del self._caches[cache_id]
+            return True
+
+    def get(self, cache_id: str) -> HostedCache | None:
+        with self._lock:
+            return self._caches.get(cache_id)
+
+    def cache_ids(self) -> list[str]:
+        with self._lock:
+            return sorted(self._caches)
+
+    def _used_locked(self) -> int:
+        return sum(h.capacity["device"] for h in self._caches.values()) + self._reserved_in_flight
+
+    def used_device_bytes(self) -> int:
+        with self._lock:
+            return self._used_locked()
+
+    def resident_snapshot(self) -> list[dict]:
+        """Absolute resident bytes per cache and tier (what heartbeats and billing reports carry)."""
+        with self._lock:
+            hosted = list(self._caches.values())
+        return [
+            {"cache_id": h.cache_id, "tier": "device", "bytes": h.engine.stats().bytes_resident} for h in hosted
+        ]
