@@ -51,7 +51,9 @@ def provision(registry: CacheRegistry, cache_id: str, spec: dict, capacity: dict
 
 def build_node_app(*, broker_url: str, node_id: str, endpoint: str, registry: CacheRegistry) -> Celery:
     """A Celery app whose two tasks act on `registry` and answer on the control queue as node `node_id`."""
-    app = Celery(f"kcaas-node-{node_id}", broker=broker_url)
+    # fixups=[]: never Celery's Django fixup, even when DJANGO_SETTINGS_MODULE happens to be set (the node agent
+    # never imports Django).
+    app = Celery(f"kcaas-node-{node_id}", broker=broker_url, fixups=[])
     app.conf.update(
         task_serializer="json",
         accept_content=["json"],

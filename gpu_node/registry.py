@@ -101,9 +101,10 @@ class CacheRegistry:
             return self._used_locked()
 
     def resident_snapshot(self) -> list[dict]:
-        """Absolute resident bytes per cache and tier (what heartbeats and billing reports carry)."""
+        """Absolute resident bytes per cache and tier, in the heartbeat's shape (billing integrates these)."""
         with self._lock:
             hosted = list(self._caches.values())
         return [
-            {"cache_id": h.cache_id, "tier": "device", "bytes": h.engine.stats().bytes_resident} for h in hosted
+            {"cache_id": h.cache_id, "device_bytes": h.engine.stats().bytes_resident, "dram_bytes": 0, "ssd_bytes": 0}
+            for h in hosted
         ]

@@ -1,1 +1,33 @@
-"""KCaaS tenant SDK (REST and data-plane clients arrive with the node agent issue)."""
+"""KCaaS tenant SDK: the REST client (kcaas.Client), data-token refresh (kcaas.TokenSource), the shared cache
+identity (kcaas.spec) and engine connectors. The data-plane client arrives with the rest of the node agent issue."""
+
+# Exported lazily (PEP 562): `import kcaas.spec` / `kcaas.wire` (the control plane, the node agent) stays free of the
+# REST client's imports (http.client, ssl) until someone asks for kcaas.Client.
+_EXPORTS = {
+    "ApiKeyInfo": "kcaas.client",
+    "Cache": "kcaas.client",
+    "Client": "kcaas.client",
+    "DataToken": "kcaas.client",
+    "IssuedKey": "kcaas.client",
+    "Principal": "kcaas.client",
+    "TokenSource": "kcaas.tokens",
+    "__version__": "kcaas.client",
+    "KcaasError": "kcaas.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kcaas' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_EXPORTS))

@@ -75,7 +75,7 @@ def test_resident_snapshot_reports_absolute_bytes_per_cache():
     hosted = provision_one(reg)
     tokens = list(range(9))
     hosted.engine.put(tokens, prefix_kv(SPEC, tokens))
-    assert reg.resident_snapshot() == [{"cache_id": "c1", "tier": "device", "bytes": 3 * BLOCK}]
+    assert reg.resident_snapshot() == [{"cache_id": "c1", "device_bytes": 3 * BLOCK, "dram_bytes": 0, "ssd_bytes": 0}]
 
 
 @pytest.mark.parametrize(

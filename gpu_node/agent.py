@@ -1,0 +1,225 @@
+"""The node agent process: one per GPU (or per CPU host). It registers with the control plane, renews its lease by
+heartbeat, and consumes its own Celery queue in process (the pool that holds the caches must run the tasks).
+
+    python -m gpu_node.agent        # configuration from the environment (AgentConfig.from_env)
+
+Lifecycle as explicit steps: `start()` = registry -> register -> Celery worker -> heartbeat; `stop()` undoes them
+in reverse order, logging (not raising) errors. SIGTERM/SIGINT handlers only set a flag; the main thread sees it
+and stops: the worker finishes the task in hand (acks_late: one interrupted mid-way is redelivered), the heartbeat
+stops, the process exits 0. The data-plane server joins these steps with the next piece of issue 4.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import signal
+import threading
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+from gpu_node.node_tasks import build_node_app
+from gpu_node.registry import CacheRegistry
+from kcaas.node_messages import node_queue
+
+logger = logging.getLogger("kcaas.node.agent")
+WORKER_STOP_SECONDS = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    control_url: str  # the control plane's base URL, e.g. http://127.0.0.1:8000
+    credential: str  # kc_node_... issued by staff (POST /api/v1/admin/nodes)
+    broker_url: str  # the Celery broker the control plane sends this node's tasks through
+    endpoint: str  # host:port of this node's data plane, as clients should reach it
+    device_capacity_bytes: int
+    dram_capacity_bytes: int = 0
+    ssd_capacity_bytes: int = 0
+    device: str | None = None  # torch device for the pools; default cuda when present, else cpu
+
+    @classmethod
+    def from_env(cls, environ=os.environ) -> AgentConfig:
+        def required(name: str) -> str:
+            value = environ.get(name, "")
+            if not value:
+                raise SystemExit(f"gpu_node.agent: set {name}")
+            return value
+
+        return cls(
+            control_url=required("KCAAS_CONTROL_URL").rstrip("/"),
+            credential=required("KCAAS_NODE_CREDENTIAL"),
+            broker_url=required("CELERY_BROKER_URL"),
+            endpoint=required("KCAAS_NODE_ENDPOINT"),
+            device_capacity_bytes=int(required("KCAAS_NODE_DEVICE_BYTES")),
+            dram_capacity_bytes=int(environ.get("KCAAS_NODE_DRAM_BYTES", 0)),
+            ssd_capacity_bytes=int(environ.get("KCAAS_NODE_SSD_BYTES", 0)),
+            device=environ.get("KCAAS_NODE_TORCH_DEVICE") or None,
+        )
+
+    @property
+    def capacity(self) -> dict[str, int]:
+        return {"device": self.device_capacity_bytes, "dram": self.dram_capacity_bytes, "ssd": self.ssd_capacity_bytes}
+
+
+class ControlPlaneError(Exception):
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(f"{status} {code}: {message}")
+        self.status, self.code = status, code
+
+
+class ControlPlane:
+    """The node's REST calls to the control plane, authenticated with the node credential (stdlib only)."""
+
+    def __init__(self, base_url: str, credential: str, *, timeout: float = 10.0):
+        self._base_url, self._credential, self._timeout = base_url, credential, timeout
+
+    def _post(self, path: str, body: dict) -> dict:
+        request = urllib.request.Request(
+            self._base_url + path, data=json.dumps(body).encode(), method="POST",
+            headers={"Authorization": f"Bearer {self._credential}", "Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self._timeout) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            try:
+                detail = json.loads(error.read())["error"]
+            except (ValueError, KeyError, TypeError):
+                detail = {"code": "http_error", "message": error.reason}
+            raise ControlPlaneError(error.code, detail.get("code", ""), detail.get("message", "")) from None
+
+    def register(self, *, endpoint: str, capacity: dict) -> dict:
+        return self._post("/api/v1/nodes/register", {"endpoint": endpoint, "capacity": capacity})
+
+    def heartbeat(self, *, capacity: dict, resident: list[dict]) -> dict:
+        return self._post("/api/v1/nodes/heartbeat", {"capacity": capacity, "resident": resident})
+
+
+class Heartbeat:
+    """Renews the lease every `interval` seconds through `send`; a 409 reregister_required (the control plane
+    declared the node lost) calls `reregister`. Given its timer and sender, so tests drive `tick()` directly."""
+
+    def __init__(self, *, send, reregister, interval: float):
+        self._send, self._reregister, self.interval = send, reregister, interval
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def tick(self) -> None:
+        try:
+            self._send()
+        except ControlPlaneError as error:
+            if error.code == "reregister_required":
+                self._reregister()
+            else:
+                logger.warning("heartbeat refused: %s", error)
+        except OSError as error:  # the control plane is unreachable: keep serving, try again next tick
+            logger.warning("heartbeat failed: %s", error)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kcaas-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.interval):
+            self.tick()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval + 5)
+
+
+class NodeAgent:
+    def __init__(self, config: AgentConfig, *, control: ControlPlane | None = None):
+        self.config = config
+        self.control = control or ControlPlane(config.control_url, config.credential)
+        self.registry: CacheRegistry | None = None
+        self.node_id: str | None = None
+        self._worker = None
+        self._worker_thread: threading.Thread | None = None
+        self._heartbeat: Heartbeat | None = None
+
+    # ---- steps ----------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        config = self.config
+        self.registry = CacheRegistry(device_capacity_bytes=config.device_capacity_bytes, device=config.device)
+        registration = self.register()
+        self._start_worker()
+        self._heartbeat = Heartbeat(
+            send=self.send_heartbeat, reregister=self.register, interval=registration["heartbeat_interval_seconds"]
+        )
+        self._heartbeat.start()
+        logger.info("node %s serving %s", self.node_id, config.endpoint)
+
+    def stop(self) -> None:
+        for name, step in (("heartbeat", self._stop_heartbeat), ("worker", self._stop_worker)):
+            try:
+                step()
+            except Exception:  # noqa: BLE001 - stopping must go on; the error is logged
+                logger.exception("error while stopping the %s", name)
+
+    # ---- control plane --------------------------------------------------------------------------------------------
+    def register(self) -> dict:
+        registration = self.control.register(endpoint=self.config.endpoint, capacity=self.config.capacity)
+        self.node_id = registration["node"]["id"]
+        return registration
+
+    def send_heartbeat(self) -> dict:
+        return self.control.heartbeat(capacity=self.config.capacity, resident=self.registry.resident_snapshot())
+
+    # ---- the in-process Celery worker -------------------------------------------------------------------------------
+    def _start_worker(self) -> None:
+        app = build_node_app(
+            broker_url=self.config.broker_url, node_id=self.node_id, endpoint=self.config.endpoint,
+            registry=self.registry,
+        )
+        # A bare WorkController (not the `celery worker` program): no signal handlers of its own (they belong to
+        # the main thread), a solo pool so tasks run in this process next to the pools they act on.
+        self._worker = app.WorkController(
+            app=app, queues=[node_queue(self.node_id)], pool_cls="solo", concurrency=1,
+            without_heartbeat=True, without_mingle=True, without_gossip=True, use_eventloop=False,
+            hostname=f"kcaas-node-{self.node_id}@localhost",
+        )
+        def run() -> None:
+            app.set_current()  # the consumer resolves tasks through the current app, which is per thread
+            app.set_default()
+            self._worker.start()
+
+        self._worker_thread = threading.Thread(target=run, name="kcaas-worker", daemon=True)
+        self._worker_thread.start()
+
+    def _stop_worker(self) -> None:
+        """Warm stop: the task in hand finishes; then the consumer leaves its loop. An idle consumer can sit in a
+        blocking broker read for a while, so the wait is bounded: anything unacknowledged is redelivered (acks_late)
+        and every handler is idempotent, so exiting with the daemon thread still reading loses nothing."""
+        if self._worker is not None:
+            self._worker.stop(in_sighandler=False)
+            self._worker_thread.join(timeout=WORKER_STOP_SECONDS)
+            if self._worker_thread.is_alive():
+                logger.warning("the worker did not leave its broker read within %s s; exiting", WORKER_STOP_SECONDS)
+
+    def _stop_heartbeat(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+
+
+def main() -> int:
+    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s %(message)s")
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack: a stuck agent explains itself
+    stop_requested = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop_requested.set())  # handlers only set a flag
+    agent = NodeAgent(AgentConfig.from_env())
+    agent.start()
+    print(f"kcaas node agent {agent.node_id} ready", flush=True)
+    stop_requested.wait()
+    logger.info("stopping")
+    agent.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

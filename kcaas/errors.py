@@ -1,0 +1,152 @@
+"""Typed errors of the KCaaS SDK.
+
+Every non-2xx answer of the control plane (`{"error": {"code", "message", "details"}}`) becomes a `KcaasError`
+subclass chosen by status and code, carrying `status`, `code`, `message`, `details`, `request_id` (when the server
+or a proxy sent one) and, for 429, `retry_after`. Nothing here ever holds the API key: the client scrubs it from
+every message and detail before an error is built.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class KcaasError(Exception):
+    """Base of every SDK error. `status` is None for errors that never got an HTTP answer."""
+
+    default_code = "error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        code: str | None = None,
+        details: dict[str, Any] | None = None,
+        request_id: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.code = code or self.default_code
+        self.details = details or {}
+        self.request_id = request_id
+
+    def __str__(self) -> str:
+        parts = [f"[{self.status}]" if self.status is not None else None, f"{self.code}:", self.message]
+        if self.request_id:
+            parts.append(f"(request id {self.request_id})")
+        return " ".join(p for p in parts if p)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(status={self.status!r}, code={self.code!r}, message={self.message!r}, "
+            f"details={self.details!r}, request_id={self.request_id!r})"
+        )
+
+
+class APIConnectionError(KcaasError):
+    """The request got no HTTP answer (refused, reset, timed out, TLS failure), after any retries allowed."""
+
+    default_code = "connection_error"
+
+
+class AuthenticationError(KcaasError):
+    """401: missing, malformed, unknown, revoked or expired key, or an inactive tenant (see `code`)."""
+
+    default_code = "authentication_failed"
+
+
+class PermissionDeniedError(KcaasError):
+    """403: the key lacks a scope (details.required_scope / details.not_held)."""
+
+    default_code = "permission_denied"
+
+
+class QuotaExceededError(KcaasError):
+    """403 `quota_exceeded`: details.limit names the limit. Not retried: free capacity, then try again."""
+
+    default_code = "quota_exceeded"
+
+
+class NotFoundError(KcaasError):
+    """404: no such resource for this tenant (another tenant's ids are 404s too)."""
+
+    default_code = "not_found"
+
+
+class ConflictError(KcaasError):
+    """409: e.g. cache_name_taken, cache_not_ready, idempotency_in_progress."""
+
+    default_code = "conflict"
+
+
+class ValidationError(KcaasError):
+    """400 or 422: invalid_spec, invalid_capacity, validation_error (details.fields), idempotency_key_reused."""
+
+    default_code = "validation_error"
+
+
+class RateLimitedError(KcaasError):
+    """429: the tenant's request rate; `retry_after` seconds (float) as the server asked, or None."""
+
+    default_code = "rate_limited"
+
+    def __init__(self, message: str, *, retry_after: float | None = None, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.retry_after = retry_after
+
+
+class ServerError(KcaasError):
+    """5xx."""
+
+    default_code = "server_error"
+
+
+class ServiceUnavailableError(ServerError):
+    """503: e.g. no_capacity (no node can place the cache)."""
+
+    default_code = "service_unavailable"
+
+
+class CacheFailedError(KcaasError):
+    """A cache reached `failed` while the client waited for it; `cache` holds it (failure_reason, id to detach)."""
+
+    default_code = "cache_failed"
+
+    def __init__(self, message: str, *, cache: Any = None, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.cache = cache
+
+
+class WaitTimeoutError(KcaasError, TimeoutError):
+    """A wait for a cache state ran past its timeout (also a builtin TimeoutError); `cache` is its last state."""
+
+    default_code = "wait_timeout"
+
+    def __init__(self, message: str, *, cache: Any = None, **kwargs: Any) -> None:
+        KcaasError.__init__(self, message, **kwargs)
+        self.cache = cache
+
+
+def error_class_for(status: int, code: str | None) -> type[KcaasError]:
+    """The exception class for an HTTP error status and the body's code."""
+    if code == "quota_exceeded":
+        return QuotaExceededError
+    if status == 401:
+        return AuthenticationError
+    if status == 403:
+        return PermissionDeniedError
+    if status == 404:
+        return NotFoundError
+    if status == 409:
+        return ConflictError
+    if status in (400, 422):
+        return ValidationError
+    if status == 429:
+        return RateLimitedError
+    if status == 503:
+        return ServiceUnavailableError
+    if status >= 500:
+        return ServerError
+    return KcaasError

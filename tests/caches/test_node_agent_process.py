@@ -1,0 +1,89 @@
+"""The node agent as a real process (python -m gpu_node.agent) against the real control plane (live server on
+PostgreSQL, the control queue's worker on Redis): it registers, provisions through its own in-process worker,
+heartbeats resident bytes, and stops cleanly on SIGTERM."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from celery.contrib.testing.worker import start_worker
+from celery.signals import task_postrun
+from django.db import connections
+
+from controlplane.celery import app as control_app
+from fleet import services as fleet_services
+from fleet.models import Node
+from tests.caches.conftest import BLOCK_BYTES, attach_body, purge_node_queue, stop_workers_together, wait_for_state
+
+pytestmark = pytest.mark.django_db(transaction=True)
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _close_thread_connections(**kwargs) -> None:
+    connections.close_all()
+
+
+@pytest.fixture
+def control_worker():
+    task_postrun.connect(_close_thread_connections, weak=False)
+    try:
+        with start_worker(control_app, queues=["control"], perform_ping_check=False, shutdown_timeout=20,
+                          use_eventloop=False) as worker:
+            yield worker
+            stop_workers_together(worker)
+    finally:
+        task_postrun.disconnect(_close_thread_connections)
+
+
+@pytest.fixture
+def agent_process(live_server, settings, control_worker):
+    settings.KCAAS_NODE_HEARTBEAT_SECONDS = 1
+    issued = fleet_services.node_create(name="agent-under-test")
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"},
+        "KCAAS_CONTROL_URL": live_server.url,
+        "KCAAS_NODE_CREDENTIAL": issued.credential,
+        "KCAAS_NODE_ENDPOINT": "127.0.0.1:7301",
+        "KCAAS_NODE_DEVICE_BYTES": str(64 * BLOCK_BYTES),
+        "KCAAS_NODE_TORCH_DEVICE": "cpu",
+        "LOG_LEVEL": "WARNING",
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gpu_node.agent"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = process.stdout.readline()
+        if "ready" not in line:
+            process.kill()
+            pytest.fail(f"agent did not start: {line!r} {process.stderr.read()[-3000:]}")
+        yield process, issued.node.pk
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        purge_node_queue(issued.node.pk)
+
+
+def test_the_agent_registers_provisions_heartbeats_and_stops_on_sigterm(agent_process, tenant_a):
+    process, node_id = agent_process
+    node = Node.objects.get(pk=node_id)
+    assert node.state == "ready" and node.endpoint == "127.0.0.1:7301" and node.device_capacity_bytes == 64 * BLOCK_BYTES
+
+    response = tenant_a.client.post("/api/v1/caches", attach_body(device=16 * BLOCK_BYTES), format="json")
+    assert response.status_code == 201
+    ready = wait_for_state(tenant_a.client, response.json()["id"], "ready")
+    assert ready["endpoint"] == "127.0.0.1:7301"
+
+    first_beat = Node.objects.get(pk=node_id).last_heartbeat_at
+    deadline = time.monotonic() + 10
+    while Node.objects.get(pk=node_id).last_heartbeat_at == first_beat:
+        assert time.monotonic() < deadline, "no heartbeat within 10 s at a 1 s interval"
+        time.sleep(0.1)
+
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 0
