@@ -27,9 +27,9 @@ bench: install
 	@for b in $$(ls bench/*.py | xargs -n1 basename | sed 's/\.py$$//' | grep -v '^_' | grep -v '^__init__$$'); do \
 		echo "== bench.$$b"; $(PY) -m bench.$$b --quick || exit 1; done
 
+# The whole platform on embedded defaults (or on DATABASE_URL/REDIS_URL when set); Ctrl-C stops it.
 up: install
-	@echo "make up arrives with the node agent (issue 4). Today: 'make test' runs the engine and kernel suites," ; \
-	 echo "and 'make bench' measures the engine and the kernels."
+	$(PY) scripts/up.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

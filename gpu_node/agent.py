@@ -39,6 +39,7 @@ class AgentConfig:
     dram_capacity_bytes: int = 0
     ssd_capacity_bytes: int = 0
     device: str | None = None  # torch device for the pools; default cuda when present, else cpu
+    broker_transport_options: dict | None = None  # e.g. the folders of the file-system broker of `make up`
 
     @classmethod
     def from_env(cls, environ=os.environ) -> AgentConfig:
@@ -57,6 +58,7 @@ class AgentConfig:
             dram_capacity_bytes=int(environ.get("KCAAS_NODE_DRAM_BYTES", 0)),
             ssd_capacity_bytes=int(environ.get("KCAAS_NODE_SSD_BYTES", 0)),
             device=environ.get("KCAAS_NODE_TORCH_DEVICE") or None,
+            broker_transport_options=json.loads(environ.get("CELERY_BROKER_TRANSPORT_OPTIONS") or "null"),
         )
 
     @property
@@ -174,7 +176,7 @@ class NodeAgent:
     def _start_worker(self) -> None:
         app = build_node_app(
             broker_url=self.config.broker_url, node_id=self.node_id, endpoint=self.config.endpoint,
-            registry=self.registry,
+            registry=self.registry, transport_options=self.config.broker_transport_options,
         )
         # A bare WorkController (not the `celery worker` program): no signal handlers of its own (they belong to
         # the main thread), a solo pool so tasks run in this process next to the pools they act on.

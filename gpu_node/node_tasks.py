@@ -49,7 +49,9 @@ def provision(registry: CacheRegistry, cache_id: str, spec: dict, capacity: dict
     return True, ""
 
 
-def build_node_app(*, broker_url: str, node_id: str, endpoint: str, registry: CacheRegistry) -> Celery:
+def build_node_app(
+    *, broker_url: str, node_id: str, endpoint: str, registry: CacheRegistry, transport_options: dict | None = None
+) -> Celery:
     """A Celery app whose two tasks act on `registry` and answer on the control queue as node `node_id`."""
     # fixups=[]: never Celery's Django fixup, even when DJANGO_SETTINGS_MODULE happens to be set (the node agent
     # never imports Django).
@@ -63,6 +65,8 @@ def build_node_app(*, broker_url: str, node_id: str, endpoint: str, registry: Ca
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
     )
+    if transport_options:
+        app.conf.broker_transport_options = transport_options
 
     def answer(task_name: str, args: list) -> None:
         app.send_task(task_name, args=args, queue=CONTROL_QUEUE)
