@@ -29,14 +29,14 @@ def base_env() -> dict:
     env = {**os.environ, "KCAAS_VAR_DIR": str(var_dir), "PYTHONPATH": f"{REPO / 'platform'}:{REPO}"}
     env.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
     if not env.get("CELERY_BROKER_URL") and not env.get("REDIS_URL"):
-        queue, processed = var_dir / "celery" / "queue", var_dir / "celery" / "processed"
-        queue.mkdir(parents=True, exist_ok=True)
-        processed.mkdir(parents=True, exist_ok=True)
+        queue, processed, control = (var_dir / "celery" / name for name in ("queue", "processed", "control"))
+        for folder in (queue, processed, control):
+            folder.mkdir(parents=True, exist_ok=True)
         env["CELERY_BROKER_URL"] = "filesystem://"
         # the node agent's own Celery app must use the same folders as the control plane's (settings.py)
         env["CELERY_BROKER_TRANSPORT_OPTIONS"] = json.dumps(
             {"data_folder_in": str(queue), "data_folder_out": str(queue), "processed_folder": str(processed),
-             "store_processed": False}
+             "control_folder": str(control), "store_processed": False}
         )
     elif not env.get("CELERY_BROKER_URL"):
         env["CELERY_BROKER_URL"] = env["REDIS_URL"]
