@@ -107,6 +107,7 @@ class KeyListCreateApi(PaginatedApi):
             required=False,
             allow_blank=True,
             default="",
+            trim_whitespace=False,  # checked as sent, as the schema's pattern is
             validators=[RegexValidator(services.NAME_PATTERN, "No control characters.")],
         )
         scopes = serializers.ListField(
@@ -245,6 +246,7 @@ class TenantListCreateApi(PaginatedApi):
     class InputSerializer(serializers.Serializer):
         name = StrictCharField(
             max_length=services.TENANT_NAME_MAX_LENGTH,
+            trim_whitespace=False,  # checked as sent, as the schema's pattern is: "\rname" is refused, not trimmed
             validators=[RegexValidator(services.NONBLANK_NAME_PATTERN, "Printable, not blank.")],
         )
 
