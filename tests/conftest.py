@@ -3,6 +3,14 @@
 import os
 
 import pytest
+from hypothesis import settings as hypothesis_settings
+
+# CI runs every property test and fuzzer with a fixed seed (a red run blocks landing, so a finding must be
+# reproducible, not a coin toss); locally they explore new inputs each run. KCAAS_FUZZ_EXAMPLES deepens the
+# schemathesis runs.
+hypothesis_settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    hypothesis_settings.load_profile("ci")
 
 
 @pytest.fixture(autouse=True)
