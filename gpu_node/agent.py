@@ -6,7 +6,8 @@ heartbeat, and consumes its own Celery queue in process (the pool that holds the
 Lifecycle as explicit steps: `start()` = registry -> register -> Celery worker -> heartbeat; `stop()` undoes them
 in reverse order, logging (not raising) errors. SIGTERM/SIGINT handlers only set a flag; the main thread sees it
 and stops: the worker finishes the task in hand (acks_late: one interrupted mid-way is redelivered), the heartbeat
-stops, the process exits 0. The data-plane server joins these steps with the next piece of issue 4.
+stops, the process exits 0. The data-plane server (gpu_node/dataplane.py) is the last start step and the first
+stop step; it runs when TLS files (KCAAS_NODE_TLS_CERT/KCAAS_NODE_TLS_KEY) or a Unix socket (KCAAS_NODE_UDS) are set.
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ class AgentConfig:
     ssd_capacity_bytes: int = 0
     device: str | None = None  # torch device for the pools; default cuda when present, else cpu
     broker_transport_options: dict | None = None  # e.g. the folders of the file-system broker of `make up`
+    tls_cert_file: str | None = None  # the data plane's certificate chain (PEM); with tls_key_file: TLS 1.3 listener
+    tls_key_file: str | None = None
+    listen: str | None = None  # host:port the data plane binds (default: endpoint)
+    uds_path: str | None = None  # a Unix socket for engines on this host (same token auth, no TLS)
+    token_issuer: str = "kcaas-control-plane"  # the `iss` of data tokens (the control plane's KCAAS_TOKEN_ISSUER)
 
     @classmethod
     def from_env(cls, environ=os.environ) -> AgentConfig:
@@ -59,6 +65,11 @@ class AgentConfig:
             ssd_capacity_bytes=int(environ.get("KCAAS_NODE_SSD_BYTES", 0)),
             device=environ.get("KCAAS_NODE_TORCH_DEVICE") or None,
             broker_transport_options=json.loads(environ.get("CELERY_BROKER_TRANSPORT_OPTIONS") or "null"),
+            tls_cert_file=environ.get("KCAAS_NODE_TLS_CERT") or None,
+            tls_key_file=environ.get("KCAAS_NODE_TLS_KEY") or None,
+            listen=environ.get("KCAAS_NODE_LISTEN") or None,
+            uds_path=environ.get("KCAAS_NODE_UDS") or None,
+            token_issuer=environ.get("KCAAS_TOKEN_ISSUER") or "kcaas-control-plane",
         )
 
     @property
@@ -98,6 +109,11 @@ class ControlPlane:
 
     def heartbeat(self, *, capacity: dict, resident: list[dict]) -> dict:
         return self._post("/api/v1/nodes/heartbeat", {"capacity": capacity, "resident": resident})
+
+    def jwks(self) -> dict:
+        """The control plane's public data-token keys (GET /.well-known/jwks.json, unauthenticated)."""
+        with urllib.request.urlopen(self._base_url + "/.well-known/jwks.json", timeout=self._timeout) as response:
+            return json.loads(response.read())
 
 
 class Heartbeat:
@@ -143,6 +159,7 @@ class NodeAgent:
         self._worker = None
         self._worker_thread: threading.Thread | None = None
         self._heartbeat: Heartbeat | None = None
+        self.dataplane = None  # gpu_node.dataplane.DataPlaneServer once started
 
     # ---- steps ----------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -154,10 +171,12 @@ class NodeAgent:
             send=self.send_heartbeat, reregister=self.register, interval=registration["heartbeat_interval_seconds"]
         )
         self._heartbeat.start()
+        self._start_dataplane()
         logger.info("node %s serving %s", self.node_id, config.endpoint)
 
     def stop(self) -> None:
-        for name, step in (("heartbeat", self._stop_heartbeat), ("worker", self._stop_worker)):
+        steps = (("data plane", self._stop_dataplane), ("heartbeat", self._stop_heartbeat), ("worker", self._stop_worker))
+        for name, step in steps:
             try:
                 step()
             except Exception:  # noqa: BLE001 - stopping must go on; the error is logged
@@ -202,6 +221,28 @@ class NodeAgent:
             self._worker_thread.join(timeout=WORKER_STOP_SECONDS)
             if self._worker_thread.is_alive():
                 logger.warning("the worker did not leave its broker read within %s s; exiting", WORKER_STOP_SECONDS)
+
+    # ---- the data plane ---------------------------------------------------------------------------------------------
+    def _start_dataplane(self) -> None:
+        config = self.config
+        tls = bool(config.tls_cert_file and config.tls_key_file)
+        if not tls and not config.uds_path:
+            logger.warning("no data plane: set KCAAS_NODE_TLS_CERT and KCAAS_NODE_TLS_KEY (and/or KCAAS_NODE_UDS)")
+            return
+        from gpu_node.dataplane import DataPlaneServer, TokenVerifier, server_tls_context
+
+        verifier = TokenVerifier(self.control.jwks(), issuer=config.token_issuer)
+        host = port = None
+        if tls:
+            host, _, port_text = (config.listen or config.endpoint).rpartition(":")
+            host, port = host.strip("[]") or "0.0.0.0", int(port_text)
+        context = server_tls_context(config.tls_cert_file, config.tls_key_file) if tls else None
+        self.dataplane = DataPlaneServer(self.registry, self.node_id, verifier, context, host, port or 0,
+                                         uds_path=config.uds_path).start()
+
+    def _stop_dataplane(self) -> None:
+        if self.dataplane is not None:
+            self.dataplane.stop()
 
     def _stop_heartbeat(self) -> None:
         if self._heartbeat is not None:

@@ -1,5 +1,5 @@
 """KCaaS tenant SDK: the REST client (kcaas.Client), data-token refresh (kcaas.TokenSource), the shared cache
-identity (kcaas.spec) and engine connectors. The data-plane client arrives with the rest of the node agent issue."""
+identity (kcaas.spec) and engine connectors. The data-plane client is kcaas.DataPlaneClient (kcaas.dataplane)."""
 
 # Exported lazily (PEP 562): `import kcaas.spec` / `kcaas.wire` (the control plane, the node agent) stays free of the
 # REST client's imports (http.client, ssl) until someone asks for kcaas.Client.
@@ -7,6 +7,8 @@ _EXPORTS = {
     "ApiKeyInfo": "kcaas.client",
     "Cache": "kcaas.client",
     "Client": "kcaas.client",
+    "DataPlaneClient": "kcaas.dataplane",
+    "DataPlaneError": "kcaas.dataplane",
     "DataToken": "kcaas.client",
     "IssuedKey": "kcaas.client",
     "Principal": "kcaas.client",
