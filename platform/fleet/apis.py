@@ -7,6 +7,7 @@ authenticators (tenant keys, sessions, basic) and admit staff only, so a tenant 
 """
 
 from django.conf import settings
+from django.utils.module_loading import import_string
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_serializer, inline_serializer
 from rest_framework import serializers, status
 from rest_framework.pagination import LimitOffsetPagination
@@ -63,8 +64,8 @@ class NodeRegisterApi(_NodeApi):
         lease_seconds = serializers.IntegerField()
         caches = serializers.ListField(
             child=serializers.DictField(),
-            help_text="caches the control plane believes this node hosts; not filled yet (always empty): an agent "
-            "must not purge anything because of it",
+            help_text="caches the control plane believes this node hosts (cache_id, epoch, state, capacity): after "
+            "a restart the agent re-provisions or reports what it still holds",
         )
 
     @extend_schema(
@@ -83,7 +84,7 @@ class NodeRegisterApi(_NodeApi):
             "node": registration.node,
             "heartbeat_interval_seconds": settings.KCAAS_NODE_HEARTBEAT_SECONDS,
             "lease_seconds": settings.KCAAS_NODE_LEASE_SECONDS,
-            "caches": registration.caches,
+            "caches": import_string(settings.KCAAS_NODE_CACHES_SELECTOR)(node_id=registration.node.pk),
         }
         return Response(self.OutputSerializer(body).data)
 

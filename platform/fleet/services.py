@@ -8,7 +8,7 @@ A caller that locks node rows itself must do so after `node_place`, not before.
 
 import logging
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.conf import settings
@@ -43,9 +43,6 @@ class IssuedNode:
 @dataclass(frozen=True, slots=True)
 class NodeRegistration:
     node: Node
-    # What the control plane believes the node hosts. Always empty for now: fleet cannot see caches (caches sits
-    # above it), and how the caches room supplies this list is still open (see the register view's help text).
-    caches: list[dict] = field(default_factory=list)
 
 
 def _lock(node_id: uuid.UUID) -> Node:
