@@ -22,6 +22,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from gpu_node.metrics import NodeMetrics
 from gpu_node.node_tasks import build_node_app
 from gpu_node.registry import CacheRegistry
 from kcaas.node_messages import node_queue
@@ -41,6 +42,7 @@ class AgentConfig:
     ssd_capacity_bytes: int = 0
     device: str | None = None  # torch device for the pools; default cuda when present, else cpu
     broker_transport_options: dict | None = None  # e.g. the folders of the file-system broker of `make up`
+    metrics_port: int | None = None  # Prometheus /metrics on 127.0.0.1:<port> (KCAAS_NODE_METRICS_PORT)
     tls_cert_file: str | None = None  # the data plane's certificate chain (PEM); with tls_key_file: TLS 1.3 listener
     tls_key_file: str | None = None
     listen: str | None = None  # host:port the data plane binds (default: endpoint)
@@ -65,6 +67,7 @@ class AgentConfig:
             ssd_capacity_bytes=int(environ.get("KCAAS_NODE_SSD_BYTES", 0)),
             device=environ.get("KCAAS_NODE_TORCH_DEVICE") or None,
             broker_transport_options=json.loads(environ.get("CELERY_BROKER_TRANSPORT_OPTIONS") or "null"),
+            metrics_port=int(environ["KCAAS_NODE_METRICS_PORT"]) if environ.get("KCAAS_NODE_METRICS_PORT") else None,
             tls_cert_file=environ.get("KCAAS_NODE_TLS_CERT") or None,
             tls_key_file=environ.get("KCAAS_NODE_TLS_KEY") or None,
             listen=environ.get("KCAAS_NODE_LISTEN") or None,
@@ -159,12 +162,17 @@ class NodeAgent:
         self._worker = None
         self._worker_thread: threading.Thread | None = None
         self._heartbeat: Heartbeat | None = None
+        self.metrics: NodeMetrics | None = None
+        self._metrics_server = None
         self.dataplane = None  # gpu_node.dataplane.DataPlaneServer once started
 
     # ---- steps ----------------------------------------------------------------------------------------------------
     def start(self) -> None:
         config = self.config
         self.registry = CacheRegistry(device_capacity_bytes=config.device_capacity_bytes, device=config.device)
+        self.metrics = NodeMetrics(self.registry)
+        if config.metrics_port is not None:
+            self._metrics_server, _ = self.metrics.serve(config.metrics_port)
         registration = self.register()
         self._start_worker()
         self._heartbeat = Heartbeat(
@@ -175,7 +183,12 @@ class NodeAgent:
         logger.info("node %s serving %s", self.node_id, config.endpoint)
 
     def stop(self) -> None:
-        steps = (("data plane", self._stop_dataplane), ("heartbeat", self._stop_heartbeat), ("worker", self._stop_worker))
+        steps = (
+            ("data plane", self._stop_dataplane),
+            ("heartbeat", self._stop_heartbeat),
+            ("worker", self._stop_worker),
+            ("metrics", self._stop_metrics),
+        )
         for name, step in steps:
             try:
                 step()
@@ -243,6 +256,10 @@ class NodeAgent:
     def _stop_dataplane(self) -> None:
         if self.dataplane is not None:
             self.dataplane.stop()
+
+    def _stop_metrics(self) -> None:
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
 
     def _stop_heartbeat(self) -> None:
         if self._heartbeat is not None:

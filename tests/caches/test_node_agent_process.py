@@ -4,9 +4,11 @@ heartbeats resident bytes, and stops cleanly on SIGTERM."""
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,12 @@ from tests.caches.conftest import BLOCK_BYTES, attach_body, purge_node_queue, st
 
 pytestmark = pytest.mark.django_db(transaction=True)
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _close_thread_connections(**kwargs) -> None:
@@ -51,6 +59,7 @@ def agent_process(live_server, settings, control_worker):
         "KCAAS_NODE_DEVICE_BYTES": str(64 * BLOCK_BYTES),
         "KCAAS_NODE_TORCH_DEVICE": "cpu",
         "LOG_LEVEL": "WARNING",
+        "KCAAS_NODE_METRICS_PORT": str(_free_port()),
     }
     process = subprocess.Popen(
         [sys.executable, "-m", "gpu_node.agent"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -61,7 +70,7 @@ def agent_process(live_server, settings, control_worker):
         if "ready" not in line:
             process.kill()
             pytest.fail(f"agent did not start: {line!r} {process.stderr.read()[-3000:]}")
-        yield process, issued.node.pk
+        yield process, issued.node.pk, int(env["KCAAS_NODE_METRICS_PORT"])
     finally:
         if process.poll() is None:
             process.kill()
@@ -70,7 +79,7 @@ def agent_process(live_server, settings, control_worker):
 
 
 def test_the_agent_registers_provisions_heartbeats_and_stops_on_sigterm(agent_process, tenant_a):
-    process, node_id = agent_process
+    process, node_id, metrics_port = agent_process
     node = Node.objects.get(pk=node_id)
     assert node.state == "ready" and node.endpoint == "127.0.0.1:7301" and node.device_capacity_bytes == 64 * BLOCK_BYTES
 
@@ -84,6 +93,9 @@ def test_the_agent_registers_provisions_heartbeats_and_stops_on_sigterm(agent_pr
     while Node.objects.get(pk=node_id).last_heartbeat_at == first_beat:
         assert time.monotonic() < deadline, "no heartbeat within 10 s at a 1 s interval"
         time.sleep(0.1)
+
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    assert f'kcaas_cache_capacity_bytes{{cache="{ready["id"]}",tier="device"}}' in metrics
 
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=30) == 0
