@@ -244,14 +244,14 @@ class NodeAgent:
             return
         from gpu_node.dataplane import DataPlaneServer, TokenVerifier, server_tls_context
 
-        verifier = TokenVerifier(self.control.jwks(), issuer=config.token_issuer)
+        verifier = TokenVerifier(self.control.jwks(), issuer=config.token_issuer, fetch_jwks=self.control.jwks)
         host = port = None
         if tls:
             host, _, port_text = (config.listen or config.endpoint).rpartition(":")
             host, port = host.strip("[]") or "0.0.0.0", int(port_text)
         context = server_tls_context(config.tls_cert_file, config.tls_key_file) if tls else None
         self.dataplane = DataPlaneServer(self.registry, self.node_id, verifier, context, host, port or 0,
-                                         uds_path=config.uds_path).start()
+                                         uds_path=config.uds_path, metrics=self.metrics).start()
 
     def _stop_dataplane(self) -> None:
         if self.dataplane is not None:

@@ -1,0 +1,584 @@
+"""The node's data-plane server: `kcaas.wire` frames over TLS 1.3 (TCP) and, optionally, a Unix domain socket.
+
+One thread per connection (plus one accept thread per listener). Per connection:
+
+- a `wire.FrameDecoder` bounded by `max_frame_bytes` / `max_metadata_bytes`, fed with `recv_into` (zero copy: a PUT's
+  KV lands in the connection's staging buffer, viewed with `torch.frombuffer`, then written into the pool);
+- HELLO carries a data token, verified offline by `TokenVerifier` (EdDSA only, iss, exp/nbf, jti revocation), then
+  matched against the cache it names: audience `cache:<id>`, a cache this node hosts, the `node` claim == this node,
+  the `epoch` claim == the hosted epoch. Every mismatch there answers the same `not_found`, so a token for one cache
+  cannot learn whether another cache (another tenant's) exists on this node;
+- data requests (LOOKUP/PUT/GET/DELETE and their batch forms) are checked in the decoder's payload sink, before any
+  payload byte is read: a session for the cache, the token still valid and unrevoked, `access == "readwrite"` for
+  put/delete, and the request's identity equal to the cache's. A refused request's payload is discarded, so a
+  refused PUT never allocates its KV and never touches the cache;
+- requests are served one at a time (one in flight per connection; a client may pipeline, answers come in order);
+- a slow peer is cut: `idle_timeout` between frames, `frame_timeout` to complete a frame once it started, and
+  `handshake_timeout` for TLS. A stream error (garbage, oversized frame, truncation) is answered with ERROR (when the
+  socket still works) and the connection is closed.
+
+The engine writes a put's blocks and publishes them only when complete (PagedKVCache), so a connection that dies
+mid-payload leaves nothing visible: the put never reaches the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import ssl
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import jwt
+import numpy as np
+import torch
+
+from gpu_node.paged_cache import TORCH_DTYPES
+from gpu_node.registry import CacheRegistry, HostedCache
+from kcaas import wire
+from kcaas.spec import IdentityMismatch
+from kcaas.wire import ErrorCode, Opcode, ProtocolError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ISSUER = "kcaas-control-plane"
+REQUIRED_CLAIMS = ["exp", "iat", "nbf", "aud", "iss", "sub", "jti"]
+NOT_FOUND_MESSAGE = "no such cache on this node, or the token does not grant it"
+WRITE_OPS = frozenset({"put", "delete"})
+AUTH_FAILURE_CODES = frozenset({ErrorCode.UNAUTHENTICATED, ErrorCode.TOKEN_EXPIRED, ErrorCode.FORBIDDEN,
+                                ErrorCode.NOT_FOUND})  # fmt: skip
+MAX_FAILED_HELLOS = 8  # per connection: then it is closed (token guessing costs a reconnect + handshake)
+
+
+# ---- tokens -------------------------------------------------------------------------------------------------------
+class TokenVerifier:
+    """Verifies data tokens offline against the control plane's published Ed25519 keys (a JWKS dict).
+
+    `verify(token)` checks the signature (EdDSA only; the token's own `alg` is never trusted), iss, exp, nbf, the
+    required claims and the revocation set, and returns the claims. Whether the token grants a particular cache is
+    the server's check (audience, node, epoch), so every "not for this cache" answers alike.
+    """
+
+    def __init__(self, jwks: dict, *, issuer: str = DEFAULT_ISSUER, leeway: float = 5.0, fetch_jwks=None,
+                 refetch_interval: float = 30.0):  # fmt: skip
+        """`fetch_jwks()` (optional) reloads the JWKS when a token names an unknown `kid` (key rotation), at most
+        once per `refetch_interval` seconds, so forged kids cannot make the node hammer the control plane."""
+        self.issuer = issuer
+        self.leeway = leeway
+        self._fetch_jwks = fetch_jwks
+        self._refetch_interval = refetch_interval
+        self._last_fetch = float("-inf")
+        self._lock = threading.Lock()
+        self._keys: dict[str | None, Any] = {}
+        self._revoked: set[str] = set()
+        self.update_jwks(jwks)
+
+    def update_jwks(self, jwks: dict) -> None:
+        keys: dict[str | None, Any] = {}
+        for jwk in jwks.get("keys", []):
+            if jwk.get("kty") != "OKP" or jwk.get("crv") != "Ed25519":
+                continue  # only Ed25519 keys verify data tokens
+            keys[jwk.get("kid")] = jwt.PyJWK(jwk, algorithm="EdDSA").key
+        if not keys:
+            raise ValueError("the JWKS holds no Ed25519 key")
+        with self._lock:
+            self._keys = keys
+
+    def revoke(self, jti: str) -> None:
+        with self._lock:
+            self._revoked.add(str(jti))
+
+    def is_revoked(self, jti: Any) -> bool:
+        with self._lock:
+            return str(jti) in self._revoked
+
+    def _key_for(self, kid: Any) -> Any:
+        with self._lock:
+            if kid in self._keys:
+                return self._keys[kid]
+            if kid is None and len(self._keys) == 1:
+                return next(iter(self._keys.values()))
+        return None
+
+    def verify(self, token: str) -> dict:
+        """The token's verified claims; ProtocolError unauthenticated / token_expired otherwise."""
+        try:
+            header = jwt.get_unverified_header(token)
+        except jwt.InvalidTokenError:
+            raise ProtocolError(ErrorCode.UNAUTHENTICATED, "malformed token") from None
+        if header.get("alg") != "EdDSA":
+            raise ProtocolError(ErrorCode.UNAUTHENTICATED, "the token is not signed with EdDSA")
+        key = self._key_for(header.get("kid"))
+        refetch_due = time.monotonic() - self._last_fetch >= self._refetch_interval
+        if key is None and self._fetch_jwks is not None and refetch_due:
+            self._last_fetch = time.monotonic()
+            try:
+                self.update_jwks(self._fetch_jwks())
+            except Exception:  # noqa: BLE001 - the control plane is unreachable: keep the keys we have
+                log.warning("could not refresh the data-token JWKS", exc_info=True)
+            key = self._key_for(header.get("kid"))
+        if key is None:
+            raise ProtocolError(ErrorCode.UNAUTHENTICATED, "the token's signing key is unknown")
+        try:
+            claims = jwt.decode(
+                token,
+                key,
+                algorithms=["EdDSA"],
+                issuer=self.issuer,
+                leeway=self.leeway,
+                options={"require": REQUIRED_CLAIMS, "verify_aud": False},  # the server matches aud to the cache
+            )
+        except jwt.ExpiredSignatureError:
+            raise ProtocolError(ErrorCode.TOKEN_EXPIRED, "the data token has expired") from None
+        except jwt.InvalidTokenError:
+            raise ProtocolError(ErrorCode.UNAUTHENTICATED, "invalid data token") from None
+        if self.is_revoked(claims["jti"]):
+            raise ProtocolError(ErrorCode.UNAUTHENTICATED, "the data token has been revoked")
+        return claims
+
+
+# ---- server -------------------------------------------------------------------------------------------------------
+@dataclass
+class _Session:
+    hosted: HostedCache
+    claims: dict
+
+
+@dataclass(eq=False)
+class _Conn:
+    sock: socket.socket
+    peer: str
+    thread: threading.Thread | None = None
+    sessions: dict[str, _Session] = field(default_factory=dict)
+    failed_hellos: int = 0
+    put_staging: bytearray = field(default_factory=bytearray)
+    get_staging: torch.Tensor | None = None
+
+
+class DataPlaneServer:
+    def __init__(
+        self,
+        registry: CacheRegistry,
+        node_id: str,
+        verifier: TokenVerifier,
+        tls_context: ssl.SSLContext | None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        uds_path: str | None = None,
+        *,
+        max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
+        max_metadata_bytes: int = wire.DEFAULT_MAX_METADATA_BYTES,
+        max_connections: int = 256,
+        idle_timeout: float = 300.0,
+        frame_timeout: float = 30.0,
+        handshake_timeout: float = 10.0,
+        metrics: Any = None,
+    ):
+        """`metrics`: an optional gpu_node.metrics.NodeMetrics (request latency per op, TLS handshakes by outcome,
+        refused tokens by reason)."""
+        if tls_context is None and host is not None:
+            raise ValueError("a TCP listener needs a TLS context (plain TCP is never served)")
+        if tls_context is not None and tls_context.minimum_version < ssl.TLSVersion.TLSv1_3:
+            tls_context.minimum_version = ssl.TLSVersion.TLSv1_3  # TLS 1.3 only, whatever the caller built
+        self.registry = registry
+        self.node_id = str(node_id)
+        self.verifier = verifier
+        self.tls_context = tls_context
+        self.host, self.port, self.uds_path = host, port, uds_path
+        self.max_frame_bytes = max_frame_bytes
+        self.max_metadata_bytes = max_metadata_bytes
+        self.max_connections = max_connections
+        self.idle_timeout = idle_timeout
+        self.frame_timeout = frame_timeout
+        self.handshake_timeout = handshake_timeout
+        self.metrics = metrics
+        self._lock = threading.Lock()
+        self._conns: set[_Conn] = set()
+        self._listeners: list[socket.socket] = []
+        self._accept_threads: list[threading.Thread] = []
+        self._stopping = threading.Event()
+        self.address: tuple[str, int] | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------------
+    def start(self) -> DataPlaneServer:
+        self._stopping.clear()
+        if self.host is not None:
+            tcp = socket.create_server((self.host, self.port), backlog=128, reuse_port=False)
+            self.address = tcp.getsockname()[:2]
+            self._listen(tcp, tls=True)
+        if self.uds_path:
+            try:
+                os.unlink(self.uds_path)
+            except FileNotFoundError:
+                pass
+            uds = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            uds.bind(self.uds_path)
+            os.chmod(self.uds_path, 0o660)  # same-host engines of this node's group only; tokens still required
+            uds.listen(128)
+            self._listen(uds, tls=False)
+        return self
+
+    @property
+    def endpoint(self) -> str:
+        assert self.address is not None, "not started"
+        return f"{self.address[0]}:{self.address[1]}"
+
+    def _listen(self, listener: socket.socket, *, tls: bool) -> None:
+        listener.settimeout(0.2)  # the accept loop polls the stop flag
+        self._listeners.append(listener)
+        thread = threading.Thread(target=self._accept_loop, args=(listener, tls), daemon=True,
+                                  name=f"dataplane-accept-{'tls' if tls else 'uds'}")  # fmt: skip
+        self._accept_threads.append(thread)
+        thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Close the listeners, then every connection (in-flight requests are cut), and join the threads."""
+        self._stopping.set()
+        for listener in self._listeners:
+            try:
+                listener.close()
+            except OSError:
+                pass
+        for thread in self._accept_threads:
+            thread.join(timeout)
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            _hard_shutdown(conn.sock)
+        for conn in conns:
+            if conn.thread is not None:
+                conn.thread.join(timeout)
+        self._listeners.clear()
+        self._accept_threads.clear()
+        if self.uds_path:
+            try:
+                os.unlink(self.uds_path)
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self) -> DataPlaneServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def revoke(self, jti: str) -> None:
+        """Refuse this token from now on, on new HELLOs and on connections already authenticated with it."""
+        self.verifier.revoke(jti)
+
+    def connection_count(self) -> int:
+        with self._lock:
+            return len(self._conns)
+
+    def _accept_loop(self, listener: socket.socket, tls: bool) -> None:
+        while not self._stopping.is_set():
+            try:
+                raw, addr = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # closed by stop()
+            raw.setblocking(True)
+            conn = _Conn(raw, str(addr) if addr else "uds")
+            with self._lock:
+                full = len(self._conns) >= self.max_connections
+                if not full:
+                    self._conns.add(conn)
+            if full:
+                _close(raw)  # too many connections: refuse before spending a handshake on it
+                continue
+            conn.thread = threading.Thread(target=self._serve, args=(conn, tls), daemon=True, name="dataplane-conn")
+            conn.thread.start()
+
+    # ---- one connection -----------------------------------------------------------------------------------------
+    def _serve(self, conn: _Conn, tls: bool) -> None:
+        try:
+            if tls:
+                conn.sock.settimeout(self.handshake_timeout)
+                try:
+                    conn.sock = self.tls_context.wrap_socket(conn.sock, server_side=True)
+                except (OSError, ssl.SSLError):
+                    self._count_handshake("failed")
+                    return  # handshake failed (wrong protocol version, no shared cipher, timeout)
+                self._count_handshake("ok")
+            if conn.sock.family in (socket.AF_INET, socket.AF_INET6):
+                conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._loop(conn)
+        except Exception:  # never let a connection thread die noisily; the peer gets a closed stream
+            log.exception("data-plane connection failed")
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            _close(conn.sock)
+
+    def _count_handshake(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.tls_handshakes.labels(outcome=outcome).inc()
+
+    def _loop(self, conn: _Conn) -> None:
+        decoder = wire.FrameDecoder(max_frame_bytes=self.max_frame_bytes, max_metadata_bytes=self.max_metadata_bytes,
+                                    payload_sink=lambda head: self._sink(conn, head))  # fmt: skip
+        sock = conn.sock
+        frame_started: float | None = None
+        while not self._stopping.is_set():
+            if decoder.in_frame:
+                if frame_started is None:
+                    frame_started = time.monotonic()
+                remaining = frame_started + self.frame_timeout - time.monotonic()
+                if remaining <= 0:
+                    return  # slow loris: a frame that does not complete in time
+                sock.settimeout(remaining)
+            else:
+                frame_started = None
+                sock.settimeout(self.idle_timeout)
+            try:
+                buf = decoder.get_buffer()
+                n = sock.recv_into(buf)
+            except (TimeoutError, socket.timeout):
+                if not decoder.in_frame:
+                    return  # idle for idle_timeout: close
+                continue  # inside a frame: the deadline check above closes a slow peer
+            except (OSError, ssl.SSLError):
+                return
+            try:
+                if n == 0:
+                    decoder.eof()
+                    return
+                decoder.buffer_updated(n)
+            except ProtocolError as exc:
+                self._send_quietly(sock, wire.encode_error_for(exc, exc.request_id))
+                return
+            for frame in decoder.frames():
+                started = time.perf_counter()
+                try:
+                    response = self._handle(conn, frame)
+                except ProtocolError as exc:
+                    if exc.code in AUTH_FAILURE_CODES and self.metrics is not None:
+                        self.metrics.auth_failures.labels(reason=exc.code).inc()
+                    response = wire.encode_error_for(exc, frame.request_id)
+                except Exception:
+                    log.exception("data-plane request failed")
+                    response = wire.encode_error(frame.request_id, ErrorCode.INTERNAL, "internal error")
+                try:
+                    _send_buffers(sock, response)
+                except (OSError, ssl.SSLError):
+                    return
+                if self.metrics is not None:
+                    op = wire.OP_NAMES.get(wire.Opcode(frame.opcode & ~wire.BATCH_BIT))
+                    if op is not None:
+                        self.metrics.request_seconds.labels(op=op).observe(time.perf_counter() - started)
+                if conn.failed_hellos > MAX_FAILED_HELLOS:
+                    return
+
+    # ---- checks before the payload --------------------------------------------------------------------------------
+    def _sink(self, conn: _Conn, head: wire.FrameHead) -> Any:
+        """Decide on a frame's payload from its metadata: refuse (ProtocolError -> discarded) or give buffers."""
+        if head.opcode not in wire.DATA_OPS:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{head.opcode.name} is not a request")
+        try:
+            request = wire.parse_request_head(head)
+            self._authorize(conn, request)
+        except ProtocolError:
+            raise
+        except IdentityMismatch as exc:
+            fields = {k: list(v) for k, v in exc.fields.items()}
+            raise ProtocolError(ErrorCode.IDENTITY_MISMATCH, str(exc), details={"fields": fields}) from None
+        except Exception:
+            log.exception("data-plane payload sink failed")
+            raise ProtocolError(ErrorCode.INTERNAL, "internal error") from None
+        if not request.carries_kv:
+            return None  # token ids only: small, the decoder buffers them
+        kv_total = sum(request.kv_bytes)
+        if len(conn.put_staging) < kv_total:
+            conn.put_staging = bytearray(kv_total)  # bounded by max_frame_bytes; reused by later puts
+        return [bytearray(request.token_bytes), memoryview(conn.put_staging)[:kv_total]]
+
+    def _authorize(self, conn: _Conn, request: wire.RequestHead) -> _Session:
+        session = conn.sessions.get(request.cache_id)
+        if session is None:
+            raise ProtocolError(ErrorCode.UNAUTHENTICATED, "send HELLO with a data token for this cache first")
+        hosted = self.registry.get(request.cache_id)
+        if hosted is None or hosted.epoch != session.hosted.epoch:
+            conn.sessions.pop(request.cache_id, None)
+            raise ProtocolError(ErrorCode.NOT_FOUND, NOT_FOUND_MESSAGE)
+        claims = session.claims
+        if time.time() >= float(claims["exp"]) + self.verifier.leeway:
+            raise ProtocolError(ErrorCode.TOKEN_EXPIRED, "the data token has expired: send HELLO with a fresh one")
+        if self.verifier.is_revoked(claims["jti"]):
+            conn.sessions.pop(request.cache_id, None)
+            raise ProtocolError(ErrorCode.UNAUTHENTICATED, "the data token has been revoked")
+        if request.op in WRITE_OPS and claims.get("access") != "readwrite":
+            raise ProtocolError(ErrorCode.FORBIDDEN, f"a read-only token cannot {request.op}")
+        hosted.spec.check_matches(request.identity)
+        return session
+
+    # ---- requests ---------------------------------------------------------------------------------------------------
+    def _handle(self, conn: _Conn, frame: wire.Frame) -> list:
+        if frame.error is not None:
+            raise frame.error
+        if frame.opcode == Opcode.HELLO:
+            return self._hello(conn, frame)
+        if frame.opcode not in wire.DATA_OPS:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{frame.opcode.name} is not a request")
+        request_head = wire.parse_request_head(frame)
+        session = self._authorize(conn, request_head)  # again: a frame without payload skipped the sink
+        request = wire.parse_request(frame, request_head)
+        engine = session.hosted.engine
+        op, rid = request_head.op, frame.request_id
+        tokens = [np.frombuffer(t, dtype=np.int32) for t in request.token_ids]
+        if op == "lookup":
+            return wire.encode_lookup_ok(rid, [engine.lookup(t) for t in tokens])
+        if op == "delete":
+            return wire.encode_delete_ok(rid, [engine.delete(t) for t in tokens])
+        if op == "put":
+            return self._put(session.hosted, request, tokens)
+        return self._get(conn, session.hosted, request, tokens)
+
+    def _hello(self, conn: _Conn, frame: wire.Frame) -> list:
+        hello = wire.parse_hello(frame)
+        try:
+            claims = self.verifier.verify(hello.token)
+            hosted = self.registry.get(hello.cache_id)
+            # One answer for every "this token does not open that cache here": unknown cache, another tenant's cache,
+            # a token for another node or an older placement (epoch).
+            if (
+                hosted is None
+                or claims.get("aud") != f"cache:{hello.cache_id}"
+                or str(claims.get("node")) != self.node_id
+                or claims.get("epoch") != hosted.epoch
+            ):
+                raise ProtocolError(ErrorCode.NOT_FOUND, NOT_FOUND_MESSAGE)
+        except ProtocolError:
+            conn.failed_hellos += 1
+            conn.sessions.pop(hello.cache_id, None)  # a failed re-HELLO drops the old session too
+            raise
+        conn.sessions[hello.cache_id] = _Session(hosted, claims)
+        return wire.encode_hello_ok(frame.request_id, cache_id=hello.cache_id, identity=hosted.spec,
+                                    epoch=hosted.epoch, node_id=self.node_id, max_frame_bytes=self.max_frame_bytes,
+                                    max_metadata_bytes=self.max_metadata_bytes)  # fmt: skip
+
+    def _put(self, hosted: HostedCache, request: wire.DataRequest, tokens: list[np.ndarray]) -> list:
+        engine, spec = hosted.engine, hosted.spec
+        dtype = TORCH_DTYPES[spec.kv_dtype]
+        num_cached, num_written, out_of_space = [], [], []
+        for seq, (toks, kv_bytes, start) in enumerate(zip(tokens, request.kv, request.head.kv_start)):
+            n = len(toks)
+            shape = (spec.num_layers, 2, n - start, spec.num_kv_heads, spec.head_dim)
+            kv = torch.frombuffer(kv_bytes, dtype=dtype).view(shape) if kv_bytes.nbytes else None
+            if start > 0:
+                # the frame carries the KV of tokens[start:] only: the prefix must be cached (read it back to put)
+                have, prefix = engine.get(toks[:start])
+                if have < start:
+                    raise ProtocolError(ErrorCode.PREFIX_NOT_CACHED, f"tokens[:{start}] are not cached",
+                                        details={"num_cached": have, "sequence": seq})  # fmt: skip
+                kv = prefix if kv is None else torch.cat([prefix, kv], dim=2)
+            result = engine.put(toks, kv)
+            num_cached.append(result.num_cached_tokens)
+            num_written.append(result.num_written_tokens)
+            out_of_space.append(result.out_of_space)
+        return wire.encode_put_ok(request.head.request_id, num_cached=num_cached, num_written=num_written,
+                                  out_of_space=out_of_space)  # fmt: skip
+
+    def _get(self, conn: _Conn, hosted: HostedCache, request: wire.DataRequest, tokens: list[np.ndarray]) -> list:
+        engine, spec = hosted.engine, hosted.spec
+        dtype = TORCH_DTYPES[spec.kv_dtype]
+        starts = request.head.kv_start
+        cached = [engine.lookup(t) for t in tokens]
+        ends = wire.get_kv_end(spec, cached, starts, max_frame_bytes=self.max_frame_bytes,
+                              metadata_allowance=256 + 72 * len(tokens))  # 3 ints of <= 20 digits per sequence
+        total = sum(max(e, 0) for e in ends)  # tokens of KV read into staging (whole prefixes up to kv_end)
+        need = total * spec.elements_per_token
+        if conn.get_staging is None or conn.get_staging.dtype != dtype or conn.get_staging.numel() < need:
+            conn.get_staging = torch.empty(max(need, 1), dtype=dtype, device=engine.device)
+        staging, offset = conn.get_staging, 0
+        num_cached, kv_end, kv_out = [], [], []
+        for toks, start, end, listed in zip(tokens, starts, ends, cached):
+            if end <= start:  # nothing cached past kv_start, or no room left in this frame
+                num_cached.append(listed)
+                kv_end.append(min(end, listed))
+                kv_out.append(b"")
+                continue
+            out = staging[offset : offset + end * spec.elements_per_token]
+            have, kv = engine.get(toks[:end], out=out)  # may be shorter than end: evicted since the lookup
+            offset += end * spec.elements_per_token
+            got_end = have
+            num_cached.append(listed if have == end else have)  # end < listed when the frame size cut it short
+            kv_end.append(got_end)
+            if got_end <= start:
+                kv_out.append(b"")
+                continue
+            part = kv if start == 0 else kv[:, :, start:got_end].contiguous()
+            kv_out.append(_tensor_bytes(part))
+        return wire.encode_get_ok(request.head.request_id, spec=spec, num_cached=num_cached, kv_start=list(starts),
+                                  kv_end=kv_end, kv=kv_out, max_frame_bytes=self.max_frame_bytes)  # fmt: skip
+
+    # ---- sending ------------------------------------------------------------------------------------------------
+    def _send_quietly(self, sock, buffers: list) -> None:
+        try:
+            sock.settimeout(1.0)
+            _send_buffers(sock, buffers)
+        except (OSError, ssl.SSLError):
+            pass
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    t = t.contiguous()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+
+
+_COALESCE_BYTES = 64 * 1024
+
+
+def _send_buffers(sock, buffers: list) -> None:
+    """Send [head+meta, *payload views] without joining large buffers (small frames go out as one write)."""
+    views = [memoryview(b).cast("B") if memoryview(b).format != "B" else memoryview(b) for b in buffers]
+    total = sum(v.nbytes for v in views)
+    if total <= _COALESCE_BYTES:
+        sock.sendall(b"".join(views))
+        return
+    if not isinstance(sock, ssl.SSLSocket) and hasattr(sock, "sendmsg"):
+        while views:
+            sent = sock.sendmsg(views)
+            while views and sent >= views[0].nbytes:
+                sent -= views[0].nbytes
+                views.pop(0)
+            if views and sent:
+                views[0] = views[0][sent:]
+        return
+    # TLS (SSLSocket has no sendmsg): the head, then each payload view straight from its memory, nothing joined
+    for view in views:
+        if view.nbytes:
+            sock.sendall(view)
+
+
+def _hard_shutdown(sock: socket.socket) -> None:
+    try:
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the base method: wakes a thread blocked in recv on any socket
+    except OSError:
+        pass
+
+
+def _close(sock: socket.socket) -> None:
+    try:
+        sock.close()
+    except OSError:
+        pass
+
+
+# ---- TLS helpers ----------------------------------------------------------------------------------------------------
+def server_tls_context(certfile: str, keyfile: str, *, cafile: str | None = None,
+                       require_client_cert: bool = False) -> ssl.SSLContext:  # fmt: skip
+    """A TLS 1.3-only server context (optionally mutual TLS with the platform CA)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.load_cert_chain(certfile, keyfile)
+    if cafile:
+        ctx.load_verify_locations(cafile)
+    if require_client_cert:
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
