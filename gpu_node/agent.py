@@ -150,7 +150,7 @@ class Heartbeat:
     def stop(self) -> None:
         self._stopped.set()
         if self._thread is not None:
-            self._thread.join(timeout=self.interval + 5)
+            self._thread.join(timeout=5)  # a tick blocked on the control plane must not hold the exit (daemon thread)
 
 
 class NodeAgent:

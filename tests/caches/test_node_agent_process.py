@@ -98,4 +98,4 @@ def test_the_agent_registers_provisions_heartbeats_and_stops_on_sigterm(agent_pr
     assert f'kcaas_cache_capacity_bytes{{cache="{ready["id"]}",tier="device"}}' in metrics
 
     process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=30) == 0
+    assert process.wait(timeout=60) == 0
