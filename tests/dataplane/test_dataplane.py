@@ -41,6 +41,11 @@ def test_put_get_lookup_delete_bit_exact_over_tls(server, make_token, client_ctx
         assert n == 22 and got.dtype == kv.dtype and torch.equal(got, kv)  # bit-exact
         n, got = dp.get(np.concatenate([TOKENS[:13], np.array([7, 7, 7], np.int32)]))  # longest prefix
         assert n == 13 and torch.equal(got, kv[:, :, :13])
+        staging = torch.full((spec.elements_per_token * 30,), float("nan"), dtype=kv.dtype)
+        n, got = dp.get(TOKENS, out=staging)  # received straight into the caller's staging buffer
+        assert n == 22 and torch.equal(got, kv) and got.data_ptr() == staging.data_ptr()
+        with pytest.raises(ValueError):
+            dp.get(TOKENS, out=staging[:10])
         assert dp.put(TOKENS, kv)["num_written"] == 0  # deduplicated
         assert dp.delete(TOKENS[:8]) >= 1
         assert dp.lookup(TOKENS) == 0
