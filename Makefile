@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml gpu_node/_blockhash.c | sha1sum | cut -c1-12)
 
-.PHONY: install test bench up clean
+.PHONY: install test bench up demo clean
 
 $(STAMP): pyproject.toml gpu_node/_blockhash.c
 	test -x $(PY) || $(PY_SYS) -m venv $(VENV)
@@ -30,6 +30,10 @@ bench: install
 # The whole platform on embedded defaults (or on DATABASE_URL/REDIS_URL when set); Ctrl-C stops it.
 up: install
 	$(PY) scripts/up.py
+
+# Against a running `make up`: a tiny transformers model over prompts sharing a system prompt; hit rate, time saved.
+demo: install
+	$(PY) scripts/demo.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,14 +1,19 @@
 """`make up`: the whole platform on this machine, on embedded defaults (SQLite, a file-system Celery broker, one
 node agent on the CPU), or on DATABASE_URL / REDIS_URL / CELERY_BROKER_URL when they are set.
 
-Steps: migrate; a staff login, a demo tenant key and the local node's credential (kept under var/ across runs);
-then the web server (gunicorn on 127.0.0.1), the control queue's Celery worker, Celery beat and the node agent, each
-a child process. Prints the URLs, the login and the key once the server answers. Ctrl-C (or SIGTERM) stops every
-child (SIGTERM, then SIGKILL after a grace period); if any child dies, the rest are stopped too.
+Steps: migrate; a staff login, a demo tenant key (also written to var/secrets/demo-api-key, 0600, for `make demo`),
+the local node's credential, and a dev CA with a server certificate for 127.0.0.1/localhost (var/secrets/dev-ca.pem
+and node-tls.pem/.key, made once and reused; keys 0600) for the agent's TLS 1.3 data plane, all kept under var/
+across runs; then the web server (gunicorn on 127.0.0.1), the control queue's Celery worker, Celery beat and the node
+agent, each a child process. Prints the URLs, the login, the key and the dev CA's path (engines trust it) once the
+server answers. Ctrl-C (or SIGTERM) stops every child (SIGTERM, then SIGKILL after a grace period); if any child
+dies, the rest are stopped too.
 """
 
 from __future__ import annotations
 
+import datetime as dt
+import ipaddress
 import json
 import os
 import signal
@@ -41,6 +46,74 @@ def base_env() -> dict:
     elif not env.get("CELERY_BROKER_URL"):
         env["CELERY_BROKER_URL"] = env["REDIS_URL"]
     return env
+
+
+def write_secret(path: Path, data: bytes) -> None:
+    """Writes a file readable only by its owner (0600 from the start, not chmod-ed after the fact)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+    os.chmod(path, 0o600)
+
+
+def dev_tls(secrets_dir: Path) -> dict[str, Path]:
+    """A dev CA and a server certificate for 127.0.0.1 / localhost under secrets_dir, made once and reused on later
+    runs (engines trust dev-ca.pem). Made again only when a file is missing or the server certificate expires soon."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    paths = {"ca": secrets_dir / "dev-ca.pem", "ca_key": secrets_dir / "dev-ca.key",
+             "cert": secrets_dir / "node-tls.pem", "key": secrets_dir / "node-tls.key"}
+    now = dt.datetime.now(dt.timezone.utc)
+    if all(path.exists() for path in paths.values()):
+        cert = x509.load_pem_x509_certificate(paths["cert"].read_bytes())
+        if cert.not_valid_after_utc > now + dt.timedelta(days=1):
+            return paths
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def pem_key(key) -> bytes:
+        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                 serialization.NoEncryption())
+
+    if paths["ca"].exists() and paths["ca_key"].exists():
+        ca_key = serialization.load_pem_private_key(paths["ca_key"].read_bytes(), password=None)
+        ca_cert = x509.load_pem_x509_certificate(paths["ca"].read_bytes())
+    else:
+        ca_key, ca_name = ec.generate_private_key(ec.SECP256R1()), name("KCaaS make up dev CA")
+        ca_cert = (
+            x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+            .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=3650))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
+                                         data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                                         crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+            .sign(ca_key, hashes.SHA256())
+        )  # fmt: skip
+        write_secret(paths["ca_key"], pem_key(ca_key))
+        paths["ca"].write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder().subject_name(name("KCaaS make up node")).issuer_name(ca_cert.subject)
+        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=365))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                    x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                       critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    write_secret(paths["key"], pem_key(key))
+    paths["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return paths
 
 
 def manage(env: dict, *args: str) -> str:
@@ -111,6 +184,8 @@ def main() -> int:
     password = manage(env, "kcaas_local_admin", "admin", "--password-file", str(secrets_dir / "admin-password"))
     api_key = manage(env, "kcaas_create_tenant", "demo", "--reuse", "--key-name", "make up")
     credential = manage(env, "kcaas_local_node", "local-cpu", "--credential-file", str(secrets_dir / "node-credential"))
+    write_secret(secrets_dir / "demo-api-key", api_key.encode() + b"\n")  # for `make demo`
+    tls = dev_tls(secrets_dir)
     node_env = {
         **env,
         "KCAAS_CONTROL_URL": url,
@@ -118,6 +193,8 @@ def main() -> int:
         "KCAAS_NODE_ENDPOINT": os.environ.get("KCAAS_NODE_ENDPOINT", f"{host}:{port + 1}"),
         "KCAAS_NODE_DEVICE_BYTES": os.environ.get("KCAAS_NODE_DEVICE_BYTES", str(1 << 30)),
         "KCAAS_NODE_TORCH_DEVICE": os.environ.get("KCAAS_NODE_TORCH_DEVICE", "cpu"),
+        "KCAAS_NODE_TLS_CERT": os.environ.get("KCAAS_NODE_TLS_CERT") or str(tls["cert"]),
+        "KCAAS_NODE_TLS_KEY": os.environ.get("KCAAS_NODE_TLS_KEY") or str(tls["key"]),
     }
     node_env.pop("DJANGO_SETTINGS_MODULE", None)  # the node agent never loads Django
 
@@ -146,6 +223,7 @@ def main() -> int:
             f"  console       {url}/api/docs/   (the web console arrives with issue 7)\n"
             f"  admin login   admin / {password}   (staff: HTTP basic auth on /api/v1/admin/...)\n"
             f"  demo API key  {api_key}\n"
+            f"  data plane    TLS 1.3 on {node_env['KCAAS_NODE_ENDPOINT']}   (dev CA: {tls['ca']})\n"
             f"  try: curl -H 'Authorization: Bearer {api_key}' {url}/api/v1/whoami\n"
             f"Ctrl-C stops everything.",
             flush=True,

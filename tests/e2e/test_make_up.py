@@ -39,6 +39,12 @@ def test_make_up_serves_a_cache_end_to_end_and_stops_on_ctrl_c(tmp_path):
             banner += up.stdout.readline()
         api_key = re.search(r"demo API key\s+(kc_live_\S+)", banner).group(1)
         assert re.search(r"admin login\s+admin / \S+", banner)
+        ca_file = Path(re.search(r"dev CA: ([^)\s]+)\)", banner).group(1))
+        assert ca_file.is_file() and b"BEGIN CERTIFICATE" in ca_file.read_bytes()
+        secrets = tmp_path / "var" / "secrets"
+        for key_file in ("node-tls.key", "dev-ca.key", "demo-api-key"):
+            assert (secrets / key_file).stat().st_mode & 0o777 == 0o600
+        assert (secrets / "demo-api-key").read_text().strip() == api_key
 
         client = kcaas.Client(f"http://127.0.0.1:{port}", api_key)
         assert client.whoami().kind == "tenant_key"
