@@ -107,8 +107,9 @@ class ControlPlane:
                 detail = {"code": "http_error", "message": error.reason}
             raise ControlPlaneError(error.code, detail.get("code", ""), detail.get("message", "")) from None
 
-    def register(self, *, endpoint: str, capacity: dict) -> dict:
-        return self._post("/api/v1/nodes/register", {"endpoint": endpoint, "capacity": capacity})
+    def register(self, *, endpoint: str, capacity: dict, caches: list[str] = ()) -> dict:
+        body = {"endpoint": endpoint, "capacity": capacity, "caches": list(caches)}
+        return self._post("/api/v1/nodes/register", body)
 
     def heartbeat(self, *, capacity: dict, resident: list[dict]) -> dict:
         return self._post("/api/v1/nodes/heartbeat", {"capacity": capacity, "resident": resident})
@@ -197,7 +198,10 @@ class NodeAgent:
 
     # ---- control plane --------------------------------------------------------------------------------------------
     def register(self) -> dict:
-        registration = self.control.register(endpoint=self.config.endpoint, capacity=self.config.capacity)
+        # What this process still holds (nothing after a restart: the control plane provisions those again).
+        registration = self.control.register(
+            endpoint=self.config.endpoint, capacity=self.config.capacity, caches=self.registry.cache_ids()
+        )
         self.node_id = registration["node"]["id"]
         return registration
 

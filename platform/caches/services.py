@@ -140,15 +140,40 @@ def cache_attach(*, tenant_id: uuid.UUID, name: str, spec: KVCacheSpec, capacity
             )
     except IntegrityError:  # the partial unique index: cannot happen under the tenant lock, but never a 500
         raise CacheNameTaken("A cache with this name is attached.", details={"name": name}) from None
+    _provision(cache)
+    return cache
+
+
+def _provision(cache: Cache) -> None:
+    """Send the cache's provisioning to its node on commit (its sealed key unsealed only into that message) and mark
+    it provisioning until the node answers."""
     hash_key = hash_key_unseal(cache_id=cache.pk, sealed=cache.hash_key_sealed)
     _send_to_node(
         PROVISION_TASK,
-        node.pk,
+        cache.node_id,
         [str(cache.pk), cache.spec_dict(), cache.capacity(), base64.b64encode(hash_key).decode(), cache.epoch],
     )
     cache.state = CacheState.PROVISIONING
     cache.save(update_fields=["state", "updated_at"])
-    return cache
+
+
+@transaction.atomic
+def caches_reconcile_node(*, node_id: uuid.UUID, held_cache_ids: list) -> list[dict]:
+    """A node (re-)registered holding `held_cache_ids`: every cache placed on it that should be served
+    (ready or provisioning) but is not held — the agent restarted and its pools are gone — is provisioned again
+    (same epoch, same key; an empty pool until warm restart from SSD arrives) and reads `provisioning` until the
+    node answers. Returns what the control plane now believes the node hosts."""
+    held = {str(cache_id) for cache_id in held_cache_ids}
+    lost = (
+        Cache.objects.select_for_update()
+        .filter(node_id=node_id, state__in=[CacheState.READY, CacheState.PROVISIONING])
+        .exclude(id__in=[as_uuid(c) for c in held if as_uuid(c) is not None])
+        .order_by("id")
+    )
+    for cache in lost:
+        logger.info("node %s no longer holds cache %s: provisioning it again", node_id, cache.pk)
+        _provision(cache)
+    return selectors.caches_on_node(node_id=node_id)
 
 
 # ---- detach ---------------------------------------------------------------------------------------------------------

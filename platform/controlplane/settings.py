@@ -168,9 +168,10 @@ KCAAS_QUOTA_DEFAULTS = {
 }
 KCAAS_NODE_HEARTBEAT_SECONDS = env_int("KCAAS_NODE_HEARTBEAT_SECONDS", 10)
 KCAAS_NODE_LEASE_SECONDS = env_int("KCAAS_NODE_LEASE_SECONDS", 40)  # Kubernetes' node grace period
-# What a (re-)registering node is told it hosts. fleet sits below caches and cannot import it; the project wires
-# the upper room's selector in here (as Django wires AUTH_USER_MODEL), so the layering holds.
-KCAAS_NODE_CACHES_SELECTOR = "caches.selectors.caches_on_node"
+# Called when a node (re-)registers with the caches it still holds; re-provisions what it lost and returns what it
+# should host. fleet sits below caches and cannot import it: the project wires the upper room in here (as Django
+# wires AUTH_USER_MODEL), so the layering holds.
+KCAAS_NODE_REGISTER_RECONCILER = "caches.services.caches_reconcile_node"
 KCAAS_IDEMPOTENCY_TTL_SECONDS = env_int("KCAAS_IDEMPOTENCY_TTL_SECONDS", 24 * 3600)
 # GCRA burst: a tenant may send this many seconds' worth of its rate at once.
 KCAAS_RATE_LIMIT_BURST_SECONDS = float(os.environ.get("KCAAS_RATE_LIMIT_BURST_SECONDS", "1"))

@@ -56,6 +56,10 @@ class NodeRegisterApi(_NodeApi):
             max_length=MAX_ENDPOINT_LENGTH, trim_whitespace=False, validators=[_validate_endpoint]
         )
         capacity = TierBytesSerializer()
+        caches = serializers.ListField(
+            child=serializers.UUIDField(), required=False, default=list, max_length=10_000,
+            help_text="ids of the caches the agent still holds (after a restart: usually none)",
+        )
 
     @extend_schema_serializer(component_name="NodeRegistration")
     class OutputSerializer(serializers.Serializer):
@@ -64,8 +68,8 @@ class NodeRegisterApi(_NodeApi):
         lease_seconds = serializers.IntegerField()
         caches = serializers.ListField(
             child=serializers.DictField(),
-            help_text="caches the control plane believes this node hosts (cache_id, epoch, state, capacity): after "
-            "a restart the agent re-provisions or reports what it still holds",
+            help_text="caches the control plane believes this node hosts (cache_id, epoch, state, capacity); those "
+            "the agent no longer holds are being provisioned again (state provisioning)",
         )
 
     @extend_schema(
@@ -84,7 +88,9 @@ class NodeRegisterApi(_NodeApi):
             "node": registration.node,
             "heartbeat_interval_seconds": settings.KCAAS_NODE_HEARTBEAT_SECONDS,
             "lease_seconds": settings.KCAAS_NODE_LEASE_SECONDS,
-            "caches": import_string(settings.KCAAS_NODE_CACHES_SELECTOR)(node_id=registration.node.pk),
+            "caches": import_string(settings.KCAAS_NODE_REGISTER_RECONCILER)(
+                node_id=registration.node.pk, held_cache_ids=data.get("caches", [])
+            ),
         }
         return Response(self.OutputSerializer(body).data)
 
