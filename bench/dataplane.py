@@ -19,7 +19,6 @@ import argparse
 import base64
 import datetime as dt
 import hashlib
-import ipaddress
 import json
 import multiprocessing as mp
 import os
@@ -102,43 +101,9 @@ def _b64url(data: bytes) -> str:
 
 
 def make_pki(directory: str) -> dict[str, str]:
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
+    from gpu_node.dev_pki import write_dev_pki
 
-    def name(cn):
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-    now = dt.datetime.now(dt.timezone.utc)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_cert = (
-        x509.CertificateBuilder().subject_name(name("bench CA")).issuer_name(name("bench CA"))
-        .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(hours=2))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (
-        x509.CertificateBuilder().subject_name(name(NODE_ID)).issuer_name(ca_cert.subject)
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(hours=2))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                    x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                       critical=False)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
-    paths = {k: os.path.join(directory, f) for k, f in (("ca", "ca.pem"), ("cert", "node.pem"), ("key", "node.key"))}
-    with open(paths["ca"], "wb") as f:
-        f.write(ca_cert.public_bytes(serialization.Encoding.PEM))
-    with open(paths["cert"], "wb") as f:
-        f.write(cert.public_bytes(serialization.Encoding.PEM))
-    with open(paths["key"], "wb") as f:
-        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                  serialization.NoEncryption()))  # fmt: skip
-    return paths
+    return write_dev_pki(directory, server_name=NODE_ID, valid_for=dt.timedelta(hours=2))
 
 
 def make_signing():

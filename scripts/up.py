@@ -13,7 +13,6 @@ dies, the rest are stopped too.
 from __future__ import annotations
 
 import datetime as dt
-import ipaddress
 import json
 import os
 import signal
@@ -50,20 +49,19 @@ def base_env() -> dict:
 
 def write_secret(path: Path, data: bytes) -> None:
     """Writes a file readable only by its owner (0600 from the start, not chmod-ed after the fact)."""
+    from gpu_node.dev_pki import write_private
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as out:
-        out.write(data)
-    os.chmod(path, 0o600)
+    write_private(path, data)
 
 
 def dev_tls(secrets_dir: Path) -> dict[str, Path]:
     """A dev CA and a server certificate for 127.0.0.1 / localhost under secrets_dir, made once and reused on later
     runs (engines trust dev-ca.pem). Made again only when a file is missing or the server certificate expires soon."""
     from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
+    from cryptography.hazmat.primitives import serialization
+
+    from gpu_node.dev_pki import new_ca, new_server_cert, pem_cert, pem_key
 
     paths = {"ca": secrets_dir / "dev-ca.pem", "ca_key": secrets_dir / "dev-ca.key",
              "cert": secrets_dir / "node-tls.pem", "key": secrets_dir / "node-tls.key"}
@@ -72,47 +70,16 @@ def dev_tls(secrets_dir: Path) -> dict[str, Path]:
         cert = x509.load_pem_x509_certificate(paths["cert"].read_bytes())
         if cert.not_valid_after_utc > now + dt.timedelta(days=1):
             return paths
-
-    def name(cn: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-    def pem_key(key) -> bytes:
-        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                 serialization.NoEncryption())
-
     if paths["ca"].exists() and paths["ca_key"].exists():
         ca_key = serialization.load_pem_private_key(paths["ca_key"].read_bytes(), password=None)
         ca_cert = x509.load_pem_x509_certificate(paths["ca"].read_bytes())
     else:
-        ca_key, ca_name = ec.generate_private_key(ec.SECP256R1()), name("KCaaS make up dev CA")
-        ca_cert = (
-            x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
-            .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=3650))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
-                                         data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                                         crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
-            .sign(ca_key, hashes.SHA256())
-        )  # fmt: skip
+        ca_key, ca_cert = new_ca("KCaaS make up dev CA", valid_for=dt.timedelta(days=3650))
         write_secret(paths["ca_key"], pem_key(ca_key))
-        paths["ca"].write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (
-        x509.CertificateBuilder().subject_name(name("KCaaS make up node")).issuer_name(ca_cert.subject)
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=365))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                    x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                       critical=False)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
+        paths["ca"].write_bytes(pem_cert(ca_cert))
+    key, cert = new_server_cert(ca_key, ca_cert, "KCaaS make up node", valid_for=dt.timedelta(days=365))
     write_secret(paths["key"], pem_key(key))
-    paths["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths["cert"].write_bytes(pem_cert(cert))
     return paths
 
 

@@ -4,9 +4,7 @@ caches, and a DataPlaneServer on an ephemeral loopback port over real TLS 1.3 (p
 from __future__ import annotations
 
 import base64
-import datetime as dt
 import hashlib
-import ipaddress
 import json
 import socket
 import ssl
@@ -16,14 +14,13 @@ import uuid
 import jwt
 import pytest
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from cryptography.x509.oid import NameOID
 
 from gpu_node.dataplane import DataPlaneServer, TokenVerifier, server_tls_context
 from gpu_node.registry import CacheRegistry
 from kcaas import wire
+from gpu_node.dev_pki import write_dev_pki
 from tests.gpu_node.kv_fixtures import tiny_spec
 
 ISSUER = "kcaas-control-plane"
@@ -37,40 +34,10 @@ def _b64url(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
 
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
 @pytest.fixture(scope="session")
 def pki(tmp_path_factory):
     """A CA and a server certificate for 127.0.0.1 / localhost (files), valid for an hour."""
-    d = tmp_path_factory.mktemp("pki")
-    now = dt.datetime.now(dt.timezone.utc)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_cert = (
-        x509.CertificateBuilder().subject_name(_name("test CA")).issuer_name(_name("test CA"))
-        .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(hours=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (
-        x509.CertificateBuilder().subject_name(_name(NODE_ID)).issuer_name(ca_cert.subject)
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(hours=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                    x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                       critical=False)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
-    paths = {"ca": d / "ca.pem", "cert": d / "server.pem", "key": d / "server.key"}
-    paths["ca"].write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
-    paths["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    paths["key"].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                               serialization.NoEncryption()))  # fmt: skip
-    return {k: str(v) for k, v in paths.items()}
+    return write_dev_pki(tmp_path_factory.mktemp("pki"), server_name=NODE_ID)
 
 
 @pytest.fixture(scope="session")

@@ -14,8 +14,6 @@ would use it.
 
 from __future__ import annotations
 
-import datetime as dt
-import ipaddress
 import os
 import socket
 import ssl
@@ -30,9 +28,6 @@ import transformers
 from celery.contrib.testing.worker import start_worker
 from celery.signals import task_postrun
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from django.db import connections
 
 import kcaas
@@ -44,6 +39,7 @@ from kcaas.dataplane import DataPlaneClient, DataPlaneError
 from kcaas.errors import KcaasError
 from kcaas.spec import KVCacheSpec
 from kcaas.tokens import TokenSource
+from gpu_node.dev_pki import write_dev_pki
 from tenants import services as tenant_services
 from tests.caches.conftest import purge_node_queue, stop_workers_together
 
@@ -97,40 +93,10 @@ def random_tokens(n: int, seed: int) -> torch.Tensor:
 # ---- PKI --------------------------------------------------------------------------------------------------------------
 
 
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> dict[str, str]:
     """A throwaway CA and a server certificate for 127.0.0.1 / localhost (PEM files), valid for an hour."""
-    d = tmp_path_factory.mktemp("e2e-pki")
-    now = dt.datetime.now(dt.timezone.utc)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_cert = (
-        x509.CertificateBuilder().subject_name(_name("e2e test CA")).issuer_name(_name("e2e test CA"))
-        .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(hours=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (
-        x509.CertificateBuilder().subject_name(_name("e2e node")).issuer_name(ca_cert.subject)
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(hours=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                    x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                       critical=False)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
-    paths = {"ca": d / "ca.pem", "cert": d / "server.pem", "key": d / "server.key"}
-    paths["ca"].write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
-    paths["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    paths["key"].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                               serialization.NoEncryption()))  # fmt: skip
-    return {k: str(v) for k, v in paths.items()}
+    return write_dev_pki(tmp_path_factory.mktemp("e2e-pki"), server_name="e2e node")
 
 
 def client_tls(pki) -> ssl.SSLContext:

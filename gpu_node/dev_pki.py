@@ -1,0 +1,94 @@
+"""Development TLS material: a private CA and a server certificate for 127.0.0.1 / localhost (ECDSA P-256).
+
+For `make up`, the tests and the benchmarks only; production node certificates come from the platform CA (issue 6).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import os
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def new_ca(common_name: str, *, valid_for: dt.timedelta):
+    """(private key, self-signed CA certificate) allowed to sign certificates only."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = dt.datetime.now(dt.timezone.utc)
+    cert = (
+        x509.CertificateBuilder().subject_name(_name(common_name)).issuer_name(_name(common_name))
+        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + valid_for)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
+                                     data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                                     crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )  # fmt: skip
+    return key, cert
+
+
+def new_server_cert(ca_key, ca_cert, common_name: str, *, valid_for: dt.timedelta,
+                    hosts: tuple[str, ...] = ("localhost", "127.0.0.1")):  # fmt: skip
+    """(private key, certificate) for a TLS server answering on `hosts`, signed by the CA."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = dt.datetime.now(dt.timezone.utc)
+    names = []
+    for host in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+    cert = (
+        x509.CertificateBuilder().subject_name(_name(common_name)).issuer_name(ca_cert.subject)
+        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + valid_for)
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    return key, cert
+
+
+def pem_cert(cert) -> bytes:
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def pem_key(key) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())  # fmt: skip
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Write a private key readable by its owner only (created 0600, never world-readable in between)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+    os.chmod(path, 0o600)
+
+
+def write_dev_pki(directory: Path, *, server_name: str = "kcaas node",
+                  valid_for: dt.timedelta = dt.timedelta(hours=1)) -> dict[str, str]:  # fmt: skip
+    """A fresh CA and server certificate as files in `directory`: {"ca", "ca_key", "cert", "key"} -> path."""
+    directory = Path(directory)
+    ca_key, ca_cert = new_ca("KCaaS dev CA", valid_for=valid_for)
+    key, cert = new_server_cert(ca_key, ca_cert, server_name, valid_for=valid_for)
+    paths = {name: directory / file for name, file in
+             (("ca", "ca.pem"), ("ca_key", "ca.key"), ("cert", "server.pem"), ("key", "server.key"))}  # fmt: skip
+    paths["ca"].write_bytes(pem_cert(ca_cert))
+    write_private(paths["ca_key"], pem_key(ca_key))
+    paths["cert"].write_bytes(pem_cert(cert))
+    write_private(paths["key"], pem_key(key))
+    return {name: str(path) for name, path in paths.items()}
