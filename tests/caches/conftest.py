@@ -2,6 +2,7 @@
 API clients holding a real key (real authentication, real Redis rate limiter), and attach bodies."""
 
 import base64
+import contextlib
 import itertools
 import time
 import uuid
@@ -11,6 +12,7 @@ import pytest
 from celery import bootsteps
 from celery.worker import state as worker_state
 from django.contrib.auth import get_user_model
+from django.db import connections
 from rest_framework.test import APIClient
 
 from caches.models import Cache
@@ -190,3 +192,42 @@ def wait_for_state(client, cache_id, state, timeout=20.0) -> dict:
             return body
         assert time.monotonic() < deadline, f"cache stuck in {body['state']} (waiting for {state})"
         time.sleep(0.05)
+
+
+def free_port() -> int:
+    """A loopback port free right now (for a server a test starts in another process)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _close_thread_connections(**kwargs) -> None:
+    connections.close_all()  # worker threads open their own database connections: none outlives a task
+
+
+@contextlib.contextmanager
+def running_workers(*apps_and_queues):
+    """Real Celery workers in threads, one per (app, queues), started together and stopped together.
+
+    use_eventloop=False: each worker drains its own connection (with the event loop, two workers in one process
+    share kombu's process-global hub and steal each other's socket events)."""
+    from celery.contrib.testing.worker import start_worker
+    from celery.signals import task_postrun
+
+    from controlplane.celery import app as control_app
+
+    options = {"perform_ping_check": False, "shutdown_timeout": 20, "use_eventloop": False}
+    task_postrun.connect(_close_thread_connections, weak=False)
+    try:
+        with contextlib.ExitStack() as stack:
+            workers = [
+                stack.enter_context(start_worker(app, queues=queues, **options)) for app, queues in apps_and_queues
+            ]
+            yield workers
+            stop_workers_together(*workers)
+    finally:
+        task_postrun.disconnect(_close_thread_connections)
+        control_app.set_current()
+        control_app.set_default()

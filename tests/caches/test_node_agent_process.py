@@ -4,7 +4,6 @@ heartbeats resident bytes, and stops cleanly on SIGTERM."""
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,39 +11,20 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from celery.contrib.testing.worker import start_worker
-from celery.signals import task_postrun
-from django.db import connections
 
 from controlplane.celery import app as control_app
 from fleet import services as fleet_services
 from fleet.models import Node
-from tests.caches.conftest import BLOCK_BYTES, attach_body, purge_node_queue, stop_workers_together, wait_for_state
+from tests.caches.conftest import BLOCK_BYTES, attach_body, free_port, purge_node_queue, running_workers, wait_for_state
 
 pytestmark = pytest.mark.django_db(transaction=True)
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _close_thread_connections(**kwargs) -> None:
-    connections.close_all()
-
-
 @pytest.fixture
 def control_worker():
-    task_postrun.connect(_close_thread_connections, weak=False)
-    try:
-        with start_worker(control_app, queues=["control"], perform_ping_check=False, shutdown_timeout=20,
-                          use_eventloop=False) as worker:
-            yield worker
-            stop_workers_together(worker)
-    finally:
-        task_postrun.disconnect(_close_thread_connections)
+    with running_workers((control_app, ["control"])) as (worker,):
+        yield worker
 
 
 @pytest.fixture
@@ -59,7 +39,7 @@ def agent_process(live_server, settings, control_worker):
         "KCAAS_NODE_DEVICE_BYTES": str(64 * BLOCK_BYTES),
         "KCAAS_NODE_TORCH_DEVICE": "cpu",
         "LOG_LEVEL": "WARNING",
-        "KCAAS_NODE_METRICS_PORT": str(_free_port()),
+        "KCAAS_NODE_METRICS_PORT": str(free_port()),
     }
     process = subprocess.Popen(
         [sys.executable, "-m", "gpu_node.agent"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

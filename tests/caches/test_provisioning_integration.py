@@ -6,16 +6,13 @@ import base64
 import uuid
 
 import pytest
-from celery.contrib.testing.worker import start_worker
-from celery.signals import task_postrun
-from django.db import connections
 
 from caches.models import Cache
 from caches.sealing import hash_key_unseal
 from fleet.models import Node
 from controlplane.celery import app as control_app, node_queue
 from tests.caches import node_consumer
-from tests.caches.conftest import SPEC, attach_body, purge_node_queue, reserved, stop_workers_together, wait_for_state
+from tests.caches.conftest import SPEC, attach_body, purge_node_queue, reserved, running_workers, wait_for_state
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -27,26 +24,13 @@ NOTHING = {"device": 0, "dram": 0, "ssd": 0}
 NODE_ID = uuid.UUID("6e0de000-0000-4000-8000-00000000cafe")
 
 
-def _close_thread_connections(**kwargs) -> None:
-    # Worker threads open their own database connections; close them after each task so nothing outlives a test.
-    connections.close_all()
-
-
 @pytest.fixture(scope="module")
 def workers():
-    task_postrun.connect(_close_thread_connections, weak=False)
-    # use_eventloop=False: each worker drains its own connection. With the event loop, two workers in one process
-    # share kombu's process-global hub and steal each other's socket events (a read then blocks forever).
-    options = {"perform_ping_check": False, "shutdown_timeout": 20, "use_eventloop": False}
+    apps = ((control_app, ["control"]), (node_consumer.node_app, [node_queue(NODE_ID)]))
     try:
-        with start_worker(control_app, queues=["control"], **options) as control_worker:
-            with start_worker(node_consumer.node_app, queues=[node_queue(NODE_ID)], **options) as node_worker:
-                yield node_consumer.behaviour
-                stop_workers_together(control_worker, node_worker)
+        with running_workers(*apps):
+            yield node_consumer.behaviour
     finally:
-        task_postrun.disconnect(_close_thread_connections)
-        control_app.set_current()
-        control_app.set_default()
         purge_node_queue(NODE_ID)
 
 

@@ -8,9 +8,6 @@ import uuid
 
 import pytest
 import torch
-from celery.contrib.testing.worker import start_worker
-from celery.signals import task_postrun
-from django.db import connections
 
 from caches.models import Cache
 from caches.sealing import hash_key_unseal
@@ -24,7 +21,7 @@ from tests.caches.conftest import (
     attach_body,
     purge_node_queue,
     reserved,
-    stop_workers_together,
+    running_workers,
     wait_for_state,
 )
 
@@ -35,27 +32,16 @@ ENDPOINT = "10.7.0.1:7070"
 NODE_DEVICE_BYTES = 100 * BLOCK_BYTES
 
 
-def _close_thread_connections(**kwargs) -> None:
-    connections.close_all()
-
-
 @pytest.fixture(scope="module")
 def node_registry():
     registry = CacheRegistry(device_capacity_bytes=NODE_DEVICE_BYTES, device="cpu")
     node_app = build_node_app(
         broker_url=os.environ["CELERY_BROKER_URL"], node_id=str(NODE_ID), endpoint=ENDPOINT, registry=registry
     )
-    task_postrun.connect(_close_thread_connections, weak=False)
-    options = {"perform_ping_check": False, "shutdown_timeout": 20, "use_eventloop": False}
     try:
-        with start_worker(control_app, queues=["control"], **options) as control_worker:
-            with start_worker(node_app, queues=[node_queue(NODE_ID)], **options) as node_worker:
-                yield registry
-                stop_workers_together(control_worker, node_worker)
+        with running_workers((control_app, ["control"]), (node_app, [node_queue(NODE_ID)])):
+            yield registry
     finally:
-        task_postrun.disconnect(_close_thread_connections)
-        control_app.set_current()
-        control_app.set_default()
         purge_node_queue(NODE_ID)
 
 

@@ -15,7 +15,6 @@ would use it.
 from __future__ import annotations
 
 import os
-import socket
 import ssl
 import subprocess
 import sys
@@ -25,23 +24,20 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from celery.contrib.testing.worker import start_worker
-from celery.signals import task_postrun
 from cryptography import x509
-from django.db import connections
 
 import kcaas
 from controlplane.celery import app as control_app
 from fleet import services as fleet_services
+from gpu_node.dev_pki import write_dev_pki
 from gpu_node.paged_cache import PagedKVCache
 from kcaas.connectors.hf import HFConnector
 from kcaas.dataplane import DataPlaneClient, DataPlaneError
 from kcaas.errors import KcaasError
 from kcaas.spec import KVCacheSpec
 from kcaas.tokens import TokenSource
-from gpu_node.dev_pki import write_dev_pki
 from tenants import services as tenant_services
-from tests.caches.conftest import purge_node_queue, stop_workers_together
+from tests.caches.conftest import free_port, purge_node_queue, running_workers
 
 pytestmark = pytest.mark.django_db(transaction=True)
 REPO = Path(__file__).resolve().parents[2]
@@ -109,26 +105,10 @@ def client_tls(pki) -> ssl.SSLContext:
 # ---- processes --------------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _close_thread_connections(**kwargs) -> None:
-    connections.close_all()
-
-
 @pytest.fixture
 def control_worker():
-    task_postrun.connect(_close_thread_connections, weak=False)
-    try:
-        with start_worker(control_app, queues=["control"], perform_ping_check=False, shutdown_timeout=20,
-                          use_eventloop=False) as worker:  # fmt: skip
-            yield worker
-            stop_workers_together(worker)
-    finally:
-        task_postrun.disconnect(_close_thread_connections)
+    with running_workers((control_app, ["control"])) as (worker,):
+        yield worker
 
 
 @pytest.fixture
@@ -136,7 +116,7 @@ def agent(live_server, control_worker, pki, tmp_path, model):
     """A real agent process serving TLS 1.3 on an ephemeral port; killed (and its queue purged) afterwards."""
     block_bytes = spec_for(model).block_bytes
     issued = fleet_services.node_create(name=f"e2e-node-{uuid.uuid4().hex[:6]}")
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     env = {
         **{k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"},
         "KCAAS_CONTROL_URL": live_server.url,
@@ -146,7 +126,7 @@ def agent(live_server, control_worker, pki, tmp_path, model):
         "KCAAS_NODE_TORCH_DEVICE": "cpu",
         "KCAAS_NODE_TLS_CERT": pki["cert"],
         "KCAAS_NODE_TLS_KEY": pki["key"],
-        "KCAAS_NODE_METRICS_PORT": str(_free_port()),
+        "KCAAS_NODE_METRICS_PORT": str(free_port()),
         "LOG_LEVEL": "WARNING",
     }
     stderr = open(tmp_path / "agent.stderr", "w+")  # a file, not a pipe: a chatty agent can never block on it

@@ -3,50 +3,27 @@ real PostgreSQL, real Redis rate limiter) and, for provisioning, two real Celery
 broker: the control plane's on `control` and the minimal node agent of tests/caches/node_consumer.py on the node's
 queue (as tests/caches/test_provisioning_integration.py runs them)."""
 
-import time
 import uuid
 
 import pytest
-from celery import bootsteps
-from celery.contrib.testing.worker import start_worker
-from celery.signals import task_postrun
-from celery.worker import state as worker_state
-from django.db import connections
 
 import kcaas
 from controlplane.celery import app as control_app, node_queue
 from fleet.models import Node
 from tests.caches import node_consumer
-from tests.caches.conftest import make_node, make_tenant, purge_node_queue  # noqa: F401 - fixtures reused
+from tests.caches.conftest import make_node, make_tenant, purge_node_queue, running_workers  # noqa: F401 - fixtures reused
 
 # The workers outlive each test, so the node they serve keeps one id (its own, distinct from the caches tests').
 NODE_ID = uuid.UUID("6e0de000-0000-4000-8000-0000005d4c11")
 
 
-def _close_thread_connections(**kwargs) -> None:
-    connections.close_all()
-
-
-def _stop_together(*workers, timeout=15.0) -> None:
-    worker_state.should_terminate = 0
-    deadline = time.monotonic() + timeout
-    while any(w.blueprint.state == bootsteps.RUN for w in workers) and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
 def workers():
-    task_postrun.connect(_close_thread_connections, weak=False)
-    options = {"perform_ping_check": False, "shutdown_timeout": 20, "use_eventloop": False}
+    apps = ((control_app, ["control"]), (node_consumer.node_app, [node_queue(NODE_ID)]))
     try:
-        with start_worker(control_app, queues=["control"], **options) as control_worker:
-            with start_worker(node_consumer.node_app, queues=[node_queue(NODE_ID)], **options) as node_worker:
-                yield node_consumer.behaviour
-                _stop_together(control_worker, node_worker)
+        with running_workers(*apps):
+            yield node_consumer.behaviour
     finally:
-        task_postrun.disconnect(_close_thread_connections)
-        control_app.set_current()
-        control_app.set_default()
         purge_node_queue(NODE_ID)
 
 
