@@ -8,7 +8,10 @@ from django.utils import timezone
 
 from caches.models import TIERS, Cache, CacheState, DataToken
 from controlplane.errors import NotFoundError
+from fleet.models import Node
 from tenants.ids import as_uuid
+from tenants.models import Tenant
+from tenants.selectors import QuotaLimits, quota_limits
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +48,48 @@ def cache_usage(*, tenant_id: uuid.UUID) -> CacheUsage:
     )
     return CacheUsage(
         num_caches=totals["num_caches"], capacity_bytes={tier: int(totals[tier] or 0) for tier in TIERS}
+    )
+
+
+def cache_resident_bytes(*, tenant_id: uuid.UUID) -> dict[str, int]:
+    """Bytes per tier the nodes last reported resident (heartbeat snapshots) for the tenant's non-detached caches
+    on their current node (two queries). A cache its node has not reported counts 0; never more than reported."""
+    placed = (
+        Cache.objects.filter(tenant_id=tenant_id, node_id__isnull=False)
+        .exclude(state=CacheState.DETACHED)
+        .values_list("id", "node_id")
+    )
+    caches_by_node: dict[uuid.UUID, list[str]] = {}
+    for cache_id, node_id in placed:
+        caches_by_node.setdefault(node_id, []).append(str(cache_id))
+    totals = dict.fromkeys(TIERS, 0)
+    snapshots = Node.objects.filter(pk__in=list(caches_by_node)).values_list("id", "resident_snapshot")
+    for node_id, snapshot in snapshots:
+        reported = (snapshot or {}).get("caches") or {}
+        for cache_id in caches_by_node[node_id]:
+            for tier in TIERS:
+                totals[tier] += int((reported.get(cache_id) or {}).get(tier, 0))
+    return totals
+
+
+@dataclass(frozen=True, slots=True)
+class TenantUsage:
+    """A tenant's effective quota limits next to what it consumes (GET /usage)."""
+
+    limits: QuotaLimits
+    caches: CacheUsage
+    data_tokens_outstanding: int
+    resident_bytes: dict[str, int]
+
+
+def tenant_usage(*, tenant: Tenant) -> TenantUsage:
+    """The limits and the same counts the quota checks of caches.services compare them with (not locked: a
+    snapshot, possibly stale by the time it is read), plus the resident bytes the nodes last reported."""
+    return TenantUsage(
+        limits=quota_limits(tenant=tenant),
+        caches=cache_usage(tenant_id=tenant.pk),
+        data_tokens_outstanding=data_tokens_outstanding(tenant_id=tenant.pk),
+        resident_bytes=cache_resident_bytes(tenant_id=tenant.pk),
     )
 
 

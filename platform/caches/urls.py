@@ -6,4 +6,5 @@ urlpatterns = [
     path("caches", apis.CacheListAttachApi.as_view(), name="caches"),
     path("caches/<uuid:cache_id>", apis.CacheDetailDetachApi.as_view(), name="cache"),
     path("caches/<uuid:cache_id>/tokens", apis.DataTokenIssueApi.as_view(), name="cache-tokens"),
+    path("usage", apis.UsageApi.as_view(), name="usage"),
 ]
