@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml gpu_node/_blockhash.c | sha1sum | cut -c1-12)
 
-.PHONY: install test bench up demo clean
+.PHONY: install test bench up cluster demo clean
 
 $(STAMP): pyproject.toml gpu_node/_blockhash.c
 	test -x $(PY) || $(PY_SYS) -m venv $(VENV)
@@ -30,6 +30,14 @@ bench: install
 # The whole platform on embedded defaults (or on DATABASE_URL/REDIS_URL when set); Ctrl-C stops it.
 up: install
 	$(PY) scripts/up.py
+
+# The docker-compose topology as local processes: PostgreSQL and Redis (started when not running; DATABASE_URL and
+# REDIS_URL, when set, win), gunicorn, the control queue's worker, beat and two node agents, each with its own node
+# credential, TLS 1.3 data-plane port and metrics port. Ctrl-C stops it.
+cluster: install
+	@eval "$$(scripts/services.sh | sed 's/^/SERVICES_/')" && \
+	DATABASE_URL="$${DATABASE_URL:-$$SERVICES_DATABASE_URL}" REDIS_URL="$${REDIS_URL:-$$SERVICES_REDIS_URL}" \
+	$(PY) scripts/cluster.py
 
 # Against a running `make up`: a tiny transformers model over prompts sharing a system prompt; hit rate, time saved.
 demo: install

@@ -1,17 +1,27 @@
 """`make up`: the whole platform on this machine, on embedded defaults (SQLite, a file-system Celery broker, one
-node agent on the CPU), or on DATABASE_URL / REDIS_URL / CELERY_BROKER_URL when they are set.
+node agent on the CPU), or on DATABASE_URL / REDIS_URL / CELERY_BROKER_URL when they are set. `make cluster`
+(scripts/cluster.py) is this script with `--agents 2 --require-services`: the docker-compose topology as local
+processes.
 
 Steps: migrate; a staff login, a demo tenant key (also written to var/secrets/demo-api-key, 0600, for `make demo`),
-the local node's credential, and a dev CA with a server certificate for 127.0.0.1/localhost (var/secrets/dev-ca.pem
-and node-tls.pem/.key, made once and reused; keys 0600) for the agent's TLS 1.3 data plane, all kept under var/
-across runs; then the web server (gunicorn on 127.0.0.1), the control queue's Celery worker, Celery beat and the node
-agent, each a child process. Prints the URLs, the login, the key and the dev CA's path (engines trust it) once the
-server answers. Ctrl-C (or SIGTERM) stops every child (SIGTERM, then SIGKILL after a grace period); if any child
-dies, the rest are stopped too.
+one credential per node agent, and a dev CA with one server certificate per agent for 127.0.0.1/localhost (plus the
+names in KCAAS_DEV_TLS_HOSTS) (var/secrets/dev-ca.pem, node-tls.pem/.key, node-2-tls.pem/.key, ...; made once and
+reused; keys 0600) for the agents' TLS 1.3 data planes, all kept under var/ across runs; then the web server
+(gunicorn on 127.0.0.1), the control queue's Celery worker, Celery beat and the node agents, each a child process.
+Prints the URLs, the login, the key, every node's endpoints, the dev CA's path (engines trust it) and the children's
+pids once every agent has registered. Ctrl-C (or SIGTERM) stops every child (SIGTERM, then SIGKILL after a grace
+period); if any child dies, the rest are stopped too (with --survive-agent-loss an agent's death is only reported:
+the control plane marks its node lost, as it would a crashed host).
+
+    scripts/up.py [--agents N] [--require-services] [--survive-agent-loss] [--bootstrap-only]
+
+--bootstrap-only does the first steps (migrate, login, key, node credentials, TLS files), prints them and exits:
+the one-shot `bootstrap` service of docker-compose.yml.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import os
@@ -24,8 +34,11 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # gpu_node.dev_pki, when run as a script
 PYTHON = sys.executable
 GRACE_SECONDS = 15
+DEFAULT_TLS_HOSTS = ("localhost", "127.0.0.1")
 
 
 def base_env() -> dict:
@@ -55,21 +68,39 @@ def write_secret(path: Path, data: bytes) -> None:
     write_private(path, data)
 
 
-def dev_tls(secrets_dir: Path) -> dict[str, Path]:
-    """A dev CA and a server certificate for 127.0.0.1 / localhost under secrets_dir, made once and reused on later
-    runs (engines trust dev-ca.pem). Made again only when a file is missing or the server certificate expires soon."""
+def node_name(index: int) -> str:
+    """Node i (1-based): local-cpu, local-cpu-2, ... (the first keeps make up's name, so old var/ dirs still work)."""
+    return "local-cpu" if index == 1 else f"local-cpu-{index}"
+
+
+def node_file(index: int, stem: str) -> str:
+    """node-credential, node-credential-2, ...; node-tls.pem, node-2-tls.pem, ..."""
+    if stem == "credential":
+        return "node-credential" if index == 1 else f"node-credential-{index}"
+    return f"node-tls.{stem}" if index == 1 else f"node-{index}-tls.{stem}"
+
+
+def tls_hosts() -> tuple[str, ...]:
+    """The names the node certificates answer to: 127.0.0.1, localhost and KCAAS_DEV_TLS_HOSTS (comma-separated, e.g.
+    the compose service names agent-1,agent-2)."""
+    extra = [h.strip() for h in os.environ.get("KCAAS_DEV_TLS_HOSTS", "").split(",") if h.strip()]
+    return tuple(dict.fromkeys([*DEFAULT_TLS_HOSTS, *extra]))
+
+
+def dev_tls(secrets_dir: Path, *, agents: int = 1, node_dir: Path | None = None) -> dict:
+    """A dev CA (secrets_dir/dev-ca.pem, engines trust it) and one server certificate per agent under node_dir
+    (default secrets_dir): {"ca", "ca_key", "nodes": [{"cert", "key"}, ...]}. Made once and reused on later runs; a
+    certificate is made again only when a file is missing or it expires soon."""
     from cryptography import x509
     from cryptography.hazmat.primitives import serialization
 
     from gpu_node.dev_pki import new_ca, new_server_cert, pem_cert, pem_key
 
-    paths = {"ca": secrets_dir / "dev-ca.pem", "ca_key": secrets_dir / "dev-ca.key",
-             "cert": secrets_dir / "node-tls.pem", "key": secrets_dir / "node-tls.key"}
+    node_dir = node_dir or secrets_dir
     now = dt.datetime.now(dt.timezone.utc)
-    if all(path.exists() for path in paths.values()):
-        cert = x509.load_pem_x509_certificate(paths["cert"].read_bytes())
-        if cert.not_valid_after_utc > now + dt.timedelta(days=1):
-            return paths
+    paths = {"ca": secrets_dir / "dev-ca.pem", "ca_key": secrets_dir / "dev-ca.key", "nodes": [
+        {"cert": node_dir / node_file(i, "pem"), "key": node_dir / node_file(i, "key")} for i in range(1, agents + 1)
+    ]}  # fmt: skip
     if paths["ca"].exists() and paths["ca_key"].exists():
         ca_key = serialization.load_pem_private_key(paths["ca_key"].read_bytes(), password=None)
         ca_cert = x509.load_pem_x509_certificate(paths["ca"].read_bytes())
@@ -77,9 +108,15 @@ def dev_tls(secrets_dir: Path) -> dict[str, Path]:
         ca_key, ca_cert = new_ca("KCaaS make up dev CA", valid_for=dt.timedelta(days=3650))
         write_secret(paths["ca_key"], pem_key(ca_key))
         paths["ca"].write_bytes(pem_cert(ca_cert))
-    key, cert = new_server_cert(ca_key, ca_cert, "KCaaS make up node", valid_for=dt.timedelta(days=365))
-    write_secret(paths["key"], pem_key(key))
-    paths["cert"].write_bytes(pem_cert(cert))
+    for index, node in enumerate(paths["nodes"], start=1):
+        if node["cert"].exists() and node["key"].exists():
+            cert = x509.load_pem_x509_certificate(node["cert"].read_bytes())
+            if cert.issuer == ca_cert.subject and cert.not_valid_after_utc > now + dt.timedelta(days=1):
+                continue
+        key, cert = new_server_cert(ca_key, ca_cert, f"KCaaS make up node {index}", valid_for=dt.timedelta(days=365),
+                                    hosts=tls_hosts())  # fmt: skip
+        write_secret(node["key"], pem_key(key))
+        node["cert"].write_bytes(pem_cert(cert))
     return paths
 
 
@@ -90,17 +127,60 @@ def manage(env: dict, *args: str) -> str:
     return done.stdout.strip()
 
 
-def children(env: dict, host: str, port: int) -> dict[str, list[str]]:
+def bootstrap(env: dict, agents: int) -> dict:
+    """migrate; the staff login, the demo key, one credential per node, the dev PKI. Idempotent (reuses var/)."""
+    secrets_dir = Path(env["KCAAS_VAR_DIR"]) / "secrets"
+    node_dir = Path(env.get("KCAAS_NODE_SECRETS_DIR") or secrets_dir)
+    manage(env, "migrate", "--noinput")
+    password = manage(env, "kcaas_local_admin", "admin", "--password-file", str(secrets_dir / "admin-password"))
+    api_key = manage(env, "kcaas_create_tenant", "demo", "--reuse", "--key-name", "make up")
+    write_secret(secrets_dir / "demo-api-key", api_key.encode() + b"\n")  # for `make demo`
+    credentials = [manage(env, "kcaas_local_node", node_name(i), "--credential-file",
+                          str(node_dir / node_file(i, "credential"))) for i in range(1, agents + 1)]  # fmt: skip
+    tls = dev_tls(secrets_dir, agents=agents, node_dir=node_dir)
+    return {"password": password, "api_key": api_key, "credentials": credentials, "tls": tls}
+
+
+def agent_envs(env: dict, boot: dict, agents: int, url: str, host: str, port: int) -> list[dict]:
+    """One environment per agent: its credential, data-plane port (KCAAS_NODE_PORT, default the web port + 1, then
+    consecutive), metrics port (KCAAS_NODE_METRICS_PORT, default the web port + 101, then consecutive) and TLS files.
+    With one agent, KCAAS_NODE_ENDPOINT / KCAAS_NODE_TLS_CERT / KCAAS_NODE_TLS_KEY replace the defaults."""
+    dataplane_base = int(os.environ.get("KCAAS_NODE_PORT") or port + 1)
+    metrics_base = int(os.environ.get("KCAAS_NODE_METRICS_PORT") or port + 101)
+    result = []
+    for index, credential in enumerate(boot["credentials"], start=1):
+        tls, single = boot["tls"]["nodes"][index - 1], agents == 1
+        node_env = {
+            **env,
+            "KCAAS_CONTROL_URL": url,
+            "KCAAS_NODE_CREDENTIAL": credential,
+            "KCAAS_NODE_ENDPOINT": (single and os.environ.get("KCAAS_NODE_ENDPOINT"))
+            or f"{host}:{dataplane_base + index - 1}",
+            "KCAAS_NODE_METRICS_PORT": str(metrics_base + index - 1),
+            "KCAAS_NODE_DEVICE_BYTES": os.environ.get("KCAAS_NODE_DEVICE_BYTES", str(1 << 30)),
+            "KCAAS_NODE_TORCH_DEVICE": os.environ.get("KCAAS_NODE_TORCH_DEVICE", "cpu"),
+            "KCAAS_NODE_TLS_CERT": (single and os.environ.get("KCAAS_NODE_TLS_CERT")) or str(tls["cert"]),
+            "KCAAS_NODE_TLS_KEY": (single and os.environ.get("KCAAS_NODE_TLS_KEY")) or str(tls["key"]),
+        }
+        node_env.pop("DJANGO_SETTINGS_MODULE", None)  # the node agent never loads Django
+        node_env.pop("KCAAS_NODE_LISTEN", None)  # each agent binds its own endpoint
+        result.append(node_env)
+    return result
+
+
+def children(env: dict, host: str, port: int, agents: int = 1) -> dict[str, list[str]]:
     var_dir = Path(env["KCAAS_VAR_DIR"])
-    return {
+    commands = {
         "web": [PYTHON, "-m", "gunicorn", "controlplane.wsgi:application", "--bind", f"{host}:{port}",
                 "--workers", "2", "--worker-class", "gthread", "--threads", "4", "--log-level", "warning"],
         "worker": [PYTHON, "-m", "celery", "-A", "controlplane", "worker", "-Q", "control", "--pool", "solo",
                    "--loglevel", "warning", "--hostname", "control@%h"],
         "beat": [PYTHON, "-m", "celery", "-A", "controlplane", "beat", "--loglevel", "warning",
                  "--schedule", str(var_dir / "celerybeat-schedule")],
-        "node": [PYTHON, "-m", "gpu_node.agent"],
     }
+    for index in range(1, agents + 1):
+        commands[f"agent-{index}"] = [PYTHON, "-m", "gpu_node.agent"]
+    return commands
 
 
 def wait_until_up(url: str, processes: dict, timeout: float = 60.0) -> None:
@@ -142,28 +222,59 @@ def stop_all(processes: dict) -> None:
             proc.wait()
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--agents", type=int, default=1, help="node agents to run (default 1)")
+    parser.add_argument("--require-services", action="store_true",
+                        help="refuse the embedded defaults: DATABASE_URL (PostgreSQL) and REDIS_URL must be set")
+    parser.add_argument("--survive-agent-loss", action="store_true",
+                        help="an agent that dies is reported, not a reason to stop the rest")
+    parser.add_argument("--bootstrap-only", action="store_true",
+                        help="migrate, make the login, key, node credentials and TLS files, print them and exit")
+    args = parser.parse_args(argv)
+    if args.agents < 1:
+        parser.error("--agents must be at least 1")
+    if args.require_services and not (os.environ.get("DATABASE_URL", "").startswith("postgres")
+                                      and os.environ.get("REDIS_URL")):  # fmt: skip
+        parser.error("--require-services: set DATABASE_URL=postgres://... and REDIS_URL=redis://...")
+    return args
+
+
+def banner(url: str, boot: dict, node_envs: list[dict], processes: dict) -> str:
+    key = boot["api_key"]
+    nodes = "".join(
+        f"  node {name:<9} {env['KCAAS_NODE_ENDPOINT']} (TLS 1.3 data plane), metrics "
+        f"http://127.0.0.1:{env['KCAAS_NODE_METRICS_PORT']}/metrics\n"
+        for name, env in zip((node_name(i) for i in range(1, len(node_envs) + 1)), node_envs)
+    )
+    pids = ", ".join(f"{name}={proc.pid}" for name, proc in processes.items())
+    return (
+        f"\nKCaaS is up.\n"
+        f"  API           {url}/api/v1/   (OpenAPI: {url}/api/schema/, docs: {url}/api/docs/)\n"
+        f"  console       {url}/api/docs/   (the web console arrives with issue 7)\n"
+        f"  admin login   admin / {boot['password']}   (staff: HTTP basic auth on /api/v1/admin/...)\n"
+        f"  demo API key  {key}\n"
+        f"{nodes}"
+        f"  data plane    TLS 1.3 on {', '.join(env['KCAAS_NODE_ENDPOINT'] for env in node_envs)}   "
+        f"(dev CA: {boot['tls']['ca']})\n"
+        f"  processes     {pids}\n"
+        f"  try: curl -H 'Authorization: Bearer {key}' {url}/api/v1/whoami\n"
+        f"Ctrl-C stops everything."
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     host, port = os.environ.get("KCAAS_HOST", "127.0.0.1"), int(os.environ.get("KCAAS_PORT", "8000"))
     url = f"http://{host}:{port}"
     env = base_env()
-    secrets_dir = Path(env["KCAAS_VAR_DIR"]) / "secrets"
-    manage(env, "migrate", "--noinput")
-    password = manage(env, "kcaas_local_admin", "admin", "--password-file", str(secrets_dir / "admin-password"))
-    api_key = manage(env, "kcaas_create_tenant", "demo", "--reuse", "--key-name", "make up")
-    credential = manage(env, "kcaas_local_node", "local-cpu", "--credential-file", str(secrets_dir / "node-credential"))
-    write_secret(secrets_dir / "demo-api-key", api_key.encode() + b"\n")  # for `make demo`
-    tls = dev_tls(secrets_dir)
-    node_env = {
-        **env,
-        "KCAAS_CONTROL_URL": url,
-        "KCAAS_NODE_CREDENTIAL": credential,
-        "KCAAS_NODE_ENDPOINT": os.environ.get("KCAAS_NODE_ENDPOINT", f"{host}:{port + 1}"),
-        "KCAAS_NODE_DEVICE_BYTES": os.environ.get("KCAAS_NODE_DEVICE_BYTES", str(1 << 30)),
-        "KCAAS_NODE_TORCH_DEVICE": os.environ.get("KCAAS_NODE_TORCH_DEVICE", "cpu"),
-        "KCAAS_NODE_TLS_CERT": os.environ.get("KCAAS_NODE_TLS_CERT") or str(tls["cert"]),
-        "KCAAS_NODE_TLS_KEY": os.environ.get("KCAAS_NODE_TLS_KEY") or str(tls["key"]),
-    }
-    node_env.pop("DJANGO_SETTINGS_MODULE", None)  # the node agent never loads Django
+    boot = bootstrap(env, args.agents)
+    if args.bootstrap_only:
+        nodes = ", ".join(f"{node_name(i)} ({node_file(i, 'credential')})" for i in range(1, args.agents + 1))
+        print(f"bootstrapped: admin / {boot['password']}; demo API key {boot['api_key']}; nodes {nodes}; "
+              f"dev CA {boot['tls']['ca']}", flush=True)  # fmt: skip
+        return 0
+    node_envs = agent_envs(env, boot, args.agents, url, host, port)
 
     stop_requested = False
 
@@ -174,32 +285,32 @@ def main() -> int:
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
     processes: dict[str, subprocess.Popen] = {}
+    agent_names = [f"agent-{i}" for i in range(1, args.agents + 1)]
     try:
-        for name, command in children(env, host, port).items():
-            if name == "node":  # it registers over HTTP: the web server must answer first
+        for name, command in children(env, host, port, args.agents).items():
+            is_node = name in agent_names
+            if name == agent_names[0]:  # agents register over HTTP: the web server must answer first
                 wait_until_up(url, processes)
-            is_node = name == "node"
             processes[name] = subprocess.Popen(
-                command, env=node_env if is_node else env, cwd=REPO, stdout=subprocess.PIPE if is_node else None,
-                text=True,
-            )
-        wait_for_node(processes["node"])
-        print(
-            f"\nKCaaS is up.\n"
-            f"  API           {url}/api/v1/   (OpenAPI: {url}/api/schema/, docs: {url}/api/docs/)\n"
-            f"  console       {url}/api/docs/   (the web console arrives with issue 7)\n"
-            f"  admin login   admin / {password}   (staff: HTTP basic auth on /api/v1/admin/...)\n"
-            f"  demo API key  {api_key}\n"
-            f"  data plane    TLS 1.3 on {node_env['KCAAS_NODE_ENDPOINT']}   (dev CA: {tls['ca']})\n"
-            f"  try: curl -H 'Authorization: Bearer {api_key}' {url}/api/v1/whoami\n"
-            f"Ctrl-C stops everything.",
-            flush=True,
-        )
-        while not stop_requested and all(proc.poll() is None for proc in processes.values()):
+                command, env=node_envs[agent_names.index(name)] if is_node else env, cwd=REPO,
+                stdout=subprocess.PIPE if is_node else None, text=True,
+            )  # fmt: skip
+        for name in agent_names:
+            wait_for_node(processes[name])
+        print(banner(url, boot, node_envs, processes), flush=True)
+        reported: set[str] = set()
+        while not stop_requested:
+            dead = {name for name, proc in processes.items() if proc.poll() is not None}
+            if args.survive_agent_loss and dead and dead <= set(agent_names):
+                for name in sorted(dead - reported):
+                    print(f"{name} exited ({processes[name].returncode}): the control plane will mark its node lost",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                reported |= dead
+                dead = set()
+            if dead:
+                print(f"{', '.join(sorted(dead))} stopped: stopping the rest", file=sys.stderr, flush=True)
+                break
             time.sleep(0.2)
-        dead = [name for name, proc in processes.items() if proc.poll() is not None]
-        if dead and not stop_requested:
-            print(f"{', '.join(dead)} stopped: stopping the rest", file=sys.stderr, flush=True)
     except RuntimeError as error:
         print(f"make up: {error}", file=sys.stderr, flush=True)
         return 1

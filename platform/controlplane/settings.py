@@ -111,8 +111,10 @@ CELERY_TASK_DEFAULT_QUEUE = "control"
 CELERY_TASK_ACKS_LATE = True  # a task is acknowledged after it ran: a worker lost mid-task leaves it queued
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+# A lost node is seen within its lease (KCAAS_NODE_LEASE_SECONDS) plus one sweep period.
+KCAAS_LEASE_SWEEP_SECONDS = float(os.environ.get("KCAAS_LEASE_SWEEP_SECONDS", "10"))
 CELERY_BEAT_SCHEDULE = {
-    "caches-sweep-leases": {"task": "caches.sweep_leases", "schedule": 10.0},
+    "caches-sweep-leases": {"task": "caches.sweep_leases", "schedule": KCAAS_LEASE_SWEEP_SECONDS},
     "caches-purge-expired": {"task": "caches.purge_expired", "schedule": 3600.0},
     "tenants-flush-key-usage": {"task": "tenants.flush_key_usage", "schedule": 30.0},
 }
