@@ -13,6 +13,7 @@ _EXPORTS = {
     "IssuedKey": "kcaas.client",
     "Principal": "kcaas.client",
     "TokenSource": "kcaas.tokens",
+    "Usage": "kcaas.usage",
     "__version__": "kcaas.client",
     "KcaasError": "kcaas.errors",
 }

@@ -30,20 +30,20 @@ import dataclasses
 import http.client
 import json
 import random
-import select
 import ssl
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from email.utils import parsedate_to_datetime
+from datetime import datetime
 from typing import Any, Callable, Iterator, Mapping
 from urllib.parse import quote, urlencode, urlsplit
 
 from kcaas import errors
+from kcaas._http import dropped as _dropped, retry_after as _retry_after
 from kcaas.errors import APIConnectionError, CacheFailedError, KcaasError, RateLimitedError, WaitTimeoutError
 from kcaas.spec import KVCacheSpec
+from kcaas.usage import Usage
 
 API_PREFIX = "/api/v1"
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
@@ -472,6 +472,10 @@ class Client:
     def whoami(self) -> Principal:
         return Principal.from_json(self._request("GET", f"{API_PREFIX}/whoami").body)
 
+    def usage(self) -> Usage:
+        """The tenant's effective quota limits, what counts against them, and the bytes resident (GET /usage)."""
+        return Usage.from_json(self._request("GET", f"{API_PREFIX}/usage").body)
+
     # -- caches ---------------------------------------------------------------------------------------------------
 
     def attach(
@@ -483,26 +487,37 @@ class Client:
         wait: bool = True,
         timeout: float = 60.0,
         idempotency_key: str | None = None,
+        progress: Callable[[Cache], None] | None = None,
     ) -> Cache:
         """Attach a cache (POST /caches) and, with `wait`, poll until it is `ready`. Raises CacheFailedError if
         provisioning failed (its `failure_reason` in the message; detach it to free the quota) and WaitTimeoutError
-        (a TimeoutError) after `timeout` seconds. Retries are safe: one Idempotency-Key serves every attempt."""
+        (a TimeoutError) after `timeout` seconds. Retries are safe: one Idempotency-Key serves every attempt.
+        `progress(cache)` is called with the cache as first answered and after each poll (see wait_for)."""
         spec_body = spec.to_dict() if isinstance(spec, KVCacheSpec) else dict(spec)
         body = {"name": name, "spec": spec_body, "capacity": dict(capacity)}
         key = idempotency_key or f"kcaas-{uuid.uuid4()}"
         cache = Cache.from_json(self._request("POST", f"{API_PREFIX}/caches", json_body=body, idempotency_key=key).body)
         if not wait:
             return cache
-        return self.wait_for(cache.id, "ready", timeout=timeout, current=cache)
+        return self.wait_for(cache.id, "ready", timeout=timeout, current=cache, progress=progress)
 
     def wait_for(
-        self, cache_id: str, state: str = "ready", *, timeout: float = 60.0, current: Cache | None = None
+        self,
+        cache_id: str,
+        state: str = "ready",
+        *,
+        timeout: float = 60.0,
+        current: Cache | None = None,
+        progress: Callable[[Cache], None] | None = None,
     ) -> Cache:
-        """Poll GET /caches/{id} (backing off from 50 ms to 1 s) until the cache is in `state`."""
+        """Poll GET /caches/{id} (backing off from 50 ms to 1 s) until the cache is in `state`; `progress(cache)`, if
+        given, sees every state polled (the first one included) before it is checked."""
         deadline = time.monotonic() + timeout
         delay = 0.05
         cache = current or self.get_cache(cache_id)
         while True:
+            if progress is not None:
+                progress(cache)
             if cache.state == state:
                 return cache
             if cache.state == "failed" and state != "failed":
@@ -582,30 +597,3 @@ class Client:
 
 def _segment(value: Any) -> str:
     return quote(str(value), safe="")
-
-
-def _dropped(sock: Any) -> bool:
-    """True when an idle keep-alive socket is readable: the peer closed it (or sent junk); either way, do not reuse."""
-    try:
-        readable, _, _ = select.select([sock], [], [], 0)
-    except (OSError, ValueError):
-        return True
-    return bool(readable)
-
-
-def _retry_after(headers: Mapping[str, str]) -> float | None:
-    value = headers.get("retry-after")
-    if not value:
-        return None
-    value = value.strip()
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=timezone.utc)
-    return max(0.0, (when - datetime.now(timezone.utc)).total_seconds())
