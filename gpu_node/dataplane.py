@@ -32,112 +32,24 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import jwt
 import numpy as np
 import torch
 
+from gpu_node.admission import Hold, TenantAdmission, TenantLimits
 from gpu_node.paged_cache import TORCH_DTYPES
 from gpu_node.registry import CacheRegistry, HostedCache
+from gpu_node.tokens import TokenVerifier
 from kcaas import wire
 from kcaas.spec import IdentityMismatch
 from kcaas.wire import ErrorCode, Opcode, ProtocolError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_ISSUER = "kcaas-control-plane"
-REQUIRED_CLAIMS = ["exp", "iat", "nbf", "aud", "iss", "sub", "jti"]
 NOT_FOUND_MESSAGE = "no such cache on this node, or the token does not grant it"
 WRITE_OPS = frozenset({"put", "delete"})
 AUTH_FAILURE_CODES = frozenset({ErrorCode.UNAUTHENTICATED, ErrorCode.TOKEN_EXPIRED, ErrorCode.FORBIDDEN,
                                 ErrorCode.NOT_FOUND})  # fmt: skip
 MAX_FAILED_HELLOS = 8  # per connection: then it is closed (token guessing costs a reconnect + handshake)
-
-
-# ---- tokens -------------------------------------------------------------------------------------------------------
-class TokenVerifier:
-    """Verifies data tokens offline against the control plane's published Ed25519 keys (a JWKS dict).
-
-    `verify(token)` checks the signature (EdDSA only; the token's own `alg` is never trusted), iss, exp, nbf, the
-    required claims and the revocation set, and returns the claims. Whether the token grants a particular cache is
-    the server's check (audience, node, epoch), so every "not for this cache" answers alike.
-    """
-
-    def __init__(self, jwks: dict, *, issuer: str = DEFAULT_ISSUER, leeway: float = 5.0, fetch_jwks=None,
-                 refetch_interval: float = 30.0):  # fmt: skip
-        """`fetch_jwks()` (optional) reloads the JWKS when a token names an unknown `kid` (key rotation), at most
-        once per `refetch_interval` seconds, so forged kids cannot make the node hammer the control plane."""
-        self.issuer = issuer
-        self.leeway = leeway
-        self._fetch_jwks = fetch_jwks
-        self._refetch_interval = refetch_interval
-        self._last_fetch = float("-inf")
-        self._lock = threading.Lock()
-        self._keys: dict[str | None, Any] = {}
-        self._revoked: set[str] = set()
-        self.update_jwks(jwks)
-
-    def update_jwks(self, jwks: dict) -> None:
-        keys: dict[str | None, Any] = {}
-        for jwk in jwks.get("keys", []):
-            if jwk.get("kty") != "OKP" or jwk.get("crv") != "Ed25519":
-                continue  # only Ed25519 keys verify data tokens
-            keys[jwk.get("kid")] = jwt.PyJWK(jwk, algorithm="EdDSA").key
-        if not keys:
-            raise ValueError("the JWKS holds no Ed25519 key")
-        with self._lock:
-            self._keys = keys
-
-    def revoke(self, jti: str) -> None:
-        with self._lock:
-            self._revoked.add(str(jti))
-
-    def is_revoked(self, jti: Any) -> bool:
-        with self._lock:
-            return str(jti) in self._revoked
-
-    def _key_for(self, kid: Any) -> Any:
-        with self._lock:
-            if kid in self._keys:
-                return self._keys[kid]
-            if kid is None and len(self._keys) == 1:
-                return next(iter(self._keys.values()))
-        return None
-
-    def verify(self, token: str) -> dict:
-        """The token's verified claims; ProtocolError unauthenticated / token_expired otherwise."""
-        try:
-            header = jwt.get_unverified_header(token)
-        except jwt.InvalidTokenError:
-            raise ProtocolError(ErrorCode.UNAUTHENTICATED, "malformed token") from None
-        if header.get("alg") != "EdDSA":
-            raise ProtocolError(ErrorCode.UNAUTHENTICATED, "the token is not signed with EdDSA")
-        key = self._key_for(header.get("kid"))
-        refetch_due = time.monotonic() - self._last_fetch >= self._refetch_interval
-        if key is None and self._fetch_jwks is not None and refetch_due:
-            self._last_fetch = time.monotonic()
-            try:
-                self.update_jwks(self._fetch_jwks())
-            except Exception:  # noqa: BLE001 - the control plane is unreachable: keep the keys we have
-                log.warning("could not refresh the data-token JWKS", exc_info=True)
-            key = self._key_for(header.get("kid"))
-        if key is None:
-            raise ProtocolError(ErrorCode.UNAUTHENTICATED, "the token's signing key is unknown")
-        try:
-            claims = jwt.decode(
-                token,
-                key,
-                algorithms=["EdDSA"],
-                issuer=self.issuer,
-                leeway=self.leeway,
-                options={"require": REQUIRED_CLAIMS, "verify_aud": False},  # the server matches aud to the cache
-            )
-        except jwt.ExpiredSignatureError:
-            raise ProtocolError(ErrorCode.TOKEN_EXPIRED, "the data token has expired") from None
-        except jwt.InvalidTokenError:
-            raise ProtocolError(ErrorCode.UNAUTHENTICATED, "invalid data token") from None
-        if self.is_revoked(claims["jti"]):
-            raise ProtocolError(ErrorCode.UNAUTHENTICATED, "the data token has been revoked")
-        return claims
 
 
 # ---- server -------------------------------------------------------------------------------------------------------
@@ -155,7 +67,12 @@ class _Conn:
     sessions: dict[str, _Session] = field(default_factory=dict)
     failed_hellos: int = 0
     put_staging: bytearray = field(default_factory=bytearray)
+    put_staging_owner: int | None = None  # id(meta) of the frame whose payload is in put_staging, until handled
     get_staging: torch.Tensor | None = None
+    tenants: set[str] = field(default_factory=set)  # tenants with a session here (each counted once by admission)
+    holds: dict[int, Hold] = field(default_factory=dict)  # id(frame meta) -> the admission of a request read ahead
+    busy: bool = False  # a frame has started arriving or is being handled (drain waits for it)
+    closing: bool = False  # drain chose to close this idle connection
 
 
 class DataPlaneServer:
@@ -176,9 +93,11 @@ class DataPlaneServer:
         frame_timeout: float = 30.0,
         handshake_timeout: float = 10.0,
         metrics: Any = None,
+        tenant_limits: TenantLimits | None = None,
     ):
         """`metrics`: an optional gpu_node.metrics.NodeMetrics (request latency per op, TLS handshakes by outcome,
-        refused tokens by reason)."""
+        refused tokens by reason, refusals by admission limit). `tenant_limits`: per-tenant connections, requests
+        in flight and staged bytes (gpu_node.admission)."""
         if tls_context is None and host is not None:
             raise ValueError("a TCP listener needs a TLS context (plain TCP is never served)")
         if tls_context is not None and tls_context.minimum_version < ssl.TLSVersion.TLSv1_3:
@@ -195,16 +114,21 @@ class DataPlaneServer:
         self.frame_timeout = frame_timeout
         self.handshake_timeout = handshake_timeout
         self.metrics = metrics
+        self.admission = TenantAdmission(tenant_limits, on_refusal=self._count_refusal)
+        self._draining = False
         self._lock = threading.Lock()
         self._conns: set[_Conn] = set()
         self._listeners: list[socket.socket] = []
         self._accept_threads: list[threading.Thread] = []
-        self._stopping = threading.Event()
+        self._stopping = threading.Event()  # connections: leave now
+        self._accepting = threading.Event()  # accept loops: go on while set
         self.address: tuple[str, int] | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
     def start(self) -> DataPlaneServer:
         self._stopping.clear()
+        self._accepting.set()
+        self._draining = False
         if self.host is not None:
             tcp = socket.create_server((self.host, self.port), backlog=128, reuse_port=False)
             self.address = tcp.getsockname()[:2]
@@ -234,9 +158,8 @@ class DataPlaneServer:
         self._accept_threads.append(thread)
         thread.start()
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Close the listeners, then every connection (in-flight requests are cut), and join the threads."""
-        self._stopping.set()
+    def _close_listeners(self, timeout: float) -> None:
+        self._accepting.clear()
         for listener in self._listeners:
             try:
                 listener.close()
@@ -244,6 +167,31 @@ class DataPlaneServer:
                 pass
         for thread in self._accept_threads:
             thread.join(timeout)
+
+    def drain(self, timeout: float = 10.0) -> int:
+        """Graceful stop, first half: accept nothing new, close idle connections, and let every request that has
+        started arriving finish and be answered (then its connection closes). Returns how many connections were
+        still busy at the deadline; `stop()` cuts those."""
+        with self._lock:
+            self._draining = True
+        self._close_listeners(timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                idle = [c for c in self._conns if not c.busy and not c.closing]
+                for conn in idle:
+                    conn.closing = True
+                busy = sum(1 for c in self._conns if c.busy)
+            for conn in idle:
+                _hard_shutdown(conn.sock)
+            if busy == 0 or time.monotonic() >= deadline:
+                return busy
+            time.sleep(0.02)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Close the listeners, then every connection (in-flight requests are cut), and join the threads."""
+        self._stopping.set()
+        self._close_listeners(timeout)
         with self._lock:
             conns = list(self._conns)
         for conn in conns:
@@ -274,7 +222,7 @@ class DataPlaneServer:
             return len(self._conns)
 
     def _accept_loop(self, listener: socket.socket, tls: bool) -> None:
-        while not self._stopping.is_set():
+        while self._accepting.is_set():
             try:
                 raw, addr = listener.accept()
             except TimeoutError:
@@ -312,7 +260,17 @@ class DataPlaneServer:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+            for hold in conn.holds.values():
+                hold.release()
+            for tenant in conn.tenants:
+                self.admission.disconnect(tenant)
+            conn.holds.clear()
+            conn.tenants.clear()
             _close(conn.sock)
+
+    def _count_refusal(self, limit: str) -> None:
+        if self.metrics is not None:
+            self.metrics.overloaded.labels(limit=limit).inc()
 
     def _count_handshake(self, outcome: str) -> None:
         if self.metrics is not None:
@@ -343,6 +301,10 @@ class DataPlaneServer:
                 continue  # inside a frame: the deadline check above closes a slow peer
             except (OSError, ssl.SSLError):
                 return
+            with self._lock:
+                if conn.closing:
+                    return  # drain closed this connection while it was idle
+                conn.busy = True
             try:
                 if n == 0:
                     decoder.eof()
@@ -366,12 +328,18 @@ class DataPlaneServer:
                     _send_buffers(sock, response)
                 except (OSError, ssl.SSLError):
                     return
+                finally:
+                    self._frame_done(conn, frame)
                 if self.metrics is not None:
                     op = wire.OP_NAMES.get(wire.Opcode(frame.opcode & ~wire.BATCH_BIT))
                     if op is not None:
                         self.metrics.request_seconds.labels(op=op).observe(time.perf_counter() - started)
                 if conn.failed_hellos > MAX_FAILED_HELLOS:
                     return
+            with self._lock:
+                conn.busy = decoder.in_frame
+                if self._draining and not conn.busy:
+                    return  # draining: this connection's requests are answered; close it
 
     # ---- checks before the payload --------------------------------------------------------------------------------
     def _sink(self, conn: _Conn, head: wire.FrameHead) -> Any:
@@ -389,12 +357,27 @@ class DataPlaneServer:
         except Exception:
             log.exception("data-plane payload sink failed")
             raise ProtocolError(ErrorCode.INTERNAL, "internal error") from None
+        kv_total = sum(request.kv_bytes) if request.carries_kv else 0
+        conn.holds[id(head.meta)] = self.admission.admit(self._tenant_of(conn, request), kv_total)
         if not request.carries_kv:
             return None  # token ids only: small, the decoder buffers them
-        kv_total = sum(request.kv_bytes)
+        if conn.put_staging_owner is not None:  # a pipelined put read ahead of the one still using the staging
+            return [bytearray(request.token_bytes), bytearray(kv_total)]
         if len(conn.put_staging) < kv_total:
             conn.put_staging = bytearray(kv_total)  # bounded by max_frame_bytes; reused by later puts
+        conn.put_staging_owner = id(head.meta)
         return [bytearray(request.token_bytes), memoryview(conn.put_staging)[:kv_total]]
+
+    def _tenant_of(self, conn: _Conn, request: wire.RequestHead) -> str:
+        return str(conn.sessions[request.cache_id].claims["sub"])
+
+    def _frame_done(self, conn: _Conn, frame: wire.Frame) -> None:
+        """The frame is answered: give back its admission and, if it was the one using it, the put staging."""
+        hold = conn.holds.pop(id(frame.meta), None)
+        if hold is not None:
+            hold.release()
+        if conn.put_staging_owner == id(frame.meta):
+            conn.put_staging_owner = None
 
     def _authorize(self, conn: _Conn, request: wire.RequestHead) -> _Session:
         session = conn.sessions.get(request.cache_id)
@@ -425,6 +408,8 @@ class DataPlaneServer:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"{frame.opcode.name} is not a request")
         request_head = wire.parse_request_head(frame)
         session = self._authorize(conn, request_head)  # again: a frame without payload skipped the sink
+        if id(frame.meta) not in conn.holds:  # no payload: admitted here, released by _frame_done
+            conn.holds[id(frame.meta)] = self.admission.admit(str(session.claims["sub"]))
         request = wire.parse_request(frame, request_head)
         engine = session.hosted.engine
         op, rid = request_head.op, frame.request_id
@@ -435,7 +420,7 @@ class DataPlaneServer:
             return wire.encode_delete_ok(rid, [engine.delete(t) for t in tokens])
         if op == "put":
             return self._put(session.hosted, request, tokens)
-        return self._get(conn, session.hosted, request, tokens)
+        return self._get(conn, session.hosted, request, tokens, conn.holds[id(frame.meta)])
 
     def _hello(self, conn: _Conn, frame: wire.Frame) -> list:
         hello = wire.parse_hello(frame)
@@ -455,6 +440,10 @@ class DataPlaneServer:
             conn.failed_hellos += 1
             conn.sessions.pop(hello.cache_id, None)  # a failed re-HELLO drops the old session too
             raise
+        tenant = str(claims["sub"])
+        if tenant not in conn.tenants:
+            self.admission.connect(tenant)  # overloaded: the tenant holds its limit of connections on this node
+            conn.tenants.add(tenant)
         conn.sessions[hello.cache_id] = _Session(hosted, claims)
         return wire.encode_hello_ok(frame.request_id, cache_id=hello.cache_id, identity=hosted.spec,
                                     epoch=hosted.epoch, node_id=self.node_id, max_frame_bytes=self.max_frame_bytes,
@@ -482,7 +471,8 @@ class DataPlaneServer:
         return wire.encode_put_ok(request.head.request_id, num_cached=num_cached, num_written=num_written,
                                   out_of_space=out_of_space)  # fmt: skip
 
-    def _get(self, conn: _Conn, hosted: HostedCache, request: wire.DataRequest, tokens: list[np.ndarray]) -> list:
+    def _get(self, conn: _Conn, hosted: HostedCache, request: wire.DataRequest, tokens: list[np.ndarray],
+             hold: Hold) -> list:  # fmt: skip
         engine, spec = hosted.engine, hosted.spec
         dtype = TORCH_DTYPES[spec.kv_dtype]
         starts = request.head.kv_start
@@ -491,6 +481,7 @@ class DataPlaneServer:
                               metadata_allowance=256 + 72 * len(tokens))  # 3 ints of <= 20 digits per sequence
         total = sum(max(e, 0) for e in ends)  # tokens of KV read into staging (whole prefixes up to kv_end)
         need = total * spec.elements_per_token
+        hold.grow(total * spec.kv_bytes_per_token)  # the answer counts against the tenant's byte budget
         if conn.get_staging is None or conn.get_staging.dtype != dtype or conn.get_staging.numel() < need:
             conn.get_staging = torch.empty(max(need, 1), dtype=dtype, device=engine.device)
         staging, offset = conn.get_staging, 0

@@ -72,6 +72,10 @@ class NodeMetrics:
         self.auth_failures = Counter(
             "kcaas_dataplane_auth_failures", "Refused data tokens", ["reason"], registry=self.registry
         )
+        self.overloaded = Counter(
+            "kcaas_dataplane_overloaded", "Requests refused by a per-tenant admission limit", ["limit"],
+            registry=self.registry,
+        )
 
     def serve(self, port: int, addr: str = "127.0.0.1"):
         """Expose /metrics over HTTP (prometheus_client's server, in a daemon thread); returns (server, thread)."""

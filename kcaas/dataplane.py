@@ -14,16 +14,20 @@ the cache's locally, so a mismatched layout fails before any KV crosses the wire
 
 Retries: every operation is idempotent (a repeated put deduplicates), so on a refused token (expired, revoked, not
 valid for this placement) the client refreshes it once through its TokenSource (invalidate() + get()) and retries,
-and on a broken connection it reconnects once and retries.
+on a broken connection (or a node that is shutting down) it reconnects once and retries, and on `overloaded` (a
+per-tenant limit on the node) it waits the node's `retry_after_ms`, doubling with jitter up to 1 s, at most
+`max_overloaded_retries` times, then raises.
 
 torch is imported lazily, inside the methods that take or return tensors: `import kcaas.dataplane` stays light.
 """
 
 from __future__ import annotations
 
+import random
 import socket
 import ssl
 import threading
+import time
 from typing import Any
 
 from kcaas import wire
@@ -46,6 +50,15 @@ class _ConnectionLost(Exception):
     pass
 
 
+def _backoff(retry_after_ms: Any, attempt: int) -> float:
+    """The node's hint (default 50 ms), doubled per attempt, capped at 1 s, with up to 50% jitter."""
+    try:
+        base = max(float(retry_after_ms) / 1000.0, 0.001)
+    except (TypeError, ValueError):
+        base = 0.05
+    return min(base * 2**attempt, 1.0) * (1.0 + 0.5 * random.random())
+
+
 class DataPlaneClient:
     def __init__(
         self,
@@ -59,6 +72,7 @@ class DataPlaneClient:
         server_hostname: str | None = None,
         timeout: float = 60.0,
         max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
+        max_overloaded_retries: int = 8,
     ):
         if (endpoint is None) == (uds_path is None):
             raise ValueError("give exactly one of endpoint ('host:port') and uds_path")
@@ -69,6 +83,7 @@ class DataPlaneClient:
         self.identity = identity
         self._token_source = token
         self.timeout = timeout
+        self.max_overloaded_retries = max_overloaded_retries
         self._max_frame_bytes = max_frame_bytes  # the node's limit replaces it after HELLO
         self.server_hostname = server_hostname
         if endpoint is not None and ssl_context is None:
@@ -116,7 +131,7 @@ class DataPlaneClient:
         kv = kv.detach()
         if kv.device.type != "cpu":
             kv = kv.cpu()
-        self._ensure_connected()
+        self._connect()  # the node's frame limit is known after HELLO
         per_frame = max(1, (self._max_frame_bytes - wire.HEADER_SIZE - 8192 - 4 * n) // spec.kv_bytes_per_token)
         written, start, reply = 0, 0, None
         while start < n:
@@ -200,17 +215,33 @@ class DataPlaneClient:
         return False
 
     def _call(self, opcode: Opcode, tokens, *, kv=None, kv_start: int = 0):
-        """One request with the retry policy: refresh the token once, reconnect once."""
+        """One request with the retry policy (the module's docstring)."""
+        return self._with_retries(lambda: self._request(opcode, tokens, kv=kv, kv_start=kv_start))
+
+    def _connect(self) -> None:
+        """Connected and HELLO answered, under the same retry policy as a request."""
+        self._with_retries(lambda: None)
+
+    def _with_retries(self, attempt):
         with self._lock:
             refreshed = reconnected = False
+            waits = 0
             while True:
                 try:
                     self._ensure_connected()
-                    return self._request(opcode, tokens, kv=kv, kv_start=kv_start)
+                    return attempt()
                 except DataPlaneError as exc:
                     if exc.code in REFRESH_CODES and not refreshed and self._refresh_token():
                         refreshed = True
                         self._drop()  # the next attempt sends HELLO with the fresh token
+                        continue
+                    if exc.code == ErrorCode.OVERLOADED and waits < self.max_overloaded_retries:
+                        time.sleep(_backoff(exc.details.get("retry_after_ms"), waits))
+                        waits += 1
+                        continue
+                    if exc.code == ErrorCode.SHUTTING_DOWN and not reconnected:
+                        reconnected = True
+                        self._drop()
                         continue
                     raise
                 except _ConnectionLost as exc:
