@@ -243,7 +243,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def banner(url: str, boot: dict, node_envs: list[dict], processes: dict) -> str:
     key = boot["api_key"]
     nodes = "".join(
-        f"  node {name:<9} {env['KCAAS_NODE_ENDPOINT']} (TLS 1.3 data plane), metrics "
+        f"  node {name:<11} {env['KCAAS_NODE_ENDPOINT']} (TLS 1.3 data plane), metrics "
         f"http://127.0.0.1:{env['KCAAS_NODE_METRICS_PORT']}/metrics\n"
         for name, env in zip((node_name(i) for i in range(1, len(node_envs) + 1)), node_envs)
     )

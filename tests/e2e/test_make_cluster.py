@@ -1,0 +1,216 @@
+"""`make cluster` as a user runs it: scripts/cluster.py (up.py with two node agents) on PostgreSQL and Redis, in its own
+database (created by the script, dropped here) and Redis dbs 12/13, with a private var/ dir and free ports.
+
+The printed tenant key attaches two caches that best-fit placement must put on different nodes (each asks for more
+than half a node); KV put through each node's TLS 1.3 endpoint (trusting the printed dev CA) comes back byte for
+byte. Then one agent is SIGKILLed: with short heartbeat, lease and sweep periods the control plane marks its node
+`lost` and its cache `failed` (node_lost) within seconds, while the other node keeps serving. Ctrl-C then stops
+every child: no reported pid and no process of the cluster's session is left.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import psycopg
+import pytest
+import redis
+import torch
+from psycopg import sql
+
+import kcaas
+from kcaas.dataplane import DataPlaneClient
+from kcaas.spec import KVCacheSpec
+from kcaas.tokens import TokenSource
+
+REPO = Path(__file__).resolve().parents[2]
+SPEC = KVCacheSpec(model_fingerprint="tiny@1", num_layers=2, num_kv_heads=2, head_dim=8, block_size=16,
+                   kv_dtype="float16", storage_dtype="float16")  # fmt: skip
+NODE_BYTES = 256 * SPEC.block_bytes
+CACHE_BYTES = 160 * SPEC.block_bytes  # more than half a node: two caches cannot share one
+DATABASE = "kcaas_cluster_it"
+REDIS_DBS = (12, 13)  # rate limits / key usage, and the Celery broker
+LEASE_SECONDS = 4
+
+
+def free_ports(count: int) -> int:
+    """A base port with `count` consecutive ports free on 127.0.0.1."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base + count > 65535:
+            continue
+        try:
+            held = []
+            for port in range(base, base + count):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+    raise RuntimeError("no consecutive free ports")
+
+
+def server_url() -> str:
+    """DATABASE_URL's server (the tests' PostgreSQL), pointed at this test's own database."""
+    parts = urlsplit(os.environ.get("DATABASE_URL") or "postgres://postgres@127.0.0.1:5432/kcaas")
+    return parts._replace(path=f"/{DATABASE}").geturl()
+
+
+def drop_database() -> None:
+    admin = urlsplit(server_url())._replace(path="/postgres").geturl()
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(DATABASE)))
+
+
+@pytest.fixture
+def cluster_services():
+    """A fresh database (cluster.py creates it) and empty Redis dbs; both cleaned up afterwards."""
+    redis_base = urlsplit(os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/0")._replace(path="").geturl()
+    clients = [redis.Redis.from_url(f"{redis_base}/{db}") for db in REDIS_DBS]
+    drop_database()
+    for client in clients:
+        client.flushdb()
+    yield {"DATABASE_URL": server_url(), "REDIS_URL": f"{redis_base}/{REDIS_DBS[0]}",
+           "CELERY_BROKER_URL": f"{redis_base}/{REDIS_DBS[1]}"}  # fmt: skip
+    for client in clients:
+        client.flushdb()
+        client.close()
+    drop_database()
+
+
+def staff_get(url: str, password: str) -> dict:
+    auth = base64.b64encode(f"admin:{password}".encode()).decode()
+    request = urllib.request.Request(url, headers={"Authorization": f"Basic {auth}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def wait_for(predicate, *, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.25)
+
+
+def round_trip(client: kcaas.Client, cache, ca_file: str, seed: int) -> None:
+    """Put 48 tokens of KV through the cache's TLS endpoint, get them back: the same bytes."""
+    tls = ssl.create_default_context(cafile=ca_file)
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 1000, (48,), generator=generator)
+    kv = torch.randn(SPEC.num_layers, 2, 48, SPEC.num_kv_heads, SPEC.head_dim, generator=generator).half()
+    with DataPlaneClient(cache.endpoint, TokenSource(client, cache.id), cache.id, SPEC, ssl_context=tls,
+                         timeout=10.0) as dp:  # fmt: skip
+        assert dp.put(tokens, kv)["num_cached"] == 48
+        assert dp.lookup(tokens) == 48
+        n, back = dp.get(tokens)
+        assert n == 48 and back.dtype == torch.float16
+        assert back.contiguous().view(torch.uint8).numpy().tobytes() == kv.view(torch.uint8).numpy().tobytes()
+
+
+def test_make_cluster_places_on_two_nodes_sees_one_lost_and_stops_cleanly(tmp_path, cluster_services):
+    started = time.monotonic()
+    port, node_port, metrics_port = free_ports(1), free_ports(2), free_ports(2)
+    env = {k: v for k, v in os.environ.items() if k not in {"DJANGO_SETTINGS_MODULE", "KCAAS_NODE_ENDPOINT"}}
+    env.update(cluster_services)
+    env.update(
+        KCAAS_VAR_DIR=str(tmp_path / "var"), KCAAS_PORT=str(port), KCAAS_NODE_PORT=str(node_port),
+        KCAAS_NODE_METRICS_PORT=str(metrics_port), KCAAS_NODE_DEVICE_BYTES=str(NODE_BYTES),
+        KCAAS_NODE_HEARTBEAT_SECONDS="1", KCAAS_NODE_LEASE_SECONDS=str(LEASE_SECONDS), KCAAS_LEASE_SWEEP_SECONDS="1",
+        LOG_LEVEL="WARNING",
+    )  # fmt: skip
+    stderr = open(tmp_path / "cluster.stderr", "w+")  # a file: a chatty child never blocks on a full pipe
+    cluster = subprocess.Popen([sys.executable, "scripts/cluster.py", "--survive-agent-loss"], cwd=REPO, env=env,
+                               stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)  # fmt: skip
+    output: list[str] = []
+    clients: list[kcaas.Client] = []
+    try:
+        deadline = time.monotonic() + 120
+        while "Ctrl-C stops everything" not in "".join(output):
+            if time.monotonic() > deadline or cluster.poll() is not None:
+                stderr.seek(0)
+                pytest.fail(f"make cluster did not come up: {''.join(output)[-2000:]} {stderr.read()[-3000:]}")
+            output.append(cluster.stdout.readline())
+        banner = "".join(output)
+        threading.Thread(target=lambda: output.extend(cluster.stdout), daemon=True).start()  # keep the pipe drained
+        up_seconds = time.monotonic() - started
+
+        api_key = re.search(r"demo API key\s+(kc_live_\S+)", banner).group(1)
+        password = re.search(r"admin login\s+admin / (\S+)", banner).group(1)
+        ca_file = re.search(r"dev CA: ([^)\s]+)\)", banner).group(1)
+        nodes = dict(re.findall(r"node (local-cpu\S*)\s+(\S+) \(TLS 1.3 data plane\)", banner))
+        assert nodes == {"local-cpu": f"127.0.0.1:{node_port}", "local-cpu-2": f"127.0.0.1:{node_port + 1}"}
+        assert f"http://127.0.0.1:{metrics_port + 1}/metrics" in banner
+        pids = {name: int(pid) for name, pid in re.findall(r"(\S+)=(\d+)", banner.split("processes", 1)[1])}
+        assert set(pids) == {"web", "worker", "beat", "agent-1", "agent-2"}
+        for index in (0, 1):
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port + index}/metrics", timeout=5) as metrics:
+                assert metrics.status == 200
+
+        # two caches that each take more than half a node: best fit must use both nodes
+        client = kcaas.Client(f"http://127.0.0.1:{port}", api_key)
+        clients.append(client)
+        first = client.attach("first", SPEC, {"device": CACHE_BYTES}, timeout=60)
+        second = client.attach("second", SPEC, {"device": CACHE_BYTES}, timeout=60)
+        assert first.is_ready and second.is_ready
+        assert {first.endpoint, second.endpoint} == set(nodes.values())
+        assert first.node_id != second.node_id
+        round_trip(client, first, ca_file, seed=1)
+        round_trip(client, second, ca_file, seed=2)
+
+        # SIGKILL the agent holding the second cache: its node is marked lost, its cache failed (node_lost)
+        victim = "agent-1" if second.endpoint == nodes["local-cpu"] else "agent-2"
+        os.kill(pids[victim], signal.SIGKILL)
+        killed = time.monotonic()
+        lost = wait_for(lambda: (c := client.get_cache(second.id)).state == "failed" and c, timeout=LEASE_SECONDS + 20,
+                        what="the cache on the killed node to fail")  # fmt: skip
+        lost_seconds = time.monotonic() - killed
+        assert lost.failure_reason == "node_lost"
+        node = staff_get(f"http://127.0.0.1:{port}/api/v1/admin/nodes/{second.node_id}", password)
+        assert node["state"] == "lost" and node["reserved"]["device"] == 0
+        survivor = staff_get(f"http://127.0.0.1:{port}/api/v1/admin/nodes/{first.node_id}", password)
+        assert survivor["state"] == "ready"
+        assert client.get_cache(first.id).is_ready
+        round_trip(client, first, ca_file, seed=3)  # the other node still serves
+        assert cluster.poll() is None  # --survive-agent-loss: one agent's death does not stop the cluster
+
+        # Ctrl-C stops every child
+        cluster.send_signal(signal.SIGINT)
+        assert cluster.wait(timeout=60) == 0
+        time.sleep(0.5)  # let the output thread read to the end
+        assert "stopped" in "".join(output)
+        for name, pid in pids.items():
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)  # gone (and reaped: a zombie would still answer)
+        print(f"cluster up in {up_seconds:.1f} s; node lost seen {lost_seconds:.1f} s after SIGKILL; "
+              f"whole test {time.monotonic() - started:.1f} s")  # fmt: skip
+    finally:
+        for client in clients:
+            client.close()
+        if cluster.poll() is None:
+            os.killpg(cluster.pid, signal.SIGKILL)
+            cluster.wait()
+        stderr.close()
+    leftovers = subprocess.run(["pgrep", "-s", str(cluster.pid)], capture_output=True, text=True).stdout.split()
+    assert leftovers == []  # no child of make cluster outlives it
