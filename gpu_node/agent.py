@@ -5,9 +5,14 @@ heartbeat, and consumes its own Celery queue in process (the pool that holds the
 
 Lifecycle as explicit steps: `start()` = registry -> register -> Celery worker -> heartbeat; `stop()` undoes them
 in reverse order, logging (not raising) errors. SIGTERM/SIGINT handlers only set a flag; the main thread sees it
-and stops: the worker finishes the task in hand (acks_late: one interrupted mid-way is redelivered), the heartbeat
-stops, the process exits 0. The data-plane server (gpu_node/dataplane.py) is the last start step and the first
-stop step; it runs when TLS files (KCAAS_NODE_TLS_CERT/KCAAS_NODE_TLS_KEY) or a Unix socket (KCAAS_NODE_UDS) are set.
+and stops: the data plane drains (accepts nothing new, answers every request that has started arriving, closes idle
+connections; at most KCAAS_NODE_DRAIN_SECONDS), the heartbeat stops after one last report of what the node holds,
+the worker finishes the task in hand (acks_late: one interrupted mid-way is redelivered), the process exits 0.
+The data-plane server (gpu_node/dataplane.py) is the last start step and the first stop step; it runs when TLS files
+(KCAAS_NODE_TLS_CERT/KCAAS_NODE_TLS_KEY) or a Unix socket (KCAAS_NODE_UDS) are set.
+
+Revoked data tokens: one RevocationList per agent, read by the data plane's TokenVerifier and fed by the
+`revoke_tokens` task and by every register and heartbeat answer (`revoked_tokens`).
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from gpu_node.admission import TenantLimits
 from gpu_node.metrics import NodeMetrics
 from gpu_node.node_tasks import build_node_app
 from gpu_node.registry import CacheRegistry
+from gpu_node.tokens import RevocationList
 from kcaas.node_messages import node_queue
 
 logger = logging.getLogger("kcaas.node.agent")
@@ -48,6 +55,8 @@ class AgentConfig:
     listen: str | None = None  # host:port the data plane binds (default: endpoint)
     uds_path: str | None = None  # a Unix socket for engines on this host (same token auth, no TLS)
     token_issuer: str = "kcaas-control-plane"  # the `iss` of data tokens (the control plane's KCAAS_TOKEN_ISSUER)
+    drain_seconds: float = 20.0  # SIGTERM: how long in-flight data-plane requests may take to finish
+    tenant_limits: TenantLimits = TenantLimits()  # per-tenant data-plane connections / requests / staged bytes
 
     @classmethod
     def from_env(cls, environ=os.environ) -> AgentConfig:
@@ -73,6 +82,12 @@ class AgentConfig:
             listen=environ.get("KCAAS_NODE_LISTEN") or None,
             uds_path=environ.get("KCAAS_NODE_UDS") or None,
             token_issuer=environ.get("KCAAS_TOKEN_ISSUER") or "kcaas-control-plane",
+            drain_seconds=float(environ.get("KCAAS_NODE_DRAIN_SECONDS") or 20.0),
+            tenant_limits=TenantLimits(
+                max_connections=int(environ.get("KCAAS_NODE_TENANT_MAX_CONNECTIONS") or 64),
+                max_inflight_requests=int(environ.get("KCAAS_NODE_TENANT_MAX_REQUESTS") or 8),
+                max_inflight_bytes=int(environ.get("KCAAS_NODE_TENANT_MAX_INFLIGHT_BYTES") or 1 << 30),
+            ),
         )
 
     @property
@@ -166,6 +181,7 @@ class NodeAgent:
         self.metrics: NodeMetrics | None = None
         self._metrics_server = None
         self.dataplane = None  # gpu_node.dataplane.DataPlaneServer once started
+        self.revocations = RevocationList()
 
     # ---- steps ----------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -187,6 +203,7 @@ class NodeAgent:
         steps = (
             ("data plane", self._stop_dataplane),
             ("heartbeat", self._stop_heartbeat),
+            ("last report", self._report_once),
             ("worker", self._stop_worker),
             ("metrics", self._stop_metrics),
         )
@@ -203,16 +220,25 @@ class NodeAgent:
             endpoint=self.config.endpoint, capacity=self.config.capacity, caches=self.registry.cache_ids()
         )
         self.node_id = registration["node"]["id"]
+        self.revocations.update(registration.get("revoked_tokens"))
         return registration
 
     def send_heartbeat(self) -> dict:
-        return self.control.heartbeat(capacity=self.config.capacity, resident=self.registry.resident_snapshot())
+        answer = self.control.heartbeat(capacity=self.config.capacity, resident=self.registry.resident_snapshot())
+        self.revocations.update(answer.get("revoked_tokens"))
+        return answer
+
+    def _report_once(self) -> None:
+        """The last heartbeat before exiting: the control plane sees what the node held when it stopped serving."""
+        if self._heartbeat is not None:
+            self._heartbeat.tick()
 
     # ---- the in-process Celery worker -------------------------------------------------------------------------------
     def _start_worker(self) -> None:
         app = build_node_app(
             broker_url=self.config.broker_url, node_id=self.node_id, endpoint=self.config.endpoint,
             registry=self.registry, transport_options=self.config.broker_transport_options,
+            revocations=self.revocations,
         )
         # A bare WorkController (not the `celery worker` program): no signal handlers of its own (they belong to
         # the main thread), a solo pool so tasks run in this process next to the pools they act on.
@@ -248,17 +274,23 @@ class NodeAgent:
             return
         from gpu_node.dataplane import DataPlaneServer, TokenVerifier, server_tls_context
 
-        verifier = TokenVerifier(self.control.jwks(), issuer=config.token_issuer, fetch_jwks=self.control.jwks)
+        verifier = TokenVerifier(self.control.jwks(), issuer=config.token_issuer, fetch_jwks=self.control.jwks,
+                                 revocations=self.revocations)  # fmt: skip
         host = port = None
         if tls:
             host, _, port_text = (config.listen or config.endpoint).rpartition(":")
             host, port = host.strip("[]") or "0.0.0.0", int(port_text)
         context = server_tls_context(config.tls_cert_file, config.tls_key_file) if tls else None
         self.dataplane = DataPlaneServer(self.registry, self.node_id, verifier, context, host, port or 0,
-                                         uds_path=config.uds_path, metrics=self.metrics).start()
+                                         uds_path=config.uds_path, metrics=self.metrics,
+                                         tenant_limits=config.tenant_limits).start()  # fmt: skip
 
     def _stop_dataplane(self) -> None:
         if self.dataplane is not None:
+            still_busy = self.dataplane.drain(self.config.drain_seconds)
+            if still_busy:
+                logger.warning("%d data-plane requests did not finish within %s s; cutting them", still_busy,
+                               self.config.drain_seconds)  # fmt: skip
             self.dataplane.stop()
 
     def _stop_metrics(self) -> None:

@@ -73,7 +73,7 @@ class NodeMetrics:
             "kcaas_dataplane_auth_failures", "Refused data tokens", ["reason"], registry=self.registry
         )
         self.overloaded = Counter(
-            "kcaas_dataplane_overloaded", "Requests refused by a per-tenant admission limit", ["limit"],
+            "kcaas_dataplane_overloaded", "Requests refused by an admission limit (connections, requests or bytes in flight)", ["limit"],
             registry=self.registry,
         )
 

@@ -16,12 +16,16 @@ import logging
 from celery import Celery
 
 from gpu_node.registry import CacheRegistry, ProvisionError
+from gpu_node.tokens import RevocationList
 from kcaas.node_messages import (
     CONTROL_QUEUE,
     DETACH_RESULT_TASK,
     DETACH_TASK,
     PROVISION_RESULT_TASK,
     PROVISION_TASK,
+    PURGE_RESULT_TASK,
+    PURGE_TENANT_TASK,
+    REVOKE_TOKENS_TASK,
 )
 from kcaas.spec import KVCacheSpec, SpecError
 
@@ -29,14 +33,16 @@ logger = logging.getLogger("kcaas.node")
 HASH_KEY_BYTES = 32
 
 
-def provision(registry: CacheRegistry, cache_id: str, spec: dict, capacity: dict, hash_key_b64: str, epoch: int):
+def provision(registry: CacheRegistry, cache_id: str, spec: dict, capacity: dict, hash_key_b64: str, epoch: int,
+              tenant_id: str = ""):  # fmt: skip
     """(ok, reason) for one provisioning request; never raises for a bad request (it is answered as failed)."""
     try:
         layout = KVCacheSpec.from_dict(spec)
         hash_key = base64.b64decode(hash_key_b64, validate=True)
         if len(hash_key) != HASH_KEY_BYTES:
             return False, "invalid_hash_key"
-        registry.provision(cache_id=cache_id, spec=layout, capacity=capacity, hash_key=hash_key, epoch=int(epoch))
+        registry.provision(cache_id=cache_id, spec=layout, capacity=capacity, hash_key=hash_key, epoch=int(epoch),
+                           tenant_id=tenant_id)  # fmt: skip
     except SpecError:
         return False, "invalid_spec"
     except (binascii.Error, ValueError, TypeError):
@@ -50,9 +56,11 @@ def provision(registry: CacheRegistry, cache_id: str, spec: dict, capacity: dict
 
 
 def build_node_app(
-    *, broker_url: str, node_id: str, endpoint: str, registry: CacheRegistry, transport_options: dict | None = None
+    *, broker_url: str, node_id: str, endpoint: str, registry: CacheRegistry, transport_options: dict | None = None,
+    revocations: RevocationList | None = None,
 ) -> Celery:
-    """A Celery app whose two tasks act on `registry` and answer on the control queue as node `node_id`."""
+    """A Celery app whose tasks act on `registry` (and `revocations`, the list the data plane's TokenVerifier
+    reads) and answer on the control queue as node `node_id`."""
     # fixups=[]: never Celery's Django fixup, even when DJANGO_SETTINGS_MODULE happens to be set (the node agent
     # never imports Django).
     app = Celery(f"kcaas-node-{node_id}", broker=broker_url, fixups=[])
@@ -72,8 +80,9 @@ def build_node_app(
         app.send_task(task_name, args=args, queue=CONTROL_QUEUE)
 
     @app.task(name=PROVISION_TASK, shared=False)  # tasks of this app only (several agents may share a process in tests)
-    def provision_cache(cache_id: str, spec: dict, capacity: dict, hash_key_b64: str, epoch: int) -> bool:
-        ok, reason = provision(registry, cache_id, spec, capacity, hash_key_b64, epoch)
+    def provision_cache(cache_id: str, spec: dict, capacity: dict, hash_key_b64: str, epoch: int,
+                        tenant_id: str = "") -> bool:  # fmt: skip
+        ok, reason = provision(registry, cache_id, spec, capacity, hash_key_b64, epoch, tenant_id)
         answer(PROVISION_RESULT_TASK, [cache_id, node_id, ok, reason, endpoint if ok else ""])
         return ok
 
@@ -82,5 +91,16 @@ def build_node_app(
         detached = registry.detach(cache_id=cache_id, epoch=int(epoch))
         answer(DETACH_RESULT_TASK, [cache_id, node_id])
         return detached
+
+    @app.task(name=REVOKE_TOKENS_TASK, shared=False)
+    def revoke_tokens(entries: list) -> int:
+        return revocations.update(entries) if revocations is not None else 0
+
+    @app.task(name=PURGE_TENANT_TASK, shared=False)
+    def purge_tenant(tenant_id: str, job_id: str) -> int:
+        purged = registry.purge_tenant(str(tenant_id))
+        logger.info("purged %d caches of a tenant (job %s)", len(purged), job_id)
+        answer(PURGE_RESULT_TASK, [job_id, node_id, str(tenant_id), purged])
+        return len(purged)
 
     return app

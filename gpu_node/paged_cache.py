@@ -336,6 +336,17 @@ class PagedKVCache:
         with self._lock:
             return self._blocks.uncache(list(self._blocks.children(self._hasher.root)))
 
+    def wipe(self) -> int:
+        """Forget every block and overwrite the whole pool (and scales) with zeros: nothing of the cache's KV stays
+        in this memory once it is handed back (erasure). Returns the bytes that were resident."""
+        with self._lock:
+            resident = self._blocks.num_used_blocks * self.spec.block_bytes
+            self._blocks.uncache(list(self._blocks.children(self._hasher.root)))
+            self.pool.zero_()
+            if self.scales is not None:
+                self.scales.zero_()
+            return resident
+
     # ---- accounting ---------------------------------------------------------------------------------------------
     def stats(self) -> CacheStats:
         with self._lock:

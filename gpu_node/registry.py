@@ -39,6 +39,7 @@ class HostedCache:
     spec: KVCacheSpec
     capacity: dict[str, int]
     engine: PagedKVCache
+    tenant_id: str = ""  # whose cache it is ("" from a control plane that did not say): purge_tenant's key
 
 
 class CacheRegistry:
@@ -50,7 +51,8 @@ class CacheRegistry:
         self._reserved_in_flight = 0
 
     def provision(
-        self, *, cache_id: str, spec: KVCacheSpec, capacity: dict[str, int], hash_key: bytes, epoch: int
+        self, *, cache_id: str, spec: KVCacheSpec, capacity: dict[str, int], hash_key: bytes, epoch: int,
+        tenant_id: str = "",
     ) -> HostedCache:
         device_bytes = int(capacity.get("device", 0))
         if device_bytes < spec.block_bytes:
@@ -68,7 +70,8 @@ class CacheRegistry:
         finally:
             with self._lock:
                 self._reserved_in_flight -= device_bytes
-        hosted = HostedCache(cache_id, epoch, spec, {t: int(capacity.get(t, 0)) for t in TIERS}, engine)
+        hosted = HostedCache(cache_id, epoch, spec, {t: int(capacity.get(t, 0)) for t in TIERS}, engine,
+                             str(tenant_id or ""))
         with self._lock:
             current = self._caches.get(cache_id)
             if current is not None and current.epoch >= epoch:
@@ -84,6 +87,17 @@ class CacheRegistry:
                 return False
             del self._caches[cache_id]
             return True
+
+    def purge_tenant(self, tenant_id: str) -> list[dict]:
+        """Stop hosting every cache of the tenant, whatever its epoch, and wipe its pool (zeros): erasure.
+        Returns [{"cache_id", "freed_bytes"}] (the bytes that were resident). Idempotent: a second call frees 0."""
+        if not tenant_id:
+            return []
+        with self._lock:
+            purged = [h for h in self._caches.values() if h.tenant_id == str(tenant_id)]
+            for hosted in purged:
+                del self._caches[hosted.cache_id]
+        return [{"cache_id": h.cache_id, "freed_bytes": h.engine.wipe()} for h in sorted(purged, key=lambda h: h.cache_id)]
 
     def get(self, cache_id: str) -> HostedCache | None:
         with self._lock:

@@ -568,6 +568,13 @@ class Client:
         path = f"{API_PREFIX}/caches/{_segment(cache_id)}/tokens"
         return DataToken.from_json(self._request("POST", path, json_body=body).body)
 
+    def revoke_token(self, cache_id: str, jti: str | None = None) -> int:
+        """Revoke one data token of the cache (`jti`), or all its outstanding ones; the node refuses them at once
+        (at the latest at its next heartbeat), also on open connections. Idempotent; returns how many were revoked."""
+        tail = f"/{_segment(jti)}/revoke" if jti is not None else "/revoke"
+        path = f"{API_PREFIX}/caches/{_segment(cache_id)}/tokens{tail}"
+        return int(self._request("POST", path, json_body={}).body["revoked"])
+
     # -- API keys -------------------------------------------------------------------------------------------------
 
     def list_keys(self) -> list[ApiKeyInfo]:

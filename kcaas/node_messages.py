@@ -3,16 +3,23 @@ torch-free, Django-free module both sides import, so they cannot drift apart.
 
 control -> node, on the node's own queue `node.<node id>`:
     provision_cache(cache_id: str, spec: dict (KVCacheSpec fields), capacity: {"device","dram","ssd": bytes},
-                    hash_key_b64: str (32 bytes), epoch: int)
+                    hash_key_b64: str (32 bytes), epoch: int, tenant_id: str = "")
     detach_cache(cache_id: str, epoch: int)
+    revoke_tokens(entries: [{"jti": str, "exp": int unix seconds}])   (no answer: idempotent, and the same list
+                    comes back in every register/heartbeat answer as `revoked_tokens`)
+    purge_tenant(tenant_id: str, job_id: str)   (erasure: drop and zero every cache of the tenant, any epoch)
 node -> control, on the `control` queue:
     provision_result(cache_id: str, node_id: str, ok: bool, reason: str, endpoint: str)
     detach_result(cache_id: str, node_id: str)
+    purge_result(job_id: str, node_id: str, tenant_id: str, purged: [{"cache_id": str, "freed_bytes": int}])
 """
 
 CONTROL_QUEUE = "control"
 PROVISION_TASK = "kcaas.node.provision_cache"
 DETACH_TASK = "kcaas.node.detach_cache"
+REVOKE_TOKENS_TASK = "kcaas.node.revoke_tokens"
+PURGE_TENANT_TASK = "kcaas.node.purge_tenant"
+PURGE_RESULT_TASK = "privacy.purge_result"
 PROVISION_RESULT_TASK = "caches.provision_result"
 DETACH_RESULT_TASK = "caches.detach_result"
 

@@ -318,6 +318,66 @@ class DataTokenIssueApi(APIView):
         return Response(self.OutputSerializer(body).data, status=status.HTTP_201_CREATED)
 
 
+class DataTokenRevokePermission(BasePermission):
+    """Revoking data tokens needs caches:write (a read-only key cannot cut off its tenant's writers); staff pass
+    (incident response for any tenant)."""
+
+    def has_permission(self, request, view) -> bool:
+        user = request.user
+        if is_staff_user(user):
+            return True
+        if not isinstance(user, TenantPrincipal):
+            return False
+        if not user.has_scope("caches", "write"):
+            raise _missing_scope("caches:write")
+        return True
+
+
+@extend_schema_serializer(component_name="DataTokensRevoked")
+class DataTokensRevokedSerializer(serializers.Serializer):
+    revoked = serializers.IntegerField(help_text="Tokens revoked by this call (0 when already revoked or expired).")
+
+
+_REVOKE_DESCRIPTION = (
+    "The cache's node refuses revoked tokens on new HELLOs and on connections already opened with them, from the "
+    "moment the control plane's push reaches it (at the latest its next heartbeat). Idempotent."
+)
+
+
+class DataTokenRevokeApi(APIView):
+    permission_classes = [DataTokenRevokePermission]
+
+    @extend_schema(
+        operation_id="caches_tokens_revoke",
+        tags=["caches"],
+        request=None,
+        parameters=RATE_LIMIT_HEADERS,
+        responses={200: DataTokensRevokedSerializer, **error_responses(*AUTH_ERRORS, 404)},
+        summary="Revoke one data token of the cache",
+        description=_REVOKE_DESCRIPTION + " 404 for a jti that is not a token of this cache.",
+    )
+    def post(self, request, cache_id, jti):
+        revoked = services.data_tokens_revoke(cache_id=cache_id, tenant_id=_tenant_scope(request, None), jti=jti)
+        return Response(DataTokensRevokedSerializer({"revoked": revoked}).data)
+
+
+class DataTokensRevokeAllApi(APIView):
+    permission_classes = [DataTokenRevokePermission]
+
+    @extend_schema(
+        operation_id="caches_tokens_revoke_all",
+        tags=["caches"],
+        request=None,
+        parameters=RATE_LIMIT_HEADERS,
+        responses={200: DataTokensRevokedSerializer, **error_responses(*AUTH_ERRORS, 404)},
+        summary="Revoke every outstanding data token of the cache",
+        description=_REVOKE_DESCRIPTION,
+    )
+    def post(self, request, cache_id):
+        revoked = services.data_tokens_revoke(cache_id=cache_id, tenant_id=_tenant_scope(request, None))
+        return Response(DataTokensRevokedSerializer({"revoked": revoked}).data)
+
+
 # ---- usage ----------------------------------------------------------------------------------------------------------
 
 

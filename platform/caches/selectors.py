@@ -108,3 +108,18 @@ def caches_on_node(*, node_id: uuid.UUID) -> list[dict]:
         {"cache_id": str(c.id), "epoch": c.epoch, "state": c.state, "capacity": c.capacity()}
         for c in caches.order_by("id")
     ]
+
+
+MAX_REVOKED_LISTED = 100_000  # per node answer; bounded anyway by the outstanding-token quotas of its tenants
+
+
+def data_tokens_revoked_on_node(*, node_id: uuid.UUID, now=None) -> list[dict]:
+    """Revoked, not yet expired tokens of the caches placed on a node: [{"jti", "exp"}] (exp in unix seconds),
+    answered with every register and heartbeat so a node that missed a push, or restarted, refuses them too."""
+    now = now or timezone.now()
+    rows = (
+        DataToken.objects.filter(cache__node_id=node_id, revoked_at__isnull=False, expires_at__gt=now)
+        .order_by("expires_at")
+        .values_list("jti", "expires_at")[:MAX_REVOKED_LISTED]
+    )
+    return [{"jti": str(jti), "exp": int(expires_at.timestamp())} for jti, expires_at in rows]

@@ -38,7 +38,7 @@ from tenants.models import Tenant
 from tenants.selectors import quota_limits
 from tenants.services import tenant_lock
 from tenants.ids import as_uuid
-from kcaas.node_messages import DETACH_TASK, PROVISION_TASK
+from kcaas.node_messages import DETACH_TASK, PROVISION_TASK, REVOKE_TOKENS_TASK
 
 logger = logging.getLogger("kcaas.caches")
 
@@ -151,7 +151,8 @@ def _provision(cache: Cache) -> None:
     _send_to_node(
         PROVISION_TASK,
         cache.node_id,
-        [str(cache.pk), cache.spec_dict(), cache.capacity(), base64.b64encode(hash_key).decode(), cache.epoch],
+        [str(cache.pk), cache.spec_dict(), cache.capacity(), base64.b64encode(hash_key).decode(), cache.epoch,
+         str(cache.tenant_id)],  # fmt: skip
     )
     cache.state = CacheState.PROVISIONING
     cache.save(update_fields=["state", "updated_at"])
@@ -195,8 +196,37 @@ def _release(cache: Cache) -> None:
         node_unreserve(node_id=cache.node_id, capacity=cache.capacity())
 
 
-def _revoke_tokens(cache: Cache, now: datetime) -> None:
-    DataToken.objects.filter(cache=cache, revoked_at__isnull=True, expires_at__gt=now).update(revoked_at=now)
+def _revoke_tokens(cache: Cache, now: datetime, *, jti: uuid.UUID | None = None) -> int:
+    """Revoke the cache's outstanding tokens (or the one `jti`) and tell its node on commit. Returns how many.
+    The node also learns them from its next register/heartbeat answer (selectors.data_tokens_revoked_on_node)."""
+    tokens = DataToken.objects.filter(cache=cache, revoked_at__isnull=True, expires_at__gt=now)
+    if jti is not None:
+        tokens = tokens.filter(jti=jti)
+    revoked = list(tokens.values_list("jti", "expires_at"))
+    if not revoked:
+        return 0
+    DataToken.objects.filter(jti__in=[j for j, _ in revoked]).update(revoked_at=now)
+    if cache.node_id is not None:
+        entries = [{"jti": str(j), "exp": int(expires_at.timestamp())} for j, expires_at in revoked]
+        _send_to_node(REVOKE_TOKENS_TASK, cache.node_id, [entries])
+    return len(revoked)
+
+
+@transaction.atomic
+def data_tokens_revoke(*, cache_id, tenant_id: uuid.UUID | None, jti=None) -> int:
+    """Revoke one data token of the cache (`jti`) or all its outstanding ones; idempotent (an already revoked or
+    expired token counts 0). The cache's node refuses them from the moment the push arrives (at the latest its
+    next heartbeat), on new HELLOs and on connections already authenticated with them.
+    404 for another tenant's cache, or a jti that is not a token of this cache (tenant_id None: staff)."""
+    cache = _lock_cache(cache_id, tenant_id=tenant_id)
+    if cache is None:
+        raise NotFoundError("No such cache.")
+    wanted = None
+    if jti is not None:
+        wanted = as_uuid(jti)
+        if wanted is None or not DataToken.objects.filter(cache=cache, jti=wanted).exists():
+            raise NotFoundError("No such data token for this cache.")
+    return _revoke_tokens(cache, timezone.now(), jti=wanted)
 
 
 @transaction.atomic

@@ -6,5 +6,8 @@ urlpatterns = [
     path("caches", apis.CacheListAttachApi.as_view(), name="caches"),
     path("caches/<uuid:cache_id>", apis.CacheDetailDetachApi.as_view(), name="cache"),
     path("caches/<uuid:cache_id>/tokens", apis.DataTokenIssueApi.as_view(), name="cache-tokens"),
+    path("caches/<uuid:cache_id>/tokens/revoke", apis.DataTokensRevokeAllApi.as_view(), name="cache-tokens-revoke"),
+    path("caches/<uuid:cache_id>/tokens/<uuid:jti>/revoke", apis.DataTokenRevokeApi.as_view(),
+         name="cache-token-revoke"),
     path("usage", apis.UsageApi.as_view(), name="usage"),
 ]

@@ -174,6 +174,9 @@ KCAAS_NODE_LEASE_SECONDS = env_int("KCAAS_NODE_LEASE_SECONDS", 40)  # Kubernetes
 # should host. fleet sits below caches and cannot import it: the project wires the upper room in here (as Django
 # wires AUTH_USER_MODEL), so the layering holds.
 KCAAS_NODE_REGISTER_RECONCILER = "caches.services.caches_reconcile_node"
+# The unexpired revoked data tokens of a node's caches, answered to its register and heartbeat calls (fleet cannot
+# import caches: the hook names the selector).
+KCAAS_NODE_REVOKED_TOKENS = "caches.selectors.data_tokens_revoked_on_node"
 KCAAS_IDEMPOTENCY_TTL_SECONDS = env_int("KCAAS_IDEMPOTENCY_TTL_SECONDS", 24 * 3600)
 # GCRA burst: a tenant may send this many seconds' worth of its rate at once.
 KCAAS_RATE_LIMIT_BURST_SECONDS = float(os.environ.get("KCAAS_RATE_LIMIT_BURST_SECONDS", "1"))

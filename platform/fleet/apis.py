@@ -42,6 +42,15 @@ def _validate_endpoint(value: str) -> str:
 # ---- node agents ----------------------------------------------------------------------------------------------------
 
 
+@extend_schema_serializer(component_name="RevokedToken")
+class RevokedTokenSerializer(serializers.Serializer):
+    """A data token revoked before its expiry: the node refuses it until `exp` (unix seconds) has passed."""
+
+    jti = serializers.CharField()
+    exp = serializers.IntegerField()
+
+
+
 class _NodeApi(APIView):
     authentication_classes = [NodeCredentialAuthentication]
     parser_classes = [JSONParser]
@@ -71,6 +80,7 @@ class NodeRegisterApi(_NodeApi):
             help_text="caches the control plane believes this node hosts (cache_id, epoch, state, capacity); those "
             "the agent no longer holds are being provisioned again (state provisioning)",
         )
+        revoked_tokens = RevokedTokenSerializer(many=True)
 
     @extend_schema(
         operation_id="nodes_register",
@@ -91,6 +101,7 @@ class NodeRegisterApi(_NodeApi):
             "caches": import_string(settings.KCAAS_NODE_REGISTER_RECONCILER)(
                 node_id=registration.node.pk, held_cache_ids=data.get("caches", [])
             ),
+            "revoked_tokens": _revoked_tokens(registration.node.pk),
         }
         return Response(self.OutputSerializer(body).data)
 
@@ -112,6 +123,7 @@ class NodeHeartbeatApi(_NodeApi):
         state = serializers.ChoiceField(choices=NodeState.choices)
         lease_expires_at = serializers.DateTimeField()
         heartbeat_interval_seconds = serializers.IntegerField()
+        revoked_tokens = RevokedTokenSerializer(many=True)
 
     @extend_schema(
         operation_id="nodes_heartbeat",
@@ -130,8 +142,13 @@ class NodeHeartbeatApi(_NodeApi):
             "state": node.state,
             "lease_expires_at": node.lease_expires_at,
             "heartbeat_interval_seconds": settings.KCAAS_NODE_HEARTBEAT_SECONDS,
+            "revoked_tokens": _revoked_tokens(node.pk),
         }
         return Response(self.OutputSerializer(body).data)
+
+
+def _revoked_tokens(node_id) -> list[dict]:
+    return import_string(settings.KCAAS_NODE_REVOKED_TOKENS)(node_id=node_id)
 
 
 def _validated(serializer_class, data) -> dict:

@@ -45,9 +45,9 @@ def _answer(task_name: str, args: list) -> None:
 
 
 @node_app.task(name="kcaas.node.provision_cache", shared=False)
-def provision_cache(cache_id: str, spec: dict, capacity: dict, hash_key_b64: str, epoch: int) -> None:
+def provision_cache(cache_id: str, spec: dict, capacity: dict, hash_key_b64: str, epoch: int, tenant_id: str = "") -> None:
     with behaviour.lock:
-        behaviour.received.append(("provision_cache", [cache_id, spec, capacity, hash_key_b64, epoch]))
+        behaviour.received.append(("provision_cache", [cache_id, spec, capacity, hash_key_b64, epoch, tenant_id]))
         fail_reason = behaviour.fail_reason
     # What a real agent checks before allocating: a valid layout and a 32-byte key.
     layout = KVCacheSpec.from_dict(spec)

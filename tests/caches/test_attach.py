@@ -121,8 +121,8 @@ def test_provisioning_is_sent_to_the_nodes_queue_on_commit(tenant_a, node, djang
     finally:
         purge_node_queue(node.pk)
     assert message.headers["task"] == "kcaas.node.provision_cache"
-    (cache_id, spec, capacity, hash_key_b64, epoch), kwargs, _ = message.decode()
-    assert cache_id == str(cache.pk) and spec == SPEC and epoch == 1
+    (cache_id, spec, capacity, hash_key_b64, epoch, tenant_id), kwargs, _ = message.decode()
+    assert cache_id == str(cache.pk) and spec == SPEC and epoch == 1 and tenant_id == str(cache.tenant_id)
     assert capacity == {"device": 64 * BLOCK_BYTES, "dram": 0, "ssd": 0}
     assert base64.b64decode(hash_key_b64) == hash_key_unseal(cache_id=cache.pk, sealed=cache.hash_key_sealed)
 

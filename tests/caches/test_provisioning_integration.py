@@ -54,9 +54,9 @@ def test_attach_provision_ready_then_detach(tenant_a, node, workers):
 
     ready = wait_for_state(tenant_a.client, cache_id, "ready")
     assert ready["endpoint"] == node.endpoint and ready["node_id"] == str(node.pk)
-    (name, (sent_id, spec, capacity, hash_key_b64, epoch)), = workers.received
+    (name, (sent_id, spec, capacity, hash_key_b64, epoch, tenant_id)), = workers.received
     cache = Cache.objects.get(pk=cache_id)
-    assert (name, sent_id, spec, epoch) == ("provision_cache", cache_id, SPEC, 1)
+    assert (name, sent_id, spec, epoch, tenant_id) == ("provision_cache", cache_id, SPEC, 1, str(cache.tenant_id))
     assert capacity == cache.capacity()
     assert base64.b64decode(hash_key_b64) == hash_key_unseal(cache_id=cache.pk, sealed=cache.hash_key_sealed)
     assert tenant_a.client.post(f"/api/v1/caches/{cache_id}/tokens", {}, format="json").status_code == 201

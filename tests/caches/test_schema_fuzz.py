@@ -31,6 +31,8 @@ def test_caches_endpoints_conform_to_the_schema(wsgi_app, make_tenant, make_node
         "caches_list",
         "caches_retrieve",
         "caches_tokens_create",
+        "caches_tokens_revoke",
+        "caches_tokens_revoke_all",
         "jwks",
     ]
     for operation in operations:

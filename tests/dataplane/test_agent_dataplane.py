@@ -70,3 +70,43 @@ def test_data_plane_metrics(registry, verifier, pki, make_token, client_ctx, spe
     assert value("kcaas_dataplane_request_seconds_count", {"op": "put"}) == 1
     assert value("kcaas_dataplane_request_seconds_count", {"op": "get"}) == 1
     assert value("kcaas_dataplane_auth_failures_total", {"reason": "token_expired"}) == 1
+
+
+class RevokingControl(FakeControl):
+    """Answers heartbeats the way the control plane does once a token was revoked (fleet's revoked_tokens)."""
+
+    def __init__(self, jwks, revoked: list[dict]):
+        super().__init__(jwks)
+        self.revoked = revoked
+
+    def heartbeat(self, *, capacity, resident):
+        return {"state": "ready", "revoked_tokens": self.revoked}
+
+
+def test_a_heartbeat_answer_revokes_tokens_on_open_connections(pki, jwks, registry, make_token, client_ctx, spec):
+    import time
+    import uuid
+
+    import pytest
+
+    from kcaas.dataplane import DataPlaneError
+
+    jti = str(uuid.uuid4())
+    control = RevokingControl(jwks, [{"jti": jti, "exp": int(time.time()) + 300}])
+    config = AgentConfig(control_url="http://unused", credential="x", broker_url="memory://", endpoint="127.0.0.1:0",
+                         device_capacity_bytes=1 << 20, tls_cert_file=pki["cert"], tls_key_file=pki["key"])  # fmt: skip
+    agent = NodeAgent(config, control=control)
+    agent.registry, agent.node_id = registry, NODE_ID
+    agent._start_dataplane()
+    try:
+        toks = np.arange(8, dtype=np.int32)
+        with DataPlaneClient(agent.dataplane.endpoint, make_token(jti=jti), CACHE_A, spec, ssl_context=client_ctx) as dp:
+            assert dp.lookup(toks) == 0  # authenticated
+            agent.send_heartbeat()
+            with pytest.raises(DataPlaneError) as refused:
+                dp.lookup(toks)  # the same open connection
+            assert refused.value.code == "unauthenticated" and "revoked" in str(refused.value)
+        with DataPlaneClient(agent.dataplane.endpoint, make_token(), CACHE_A, spec, ssl_context=client_ctx) as dp:
+            assert dp.lookup(toks) == 0  # other tokens still work
+    finally:
+        agent.stop()
