@@ -30,8 +30,10 @@ import time
 from datetime import datetime
 from typing import Any, Callable, Sequence
 
+from kcaas.client import Client
 from kcaas.errors import APIConnectionError, KcaasError
 from kcaas.spec import KVCacheSpec, SpecError
+from kcaas.usage import QUOTA_PAIRS
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 EXIT_OK, EXIT_API, EXIT_USAGE, EXIT_CONNECTION, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -248,8 +250,6 @@ def cmd_keys_rotate(client, args, out: _Out) -> None:
 
 
 def cmd_usage(client, args, out: _Out) -> None:
-    from kcaas.usage import QUOTA_PAIRS
-
     usage = client.usage()
 
     def human() -> str:
@@ -377,8 +377,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if not api_key:
             raise UsageError("no API key: set KCAAS_API_KEY or pass --api-key")
-        from kcaas.client import Client
-
         try:
             client = Client(url, api_key)
         except ValueError as exc:
