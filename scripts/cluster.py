@@ -1,9 +1,9 @@
 """`make cluster`: the docker-compose topology as local processes on loopback. PostgreSQL (DATABASE_URL) and Redis
 (REDIS_URL) must answer (the Makefile starts them through scripts/services.sh); the database is created when it does
-not exist. Then scripts/up.py with two node agents (`--agents 2 --require-services`): gunicorn, the control queue's
-Celery worker, Celery beat and two agents, each with its own node credential, TLS 1.3 data-plane port and metrics
-port. Its state lives under var/cluster/ (KCAAS_VAR_DIR). Extra arguments go to up.py (`--agents 3`,
-`--survive-agent-loss`).
+not exist. Then scripts/up.py with `--agents 2 --require-services` (KCAAS_AGENTS changes the count): gunicorn, the
+control queue's Celery worker, Celery beat and two node agents, each with its own node credential, TLS 1.3
+data-plane port and metrics port. Its state lives under var/cluster/ (KCAAS_VAR_DIR). Extra arguments go to up.py
+(`--survive-agent-loss`: an agent that dies is reported and its node marked lost, the rest keep running).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def main(argv: list[str]) -> int:
                          "(the Makefile takes them from scripts/services.sh)")  # fmt: skip
     ensure_database(url)
     os.environ.setdefault("KCAAS_VAR_DIR", str(up.REPO / "var" / "cluster"))  # not make up's SQLite-bound var/
-    return up.main(["--agents", "2", "--require-services", *argv])
+    return up.main(["--agents", os.environ.get("KCAAS_AGENTS") or "2", "--require-services", *argv])
 
 
 if __name__ == "__main__":

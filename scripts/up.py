@@ -15,8 +15,9 @@ the control plane marks its node lost, as it would a crashed host).
 
     scripts/up.py [--agents N] [--require-services] [--survive-agent-loss] [--bootstrap-only]
 
---bootstrap-only does the first steps (migrate, login, key, node credentials, TLS files), prints them and exits:
-the one-shot `bootstrap` service of docker-compose.yml.
+--agents defaults to KCAAS_AGENTS, else 1. --bootstrap-only does the first steps (migrate, login, key, node
+credentials, TLS files; node files under KCAAS_NODE_SECRETS_DIR when set), prints them and exits: the one-shot
+`bootstrap` service of docker-compose.yml.
 """
 
 from __future__ import annotations
@@ -224,7 +225,8 @@ def stop_all(processes: dict) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--agents", type=int, default=1, help="node agents to run (default 1)")
+    parser.add_argument("--agents", type=int, default=int(os.environ.get("KCAAS_AGENTS") or 1),
+                        help="node agents to run (default KCAAS_AGENTS, else 1)")
     parser.add_argument("--require-services", action="store_true",
                         help="refuse the embedded defaults: DATABASE_URL (PostgreSQL) and REDIS_URL must be set")
     parser.add_argument("--survive-agent-loss", action="store_true",

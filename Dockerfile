@@ -1,0 +1,33 @@
+# One image for every KCaaS service: the control plane (gunicorn, the control queue's Celery worker, Celery beat),
+# the one-shot bootstrap (scripts/up.py --bootstrap-only) and the node agent (python -m gpu_node.agent). Configured
+# only through environment variables (docs/operations.md). torch's Linux wheel carries its CUDA libraries: the same
+# image runs an agent on the CPU or, given a GPU (docker-compose.gpu.yml), on CUDA.
+FROM python:3.11-slim-bookworm
+
+ARG EXTRAS=control,node,gpu
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONPATH=/app/platform:/app \
+    DJANGO_SETTINGS_MODULE=controlplane.settings \
+    KCAAS_VAR_DIR=/var/lib/kcaas
+
+# a C compiler for gpu_node/_blockhash.c (the prefix-hash loop; the agent falls back to hashlib without it)
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /app
+COPY . /app
+# editable: the C extension is built next to its sources, so /app on PYTHONPATH finds it
+RUN pip install -e ".[${EXTRAS}]" \
+    && useradd --system --uid 10001 --home-dir /var/lib/kcaas kcaas \
+    && mkdir -p /var/lib/kcaas /var/lib/kcaas-nodes \
+    && chown kcaas:kcaas /var/lib/kcaas /var/lib/kcaas-nodes \
+    && chmod 0700 /var/lib/kcaas /var/lib/kcaas-nodes \
+    && chmod 0755 /app/scripts/container-entrypoint.sh
+
+USER kcaas
+ENTRYPOINT ["/app/scripts/container-entrypoint.sh"]
+CMD ["python", "-m", "gunicorn", "controlplane.wsgi:application", "--bind", "0.0.0.0:8000"]

@@ -1,0 +1,193 @@
+"""docker-compose.yml, docker-compose.gpu.yml, the Dockerfile and the container entry point, checked without Docker:
+the compose file parses and has the topology of `make cluster`; every variable AgentConfig.from_env requires is given
+to both agents (directly, or as NAME_FILE that the entry point turns into NAME); what the agents read is what the
+bootstrap service writes (scripts/up.py's file names); every image, build file, module and script a command names
+exists; the GPU override reserves one GPU per agent."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gpu_node.agent import AgentConfig
+
+REPO = Path(__file__).resolve().parents[2]
+SERVICES = {"postgres", "redis", "bootstrap", "controlplane", "worker", "beat", "agent-1", "agent-2"}
+AGENTS = ("agent-1", "agent-2")
+NODE_DIR = "/var/lib/kcaas-nodes"
+
+
+def load(name: str) -> dict:
+    return yaml.safe_load((REPO / name).read_text())
+
+
+def resolve(value) -> str:
+    """Compose interpolation with the variables unset: ${NAME:-default} -> default, ${NAME} -> ''."""
+    return re.sub(r"\$\{[A-Za-z_][A-Za-z0-9_]*(?::?-([^}]*))?\}", lambda m: m.group(1) or "", str(value))
+
+
+def environment(service: dict) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {name: resolve(value) for name, value in env.items()}
+
+
+def entrypoint_file_vars() -> set[str]:
+    script = (REPO / "scripts" / "container-entrypoint.sh").read_text()
+    return set(re.search(r"^for name in ([A-Z_ ]+); do", script, re.M).group(1).split())
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return load("docker-compose.yml")
+
+
+@pytest.fixture(scope="module")
+def up_module():
+    spec = importlib.util.spec_from_file_location("kcaas_up_script", REPO / "scripts" / "up.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_compose_file_has_the_cluster_topology(compose):
+    services = compose["services"]
+    assert SERVICES <= set(services)
+    assert services["postgres"]["image"] == "postgres:15" and services["redis"]["image"] == "redis:7"
+    for name in SERVICES - {"postgres", "redis"}:
+        build = services[name]["build"]
+        assert (REPO / build["context"] / build["dockerfile"]).is_file(), name
+    for name, service in services.items():
+        for dependency in service.get("depends_on") or {}:
+            assert dependency in services, f"{name} depends on a missing {dependency}"
+        for volume in service.get("volumes") or []:
+            source = volume.split(":", 1)[0]
+            assert source in (compose.get("volumes") or {}), f"{name} mounts an undeclared volume {source}"
+    # migrations and credentials come first: everything of ours waits for the one-shot bootstrap
+    for name in SERVICES - {"postgres", "redis", "bootstrap"}:
+        assert services[name]["depends_on"]["bootstrap"]["condition"] == "service_completed_successfully", name
+    assert services["bootstrap"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+    assert services["bootstrap"].get("restart") == "no"
+
+
+def test_every_variable_an_agent_needs_is_set_for_both_agents(compose):
+    required = set(re.findall(r'required\("([A-Z_]+)"\)', inspect.getsource(AgentConfig.from_env)))
+    assert {"KCAAS_CONTROL_URL", "KCAAS_NODE_CREDENTIAL", "CELERY_BROKER_URL", "KCAAS_NODE_ENDPOINT"} <= required
+    from_files = entrypoint_file_vars()
+    seen = {}
+    for name in AGENTS:
+        env = environment(compose["services"][name])
+        for variable in required:
+            if not env.get(variable):
+                assert variable in from_files and env.get(f"{variable}_FILE"), f"{name}: {variable} is not set"
+        assert env["KCAAS_NODE_TLS_CERT"] and env["KCAAS_NODE_TLS_KEY"], f"{name} must serve the TLS data plane"
+        assert env["KCAAS_CONTROL_URL"] == "http://controlplane:8000"
+        config = AgentConfig.from_env({**env, "KCAAS_NODE_CREDENTIAL": "kc_node_placeholder"})  # parses as given
+        assert config.device_capacity_bytes > 0 and config.metrics_port
+        listen_port = env["KCAAS_NODE_LISTEN"].rpartition(":")[2]
+        assert any(str(port).endswith(f":{listen_port}:{listen_port}") for port in compose["services"][name]["ports"])
+        seen[name] = (env["KCAAS_NODE_CREDENTIAL_FILE"], env["KCAAS_NODE_TLS_CERT"], env["KCAAS_NODE_TLS_KEY"],
+                      env["KCAAS_NODE_ENDPOINT"], listen_port, env["KCAAS_NODE_METRICS_PORT"])  # fmt: skip
+    for first, second in zip(*seen.values()):
+        assert first != second  # own credential, certificate, key, endpoint, data-plane and metrics ports
+    # the agents and the control plane use the same broker
+    assert {environment(compose["services"][n])["CELERY_BROKER_URL"] for n in ("worker", "beat", *AGENTS)} == {
+        "redis://redis:6379/1"
+    }
+
+
+def test_agents_read_what_the_bootstrap_service_writes(compose, up_module, monkeypatch):
+    services = compose["services"]
+    bootstrap = services["bootstrap"]
+    env = environment(bootstrap)
+    assert env["KCAAS_NODE_SECRETS_DIR"] == NODE_DIR
+    assert int(env["KCAAS_AGENTS"]) >= len(AGENTS)
+    assert set(AGENTS) <= set(env["KCAAS_DEV_TLS_HOSTS"].split(","))  # certificates valid for the service names
+    assert any(volume.startswith(f"kcaas-nodes:{NODE_DIR}") and not volume.endswith(":ro")
+               for volume in bootstrap["volumes"])  # fmt: skip
+    for index, name in enumerate(AGENTS, start=1):
+        agent_env = environment(services[name])
+        assert agent_env["KCAAS_NODE_CREDENTIAL_FILE"] == f"{NODE_DIR}/{up_module.node_file(index, 'credential')}"
+        assert agent_env["KCAAS_NODE_TLS_CERT"] == f"{NODE_DIR}/{up_module.node_file(index, 'pem')}"
+        assert agent_env["KCAAS_NODE_TLS_KEY"] == f"{NODE_DIR}/{up_module.node_file(index, 'key')}"
+        assert f"kcaas-nodes:{NODE_DIR}:ro" in services[name]["volumes"]  # agents cannot touch the rest
+    # the bootstrap command is one scripts/up.py accepts
+    command = bootstrap["command"]
+    assert command[:2] == ["python", "scripts/up.py"] and "--bootstrap-only" in command
+    monkeypatch.setenv("DATABASE_URL", env["DATABASE_URL"])
+    monkeypatch.setenv("REDIS_URL", env["REDIS_URL"])
+    args = up_module.parse_args(command[2:])
+    assert args.bootstrap_only and args.require_services
+
+
+def command_targets_exist(command: list[str]) -> None:
+    command = [resolve(part) for part in command]
+    if command[0] in {"redis-server"}:
+        return
+    assert command[0] == "python", command
+    if command[1] != "-m":
+        assert (REPO / command[1]).is_file(), command
+        return
+    module = command[2]
+    in_repo = [REPO / (module.replace(".", "/") + ".py"), REPO / module.replace(".", "/") / "__main__.py"]
+    assert any(path.is_file() for path in in_repo) or importlib.util.find_spec(module), command
+    if module == "gunicorn":
+        app_module, _, attribute = command[3].partition(":")
+        source = REPO / "platform" / (app_module.replace(".", "/") + ".py")
+        assert re.search(rf"^{attribute} = ", source.read_text(), re.M), command
+    if module == "celery":
+        app = command[command.index("-A") + 1]
+        assert (REPO / "platform" / app / "celery.py").is_file(), command
+
+
+def test_every_command_names_something_that_exists(compose):
+    for name, service in compose["services"].items():
+        if "command" in service and "build" in service:
+            command_targets_exist(service["command"])
+    dockerfile = (REPO / "Dockerfile").read_text()
+    entrypoint = re.search(r'^ENTRYPOINT \["([^"]+)"\]', dockerfile, re.M).group(1)
+    assert entrypoint.startswith("/app/")
+    script = REPO / entrypoint.removeprefix("/app/")
+    assert script.is_file() and os.access(script, os.X_OK)
+    command_targets_exist(re.findall(r'"([^"]+)"', re.search(r"^CMD (\[.*\])", dockerfile, re.M).group(1)))
+    extras = re.search(r"^ARG EXTRAS=(\S+)", dockerfile, re.M).group(1).split(",")
+    pyproject = (REPO / "pyproject.toml").read_text()
+    for extra in extras:
+        assert re.search(rf"^{extra} = \[", pyproject, re.M), extra
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert {".venv", "var", ".git"} <= set(ignored)
+
+
+def test_the_entrypoint_turns_name_file_into_name(tmp_path):
+    script = REPO / "scripts" / "container-entrypoint.sh"
+    (tmp_path / "credential").write_text("kc_node_from_a_file\n")
+    env = {"PATH": os.environ["PATH"], "KCAAS_NODE_CREDENTIAL_FILE": str(tmp_path / "credential")}
+    show = [str(script), sys.executable, "-c", "import os; print(repr(os.environ['KCAAS_NODE_CREDENTIAL']))"]
+    assert subprocess.run(show, env=env, capture_output=True, text=True, check=True).stdout == "'kc_node_from_a_file'\n"
+    given = subprocess.run(show, env={**env, "KCAAS_NODE_CREDENTIAL": "kc_node_given"}, capture_output=True, text=True)
+    assert given.stdout == "'kc_node_given'\n"  # a value set directly wins
+    missing = subprocess.run([str(script), "true"], env={**env, "KCAAS_NODE_CREDENTIAL_FILE": "/nonexistent"},
+                             capture_output=True, text=True)  # fmt: skip
+    assert missing.returncode == 1 and "not readable" in missing.stderr
+
+
+def test_the_gpu_override_gives_each_agent_a_gpu(compose):
+    gpu = load("docker-compose.gpu.yml")
+    assert set(gpu["services"]) == set(AGENTS)
+    device_ids = []
+    for name in AGENTS:
+        service = gpu["services"][name]
+        assert environment(service)["KCAAS_NODE_TORCH_DEVICE"] == "cuda:0"
+        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+        device_ids.append(resolve(device["device_ids"][0]))
+    assert device_ids == ["0", "1"]
