@@ -6,6 +6,9 @@ than half a node); KV put through each node's TLS 1.3 endpoint (trusting the pri
 byte. Then one agent is SIGKILLed: with short heartbeat, lease and sweep periods the control plane marks its node
 `lost` and its cache `failed` (node_lost) within seconds, while the other node keeps serving. Ctrl-C then stops
 every child: no reported pid and no process of the cluster's session is left.
+
+The compose `bootstrap` service's command (scripts/up.py --bootstrap-only) is run here too, on PostgreSQL: it writes
+what the compose agents read, and a second run reuses it.
 """
 
 from __future__ import annotations
@@ -214,3 +217,45 @@ def test_make_cluster_places_on_two_nodes_sees_one_lost_and_stops_cleanly(tmp_pa
         stderr.close()
     leftovers = subprocess.run(["pgrep", "-s", str(cluster.pid)], capture_output=True, text=True).stdout.split()
     assert leftovers == []  # no child of make cluster outlives it
+
+
+def test_bootstrap_only_makes_what_the_compose_agents_read(tmp_path, cluster_services):
+    """The compose `bootstrap` service's command, on PostgreSQL: node credentials and certificates (valid for the
+    compose service names) in their own directory, the CA key outside it; a second run reuses everything."""
+    from cryptography import x509
+
+    admin = urlsplit(server_url())._replace(path="/postgres").geturl()
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(DATABASE)))
+    env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
+    env.update(cluster_services)
+    node_dir = tmp_path / "nodes"
+    env.update(KCAAS_VAR_DIR=str(tmp_path / "var"), KCAAS_AGENTS="2", KCAAS_NODE_SECRETS_DIR=str(node_dir),
+               KCAAS_DEV_TLS_HOSTS="agent-1,agent-2")  # fmt: skip
+    command = [sys.executable, "scripts/up.py", "--bootstrap-only", "--require-services"]
+    made, logins = [], []
+    for _ in range(2):
+        run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert re.search(r"demo API key kc_live_\S+", run.stdout) and "local-cpu-2 (node-credential-2)" in run.stdout
+        logins.append(re.search(r"admin / (\S+);", run.stdout).group(1))
+        made.append({path.name: path.read_bytes() for path in node_dir.iterdir()})
+    assert made[0] == made[1] and logins[0] == logins[1]  # a second run reuses the credentials and certificates
+
+    assert sorted(path.name for path in node_dir.iterdir()) == [
+        "node-2-tls.key", "node-2-tls.pem", "node-credential", "node-credential-2", "node-tls.key", "node-tls.pem"]
+    for name in ("node-credential", "node-credential-2", "node-tls.key", "node-2-tls.key"):
+        assert (node_dir / name).stat().st_mode & 0o777 == 0o600
+    credentials = {(node_dir / name).read_text() for name in ("node-credential", "node-credential-2")}
+    assert len(credentials) == 2 and all(c.startswith("kc_node_") for c in credentials)
+    ca = x509.load_pem_x509_certificate((tmp_path / "var" / "secrets" / "dev-ca.pem").read_bytes())
+    assert (tmp_path / "var" / "secrets" / "dev-ca.key").is_file()
+    serials = set()
+    for name in ("node-tls.pem", "node-2-tls.pem"):
+        cert = x509.load_pem_x509_certificate((node_dir / name).read_bytes())
+        assert cert.issuer == ca.subject
+        cert.verify_directly_issued_by(ca)
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert {"agent-1", "agent-2", "localhost"} <= set(names.get_values_for_type(x509.DNSName))
+        serials.add(cert.serial_number)
+    assert len(serials) == 2  # one certificate per agent
