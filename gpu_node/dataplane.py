@@ -71,6 +71,7 @@ class _Conn:
     get_staging: torch.Tensor | None = None
     tenants: set[str] = field(default_factory=set)  # tenants with a session here (each counted once by admission)
     holds: dict[int, Hold] = field(default_factory=dict)  # id(frame meta) -> the admission of a request read ahead
+    held_prefixes: list = field(default_factory=list)  # a GET's PrefixHandles, held until its answer is sent
     busy: bool = False  # a frame has started arriving or is being handled (drain waits for it)
     closing: bool = False  # drain chose to close this idle connection
 
@@ -262,6 +263,7 @@ class DataPlaneServer:
                 self._conns.discard(conn)
             for hold in conn.holds.values():
                 hold.release()
+            _release_prefixes(conn)
             for tenant in conn.tenants:
                 self.admission.disconnect(tenant)
             conn.holds.clear()
@@ -376,6 +378,7 @@ class DataPlaneServer:
         hold = conn.holds.pop(id(frame.meta), None)
         if hold is not None:
             hold.release()
+        _release_prefixes(conn)
         if conn.put_staging_owner == id(frame.meta):
             conn.put_staging_owner = None
 
@@ -473,38 +476,39 @@ class DataPlaneServer:
 
     def _get(self, conn: _Conn, hosted: HostedCache, request: wire.DataRequest, tokens: list[np.ndarray],
              hold: Hold) -> list:  # fmt: skip
+        """Each sequence's cached prefix is held (acquire) until the answer is sent (`_frame_done`), and its KV goes
+        out straight from the pool's memory (`kv_views`: no copy) when the pool is host memory in the engine dtype;
+        otherwise it is read into the connection's staging buffer first."""
         engine, spec = hosted.engine, hosted.spec
-        dtype = TORCH_DTYPES[spec.kv_dtype]
         starts = request.head.kv_start
-        cached = [engine.lookup(t) for t in tokens]
+        conn.held_prefixes = handles = [engine.acquire(t) for t in tokens]
+        cached = [handle.num_tokens for handle in handles]
         ends = wire.get_kv_end(spec, cached, starts, max_frame_bytes=self.max_frame_bytes,
                               metadata_allowance=256 + 72 * len(tokens))  # 3 ints of <= 20 digits per sequence
-        total = sum(max(e, 0) for e in ends)  # tokens of KV read into staging (whole prefixes up to kv_end)
-        need = total * spec.elements_per_token
-        hold.grow(total * spec.kv_bytes_per_token)  # the answer counts against the tenant's byte budget
+        hold.grow(sum(max(e - s, 0) for s, e in zip(starts, ends)) * spec.kv_bytes_per_token)  # the tenant's budget
+        kv_out, staged = [], []
+        for index, (handle, start, end) in enumerate(zip(handles, starts, ends)):
+            views = engine.kv_views(handle, start, end) if end > start else []
+            if views is None:
+                staged.append(index)
+            kv_out.append(views)
+        if staged:
+            self._read_staged(conn, engine, [(i, handles[i], starts[i], ends[i]) for i in staged], kv_out)
+        return wire.encode_get_ok(request.head.request_id, spec=spec, num_cached=cached, kv_start=list(starts),
+                                  kv_end=list(ends), kv=kv_out, max_frame_bytes=self.max_frame_bytes)  # fmt: skip
+
+    def _read_staged(self, conn: _Conn, engine, reads: list, kv_out: list) -> None:
+        """Copy path of _get (device or quantized pools): read each held prefix up to its end into staging."""
+        spec, dtype = engine.spec, TORCH_DTYPES[engine.spec.kv_dtype]
+        need = sum(end for _, _, _, end in reads) * spec.elements_per_token
         if conn.get_staging is None or conn.get_staging.dtype != dtype or conn.get_staging.numel() < need:
             conn.get_staging = torch.empty(max(need, 1), dtype=dtype, device=engine.device)
-        staging, offset = conn.get_staging, 0
-        num_cached, kv_end, kv_out = [], [], []
-        for toks, start, end, listed in zip(tokens, starts, ends, cached):
-            if end <= start:  # nothing cached past kv_start, or no room left in this frame
-                num_cached.append(listed)
-                kv_end.append(min(end, listed))
-                kv_out.append(b"")
-                continue
-            out = staging[offset : offset + end * spec.elements_per_token]
-            have, kv = engine.get(toks[:end], out=out)  # may be shorter than end: evicted since the lookup
+        offset = 0
+        for index, handle, start, end in reads:
+            out = conn.get_staging[offset : offset + end * spec.elements_per_token]
             offset += end * spec.elements_per_token
-            got_end = have
-            num_cached.append(listed if have == end else have)  # end < listed when the frame size cut it short
-            kv_end.append(got_end)
-            if got_end <= start:
-                kv_out.append(b"")
-                continue
-            part = kv if start == 0 else kv[:, :, start:got_end].contiguous()
-            kv_out.append(_tensor_bytes(part))
-        return wire.encode_get_ok(request.head.request_id, spec=spec, num_cached=num_cached, kv_start=list(starts),
-                                  kv_end=kv_end, kv=kv_out, max_frame_bytes=self.max_frame_bytes)  # fmt: skip
+            kv = engine.read(handle, end, out=out)
+            kv_out[index] = _tensor_bytes(kv if start == 0 else kv[:, :, start:end].contiguous())
 
     # ---- sending ------------------------------------------------------------------------------------------------
     def _send_quietly(self, sock, buffers: list) -> None:
@@ -515,6 +519,12 @@ class DataPlaneServer:
             pass
 
 
+def _release_prefixes(conn: _Conn) -> None:
+    handles, conn.held_prefixes = conn.held_prefixes, []
+    for handle in handles:
+        handle.release()
+
+
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.device.type != "cpu":
@@ -523,6 +533,8 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 _COALESCE_BYTES = 64 * 1024
+_DIRECT_MIN_BYTES = 16 * 1024  # one TLS record: smaller views are joined before encryption
+_IOV_PER_SEND = 64  # buffers offered to one sendmsg (Linux takes at most 1024)
 
 
 def _send_buffers(sock, buffers: list) -> None:
@@ -533,18 +545,34 @@ def _send_buffers(sock, buffers: list) -> None:
         sock.sendall(b"".join(views))
         return
     if not isinstance(sock, ssl.SSLSocket) and hasattr(sock, "sendmsg"):
-        while views:
-            sent = sock.sendmsg(views)
-            while views and sent >= views[0].nbytes:
-                sent -= views[0].nbytes
-                views.pop(0)
-            if views and sent:
-                views[0] = views[0][sent:]
+        first = 0  # views[:first] are sent
+        while first < len(views):
+            # a blocking sendmsg returns after about one socket buffer: offering many more buffers than that only
+            # costs building their iovec array again on every call
+            sent = sock.sendmsg(views[first : first + _IOV_PER_SEND])
+            while first < len(views) and sent >= views[first].nbytes:
+                sent -= views[first].nbytes
+                first += 1
+            if sent:
+                views[first] = views[first][sent:]
         return
-    # TLS (SSLSocket has no sendmsg): the head, then each payload view straight from its memory, nothing joined
+    # TLS (SSLSocket has no sendmsg): large views straight from their memory; runs of small ones joined first
+    pending: list[memoryview] = []
+    pending_bytes = 0
     for view in views:
-        if view.nbytes:
+        if view.nbytes >= _DIRECT_MIN_BYTES:
+            if pending:
+                sock.sendall(b"".join(pending))
+                pending, pending_bytes = [], 0
             sock.sendall(view)
+            continue
+        pending.append(view)
+        pending_bytes += view.nbytes
+        if pending_bytes >= _COALESCE_BYTES:
+            sock.sendall(b"".join(pending))
+            pending, pending_bytes = [], 0
+    if pending:
+        sock.sendall(b"".join(pending))
 
 
 def _hard_shutdown(sock: socket.socket) -> None:

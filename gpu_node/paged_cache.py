@@ -124,6 +124,7 @@ class PagedKVCache:
         self._lock = threading.Lock()
         self._extending: set[int] = set()  # partial blocks a put is filling in place right now
         self.pool, self.scales = self._allocate_storage(num_blocks)
+        self._pool_bytes: memoryview | None = None  # the pool's bytes, for kv_views (host pools only)
         self._num_hit_tokens = self._num_miss_tokens = self._num_cow_copies = self._num_stored_tokens = 0
 
     def _allocate_storage(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -207,6 +208,34 @@ class PagedKVCache:
             self._num_miss_tokens += len(tokens) - num_tokens
         return PrefixHandle(self, num_tokens, block_ids)
 
+    def kv_views(self, handle: PrefixHandle, start: int, end: int) -> list[memoryview] | None:
+        """Byte views into the pool of tokens [start, end) of a held prefix, in the API's layer-major order (for each
+        layer, K then V, the tokens in order: one run per block), so a server can send them without copying. Valid
+        while the handle is held (held blocks are never evicted or reused, and a put only appends past their
+        filled slots). None when the pool is not plain host memory in the engine dtype (quantized storage or a
+        device pool): read with get() then."""
+        spec = self.spec
+        if self.pool.device.type != "cpu" or spec.is_quantized or spec.storage_dtype != spec.kv_dtype:
+            return None
+        assert 0 <= start <= end <= handle.num_tokens and not handle.released, "a range of a held prefix"
+        if self._pool_bytes is None:
+            self._pool_bytes = memoryview(self.pool.view(-1).view(torch.uint8).numpy())
+        token_bytes = spec.num_kv_heads * spec.head_dim * self.pool.element_size()
+        run_stride = spec.block_size * token_bytes  # one (block, layer, K|V) run
+        block_stride = spec.num_layers * 2 * run_stride
+        pool, bs = self._pool_bytes, spec.block_size
+        spans = []  # (offset of the block, first token, last token + 1) for each block overlapping [start, end)
+        for index in range(start // bs, (end + bs - 1) // bs):
+            lo, hi = max(start - index * bs, 0), min(end - index * bs, bs)
+            spans.append((handle.block_ids[index] * block_stride, lo * token_bytes, hi * token_bytes))
+        views = []
+        for run in range(spec.num_layers * 2):
+            base = run * run_stride
+            for block_offset, lo, hi in spans:
+                at = block_offset + base
+                views.append(pool[at + lo : at + hi])
+        return views
+
     def get(
         self, tokens, *, identity: KVCacheSpec | None = None, out: torch.Tensor | None = None
     ) -> tuple[int, torch.Tensor]:
@@ -220,12 +249,20 @@ class PagedKVCache:
         if out is not None:
             self._check_staging(out, len(tokens))
         with self.acquire(tokens, identity=identity) as handle:
-            view = None
-            if out is not None:
-                numel = handle.num_tokens * self.spec.elements_per_token
-                view = out.view(-1)[:numel].view(self._kv_shape(handle.num_tokens))
-            kv = kernels.read_kv(self.pool, self.scales, handle.slot_mapping(), out_dtype=self.kv_dtype, out=view)
+            kv = self.read(handle, out=out)
         return handle.num_tokens, kv
+
+    def read(self, handle: PrefixHandle, num_tokens: int | None = None, *, out: torch.Tensor | None = None):
+        """The KV of the first `num_tokens` (default all) tokens of a held prefix, [num_layers, 2, n, heads, dim] in
+        the engine dtype; into `out` (a staging buffer, as get's) when given."""
+        n = handle.num_tokens if num_tokens is None else num_tokens
+        assert 0 <= n <= handle.num_tokens and not handle.released, "a range of a held prefix"
+        view = None
+        if out is not None:
+            self._check_staging(out, n)
+            view = out.view(-1)[: n * self.spec.elements_per_token].view(self._kv_shape(n))
+        slots = self._slots_for(handle.block_ids, n)
+        return kernels.read_kv(self.pool, self.scales, slots, out_dtype=self.kv_dtype, out=view)
 
     def _kv_shape(self, num_tokens: int) -> tuple[int, ...]:
         spec = self.spec

@@ -100,9 +100,9 @@ def test_requests_in_flight_bounded_while_a_put_streams(limited_server, connect,
     slow.sock.sendall(frame[len(frame) - 64 :])
     done = slow.read()
     assert done.opcode == Opcode.OK and done.meta["num_written"] == [len(TOKENS)]
+    assert wait_until(lambda: limited_server.admission.usage("tenant:t-a")[1:] == (0, 0))  # released after sending
     retried = other.request(Opcode.LOOKUP, TOKENS)  # the client's retry after the hint succeeds
     assert retried.opcode == Opcode.OK and retried.meta["num_cached"] == [len(TOKENS)]
-    assert wait_until(lambda: limited_server.admission.usage("tenant:t-a")[1:] == (0, 0))  # released after sending
     limited_server.admission.check_invariants()
 
 
