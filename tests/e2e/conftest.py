@@ -201,7 +201,7 @@ def tenant_key() -> str:
     return tenant_services.api_key_issue(tenant=tenant, scopes=["caches:read", "caches:write"]).raw_key
 
 
-# ---- a hand-made wire client --------------------------------------------------------------------------------------------
+# ---- a hand-made wire client ------------------------------------------------------------------------------------------
 
 
 class RawConnection:

@@ -49,7 +49,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 PROMPT_TOKENS = 48  # 3 full blocks of 16
 
 
-# ---- the scene ----------------------------------------------------------------------------------------------------------
+# ---- the scene --------------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -93,7 +93,7 @@ def unsigned_jwt(header: dict, claims: dict, signature: bytes) -> str:
     return f"{signing_input}.{b64url(signature)}"
 
 
-# ---- the hostile tokens -------------------------------------------------------------------------------------------------
+# ---- the hostile tokens -----------------------------------------------------------------------------------------------
 
 
 def forged_by_another_key(scene: Scene) -> str:
@@ -192,7 +192,7 @@ HOSTILE_TOKENS = [
 ]
 
 
-# ---- the checks ---------------------------------------------------------------------------------------------------------
+# ---- the checks -------------------------------------------------------------------------------------------------------
 
 
 def refused_hello(scene: Scene, pki, cache_id: str, token: str) -> tuple[wire.ErrorReply, bytes]:
