@@ -62,6 +62,7 @@ class Scene:
     client_b: kcaas.Client
     cache_a: kcaas.client.Cache
     cache_b: kcaas.client.Cache
+    pki: dict
 
     def issue_a(self) -> kcaas.client.DataToken:
         """A fresh, real readwrite data token for A's cache (through the REST API)."""
@@ -170,6 +171,30 @@ def tampered_base64_character(scene: Scene) -> str:
     return f"{header}.{flipped}.{signature}"
 
 
+def revoked_then_replayed(scene: Scene) -> str:
+    """A's real token, revoked through the API, presented again once the node has the revocation (pushed on commit
+    over the node's queue; waited for here, as it is asynchronous)."""
+    issued = scene.issue_a()
+    assert scene.client_a.revoke_token(scene.cache_a.id, issued.jti) == 1
+    assert eventually(lambda: hello_code(scene, issued.token) == ErrorCode.UNAUTHENTICATED)
+    return issued.token
+
+
+def hello_code(scene: Scene, token: str) -> str:
+    with RawConnection(scene.endpoint, scene.pki) as conn:
+        frame, _ = conn.hello(scene.cache_a.id, token)
+        return "ok" if frame.opcode == Opcode.OK else frame.meta["code"]
+
+
+def eventually(predicate, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 @dataclass(frozen=True)
 class HostileToken:
     name: str
@@ -189,6 +214,7 @@ HOSTILE_TOKENS = [
     HostileToken("A's claims at an older epoch", for_an_older_epoch, ErrorCode.NOT_FOUND),
     HostileToken("tampered payload character", tampered_payload_character, ErrorCode.UNAUTHENTICATED),
     HostileToken("tampered base64 character", tampered_base64_character, ErrorCode.UNAUTHENTICATED),
+    HostileToken("replayed after revocation", revoked_then_replayed, ErrorCode.UNAUTHENTICATED),
 ]
 
 
@@ -235,7 +261,7 @@ def test_hostile_tokens_are_refused_alike_and_leave_a_intact(live_server, agent,
         cache_a = client_a.attach("a", spec, capacity, timeout=30)
         cache_b = client_b.attach("b", spec, capacity, timeout=30)
         assert cache_a.endpoint == cache_b.endpoint == agent.endpoint
-        scene = Scene(spec, agent.endpoint, client_a, client_b, cache_a, cache_b)
+        scene = Scene(spec, agent.endpoint, client_a, client_b, cache_a, cache_b, pki)
 
         prompt = random_tokens(PROMPT_TOKENS, seed=5)[0]
         kv = random_kv(spec, PROMPT_TOKENS, seed=6)
@@ -298,3 +324,32 @@ def test_hostile_tokens_are_refused_alike_and_leave_a_intact(live_server, agent,
             dp_a.close()
         client_a.close()
         client_b.close()
+
+
+def test_a_revoked_token_is_cut_off_on_its_open_connection(live_server, agent, pki, model):
+    """Revocation through the REST API reaches the agent process over its Celery queue and refuses the token on a
+    connection it had already opened; a fresh token (what the SDK's TokenSource fetches) works again."""
+    spec = spec_for(model)
+    client = kcaas.Client(live_server.url, tenant_key())
+    try:
+        cache = client.attach("revoked", spec, {"device": 16 * spec.block_bytes}, timeout=30)
+        issued = client.issue_token(cache.id)
+        prompt = random_tokens(16, seed=11)[0]
+        with DataPlaneClient(agent.endpoint, issued.token, cache.id, spec, ssl_context=client_tls(pki),
+                             timeout=10.0) as dp:  # fmt: skip
+            assert dp.lookup(prompt) == 0  # authenticated with the plain token string (no refresh)
+            assert client.revoke_token(cache.id) == 1  # every outstanding token of the cache
+
+            def refused() -> bool:
+                try:
+                    dp.lookup(prompt)
+                except kcaas.dataplane.DataPlaneError as exc:
+                    return exc.code == ErrorCode.UNAUTHENTICATED
+                return False
+
+            assert eventually(refused)
+        with DataPlaneClient(agent.endpoint, TokenSource(client, cache.id), cache.id, spec,
+                             ssl_context=client_tls(pki), timeout=10.0) as dp:  # fmt: skip
+            assert dp.lookup(prompt) == 0
+    finally:
+        client.close()
