@@ -5,7 +5,8 @@ The printed tenant key attaches two caches that best-fit placement must put on d
 than half a node); KV put through each node's TLS 1.3 endpoint (trusting the printed dev CA) comes back byte for
 byte. Then one agent is SIGKILLed: with short heartbeat, lease and sweep periods the control plane marks its node
 `lost` and its cache `failed` (node_lost) within seconds, while the other node keeps serving. Ctrl-C then stops
-every child: no reported pid and no process of the cluster's session is left.
+every child: no reported pid and no process of the cluster's session is left. Without --survive-agent-loss (the
+default) a dead agent stops the whole cluster instead.
 
 The compose `bootstrap` service's command (scripts/up.py --bootstrap-only) is run here too, on PostgreSQL: it writes
 what the compose agents read, and a second run reuses it.
@@ -14,6 +15,7 @@ what the compose agents read, and a second run reuses it.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import re
@@ -132,11 +134,13 @@ def round_trip(client: kcaas.Client, cache, ca_file: str, seed: int) -> None:
         assert back.contiguous().view(torch.uint8).numpy().tobytes() == kv.view(torch.uint8).numpy().tobytes()
 
 
-def test_make_cluster_places_on_two_nodes_sees_one_lost_and_stops_cleanly(tmp_path, cluster_services):
-    started = time.monotonic()
+@contextlib.contextmanager
+def running_cluster(tmp_path, services: dict, *args: str):
+    """scripts/cluster.py in its own session on free ports: yields (process, banner, output lines so far, ports);
+    SIGKILLs the whole session on the way out if it is still running."""
     port, node_port, metrics_port = free_ports(1), free_ports(2), free_ports(2)
     env = {k: v for k, v in os.environ.items() if k not in {"DJANGO_SETTINGS_MODULE", "KCAAS_NODE_ENDPOINT"}}
-    env.update(cluster_services)
+    env.update(services)
     env.update(
         KCAAS_VAR_DIR=str(tmp_path / "var"), KCAAS_PORT=str(port), KCAAS_NODE_PORT=str(node_port),
         KCAAS_NODE_METRICS_PORT=str(metrics_port), KCAAS_NODE_DEVICE_BYTES=str(NODE_BYTES),
@@ -144,10 +148,9 @@ def test_make_cluster_places_on_two_nodes_sees_one_lost_and_stops_cleanly(tmp_pa
         LOG_LEVEL="WARNING",
     )  # fmt: skip
     stderr = open(tmp_path / "cluster.stderr", "w+")  # a file: a chatty child never blocks on a full pipe
-    cluster = subprocess.Popen([sys.executable, "scripts/cluster.py", "--survive-agent-loss"], cwd=REPO, env=env,
+    cluster = subprocess.Popen([sys.executable, "scripts/cluster.py", *args], cwd=REPO, env=env,
                                stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)  # fmt: skip
     output: list[str] = []
-    clients: list[kcaas.Client] = []
     try:
         deadline = time.monotonic() + 120
         while "Ctrl-C stops everything" not in "".join(output):
@@ -157,66 +160,91 @@ def test_make_cluster_places_on_two_nodes_sees_one_lost_and_stops_cleanly(tmp_pa
             output.append(cluster.stdout.readline())
         banner = "".join(output)
         threading.Thread(target=lambda: output.extend(cluster.stdout), daemon=True).start()  # keep the pipe drained
-        up_seconds = time.monotonic() - started
-
-        api_key = re.search(r"demo API key\s+(kc_live_\S+)", banner).group(1)
-        password = re.search(r"admin login\s+admin / (\S+)", banner).group(1)
-        ca_file = re.search(r"dev CA: ([^)\s]+)\)", banner).group(1)
-        nodes = dict(re.findall(r"node (local-cpu\S*)\s+(\S+) \(TLS 1.3 data plane\)", banner))
-        assert nodes == {"local-cpu": f"127.0.0.1:{node_port}", "local-cpu-2": f"127.0.0.1:{node_port + 1}"}
-        assert f"http://127.0.0.1:{metrics_port + 1}/metrics" in banner
-        pids = {name: int(pid) for name, pid in re.findall(r"(\S+)=(\d+)", banner.split("processes", 1)[1])}
-        assert set(pids) == {"web", "worker", "beat", "agent-1", "agent-2"}
-        for index in (0, 1):
-            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port + index}/metrics", timeout=5) as metrics:
-                assert metrics.status == 200
-
-        # two caches that each take more than half a node: best fit must use both nodes
-        client = kcaas.Client(f"http://127.0.0.1:{port}", api_key)
-        clients.append(client)
-        first = client.attach("first", SPEC, {"device": CACHE_BYTES}, timeout=60)
-        second = client.attach("second", SPEC, {"device": CACHE_BYTES}, timeout=60)
-        assert first.is_ready and second.is_ready
-        assert {first.endpoint, second.endpoint} == set(nodes.values())
-        assert first.node_id != second.node_id
-        round_trip(client, first, ca_file, seed=1)
-        round_trip(client, second, ca_file, seed=2)
-
-        # SIGKILL the agent holding the second cache: its node is marked lost, its cache failed (node_lost)
-        victim = "agent-1" if second.endpoint == nodes["local-cpu"] else "agent-2"
-        os.kill(pids[victim], signal.SIGKILL)
-        killed = time.monotonic()
-        lost = wait_for(lambda: (c := client.get_cache(second.id)).state == "failed" and c, timeout=LEASE_SECONDS + 20,
-                        what="the cache on the killed node to fail")  # fmt: skip
-        lost_seconds = time.monotonic() - killed
-        assert lost.failure_reason == "node_lost"
-        node = staff_get(f"http://127.0.0.1:{port}/api/v1/admin/nodes/{second.node_id}", password)
-        assert node["state"] == "lost" and node["reserved"]["device"] == 0
-        survivor = staff_get(f"http://127.0.0.1:{port}/api/v1/admin/nodes/{first.node_id}", password)
-        assert survivor["state"] == "ready"
-        assert client.get_cache(first.id).is_ready
-        round_trip(client, first, ca_file, seed=3)  # the other node still serves
-        assert cluster.poll() is None  # --survive-agent-loss: one agent's death does not stop the cluster
-
-        # Ctrl-C stops every child
-        cluster.send_signal(signal.SIGINT)
-        assert cluster.wait(timeout=60) == 0
-        time.sleep(0.5)  # let the output thread read to the end
-        assert "stopped" in "".join(output)
-        for name, pid in pids.items():
-            with pytest.raises(ProcessLookupError):
-                os.kill(pid, 0)  # gone (and reaped: a zombie would still answer)
-        print(f"cluster up in {up_seconds:.1f} s; node lost seen {lost_seconds:.1f} s after SIGKILL; "
-              f"whole test {time.monotonic() - started:.1f} s")  # fmt: skip
+        cluster.stderr_file = stderr
+        yield cluster, banner, output, (port, node_port, metrics_port)
     finally:
-        for client in clients:
-            client.close()
         if cluster.poll() is None:
             os.killpg(cluster.pid, signal.SIGKILL)
             cluster.wait()
         stderr.close()
     leftovers = subprocess.run(["pgrep", "-s", str(cluster.pid)], capture_output=True, text=True).stdout.split()
     assert leftovers == []  # no child of make cluster outlives it
+
+
+def reported_pids(banner: str) -> dict[str, int]:
+    pids = {name: int(pid) for name, pid in re.findall(r"(\S+)=(\d+)", banner.split("processes", 1)[1])}
+    assert set(pids) == {"web", "worker", "beat", "agent-1", "agent-2"}
+    return pids
+
+
+def assert_all_gone(pids: dict[str, int]) -> None:
+    for pid in pids.values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # gone (and reaped: a zombie would still answer)
+
+
+def test_make_cluster_places_on_two_nodes_sees_one_lost_and_stops_cleanly(tmp_path, cluster_services):
+    started = time.monotonic()
+    with running_cluster(tmp_path, cluster_services, "--survive-agent-loss") as (cluster, banner, output, ports):
+        port, node_port, metrics_port = ports
+        up_seconds = time.monotonic() - started
+        api_key = re.search(r"demo API key\s+(kc_live_\S+)", banner).group(1)
+        password = re.search(r"admin login\s+admin / (\S+)", banner).group(1)
+        ca_file = re.search(r"dev CA: ([^)\s]+)\)", banner).group(1)
+        nodes = dict(re.findall(r"node (local-cpu\S*)\s+(\S+) \(TLS 1.3 data plane\)", banner))
+        assert nodes == {"local-cpu": f"127.0.0.1:{node_port}", "local-cpu-2": f"127.0.0.1:{node_port + 1}"}
+        pids = reported_pids(banner)
+        for index in (0, 1):
+            assert f"http://127.0.0.1:{metrics_port + index}/metrics" in banner
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port + index}/metrics", timeout=5) as metrics:
+                assert metrics.status == 200
+
+        with kcaas.Client(f"http://127.0.0.1:{port}", api_key) as client:
+            # two caches that each take more than half a node: best fit must use both nodes
+            first = client.attach("first", SPEC, {"device": CACHE_BYTES}, timeout=60)
+            second = client.attach("second", SPEC, {"device": CACHE_BYTES}, timeout=60)
+            assert first.is_ready and second.is_ready
+            assert {first.endpoint, second.endpoint} == set(nodes.values())
+            assert first.node_id != second.node_id
+            round_trip(client, first, ca_file, seed=1)
+            round_trip(client, second, ca_file, seed=2)
+
+            # SIGKILL the agent holding the second cache: its node is marked lost, its cache failed (node_lost)
+            victim = "agent-1" if second.endpoint == nodes["local-cpu"] else "agent-2"
+            os.kill(pids[victim], signal.SIGKILL)
+            killed = time.monotonic()
+            lost = wait_for(lambda: (c := client.get_cache(second.id)).state == "failed" and c,
+                            timeout=LEASE_SECONDS + 20, what="the cache on the killed node to fail")  # fmt: skip
+            lost_seconds = time.monotonic() - killed
+            assert lost.failure_reason == "node_lost"
+            node = staff_get(f"http://127.0.0.1:{port}/api/v1/admin/nodes/{second.node_id}", password)
+            assert node["state"] == "lost" and node["reserved"]["device"] == 0
+            survivor = staff_get(f"http://127.0.0.1:{port}/api/v1/admin/nodes/{first.node_id}", password)
+            assert survivor["state"] == "ready"
+            assert client.get_cache(first.id).is_ready
+            round_trip(client, first, ca_file, seed=3)  # the other node still serves
+            assert cluster.poll() is None  # --survive-agent-loss: one agent's death does not stop the cluster
+
+        # Ctrl-C stops every child
+        cluster.send_signal(signal.SIGINT)
+        assert cluster.wait(timeout=60) == 0
+        time.sleep(0.5)  # let the output thread read to the end
+        assert "stopped" in "".join(output)
+        assert_all_gone(pids)
+    print(f"cluster up in {up_seconds:.1f} s; node lost seen {lost_seconds:.1f} s after SIGKILL; "
+          f"whole test {time.monotonic() - started:.1f} s")  # fmt: skip
+
+
+def test_by_default_a_dead_agent_stops_the_whole_cluster(tmp_path, cluster_services):
+    with running_cluster(tmp_path, cluster_services) as (cluster, banner, output, _):
+        pids = reported_pids(banner)
+        os.kill(pids["agent-2"], signal.SIGKILL)
+        assert cluster.wait(timeout=60) == 0  # it stops on its own
+        time.sleep(0.5)
+        assert "stopped" in "".join(output)
+        cluster.stderr_file.seek(0)
+        assert "agent-2 stopped: stopping the rest" in cluster.stderr_file.read()
+        assert_all_gone(pids)
 
 
 def test_bootstrap_only_makes_what_the_compose_agents_read(tmp_path, cluster_services):
