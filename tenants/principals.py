@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from rest_framework.exceptions import PermissionDenied
 
 from controlplane.errors import ApplicationError, NotFoundError
+from audit.context import Actor
 from tenants import scopes as scope_rules
 from tenants.ids import as_uuid
 from tenants.models import ApiKey, Tenant
@@ -38,6 +39,10 @@ class TenantPrincipal:
 
     def has_scope(self, resource: str, action: str) -> bool:
         return scope_rules.grants(self.scopes, resource, action)
+
+    @property
+    def audit_actor(self) -> Actor:
+        return Actor("key", self.api_key.public_id)
 
     def get_username(self) -> str:
         return f"key:{self.api_key.public_id}"

@@ -46,6 +46,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "drf_spectacular",
     "drf_spectacular_sidecar",
+    "audit",
     "tenants",
     "fleet",
     "caches",
@@ -58,6 +59,7 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "audit.middleware.RequestContextMiddleware",  # request id, source IP and actor for the audit trail
     "django.contrib.messages.middleware.MessageMiddleware",
 ]
 
@@ -159,6 +161,10 @@ KCAAS_TOKEN_ISSUER = os.environ.get("KCAAS_TOKEN_ISSUER", "kcaas-control-plane")
 KCAAS_DATA_TOKEN_TTL_SECONDS = env_int("KCAAS_DATA_TOKEN_TTL_SECONDS", 15 * 60)
 # Key-encryption key for per-cache secrets held by the control plane (AES-256-GCM).
 KCAAS_KEK = os.environ.get("KCAAS_KEK") or _dev_secret("kek")
+# HMAC key for sensitive values in audit events (the trail keeps their HMAC, never the value).
+KCAAS_AUDIT_HMAC_KEY = os.environ.get("KCAAS_AUDIT_HMAC_KEY") or _dev_secret("audit-hmac")
+# Proxies whose X-Forwarded-For names the client (addresses or networks, comma-separated); none by default.
+KCAAS_TRUSTED_PROXIES = [p.strip() for p in os.environ.get("KCAAS_TRUSTED_PROXIES", "").split(",") if p.strip()]
 
 KCAAS_QUOTA_DEFAULTS = {
     "max_caches": env_int("KCAAS_QUOTA_MAX_CACHES", 10),

@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass
 
+from audit.context import Actor
 from fleet.models import Node
 
 
@@ -16,6 +17,10 @@ class NodePrincipal:
     is_active = True
     is_staff = False
     is_superuser = False
+
+    @property
+    def audit_actor(self) -> Actor:
+        return Actor("node", str(self.node.pk))
 
     @property
     def pk(self):
