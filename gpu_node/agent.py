@@ -49,7 +49,8 @@ class AgentConfig:
     ssd_capacity_bytes: int = 0
     device: str | None = None  # torch device for the pools; default cuda when present, else cpu
     broker_transport_options: dict | None = None  # e.g. the folders of the file-system broker of `make up`
-    metrics_port: int | None = None  # Prometheus /metrics on 127.0.0.1:<port> (KCAAS_NODE_METRICS_PORT)
+    metrics_port: int | None = None  # Prometheus /metrics on <metrics_addr>:<port> (KCAAS_NODE_METRICS_PORT)
+    metrics_addr: str = "127.0.0.1"  # KCAAS_NODE_METRICS_ADDR: 0.0.0.0 in a container scraped from outside
     tls_cert_file: str | None = None  # the data plane's certificate chain (PEM); with tls_key_file: TLS 1.3 listener
     tls_key_file: str | None = None
     listen: str | None = None  # host:port the data plane binds (default: endpoint)
@@ -77,6 +78,7 @@ class AgentConfig:
             device=environ.get("KCAAS_NODE_TORCH_DEVICE") or None,
             broker_transport_options=json.loads(environ.get("CELERY_BROKER_TRANSPORT_OPTIONS") or "null"),
             metrics_port=int(environ["KCAAS_NODE_METRICS_PORT"]) if environ.get("KCAAS_NODE_METRICS_PORT") else None,
+            metrics_addr=environ.get("KCAAS_NODE_METRICS_ADDR") or "127.0.0.1",
             tls_cert_file=environ.get("KCAAS_NODE_TLS_CERT") or None,
             tls_key_file=environ.get("KCAAS_NODE_TLS_KEY") or None,
             listen=environ.get("KCAAS_NODE_LISTEN") or None,
@@ -189,7 +191,7 @@ class NodeAgent:
         self.registry = CacheRegistry(device_capacity_bytes=config.device_capacity_bytes, device=config.device)
         self.metrics = NodeMetrics(self.registry)
         if config.metrics_port is not None:
-            self._metrics_server, _ = self.metrics.serve(config.metrics_port)
+            self._metrics_server, _ = self.metrics.serve(config.metrics_port, config.metrics_addr)
         registration = self.register()
         self._start_worker()
         self._heartbeat = Heartbeat(

@@ -46,7 +46,7 @@ SPEC = KVCacheSpec(model_fingerprint="tiny@1", num_layers=2, num_kv_heads=2, hea
                    kv_dtype="float16", storage_dtype="float16")  # fmt: skip
 NODE_BYTES = 256 * SPEC.block_bytes
 CACHE_BYTES = 160 * SPEC.block_bytes  # more than half a node: two caches cannot share one
-DATABASE = "kcaas_cluster_it"
+DATABASE = f"kcaas_cluster_it_{os.getpid()}"  # two runs on one machine never share (or drop) one database
 REDIS_DBS = (12, 13)  # rate limits / key usage, and the Celery broker
 LEASE_SECONDS = 6  # with 1 s heartbeats: a loaded 2-core machine never misses six in a row
 
