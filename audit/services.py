@@ -15,6 +15,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import connection, transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from audit import chain
@@ -111,3 +112,52 @@ def audit_record(
     except Exception as error:  # noqa: BLE001 - fail closed: the caller's change must not commit without its event
         raise AuditWriteError(f"could not record {AuditAction(action).name}: {error}") from error
     return event
+
+
+def tenant_pseudonym(tenant_id: Any) -> uuid.UUID:
+    """The stable pseudonym an erased tenant keeps in the trail: a UUID from an HMAC of its id under the audit key
+    (the same tenant always maps to the same pseudonym; without the key it cannot be linked back)."""
+    digest = hmac.new(settings.KCAAS_AUDIT_HMAC_KEY.encode(), b"tenant-pseudonym:" + str(tenant_id).encode(),
+                      hashlib.sha256).digest()  # fmt: skip
+    return uuid.UUID(bytes=digest[:16], version=4)
+
+
+def audit_pseudonymise_tenant(*, tenant_id: Any, actor_ids: frozenset[str] | set[str] = frozenset()) -> int:
+    """Replace the personal fields of every event about `tenant_id` (and of events whose actor is one of
+    `actor_ids`, e.g. the tenant's API keys) with pseudonyms, wipe their salts, and record that it happened.
+    The hashed fields do not change, so the chain still verifies; without the salts the commitments reveal nothing.
+    Idempotent (already pseudonymised events are left alone). Returns how many events were changed."""
+    pseudonym = tenant_pseudonym(tenant_id)
+    wanted = uuid.UUID(str(tenant_id))
+    now = timezone.now()
+    changed = 0
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            if connection.vendor == "postgresql":
+                cursor.execute("SET LOCAL kcaas.audit_pseudonymise = 'on'")
+        events = AuditEvent.objects.select_for_update().filter(pseudonymised_at__isnull=True)
+        events = events.filter(_about_tenant(wanted, actor_ids))
+        for event in events.order_by("seq"):
+            event.tenant_id = pseudonym if event.tenant_id == wanted else event.tenant_id
+            if event.actor_id in actor_ids or event.actor_id == str(wanted):
+                event.actor_id = f"pseudonym:{pseudonym}"
+            if event.target_id == str(wanted):
+                event.target_id = str(pseudonym)
+            event.source_ip = None
+            event.old_values = None if event.old_values is None else {"pseudonymised": True}
+            event.new_values = None if event.new_values is None else {"pseudonymised": True}
+            event.salt = None
+            event.pseudonymised_at = now
+            event.save(update_fields=["tenant_id", "actor_id", "target_id", "source_ip", "old_values", "new_values",
+                                      "salt", "pseudonymised_at"])  # fmt: skip
+            changed += 1
+        audit_record(action=AuditAction.AUDIT_PSEUDONYMISED, target_type="tenant", target_id=pseudonym,
+                     tenant_id=pseudonym, new={"events": changed})  # fmt: skip
+    return changed
+
+
+def _about_tenant(tenant_id: uuid.UUID, actor_ids) -> Q:
+    query = Q(tenant_id=tenant_id) | Q(target_id=str(tenant_id))
+    if actor_ids:
+        query |= Q(actor_id__in=list(actor_ids))
+    return query

@@ -157,6 +157,12 @@ KCAAS_KEY_PEPPER = os.environ.get("KCAAS_KEY_PEPPER") or _dev_secret("key-pepper
 # Ed25519 private key (PEM) signing data-plane tokens; nodes verify with the public key at /.well-known/jwks.json.
 KCAAS_TOKEN_SIGNING_KEY_PEM = os.environ.get("KCAAS_TOKEN_SIGNING_KEY_PEM", "")
 KCAAS_TOKEN_SIGNING_KEY_FILE = os.environ.get("KCAAS_TOKEN_SIGNING_KEY_FILE", str(VAR_DIR / "secrets" / "token-ed25519.pem"))
+# The platform key: signs audit digests and erasure receipts (audit.keys); public half at
+# /.well-known/kcaas-platform-key.json.
+KCAAS_PLATFORM_SIGNING_KEY_PEM = os.environ.get("KCAAS_PLATFORM_SIGNING_KEY_PEM", "")
+KCAAS_PLATFORM_SIGNING_KEY_FILE = os.environ.get(
+    "KCAAS_PLATFORM_SIGNING_KEY_FILE", str(VAR_DIR / "secrets" / "platform-ed25519.pem")
+)
 KCAAS_TOKEN_ISSUER = os.environ.get("KCAAS_TOKEN_ISSUER", "kcaas-control-plane")
 KCAAS_DATA_TOKEN_TTL_SECONDS = env_int("KCAAS_DATA_TOKEN_TTL_SECONDS", 15 * 60)
 # Key-encryption key for per-cache secrets held by the control plane (AES-256-GCM).

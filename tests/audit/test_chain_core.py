@@ -63,3 +63,41 @@ def test_raw_update_delete_and_truncate_are_refused():
         cursor.execute("SET LOCAL kcaas.audit_allow_truncate = 'off'")
         cursor.execute("TRUNCATE audit_auditevent")
     assert AuditEvent.objects.count() == 1
+
+
+def test_pseudonymising_a_tenant_keeps_the_chain_and_drops_what_identified_it():
+    from audit.services import audit_pseudonymise_tenant, tenant_pseudonym
+
+    erased, kept = uuid.uuid4(), uuid.uuid4()
+    with transaction.atomic(), acting_as(Actor("key", "erased-key")):
+        audit_record(action=AuditAction.KEY_ISSUED, target_type="api_key", target_id="k1", tenant_id=erased,
+                     new={"name": "alice's key"})  # fmt: skip
+    with transaction.atomic():
+        audit_record(action=AuditAction.QUOTA_UPDATED, target_type="tenant", target_id=kept, tenant_id=kept,
+                     new={"max_caches": 3})  # fmt: skip
+        audit_record(action=AuditAction.TENANT_UPDATED, target_type="tenant", target_id=erased, tenant_id=erased,
+                     old={"name": "Alice GmbH"}, new={"status": "suspended"})  # fmt: skip
+    assert audit_pseudonymise_tenant(tenant_id=erased, actor_ids={"erased-key"}) == 2
+    assert audit_pseudonymise_tenant(tenant_id=erased, actor_ids={"erased-key"}) == 0  # idempotent
+
+    events = list(AuditEvent.objects.order_by("seq"))
+    text = " ".join(str(e.chain_fields()) for e in events)
+    assert str(erased) not in text and "Alice" not in text and "erased-key" not in text
+    pseudonym = tenant_pseudonym(erased)
+    assert [e.tenant_id for e in events[:3]] == [pseudonym, kept, pseudonym]
+    assert events[1].salt is not None and events[1].new_values == {"max_caches": 3}  # other tenants untouched
+    assert events[-1].action == AuditAction.AUDIT_PSEUDONYMISED
+    prev = chain.GENESIS_HASH
+    for event in events:  # every link and hash still holds; salts checked where they remain
+        if event.salt is not None:
+            assert chain.commitments_of(bytes(event.salt), event.chain_fields()) == event.commitments
+        assert event.prev_hash == prev and chain.event_hash(prev, event.chain_fields(), event.commitments) == event.hash
+        prev = event.hash
+
+
+def test_a_pseudonymising_update_may_not_touch_hashed_fields():
+    with transaction.atomic():
+        audit_record(action=AuditAction.TENANT_CREATED, target_type="tenant", target_id="t")
+    with pytest.raises(Exception, match="append-only"), transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SET LOCAL kcaas.audit_pseudonymise = 'on'")
+        cursor.execute("UPDATE audit_auditevent SET action = 1002")

@@ -10,6 +10,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from audit import keys as audit_keys
 from caches import signing
 from caches.sealing import HASH_KEY_NUM_BYTES, SealError, hash_key_new_sealed, hash_key_seal, hash_key_unseal
 
@@ -52,7 +53,7 @@ def test_signing_key_file_is_created_once_with_mode_0600(tmp_path, settings):
 
     def load():
         barrier.wait()
-        results.append(signing._load_or_create_file(path))
+        results.append(audit_keys._load_or_create_file(path))
 
     threads = [threading.Thread(target=load) for _ in range(4)]
     for t in threads:
