@@ -29,6 +29,7 @@ class AuditAction(enum.IntEnum):
     CACHE_DETACH_REQUESTED = 3004
     CACHE_DETACHED = 3005
     CACHE_MIGRATED = 3006
+    CACHE_REPROVISIONED = 3007  # its node re-registered without it: provisioned again
     # data tokens 31xx
     DATA_TOKEN_ISSUED = 3101
     DATA_TOKENS_REVOKED = 3102

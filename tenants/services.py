@@ -22,6 +22,8 @@ from django.db.models import F, Value
 from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
+from audit.actions import AuditAction
+from audit.services import audit_record
 from controlplane.errors import ApplicationError, ConflictError, NotFoundError
 from tenants import keys, scopes as scope_rules, usage
 from tenants.models import QUOTA_FIELDS, ApiKey, KeyUsageFlush, Quota, Tenant
@@ -84,6 +86,8 @@ def tenant_create(*, name: str) -> Tenant:
     except IntegrityError:
         raise ConflictError(f"A tenant named {name!r} exists.", code="tenant_name_taken") from None
     Quota.objects.create(tenant=tenant)
+    audit_record(action=AuditAction.TENANT_CREATED, target_type="tenant", target_id=tenant.pk, tenant_id=tenant.pk,
+                 new={"name": tenant.name, "status": tenant.status})  # fmt: skip
     return tenant
 
 
@@ -108,8 +112,12 @@ def tenant_set_status(*, tenant: Tenant, status: str) -> Tenant:
     locked = tenant_lock(tenant_id=tenant.pk)
     if locked.status not in _SETTABLE_STATUSES:
         raise ConflictError(f"The tenant is {locked.status}.", code="tenant_inactive")
-    locked.status = status
+    if locked.status == status:
+        return locked  # no change, no event
+    old_status, locked.status = locked.status, status
     locked.save(update_fields=["status"])
+    audit_record(action=AuditAction.TENANT_UPDATED, target_type="tenant", target_id=locked.pk, tenant_id=locked.pk,
+                 old={"status": old_status}, new={"status": status})  # fmt: skip
     return locked
 
 
@@ -144,6 +152,8 @@ def api_key_issue(
         scopes=normalized,
         expires_at=expires_at,
     )
+    audit_record(action=AuditAction.KEY_ISSUED, target_type="api_key", target_id=api_key.pk, tenant_id=tenant.pk,
+                 new={"public_id": public_id, "scopes": normalized})  # fmt: skip - never the secret or its hash
     return IssuedKey(api_key=api_key, raw_key=raw)
 
 
@@ -158,6 +168,9 @@ def api_key_revoke(*, api_key: ApiKey) -> ApiKey:
     if locked.revoked_at is None:
         locked.revoked_at = timezone.now()
         locked.save(update_fields=["revoked_at"])
+        audit_record(action=AuditAction.KEY_REVOKED, target_type="api_key", target_id=locked.pk,
+                     tenant_id=locked.tenant_id, old={"revoked_at": None},
+                     new={"revoked_at": locked.revoked_at})  # fmt: skip
     return locked
 
 
@@ -190,9 +203,14 @@ def api_key_rotate(*, api_key: ApiKey, overlap_seconds: int) -> IssuedKey:
         rotated_from=locked,
     )
     overlap_end = now + timedelta(seconds=overlap_seconds)
+    old_expiry = locked.expires_at
     if locked.expires_at is None or overlap_end < locked.expires_at:
         locked.expires_at = overlap_end
         locked.save(update_fields=["expires_at"])
+    audit_record(action=AuditAction.KEY_ROTATED, target_type="api_key", target_id=locked.pk, tenant_id=locked.tenant_id,
+                 old={"expires_at": old_expiry, "successor": None},
+                 new={"expires_at": locked.expires_at, "successor": successor.public_id,
+                      "successor_scopes": successor.scopes})  # fmt: skip
     return IssuedKey(api_key=successor, raw_key=raw)
 
 
@@ -229,10 +247,14 @@ def quota_update(*, tenant: Tenant, **limits) -> Quota:
     cleaned = _validate_limits(limits)
     tenant_lock(tenant_id=tenant.pk)
     quota, _ = Quota.objects.select_for_update().get_or_create(tenant_id=tenant.pk)
+    old = {field: getattr(quota, field) for field, value in cleaned.items() if getattr(quota, field) != value}
     for field, value in cleaned.items():
         setattr(quota, field, value)
     quota.updated_at = timezone.now()
     quota.save(update_fields=[*cleaned, "updated_at"])
+    if old:  # stored overrides (None: the default); an update that changes nothing writes no event
+        audit_record(action=AuditAction.QUOTA_UPDATED, target_type="quota", target_id=tenant.pk, tenant_id=tenant.pk,
+                     old=old, new={field: cleaned[field] for field in old})  # fmt: skip
     return quota
 
 

@@ -61,7 +61,22 @@ _DRF_CODES = {
 }
 
 
+AUDIT_UNAVAILABLE = "audit_unavailable"
+
+
+def audit_unavailable_body() -> dict:
+    """The answer to a change refused because its audit event could not be written (it was rolled back)."""
+    return error_body(AUDIT_UNAVAILABLE, "The audit trail is unavailable; nothing was changed. Retry later.")
+
+
 def exception_handler(exc, context):
+    from audit.services import AuditWriteError  # imported late: this module loads before the apps are ready
+
+    if isinstance(exc, AuditWriteError):
+        logger.error("refused %s: %s", context.get("view").__class__.__name__, exc)  # the cause stays in the log
+        response = Response(audit_unavailable_body(), status=status.HTTP_503_SERVICE_UNAVAILABLE)
+        response["Retry-After"] = "5"
+        return response
     if isinstance(exc, ApplicationError):
         response = Response(error_body(exc.code, exc.message, exc.details), status=exc.status_code)
         for name, value in (getattr(exc, "headers", None) or {}).items():

@@ -16,6 +16,9 @@ from django.db import IntegrityError, transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
+from audit.actions import AuditAction
+from audit.context import SYSTEM
+from audit.services import audit_record
 from controlplane.errors import NotFoundError
 from fleet.credentials import credential_new
 from fleet.errors import (
@@ -89,7 +92,15 @@ def node_create(*, name: str) -> IssuedNode:
             )
     except IntegrityError:
         raise NodeNameTaken("A node with this name exists.", details={"name": name}) from None
+    audit_record(action=AuditAction.NODE_CREATED, target_type="node", target_id=node.pk,
+                 new={"name": node.name, "state": node.state,
+                      "credential_public_id": credential.public_id})  # fmt: skip
     return IssuedNode(node=node, credential=credential.raw)
+
+
+# What a (re-)registration may change, as the audit trail records it (lease times are renewals, not changes).
+_REGISTERED_FIELDS = ("state", "endpoint", "device_capacity_bytes", "dram_capacity_bytes", "ssd_capacity_bytes",
+                      "registered_at")  # fmt: skip
 
 
 @transaction.atomic
@@ -109,6 +120,7 @@ def node_register(
     checked = _checked_capacity(capacity, require_all=True)
     now = now or timezone.now()
     node = _lock(node_id)
+    before = {field: getattr(node, field) for field in _REGISTERED_FIELDS}
     node.endpoint = endpoint_normalize(endpoint)
     _set_capacity(node, checked)
     if node.state in (NodeState.REGISTERING, NodeState.LOST):
@@ -120,6 +132,10 @@ def node_register(
             node.save()
     except IntegrityError:
         raise EndpointInUse("Another live node answers on this endpoint.", details={"endpoint": endpoint}) from None
+    changed = [field for field in _REGISTERED_FIELDS if getattr(node, field) != before[field]]
+    audit_record(action=AuditAction.NODE_REGISTERED, target_type="node", target_id=node.pk,
+                 old={field: before[field] for field in changed},
+                 new={field: getattr(node, field) for field in changed})  # fmt: skip
     return NodeRegistration(node=node)
 
 
@@ -159,42 +175,62 @@ def _snapshot(resident: list[dict], now: datetime) -> dict:
     return {"reported_at": now.isoformat(), "caches": caches}
 
 
-def _transition(node_id: uuid.UUID, *, allowed: set[str], target: str, action: str) -> Node:
+def _transition(node_id: uuid.UUID, *, allowed: set[str], target: str, action: str, audit: AuditAction) -> Node:
     node = _lock(node_id)
     if node.state == target:
-        return node  # idempotent: repeating the order changes nothing
+        return node  # idempotent: repeating the order changes nothing (and writes no event)
     if node.state not in allowed:
         raise InvalidNodeState(
             f"A {node.state} node cannot be {action}.", details={"state": node.state, "allowed": sorted(allowed)}
         )
-    node.state = target
+    old_state, node.state = node.state, target
     node.save(update_fields=["state", "updated_at"])
+    audit_record(action=audit, target_type="node", target_id=node.pk, old={"state": old_state}, new={"state": target})
     return node
 
 
 @transaction.atomic
 def node_cordon(*, node_id: uuid.UUID) -> Node:
     """ready -> cordoned: no new placements, hosted caches stay. Idempotent; other states are 409."""
-    return _transition(node_id, allowed={NodeState.READY}, target=NodeState.CORDONED, action="cordoned")
+    return _transition(
+        node_id, allowed={NodeState.READY}, target=NodeState.CORDONED, action="cordoned",
+        audit=AuditAction.NODE_CORDONED,
+    )  # fmt: skip
 
 
 @transaction.atomic
 def node_uncordon(*, node_id: uuid.UUID) -> Node:
     """cordoned -> ready. Idempotent on a ready node; other states are 409."""
-    return _transition(node_id, allowed={NodeState.CORDONED}, target=NodeState.READY, action="uncordoned")
+    return _transition(
+        node_id, allowed={NodeState.CORDONED}, target=NodeState.READY, action="uncordoned",
+        audit=AuditAction.NODE_UNCORDONED,
+    )  # fmt: skip
 
 
 @transaction.atomic
 def node_drain(*, node_id: uuid.UUID) -> Node:
     """ready/cordoned -> draining: no new placements while its caches are moved away (migration orchestration)."""
     allowed = {NodeState.READY, NodeState.CORDONED}
-    return _transition(node_id, allowed=allowed, target=NodeState.DRAINING, action="drained")
+    return _transition(
+        node_id, allowed=allowed, target=NodeState.DRAINING, action="drained", audit=AuditAction.NODE_DRAINING
+    )
 
 
 @transaction.atomic
 def nodes_expire_leases(*, now: datetime | None = None) -> list[uuid.UUID]:
     """Nodes whose lease passed become `lost`; returns their ids (the caller flags their caches in the same
-    transaction).
+    transaction). Each is audited (NODE_LOST, actor system); a caller that still locks rows after this uses
+    `nodes_expire_unrecorded` and `nodes_lost_record` instead (the audit chain's lock must be the last one taken).
+    """
+    lost = nodes_expire_unrecorded(now=now)
+    nodes_lost_record(lost=lost)
+    return list(lost)
+
+
+@transaction.atomic
+def nodes_expire_unrecorded(*, now: datetime | None = None) -> dict[uuid.UUID, str]:
+    """`nodes_expire_leases` without the audit events: {node id: the state it was lost from}, in id order. The
+    caller must pass the result to `nodes_lost_record` before its transaction ends.
 
     Applies to ready, draining and cordoned nodes: a cordoned node still hosts caches, so its death must be seen.
     Rows are locked in id order; PostgreSQL re-checks the lease condition on a row a concurrent heartbeat just
@@ -203,11 +239,18 @@ def nodes_expire_leases(*, now: datetime | None = None) -> list[uuid.UUID]:
     now = now or timezone.now()
     live = [NodeState.READY, NodeState.DRAINING, NodeState.CORDONED]
     expired = Node.objects.select_for_update().filter(state__in=live, lease_expires_at__lt=now).order_by("id")
-    ids = list(expired.values_list("id", flat=True))
-    if ids:
-        Node.objects.filter(pk__in=ids).update(state=NodeState.LOST, updated_at=timezone.now())
-        logger.warning("nodes lost (lease expired): %s", ", ".join(map(str, ids)))
-    return ids
+    lost = dict(expired.values_list("id", "state"))
+    if lost:
+        Node.objects.filter(pk__in=list(lost)).update(state=NodeState.LOST, updated_at=timezone.now())
+        logger.warning("nodes lost (lease expired): %s", ", ".join(map(str, lost)))
+    return lost
+
+
+def nodes_lost_record(*, lost: dict[uuid.UUID, str]) -> None:
+    """One NODE_LOST event per node {id: previous state} that a lease sweep marked lost, as the system."""
+    for node_id, previous_state in lost.items():
+        audit_record(action=AuditAction.NODE_LOST, target_type="node", target_id=node_id, actor=SYSTEM,
+                     old={"state": previous_state}, new={"state": NodeState.LOST})  # fmt: skip
 
 
 # ---- placement ------------------------------------------------------------------------------------------------------
