@@ -15,8 +15,13 @@ there), its hash, and the link to the previous event: a changed, deleted, insert
 
 from __future__ import annotations
 
+import base64
+import csv
+import dataclasses
 import hashlib
+import io
 import json
+import sys
 from typing import Any
 
 GENESIS_HASH = "0" * 64
@@ -40,3 +45,468 @@ def event_hash(prev_hash: str, event: dict, commitments: dict[str, str]) -> str:
     body = {field: event[field] for field in NON_PERSONAL_FIELDS}
     body["commitments"] = commitments
     return hashlib.sha256(bytes.fromhex(prev_hash) + canonical(body)).hexdigest()
+
+
+# ---- signed digests -------------------------------------------------------------------------------------------------
+# A digest signs the chain's head at the end of a period (CloudTrail-style) and chains to the previous digest:
+#   body        = {"format", "version", "period_start", "period_end", "head_seq", "head_hash", "prev_digest_hash",
+#                  "key_id"}                       (times: "YYYY-MM-DDTHH:MM:SSZ", UTC, whole seconds)
+#   digest_hash = sha256(canonical(body))          (the next digest's prev_digest_hash; GENESIS_HASH for the first)
+#   signature   = Ed25519(platform key, canonical(body)), base64url without padding
+# head_seq is the last event that occurred before period_end (0 and GENESIS_HASH while the trail is empty).
+
+DIGEST_FORMAT = "kcaas-audit-digest"
+EXPORT_FORMAT = "kcaas-audit-export"
+FORMAT_VERSION = 1
+TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+
+
+def format_period_time(moment) -> str:
+    """A period bound (an aware datetime) as the digest body writes it."""
+    from datetime import timezone
+
+    return moment.astimezone(timezone.utc).strftime(TIME_FORMAT)
+
+
+def digest_body(*, period_start: str, period_end: str, head_seq: int, head_hash: str, prev_digest_hash: str,
+                key_id: str) -> dict:  # fmt: skip
+    return {
+        "format": DIGEST_FORMAT,
+        "version": FORMAT_VERSION,
+        "period_start": period_start,
+        "period_end": period_end,
+        "head_seq": head_seq,
+        "head_hash": head_hash,
+        "prev_digest_hash": prev_digest_hash,
+        "key_id": key_id,
+    }
+
+
+def digest_hash(body: dict) -> str:
+    return hashlib.sha256(canonical(body)).hexdigest()
+
+
+def _b64url_decode(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def jwk_thumbprint(jwk: dict) -> str:
+    """RFC 7638 thumbprint of an OKP JWK (the platform key's `kid`)."""
+    members = {"crv": jwk["crv"], "kty": jwk["kty"], "x": jwk["x"]}
+    raw = hashlib.sha256(json.dumps(members, separators=(",", ":"), sort_keys=True).encode()).digest()
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+def signature_valid(jwk: dict, payload: bytes, signature_b64: str) -> bool:
+    """Whether `signature_b64` is the Ed25519 signature of `payload` by the OKP/Ed25519 public key `jwk`."""
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    if jwk.get("kty") != "OKP" or jwk.get("crv") != "Ed25519":
+        return False
+    try:
+        Ed25519PublicKey.from_public_bytes(_b64url_decode(jwk["x"])).verify(_b64url_decode(signature_b64), payload)
+    except (InvalidSignature, ValueError, TypeError, KeyError):
+        return False
+    return True
+
+
+# ---- export records -------------------------------------------------------------------------------------------------
+# An export is a header record, then the chain segment it covers in seq order (an `event` for each event of the range
+# and filter, a `witness` — seq, prev_hash, hash, no personal data — for each other event of the segment), then the
+# digests that anchor it. JSONL: one JSON object per line with a `record_type`. CSV: the columns CSV_COLUMNS, one row
+# per record, `record_type` first; ints as decimals, dict/list cells as JSON, null as an empty cell (only tenant_id,
+# source_ip and salt may be null; old_values/new_values hold the JSON `null`); the header row carries the header
+# object as JSON in the `header` column.
+
+EVENT_FIELDS = ("seq", "occurred_at", "actor_kind", "actor_id", "tenant_id", "action", "action_name", "target_type",
+                "target_id", "request_id", "source_ip", "old_values", "new_values", "salt", "commitments",
+                "prev_hash", "hash")  # fmt: skip
+WITNESS_FIELDS = ("seq", "prev_hash", "hash")
+DIGEST_FIELDS = ("period_start", "period_end", "head_seq", "head_hash", "prev_digest_hash", "key_id", "digest_hash",
+                 "signature")  # fmt: skip
+RECORD_FIELDS = {"event": EVENT_FIELDS, "witness": WITNESS_FIELDS, "digest": DIGEST_FIELDS, "header": ("header",)}
+CSV_COLUMNS = ("record_type", *EVENT_FIELDS, *DIGEST_FIELDS, "header")
+_CSV_INT = frozenset({"seq", "action", "head_seq"})
+_CSV_JSON = frozenset({"old_values", "new_values", "commitments", "header"})
+_CSV_NULLABLE = frozenset({"tenant_id", "source_ip", "salt"})
+
+
+def csv_row(record: dict) -> list[str]:
+    """One export record as a CSV row (see CSV_COLUMNS); the inverse of `record_from_csv`."""
+    kind = record["record_type"]
+    if kind == "header":
+        record = {"header": {k: v for k, v in record.items() if k != "record_type"}}
+    fields = RECORD_FIELDS[kind]
+    return [kind] + [_csv_cell(column, record.get(column)) if column in fields else "" for column in CSV_COLUMNS[1:]]
+
+
+def _csv_cell(column: str, value: Any) -> str:
+    if column in _CSV_JSON:
+        return canonical(value).decode()
+    if value is None:
+        return ""
+    return str(value)
+
+
+def record_from_csv(row: dict) -> dict:
+    kind = row.get("record_type")
+    if kind not in RECORD_FIELDS:
+        raise ValueError(f"unknown record_type {kind!r}")
+    if kind == "header":
+        return {"record_type": "header", **json.loads(row["header"])}
+    record = {"record_type": kind}
+    for column in RECORD_FIELDS[kind]:
+        text = row[column]
+        if column in _CSV_JSON:
+            record[column] = json.loads(text)
+        elif column in _CSV_INT:
+            record[column] = int(text)
+        else:
+            record[column] = None if column in _CSV_NULLABLE and text == "" else text
+    return record
+
+
+# ---- verification ---------------------------------------------------------------------------------------------------
+# verify_export checks, and names by seq: the header against the records; the sequence (a missing seq is a deleted
+# event, a repeated one an inserted event, a seq after a larger one a reordering); every link (prev_hash = the
+# previous hash) and event hash; every commitment whose salt is still there; the range and tenant filter; the
+# platform key (against a trusted JWK when given); and each digest's hash, key id, signature, link to the previous
+# digest and head (the hash of its head_seq in the export's chain).
+
+_HEX64 = frozenset("0123456789abcdef")
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    code: str  # malformed | header_mismatch | deleted | inserted | reordered | broken_link | hash_mismatch |
+    # commitment_mismatch | outside_range | outside_filter | unexpected_witness | untrusted_key | digest_*
+    message: str
+    seq: int | None = None
+
+    def __str__(self) -> str:
+        where = f"seq {self.seq}: " if self.seq is not None else ""
+        return f"{where}{self.code}: {self.message}"
+
+
+@dataclasses.dataclass
+class Report:
+    problems: list[Problem] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    events: int = 0
+    witnesses: int = 0
+    digests: int = 0
+    first_seq: int | None = None
+    last_seq: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def add(self, code: str, message: str, seq: int | None = None) -> None:
+        self.problems.append(Problem(code, message, seq))
+
+    def summary(self) -> str:
+        span = f"seq {self.first_seq}-{self.last_seq}" if self.first_seq is not None else "no chain records"
+        counts = f"{self.events} events, {self.witnesses} witnesses, {self.digests} digests ({span})"
+        if self.ok:
+            return f"OK: {counts} verified"
+        return f"FAILED: {len(self.problems)} problem(s) in {counts}; first: {self.problems[0]}"
+
+
+def verify_export(path_or_lines, *, trusted_key_jwk: dict | None = None) -> Report:
+    """Verify an export (a path, or an iterable of its lines; JSONL or CSV, detected from the first line)."""
+    report = Report()
+    records = _parse(_text(path_or_lines), report)
+    if not records or records[0]["record_type"] != "header":
+        report.add("malformed", "the export does not start with a header record")
+        return report
+    header, rest = records[0], records[1:]
+    chain_records = [r for r in rest if r["record_type"] in ("event", "witness")]
+    digests = [r for r in rest if r["record_type"] == "digest"]
+    for record in rest:
+        if record["record_type"] == "header":
+            report.add("malformed", "a second header record")
+    report.events = sum(r["record_type"] == "event" for r in chain_records)
+    report.witnesses, report.digests = len(chain_records) - report.events, len(digests)
+    ordered = _check_sequence(chain_records, report)
+    _check_header(header, ordered, report)
+    _check_links(ordered, report)
+    _check_filter(header, ordered, report)
+    key = _check_key(header.get("platform_key"), trusted_key_jwk, report)
+    _check_digests(digests, key, ordered, report)
+    return report
+
+
+def _text(path_or_lines) -> str:
+    if isinstance(path_or_lines, (str, bytes)) or hasattr(path_or_lines, "__fspath__"):
+        with open(path_or_lines, encoding="utf-8", newline="") as f:
+            return f.read()
+    return "".join(line.decode() if isinstance(line, bytes) else line for line in path_or_lines)
+
+
+def _parse(text: str, report: Report) -> list[dict]:
+    """JSONL (lines split on \\n only: a JSON string may hold U+2028) or CSV (quoted cells may span lines)."""
+    jsonl = text.lstrip().startswith("{")
+    if jsonl:
+        rows = enumerate(text.split("\n"), start=1)
+    else:
+        rows = enumerate(csv.DictReader(io.StringIO(text, newline="")), start=2)
+    records = []
+    while True:
+        try:
+            line_no, item = next(rows)
+        except StopIteration:
+            return records
+        except csv.Error as error:
+            report.add("malformed", f"CSV: {error}")
+            return records
+        if jsonl and not item.strip():
+            continue
+        try:
+            records.append(_validated(json.loads(item) if jsonl else record_from_csv(item)))
+        except (ValueError, TypeError, KeyError, AttributeError) as error:
+            report.add("malformed", f"line {line_no}: {error}")
+
+
+def _validated(record: dict) -> dict:
+    if not isinstance(record, dict):
+        raise TypeError("a record must be an object")
+    kind = record.get("record_type")
+    if kind not in RECORD_FIELDS:
+        raise ValueError(f"unknown record_type {kind!r}")
+    if kind == "header":
+        return record
+    missing = [name for name in RECORD_FIELDS[kind] if name not in record]
+    if missing:
+        raise KeyError(f"{kind} record lacks {', '.join(missing)}")
+    for name in ("seq", "action", "head_seq"):
+        if name in RECORD_FIELDS[kind] and (type(record[name]) is not int or record[name] < 0):
+            raise TypeError(f"{name} must be a non-negative integer")
+    for name in ("prev_hash", "hash", "head_hash", "prev_digest_hash", "digest_hash"):
+        value = record.get(name)
+        if name in RECORD_FIELDS[kind] and not (isinstance(value, str) and len(value) == 64 and set(value) <= _HEX64):
+            raise ValueError(f"{name} must be 64 lowercase hex digits")
+    if kind == "event":
+        if record["salt"] is not None:
+            bytes.fromhex(record["salt"])
+        if not isinstance(record["commitments"], dict):
+            raise TypeError("commitments must be an object")
+    return record
+
+
+def _check_sequence(records: list[dict], report: Report) -> list[dict]:
+    """The records in seq order, first copy of each seq; problems for repeated, reordered and missing seqs."""
+    kept: dict[int, dict] = {}
+    highest = None
+    for record in records:
+        seq = record["seq"]
+        if seq in kept:
+            report.add("inserted", "this seq appears more than once (an inserted or duplicated record)", seq)
+            continue
+        if highest is not None and seq < highest:
+            report.add("reordered", f"comes after seq {highest} (records reordered)", seq)
+        kept[seq] = record
+        highest = seq if highest is None else max(highest, seq)
+    ordered = [kept[seq] for seq in sorted(kept)]
+    for before, after in zip(ordered, ordered[1:]):
+        if after["seq"] != before["seq"] + 1:
+            gone = f"{before['seq'] + 1}" + (f"-{after['seq'] - 1}" if after["seq"] - before["seq"] > 2 else "")
+            report.add("deleted", f"seq {gone} missing before it (deleted records)", after["seq"])
+    if ordered:
+        report.first_seq, report.last_seq = ordered[0]["seq"], ordered[-1]["seq"]
+    return ordered
+
+
+def _check_header(header: dict, ordered: list[dict], report: Report) -> None:
+    if header.get("format") != EXPORT_FORMAT or header.get("version") != FORMAT_VERSION:
+        report.add("malformed", f"not a {EXPORT_FORMAT} version {FORMAT_VERSION} export")
+    claimed = {"first_seq": header.get("first_seq"), "last_seq": header.get("last_seq"),
+               "counts": header.get("counts")}  # fmt: skip
+    found = {"first_seq": report.first_seq, "last_seq": report.last_seq,
+             "counts": {"event": report.events, "witness": report.witnesses, "digest": report.digests}}  # fmt: skip
+    for name, value in found.items():
+        if claimed[name] != value:
+            report.add("header_mismatch", f"the header says {name} {claimed[name]}, the records give {value}")
+
+
+def _check_links(ordered: list[dict], report: Report) -> None:
+    for index, record in enumerate(ordered):
+        seq = record["seq"]
+        previous = ordered[index - 1] if index else None
+        if seq == 1 and record["prev_hash"] != GENESIS_HASH:
+            report.add("broken_link", "the first event's prev_hash is not the genesis hash", seq)
+        elif previous is not None and previous["seq"] == seq - 1 and record["prev_hash"] != previous["hash"]:
+            report.add("broken_link", f"prev_hash is not the hash of seq {seq - 1}", seq)
+        if record["record_type"] == "event":
+            _check_event(record, report)
+
+
+def _check_event(record: dict, report: Report) -> None:
+    seq = record["seq"]
+    if record["salt"] is not None:
+        expected = commitments_of(bytes.fromhex(record["salt"]), record)
+        for field in PERSONAL_FIELDS:
+            if record["commitments"].get(field) != expected[field]:
+                report.add("commitment_mismatch", f"{field} does not match its commitment (changed)", seq)
+    try:
+        recomputed = event_hash(record["prev_hash"], record, record["commitments"])
+    except (TypeError, ValueError) as error:
+        report.add("malformed", f"cannot hash the event: {error}", seq)
+        return
+    if recomputed != record["hash"]:
+        report.add("hash_mismatch", "the event's hashed fields (" + ", ".join(NON_PERSONAL_FIELDS)
+                   + ", commitments) do not match its hash (changed)", seq)  # fmt: skip
+
+
+def _check_filter(header: dict, ordered: list[dict], report: Report) -> None:
+    wanted_tenant = (header.get("filter") or {}).get("tenant_id")
+    window = header.get("range") or {}
+    try:
+        start, end = _moment(window.get("from")), _moment(window.get("to"))
+    except (TypeError, ValueError):
+        report.add("malformed", "the header's range is not two ISO 8601 times")
+        start = end = None
+    events = [i for i, r in enumerate(ordered) if r["record_type"] == "event"]
+    for index, record in enumerate(ordered):
+        seq = record["seq"]
+        if record["record_type"] == "witness":
+            if wanted_tenant is None and events and events[0] < index < events[-1]:
+                report.add("unexpected_witness", "a witness among the events of an unfiltered export", seq)
+            continue
+        if wanted_tenant is not None and record["tenant_id"] != wanted_tenant:
+            report.add("outside_filter", f"tenant_id {record['tenant_id']} is not the filter's {wanted_tenant}", seq)
+        try:
+            outside = start is not None and not start <= _moment(record["occurred_at"]) < end
+        except (TypeError, ValueError):
+            outside = True
+        if outside:
+            report.add("outside_range", f"occurred_at {record['occurred_at']} is outside the export's range", seq)
+
+
+def _moment(text):
+    from datetime import datetime
+
+    moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    if moment.tzinfo is None:
+        raise ValueError("a time without a zone")
+    return moment
+
+
+def _check_key(export_key, trusted_key: dict | None, report: Report) -> dict | None:
+    """The key to verify the digests with: the trusted one when given (the export's must be it), else the export's."""
+    if not isinstance(export_key, dict) or "x" not in export_key:
+        report.add("malformed", "the header carries no platform_key JWK")
+        export_key = None
+    if trusted_key is None:
+        report.notes.append("platform key not pinned (pass --key): digests checked against the key in the export")
+        return export_key
+    if export_key is not None and export_key.get("x") != trusted_key.get("x"):
+        report.add("untrusted_key", f"the export's platform key (kid {export_key.get('kid')}) is not the trusted "
+                   f"key (kid {trusted_key.get('kid')})")  # fmt: skip
+    return trusted_key
+
+
+def _check_digests(digests: list[dict], key: dict | None, ordered: list[dict], report: Report) -> None:
+    by_seq = {record["seq"]: record for record in ordered}
+    previous = None
+    for digest in digests:
+        period = f"digest {digest['period_start']}..{digest['period_end']}"
+        _check_digest_signature(digest, key, period, report)
+        if previous is not None and (digest["prev_digest_hash"] != previous["digest_hash"]
+                                     or digest["period_start"] != previous["period_end"]):  # fmt: skip
+            report.add("digest_chain_broken", f"{period} does not follow the digest before it")
+        _check_digest_head(digest, by_seq, period, report)
+        previous = digest
+    _note_anchoring(digests, ordered, report)
+
+
+def _check_digest_signature(digest: dict, key: dict | None, period: str, report: Report) -> None:
+    body = digest_body(**{name: digest[name] for name in ("period_start", "period_end", "head_seq", "head_hash",
+                                                           "prev_digest_hash", "key_id")})  # fmt: skip
+    if digest_hash(body) != digest["digest_hash"]:
+        report.add("digest_hash_mismatch", f"{period}: digest_hash is not the hash of its body (changed)")
+    if key is None:
+        return
+    if digest["key_id"] != key.get("kid") and digest["key_id"] != _thumbprint_or_none(key):
+        report.add("digest_key_mismatch", f"{period}: signed by key {digest['key_id']}, not {key.get('kid')}")
+    if not signature_valid(key, canonical(body), digest["signature"]):
+        report.add("digest_signature_invalid", f"{period}: the signature does not verify with the platform key")
+
+
+def _thumbprint_or_none(key: dict) -> str | None:
+    try:
+        return jwk_thumbprint(key)
+    except KeyError:
+        return None
+
+
+def _check_digest_head(digest: dict, by_seq: dict, period: str, report: Report) -> None:
+    head_seq, head_hash = digest["head_seq"], digest["head_hash"]
+    if head_seq == 0:
+        if head_hash != GENESIS_HASH:
+            report.add("digest_head_mismatch", f"{period}: an empty chain's head must be the genesis hash")
+        return
+    if head_seq in by_seq:
+        actual = by_seq[head_seq]["hash"]
+    elif head_seq + 1 in by_seq:
+        actual = by_seq[head_seq + 1]["prev_hash"]
+    else:
+        if by_seq:
+            report.add("digest_not_covered", f"{period}: its head is not in the export's chain (records removed "
+                       "at an end?)", head_seq)  # fmt: skip
+        return
+    if actual != head_hash:
+        report.add("digest_head_mismatch", f"{period}: signs head hash {head_hash[:16]}…, the chain has "
+                   f"{actual[:16]}…", head_seq)  # fmt: skip
+
+
+def _note_anchoring(digests: list[dict], ordered: list[dict], report: Report) -> None:
+    if not ordered:
+        return
+    if not digests:
+        report.notes.append("no digests: the chain is consistent but no signature anchors it")
+        return
+    first, last = ordered[0]["seq"], ordered[-1]["seq"]
+    if first > 1 and not any(d["head_seq"] == first - 1 for d in digests):
+        report.notes.append(f"the chain's start (seq {first}) is not anchored by a digest")
+    signed = max(d["head_seq"] for d in digests)
+    if last > signed:
+        report.notes.append(f"seq {signed + 1}-{last} occurred after the last digest: not yet signed")
+
+
+# ---- command line ---------------------------------------------------------------------------------------------------
+
+
+def print_report(report: Report, *, max_problems: int = 20, out=None) -> None:
+    out = out or sys.stdout
+    print(report.summary(), file=out)
+    for problem in report.problems[:max_problems]:
+        print(f"  {problem}", file=out)
+    if len(report.problems) > max_problems:
+        print(f"  … and {len(report.problems) - max_problems} more", file=out)
+    for note in report.notes:
+        print(f"  note: {note}", file=out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="chain.py", description="Verify a KCaaS audit export offline.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    verify = commands.add_parser("verify", help="verify an export (JSONL or CSV); exit 0 when it all verifies")
+    verify.add_argument("export")
+    verify.add_argument("--key", help="the trusted platform key: a JWK file (/.well-known/kcaas-platform-key.json)")
+    verify.add_argument("--max-problems", type=int, default=20)
+    args = parser.parse_args(argv)
+    trusted = None
+    if args.key:
+        with open(args.key, encoding="utf-8") as f:
+            trusted = json.load(f)
+    report = verify_export(args.export, trusted_key_jwk=trusted)
+    print_report(report, max_problems=args.max_problems)
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

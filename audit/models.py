@@ -61,3 +61,41 @@ class AuditChainHead(models.Model):
     id = models.PositiveSmallIntegerField(primary_key=True, default=1)
     seq = models.BigIntegerField(default=0)
     hash = models.CharField(max_length=64)
+
+
+class AuditDigest(models.Model):
+    """A signed statement of the chain's head at the end of a period (audit.chain's digest body).
+
+    Invariants: one digest per period (period_start unique); periods are contiguous (each starts where the previous
+    ended); prev_digest_hash is the previous digest's digest_hash (GENESIS_HASH for the first); head_seq/head_hash
+    are the last event that occurred before period_end; digest_hash and signature cover chain.digest_body(...).
+    Written only by audit.digests.audit_digest_sign; never updated.
+    """
+
+    period_start = models.DateTimeField(unique=True)
+    period_end = models.DateTimeField(unique=True)
+    head_seq = models.BigIntegerField()
+    head_hash = models.CharField(max_length=64)
+    prev_digest_hash = models.CharField(max_length=64)
+    digest_hash = models.CharField(max_length=64, unique=True)
+    key_id = models.CharField(max_length=64)
+    signature = models.CharField(max_length=128)
+    signed_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["period_start"]
+
+    def record(self) -> dict:
+        """The digest as exports and the API show it (audit.chain.DIGEST_FIELDS)."""
+        from audit import chain
+
+        return {
+            "period_start": chain.format_period_time(self.period_start),
+            "period_end": chain.format_period_time(self.period_end),
+            "head_seq": self.head_seq,
+            "head_hash": self.head_hash,
+            "prev_digest_hash": self.prev_digest_hash,
+            "key_id": self.key_id,
+            "digest_hash": self.digest_hash,
+            "signature": self.signature,
+        }

@@ -50,6 +50,7 @@ INSTALLED_APPS = [
     "tenants",
     "fleet",
     "caches",
+    "billing",
 ]
 
 MIDDLEWARE = [
@@ -119,6 +120,11 @@ CELERY_BEAT_SCHEDULE = {
     "caches-sweep-leases": {"task": "caches.sweep_leases", "schedule": KCAAS_LEASE_SWEEP_SECONDS},
     "caches-purge-expired": {"task": "caches.purge_expired", "schedule": 3600.0},
     "tenants-flush-key-usage": {"task": "tenants.flush_key_usage", "schedule": 30.0},
+    # Billing: recompute the open ledger hours and prune old samples; refresh and finalise invoices.
+    "billing-rollup": {"task": "billing.rollup", "schedule": float(os.environ.get("KCAAS_USAGE_ROLLUP_SECONDS", "300"))},
+    "billing-invoices": {"task": "billing.invoices", "schedule": 3600.0},
+    # Signs each closed audit period within minutes of its end (idempotent: a period is signed once).
+    "audit-sign-digests": {"task": "audit.sign_digests", "schedule": 300.0},
 }
 
 # ---- REST -----------------------------------------------------------------------------------------------------------
@@ -169,6 +175,8 @@ KCAAS_DATA_TOKEN_TTL_SECONDS = env_int("KCAAS_DATA_TOKEN_TTL_SECONDS", 15 * 60)
 KCAAS_KEK = os.environ.get("KCAAS_KEK") or _dev_secret("kek")
 # HMAC key for sensitive values in audit events (the trail keeps their HMAC, never the value).
 KCAAS_AUDIT_HMAC_KEY = os.environ.get("KCAAS_AUDIT_HMAC_KEY") or _dev_secret("audit-hmac")
+# Length of a signed audit digest period (audit.digests), in seconds; periods align to multiples of it.
+KCAAS_AUDIT_DIGEST_SECONDS = env_int("KCAAS_AUDIT_DIGEST_SECONDS", 3600)
 # Proxies whose X-Forwarded-For names the client (addresses or networks, comma-separated); none by default.
 KCAAS_TRUSTED_PROXIES = [p.strip() for p in os.environ.get("KCAAS_TRUSTED_PROXIES", "").split(",") if p.strip()]
 
@@ -190,6 +198,13 @@ KCAAS_NODE_REGISTER_RECONCILER = "caches.services.caches_reconcile_node"
 # import caches: the hook names the selector).
 KCAAS_NODE_REVOKED_TOKENS = "caches.selectors.data_tokens_revoked_on_node"
 KCAAS_IDEMPOTENCY_TTL_SECONDS = env_int("KCAAS_IDEMPOTENCY_TTL_SECONDS", 24 * 3600)
+# Billing (docs/compliance.md): node usage reports sampled longer ago than the grace are ignored; one sample's bytes
+# hold at most the max gap; invoices become final this many days after their month (>= the usage grace).
+KCAAS_USAGE_GRACE_SECONDS = env_int("KCAAS_USAGE_GRACE_SECONDS", 24 * 3600)
+KCAAS_USAGE_MAX_GAP_SECONDS = env_int("KCAAS_USAGE_MAX_GAP_SECONDS", 180)
+KCAAS_USAGE_MAX_CLOCK_SKEW_SECONDS = env_int("KCAAS_USAGE_MAX_CLOCK_SKEW_SECONDS", 300)
+KCAAS_INVOICE_GRACE_DAYS = env_int("KCAAS_INVOICE_GRACE_DAYS", 3)
+KCAAS_BILLING_CURRENCY = os.environ.get("KCAAS_BILLING_CURRENCY", "USD")
 # GCRA burst: a tenant may send this many seconds' worth of its rate at once.
 KCAAS_RATE_LIMIT_BURST_SECONDS = float(os.environ.get("KCAAS_RATE_LIMIT_BURST_SECONDS", "1"))
 
