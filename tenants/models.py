@@ -121,3 +121,21 @@ class KeyUsageFlush(models.Model):
     batch_id = models.UUIDField(primary_key=True)
     flushed_at = models.DateTimeField(default=timezone.now, db_index=True)
     num_keys = models.IntegerField(default=0)
+
+
+class TenantKey(models.Model):
+    """A tenant's data key: 32 random bytes, AES-256-GCM-wrapped under settings.KCAAS_KEK (tenants.tenant_keys).
+
+    Invariants (tenants.tenant_keys is the only writer): one row per tenant, created lazily on first use; `key_id`
+    is random, unique and named in every blob sealed under the key; `wrapped_key` is erased (set to NULL, with
+    `destroyed_at`) by crypto-shredding and never set again, so every blob sealed under the key stops opening.
+    """
+
+    tenant = models.OneToOneField(Tenant, primary_key=True, on_delete=models.PROTECT, related_name="data_key")
+    key_id = models.CharField(max_length=32, unique=True)
+    wrapped_key = models.BinaryField(null=True, blank=True)  # version || nonce || AES-GCM(kek, key); None: destroyed
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+    destroyed_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"data key {self.key_id} of {self.tenant_id}{' (destroyed)' if self.destroyed_at else ''}"

@@ -136,7 +136,7 @@ def cache_attach(*, tenant_id: uuid.UUID, name: str, spec: KVCacheSpec, capacity
                 state=CacheState.PENDING,
                 node=node,
                 epoch=1,
-                hash_key_sealed=hash_key_new_sealed(cache_id=cache_id),
+                hash_key_sealed=hash_key_new_sealed(cache_id=cache_id, tenant_id=tenant.pk),
             )
     except IntegrityError:  # the partial unique index: cannot happen under the tenant lock, but never a 500
         raise CacheNameTaken("A cache with this name is attached.", details={"name": name}) from None
@@ -398,3 +398,29 @@ def data_tokens_purge(*, now: datetime | None = None, keep_seconds: int = 24 * 3
     cutoff = (now or timezone.now()) - timedelta(seconds=keep_seconds)
     deleted, _ = DataToken.objects.filter(expires_at__lt=cutoff).delete()
     return deleted
+
+
+# ---- erasure (the privacy room calls this) ----------------------------------------------------------------------------
+
+
+@transaction.atomic
+def caches_detach_tenant(*, tenant_id: uuid.UUID) -> list[dict]:
+    """Erasure: every cache of the tenant leaves service at once, without a detach message to its node (the privacy
+    room's purge_tenant drops the tenant's pools on every node). Outstanding data tokens are revoked (pushed to the
+    nodes), caches still reserving release their reservation, all become detached. Returns the caches changed,
+    [{"cache_id", "node_id", "state"}] with the state before; idempotent (a rerun changes nothing, returns [])."""
+    now = timezone.now()
+    changed = []
+    live = Cache.objects.filter(tenant_id=tenant_id).exclude(state=CacheState.DETACHED)
+    for cache_id in live.order_by("id").values_list("id", flat=True):
+        cache = _lock_cache(cache_id)
+        if cache is None or cache.state == CacheState.DETACHED:
+            continue
+        _revoke_tokens(cache, now)
+        if cache.state in RESERVING_STATES:
+            _release(cache)
+        changed.append({"cache_id": str(cache.pk), "node_id": str(cache.node_id or ""), "state": cache.state})
+        cache.state = CacheState.DETACHED
+        cache.save(update_fields=["state", "updated_at"])
+    DataToken.objects.filter(tenant_id=tenant_id, revoked_at__isnull=True).update(revoked_at=now)
+    return changed

@@ -51,6 +51,7 @@ INSTALLED_APPS = [
     "fleet",
     "caches",
     "billing",
+    "privacy",
 ]
 
 MIDDLEWARE = [
@@ -116,6 +117,8 @@ CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 # A lost node is seen within its lease (KCAAS_NODE_LEASE_SECONDS) plus one sweep period.
 KCAAS_LEASE_SWEEP_SECONDS = float(os.environ.get("KCAAS_LEASE_SWEEP_SECONDS", "10"))
+# How often beat moves erasure jobs (starts those past their grace, finishes confirmed ones).
+KCAAS_ERASURE_TICK_SECONDS = float(os.environ.get("KCAAS_ERASURE_TICK_SECONDS", "10"))
 CELERY_BEAT_SCHEDULE = {
     "caches-sweep-leases": {"task": "caches.sweep_leases", "schedule": KCAAS_LEASE_SWEEP_SECONDS},
     "caches-purge-expired": {"task": "caches.purge_expired", "schedule": 3600.0},
@@ -123,6 +126,7 @@ CELERY_BEAT_SCHEDULE = {
     # Billing: recompute the open ledger hours and prune old samples; refresh and finalise invoices.
     "billing-rollup": {"task": "billing.rollup", "schedule": float(os.environ.get("KCAAS_USAGE_ROLLUP_SECONDS", "300"))},
     "billing-invoices": {"task": "billing.invoices", "schedule": 3600.0},
+    "privacy-run-erasures": {"task": "privacy.run_erasures", "schedule": KCAAS_ERASURE_TICK_SECONDS},
     # Signs each closed audit period within minutes of its end (idempotent: a period is signed once).
     "audit-sign-digests": {"task": "audit.sign_digests", "schedule": 300.0},
 }
@@ -197,6 +201,13 @@ KCAAS_NODE_REGISTER_RECONCILER = "caches.services.caches_reconcile_node"
 # The unexpired revoked data tokens of a node's caches, answered to its register and heartbeat calls (fleet cannot
 # import caches: the hook names the selector).
 KCAAS_NODE_REVOKED_TOKENS = "caches.selectors.data_tokens_revoked_on_node"
+# Called (node_id=...) after a node (re-)registers, after the reconciler; e.g. privacy resends the purges of running
+# erasures to a node that was lost while they started.
+KCAAS_NODE_REGISTER_HOOKS = ["privacy.services.erasure_node_registered"]
+# GDPR erasure: the grace window between the request and the start (cancellable inside it), and how long a node's
+# purge may stay unanswered before beat sends it again.
+KCAAS_ERASURE_GRACE_SECONDS = env_int("KCAAS_ERASURE_GRACE_SECONDS", 24 * 3600)
+KCAAS_ERASURE_RESEND_SECONDS = env_int("KCAAS_ERASURE_RESEND_SECONDS", 300)
 KCAAS_IDEMPOTENCY_TTL_SECONDS = env_int("KCAAS_IDEMPOTENCY_TTL_SECONDS", 24 * 3600)
 # Billing (docs/compliance.md): node usage reports sampled longer ago than the grace are ignored; one sample's bytes
 # hold at most the max gap; invoices become final this many days after their month (>= the usage grace).

@@ -103,6 +103,7 @@ class NodeRegisterApi(_NodeApi):
             ),
             "revoked_tokens": _revoked_tokens(registration.node.pk),
         }
+        _run_register_hooks(registration.node.pk)
         return Response(self.OutputSerializer(body).data)
 
 
@@ -145,6 +146,13 @@ class NodeHeartbeatApi(_NodeApi):
             "revoked_tokens": _revoked_tokens(node.pk),
         }
         return Response(self.OutputSerializer(body).data)
+
+
+def _run_register_hooks(node_id) -> None:
+    """The upper rooms' reactions to a (re-)registration (settings.KCAAS_NODE_REGISTER_HOOKS, dotted paths called
+    with node_id=...), e.g. privacy resending pending erasure purges to a node that was lost."""
+    for hook in getattr(settings, "KCAAS_NODE_REGISTER_HOOKS", ()):
+        import_string(hook)(node_id=node_id)
 
 
 def _revoked_tokens(node_id) -> list[dict]:

@@ -1,0 +1,151 @@
+"""REST API of the privacy room: erasure jobs (staff) and portability exports (tenant key or staff).
+
+Each view validates, calls one service or selector, and serializes. Staff endpoints admit Django staff users only
+(a tenant key gets 403). The tenant export needs a key holding the read scope of every resource the archive covers
+(EXPORT_SCOPES): an archive never shows a key more than it could read piece by piece.
+"""
+
+from __future__ import annotations
+
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema
+from rest_framework import serializers, status
+from rest_framework.parsers import JSONParser
+from rest_framework.permissions import BasePermission
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from audit.context import actor_of
+from controlplane.errors import ApplicationError
+from privacy import export, receipt, selectors, services
+from privacy.models import ErasureState
+from tenants import scopes as scope_rules
+from tenants.openapi import error_responses
+from tenants.permissions import IsStaff
+from tenants.principals import TenantPrincipal
+from tenants.selectors import tenant_get
+
+EXPORT_SCOPES = ("audit:read", "caches:read", "keys:read", "usage:read")
+
+
+class PurgeOutputSerializer(serializers.Serializer):
+    node_id = serializers.UUIDField()
+    state = serializers.ChoiceField(choices=["pending", "confirmed"])
+    send_count = serializers.IntegerField()
+    confirmed_at = serializers.DateTimeField(allow_null=True)
+    freed_bytes = serializers.IntegerField()
+
+
+class ErasureJobSerializer(serializers.Serializer):
+    id = serializers.UUIDField()
+    tenant_id = serializers.UUIDField()
+    state = serializers.ChoiceField(choices=ErasureState.choices)
+    requested_by = serializers.CharField()
+    requested_at = serializers.DateTimeField()
+    scheduled_for = serializers.DateTimeField(allow_null=True, help_text="End of the grace window.")
+    started_at = serializers.DateTimeField(allow_null=True)
+    completed_at = serializers.DateTimeField(allow_null=True)
+    cancelled_at = serializers.DateTimeField(allow_null=True)
+    error = serializers.CharField()
+    purges = PurgeOutputSerializer(many=True, source="purges.all")
+    receipt_available = serializers.SerializerMethodField()
+
+    def get_receipt_available(self, job) -> bool:
+        return job.receipt is not None
+
+
+class _StaffApi(APIView):
+    permission_classes = [IsStaff]
+    parser_classes = [JSONParser]
+
+
+def _requested_by(request) -> str:
+    actor = actor_of(request.user)
+    return f"{actor.kind}:{actor.id}" if actor is not None else "system:"
+
+
+class ErasureApi(_StaffApi):
+    @extend_schema(
+        operation_id="admin_tenant_erasure_request",
+        tags=["privacy"],
+        request=None,
+        responses={201: ErasureJobSerializer, 200: ErasureJobSerializer, **error_responses(401, 403, 404)},
+        summary="Request the tenant's erasure (staff; idempotent: a second request returns the same job)",
+    )
+    def post(self, request, tenant_id):
+        job, created = services.erasure_request(tenant_id=tenant_id, requested_by=_requested_by(request))
+        job = selectors.erasure_job_for_tenant(tenant_id=job.tenant_id)
+        return Response(ErasureJobSerializer(job).data, status=status.HTTP_201_CREATED if created else 200)
+
+    @extend_schema(
+        operation_id="admin_tenant_erasure_retrieve",
+        tags=["privacy"],
+        responses={200: ErasureJobSerializer, **error_responses(401, 403, 404)},
+        summary="The tenant's erasure job (staff)",
+    )
+    def get(self, request, tenant_id):
+        return Response(ErasureJobSerializer(selectors.erasure_job_for_tenant(tenant_id=tenant_id)).data)
+
+
+class ErasureCancelApi(_StaffApi):
+    @extend_schema(
+        operation_id="admin_tenant_erasure_cancel",
+        tags=["privacy"],
+        request=None,
+        responses={200: ErasureJobSerializer, **error_responses(401, 403, 404, 409)},
+        summary="Cancel the tenant's erasure inside its grace window (staff; 409 once it runs)",
+    )
+    def post(self, request, tenant_id):
+        job = services.erasure_cancel(tenant_id=tenant_id)
+        return Response(ErasureJobSerializer(selectors.erasure_job_for_tenant(tenant_id=job.tenant_id)).data)
+
+
+class ErasureReceiptApi(_StaffApi):
+    @extend_schema(
+        operation_id="admin_tenant_erasure_receipt",
+        tags=["privacy"],
+        responses={200: OpenApiTypes.OBJECT, **error_responses(401, 403, 404, 409)},
+        summary="The signed deletion receipt (staff; verify offline with privacy/receipt_verify.py)",
+    )
+    def get(self, request, tenant_id):
+        return Response(receipt.receipt_envelope(selectors.erasure_receipt_job(tenant_id=tenant_id)))
+
+
+class HoldsExportScopes(BasePermission):
+    """A tenant key holding every EXPORT_SCOPES scope (403 naming the missing ones); nobody else."""
+
+    def has_permission(self, request, view) -> bool:
+        user = getattr(request, "user", None)
+        if not isinstance(user, TenantPrincipal):
+            return False
+        missing = [s for s in EXPORT_SCOPES if not scope_rules.covers(user.scopes, [s])]
+        if missing:
+            raise ApplicationError("A data export needs the read scope of everything it contains.",
+                                   code="permission_denied", status_code=403,
+                                   details={"required_scopes": list(EXPORT_SCOPES), "missing": missing})  # fmt: skip
+        return True
+
+
+class TenantExportApi(APIView):
+    permission_classes = [HoldsExportScopes]
+
+    @extend_schema(
+        operation_id="export_retrieve",
+        tags=["privacy"],
+        responses={200: OpenApiTypes.OBJECT, **error_responses(401, 403)},
+        summary="Export everything held about the calling tenant as one JSON archive (GDPR Art. 20)",
+        description="Needs a key with audit:read, caches:read, keys:read and usage:read.",
+    )
+    def get(self, request):
+        return Response(export.tenant_export(tenant=request.user.tenant))
+
+
+class AdminTenantExportApi(_StaffApi):
+    @extend_schema(
+        operation_id="admin_tenant_export_retrieve",
+        tags=["privacy"],
+        responses={200: OpenApiTypes.OBJECT, **error_responses(401, 403, 404)},
+        summary="Export everything held about a tenant as one JSON archive (staff)",
+    )
+    def get(self, request, tenant_id):
+        return Response(export.tenant_export(tenant=tenant_get(tenant_id=tenant_id)))

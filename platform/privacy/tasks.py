@@ -1,0 +1,31 @@
+"""Control-queue tasks of the privacy room. Each takes ids and calls one service; the services' status guards make
+redelivery and duplicates no-ops. Nodes send privacy.purge_result (kcaas.node_messages); beat runs
+privacy.run_erasures every KCAAS_ERASURE_TICK_SECONDS."""
+
+from celery import shared_task
+
+from audit.context import Actor, acting_as
+from kcaas.node_messages import PURGE_RESULT_TASK
+from privacy import services
+
+
+@shared_task(name=PURGE_RESULT_TASK)
+def purge_result(job_id: str, node_id: str, tenant_id: str, purged: list) -> str | None:
+    """A node's answer to kcaas.node.purge_tenant: its pools of the tenant are gone, `purged` says which, with the
+    bytes freed. Recorded as that node's act."""
+    with acting_as(Actor("node", str(node_id))):
+        purge = services.erasure_purge_confirmed(job_id=job_id, node_id=node_id, tenant_id=tenant_id, purged=purged)
+    return purge.state if purge is not None else None
+
+
+@shared_task(name=services.FINISH_TASK)
+def erasure_finish(job_id: str) -> str | None:
+    """Complete a running job whose every purge is confirmed (a no-op otherwise); a failure moves it to error."""
+    job = services.erasure_finish_guarded(job_id=job_id)
+    return job.state if job is not None else None
+
+
+@shared_task(name="privacy.run_erasures")
+def run_erasures() -> int:
+    """Beat: start jobs past their grace, finish confirmed ones, resend stale purges."""
+    return len(services.erasures_run_due())
