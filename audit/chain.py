@@ -478,15 +478,12 @@ def _note_anchoring(digests: list[dict], ordered: list[dict], report: Report) ->
 # ---- command line ---------------------------------------------------------------------------------------------------
 
 
-def print_report(report: Report, *, max_problems: int = 20, out=None) -> None:
-    out = out or sys.stdout
-    print(report.summary(), file=out)
-    for problem in report.problems[:max_problems]:
-        print(f"  {problem}", file=out)
+def report_lines(report: Report, *, max_problems: int = 20) -> list[str]:
+    """The one-line summary, then the first problems and the notes."""
+    lines = [report.summary()] + [f"  {problem}" for problem in report.problems[:max_problems]]
     if len(report.problems) > max_problems:
-        print(f"  … and {len(report.problems) - max_problems} more", file=out)
-    for note in report.notes:
-        print(f"  note: {note}", file=out)
+        lines.append(f"  ... and {len(report.problems) - max_problems} more")
+    return lines + [f"  note: {note}" for note in report.notes]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -499,13 +496,19 @@ def main(argv: list[str] | None = None) -> int:
     verify.add_argument("--key", help="the trusted platform key: a JWK file (/.well-known/kcaas-platform-key.json)")
     verify.add_argument("--max-problems", type=int, default=20)
     args = parser.parse_args(argv)
-    trusted = None
-    if args.key:
-        with open(args.key, encoding="utf-8") as f:
-            trusted = json.load(f)
-    report = verify_export(args.export, trusted_key_jwk=trusted)
-    print_report(report, max_problems=args.max_problems)
+    try:
+        trusted = _read_json(args.key) if args.key else None
+        report = verify_export(args.export, trusted_key_jwk=trusted)
+    except (OSError, ValueError) as error:
+        print(f"cannot read the export or the key: {error}", file=sys.stderr)
+        return 2
+    print("\n".join(report_lines(report, max_problems=args.max_problems)))
     return 0 if report.ok else 1
+
+
+def _read_json(path: str):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 if __name__ == "__main__":
