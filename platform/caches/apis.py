@@ -1,12 +1,10 @@
-"""REST API of the caches room: attach, list, get, detach (scope `caches`), data tokens, the tenant's usage against
-its quota, and the JWKS.
+"""REST API of the caches room: attach, list, get, detach (scope `caches`), data tokens, and the JWKS (the tenant's
+usage moved to billing.apis).
 
 Each view validates, calls one service or selector, and serializes. Tenant isolation: a tenant key reaches only its
 own tenant's caches; another tenant's cache id (guessed, listed or forged) is a 404, never a 403. Staff users see
 every tenant's caches (optionally one, with `tenant_id`) and attach for a named tenant; they get no data tokens.
 """
-
-import dataclasses
 
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_serializer
@@ -376,98 +374,6 @@ class DataTokensRevokeAllApi(APIView):
     def post(self, request, cache_id):
         revoked = services.data_tokens_revoke(cache_id=cache_id, tenant_id=_tenant_scope(request, None))
         return Response(DataTokensRevokedSerializer({"revoked": revoked}).data)
-
-
-# ---- usage ----------------------------------------------------------------------------------------------------------
-
-
-class UsagePermission(BasePermission):
-    """Usage is readable with caches:read or usage:read (write implies read); staff pass (naming the tenant)."""
-
-    def has_permission(self, request, view) -> bool:
-        user = request.user
-        if is_staff_user(user):
-            return True
-        if not isinstance(user, TenantPrincipal):
-            return False  # DRF answers 401 for no credentials, 403 for other principals
-        if user.has_scope("caches", "read") or user.has_scope("usage", "read"):
-            return True
-        raise _missing_scope("caches:read")
-
-
-def _per_tier(values: dict[str, int]) -> dict[str, int]:
-    return {f"{tier}_bytes": values[tier] for tier in TIERS}
-
-
-@extend_schema_serializer(component_name="UsageLimits")
-class UsageLimitsSerializer(serializers.Serializer):
-    """Effective limits: the tenant's overrides merged over the defaults."""
-
-    max_caches = serializers.IntegerField()
-    max_device_bytes = serializers.IntegerField()
-    max_dram_bytes = serializers.IntegerField()
-    max_ssd_bytes = serializers.IntegerField()
-    max_requests_per_second = serializers.IntegerField()
-    max_data_tokens_outstanding = serializers.IntegerField()
-
-
-class TierBytesSerializer(serializers.Serializer):
-    device_bytes = serializers.IntegerField(min_value=0)
-    dram_bytes = serializers.IntegerField(min_value=0)
-    ssd_bytes = serializers.IntegerField(min_value=0)
-
-
-@extend_schema_serializer(component_name="UsageUsed")
-class UsageUsedSerializer(TierBytesSerializer):
-    """What the quota checks count: non-detached caches (failed ones until detached) and their capacity per tier."""
-
-    caches = serializers.IntegerField(min_value=0)
-    data_tokens_outstanding = serializers.IntegerField(min_value=0, help_text="Neither expired nor revoked.")
-
-
-@extend_schema_serializer(component_name="UsageResident")
-class UsageResidentSerializer(TierBytesSerializer):
-    """Bytes per tier the nodes last reported holding for those caches (heartbeat snapshots)."""
-
-
-class UsageApi(APIView):
-    """The tenant's effective quota limits next to its consumption, as the attach and token quota checks count it."""
-
-    permission_classes = [UsagePermission]
-
-    @extend_schema_serializer(component_name="UsageFilter")
-    class FilterSerializer(serializers.Serializer):
-        tenant_id = serializers.UUIDField(required=False)
-
-    @extend_schema_serializer(component_name="Usage")
-    class OutputSerializer(serializers.Serializer):
-        tenant_id = serializers.UUIDField()
-        limits = UsageLimitsSerializer()
-        used = UsageUsedSerializer()
-        resident = UsageResidentSerializer()
-
-    @extend_schema(
-        operation_id="usage_retrieve",
-        tags=["usage"],
-        parameters=[_TENANT_ID_PARAM, *RATE_LIMIT_HEADERS],
-        responses={200: OutputSerializer, **error_responses(*AUTH_ERRORS, 404)},
-        description="Quota limits and current consumption: the counts the quota checks compare with them (a "
-        "snapshot, not locked), and the bytes the nodes report resident. Needs caches:read or usage:read.",
-    )
-    def get(self, request):
-        tenant = request_tenant(request, _validated(self.FilterSerializer, request.query_params).get("tenant_id"))
-        usage = selectors.tenant_usage(tenant=tenant)
-        body = {
-            "tenant_id": tenant.pk,
-            "limits": dataclasses.asdict(usage.limits),
-            "used": {
-                "caches": usage.caches.num_caches,
-                **_per_tier(usage.caches.capacity_bytes),
-                "data_tokens_outstanding": usage.data_tokens_outstanding,
-            },
-            "resident": _per_tier(usage.resident_bytes),
-        }
-        return Response(self.OutputSerializer(body).data)
 
 
 # ---- JWKS -----------------------------------------------------------------------------------------------------------

@@ -9,5 +9,4 @@ urlpatterns = [
     path("caches/<uuid:cache_id>/tokens/revoke", apis.DataTokensRevokeAllApi.as_view(), name="cache-tokens-revoke"),
     path("caches/<uuid:cache_id>/tokens/<uuid:jti>/revoke", apis.DataTokenRevokeApi.as_view(),
          name="cache-token-revoke"),
-    path("usage", apis.UsageApi.as_view(), name="usage"),
 ]

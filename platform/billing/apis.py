@@ -1,0 +1,446 @@
+"""REST API of the billing room: node usage reports, the tenant's usage (snapshot and metered series, JSON or CSV),
+invoices, and the staff's rates. Each view validates, calls one service or selector, and serializes.
+
+Tenant isolation: a tenant key reads only its own usage and invoices (naming another tenant, or another's invoice
+id, is a 404); staff read every tenant's (invoices optionally filtered by tenant_id) and manage rates.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+from datetime import timedelta
+
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import (
+    OpenApiParameter,
+    PolymorphicProxySerializer,
+    extend_schema,
+    extend_schema_field,
+    extend_schema_serializer,
+)
+from django.http import HttpResponse
+from rest_framework import serializers, status
+from rest_framework.negotiation import DefaultContentNegotiation
+from rest_framework.parsers import JSONParser
+from rest_framework.permissions import BasePermission
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from billing import money, selectors, services
+from billing.errors import InvalidPeriod
+from billing.models import METERS, TIERS, InvoiceStatus
+from caches import selectors as cache_selectors
+from controlplane.errors import ApplicationError
+from fleet.authentication import NodeCredentialAuthentication
+from fleet.permissions import IsNode
+from tenants.openapi import AUTH_ERRORS, RATE_LIMIT_HEADERS, error_responses
+from tenants.pagination import BoundedLimitOffsetPagination
+from tenants.permissions import IsStaff, ScopePermission
+from tenants.principals import TenantPrincipal, is_staff_user, request_tenant
+
+MAX_REPORT_ENTRIES = 10_000  # caches in one node report
+MAX_COUNTER = 2**62  # bytes and counters: far above any node, inside PostgreSQL's bigint
+MAX_SERIES_DAYS = {"hour": 400, "day": 3660, "month": 3660}  # at most ~10 000 buckets per answer
+
+_TENANT_ID_PARAM = OpenApiParameter(
+    "tenant_id", OpenApiTypes.UUID, required=False, description="Staff only: the tenant (required for usage)."
+)
+
+
+def _validated(serializer_class, data) -> dict:
+    if hasattr(data, "dict"):  # a QueryDict: one value per parameter
+        data = data.dict()
+    serializer = serializer_class(data=data)
+    serializer.is_valid(raise_exception=True)
+    return serializer.validated_data
+
+
+@extend_schema_field({"type": "string", "format": "decimal", "example": "3.5"})
+class ExactDecimalField(serializers.Field):
+    """A Decimal as its exact string, without trailing zeros ("3.5", never a float)."""
+
+    def to_representation(self, value):
+        return str(money.ratio(value, 1))
+
+
+# ---- node usage reports ---------------------------------------------------------------------------------------------
+
+
+class UsageEntrySerializer(serializers.Serializer):
+    cache_id = serializers.UUIDField()
+    device_bytes = serializers.IntegerField(min_value=0, max_value=MAX_COUNTER)
+    dram_bytes = serializers.IntegerField(min_value=0, max_value=MAX_COUNTER)
+    ssd_bytes = serializers.IntegerField(min_value=0, max_value=MAX_COUNTER)
+    bytes_written_total = serializers.IntegerField(min_value=0, max_value=MAX_COUNTER,
+                                                   help_text="KV bytes written by puts since the agent's boot")
+    tokens_served_total = serializers.IntegerField(min_value=0, max_value=MAX_COUNTER,
+                                                   help_text="tokens of KV sent by GET answers since the boot")
+
+
+class RefusedEntrySerializer(serializers.Serializer):
+    cache_id = serializers.UUIDField()
+    reason = serializers.CharField()
+
+
+class NodeUsageReportApi(APIView):
+    authentication_classes = [NodeCredentialAuthentication]
+    parser_classes = [JSONParser]
+    permission_classes = [IsNode]
+    throttle_classes: list = []
+
+    @extend_schema_serializer(component_name="NodeUsageReport")
+    class InputSerializer(serializers.Serializer):
+        boot_id = serializers.UUIDField(help_text="random per agent process start")
+        sequence = serializers.IntegerField(min_value=1, max_value=MAX_COUNTER, help_text="grows by report")
+        sampled_at = serializers.DateTimeField(help_text="RFC 3339, the node's clock (whole seconds count)")
+        caches = UsageEntrySerializer(many=True, max_length=MAX_REPORT_ENTRIES)
+
+        def validate_caches(self, entries):
+            ids = [entry["cache_id"] for entry in entries]
+            if len(ids) != len(set(ids)):
+                raise serializers.ValidationError("each cache_id may appear once")
+            return entries
+
+    @extend_schema_serializer(component_name="NodeUsageReportAck")
+    class OutputSerializer(serializers.Serializer):
+        duplicate = serializers.BooleanField(help_text="this (boot_id, sequence) was recorded before: nothing changed")
+        late = serializers.BooleanField(help_text="sampled before the grace window: ignored, nothing stored")
+        accepted = serializers.IntegerField()
+        refused = RefusedEntrySerializer(many=True, help_text="entries for caches not placed on this node")
+
+    @extend_schema(
+        operation_id="nodes_usage",
+        tags=["nodes"],
+        request=InputSerializer,
+        responses={200: OutputSerializer, **error_responses(400, 401)},
+        summary="Report the calling node's per-cache usage (absolute snapshots and counters since boot)",
+        description="Idempotent on (node, boot_id, sequence). 400 validation_error or invalid_usage_report (a "
+        "sampled_at ahead of the control plane's clock by more than KCAAS_USAGE_MAX_CLOCK_SKEW_SECONDS).",
+    )
+    def post(self, request):
+        data = _validated(self.InputSerializer, request.data)
+        outcome = services.usage_report_record(
+            node_id=request.user.node.pk, boot_id=data["boot_id"], sequence=data["sequence"],
+            sampled_at=data["sampled_at"], entries=[dict(entry) for entry in data["caches"]],
+        )  # fmt: skip
+        return Response(self.OutputSerializer(dataclasses.asdict(outcome)).data)
+
+
+# ---- usage ----------------------------------------------------------------------------------------------------------
+
+
+class UsagePermission(BasePermission):
+    """Usage is readable with caches:read or usage:read (write implies read); staff pass (naming the tenant)."""
+
+    def has_permission(self, request, view) -> bool:
+        user = request.user
+        if is_staff_user(user):
+            return True
+        if not isinstance(user, TenantPrincipal):
+            return False  # DRF answers 401 for no credentials, 403 for other principals
+        if user.has_scope("caches", "read") or user.has_scope("usage", "read"):
+            return True
+        raise ApplicationError("This key lacks the caches:read scope.", code="permission_denied", status_code=403,
+                               details={"required_scope": "caches:read"})  # fmt: skip
+
+
+class _FormatIsAParameter(DefaultContentNegotiation):
+    """`format` is the usage view's own parameter (json|csv), not DRF's renderer override: answers stay JSON
+    unless the view itself returns CSV."""
+
+    class settings:  # noqa: N801 - mirrors api_settings, which DefaultContentNegotiation reads
+        URL_FORMAT_OVERRIDE = None
+
+
+def _per_tier(values: dict[str, int]) -> dict[str, int]:
+    return {f"{tier}_bytes": values[tier] for tier in TIERS}
+
+
+@extend_schema_serializer(component_name="UsageLimits")
+class UsageLimitsSerializer(serializers.Serializer):
+    """Effective limits: the tenant's overrides merged over the defaults."""
+
+    max_caches = serializers.IntegerField()
+    max_device_bytes = serializers.IntegerField()
+    max_dram_bytes = serializers.IntegerField()
+    max_ssd_bytes = serializers.IntegerField()
+    max_requests_per_second = serializers.IntegerField()
+    max_data_tokens_outstanding = serializers.IntegerField()
+
+
+class TierBytesSerializer(serializers.Serializer):
+    device_bytes = serializers.IntegerField(min_value=0)
+    dram_bytes = serializers.IntegerField(min_value=0)
+    ssd_bytes = serializers.IntegerField(min_value=0)
+
+
+@extend_schema_serializer(component_name="UsageUsed")
+class UsageUsedSerializer(TierBytesSerializer):
+    """What the quota checks count: non-detached caches (failed ones until detached) and their capacity per tier."""
+
+    caches = serializers.IntegerField(min_value=0)
+    data_tokens_outstanding = serializers.IntegerField(min_value=0, help_text="Neither expired nor revoked.")
+
+
+@extend_schema_serializer(component_name="UsageResident")
+class UsageResidentSerializer(TierBytesSerializer):
+    """Bytes per tier the nodes last reported holding for those caches (heartbeat snapshots)."""
+
+
+@extend_schema_serializer(component_name="Usage")
+class UsageSerializer(serializers.Serializer):
+    tenant_id = serializers.UUIDField()
+    limits = UsageLimitsSerializer()
+    used = UsageUsedSerializer()
+    resident = UsageResidentSerializer()
+
+
+@extend_schema_serializer(component_name="UsageBucket")
+class UsageBucketSerializer(serializers.Serializer):
+    period_start = serializers.DateTimeField()
+    device_byte_seconds = serializers.IntegerField()
+    dram_byte_seconds = serializers.IntegerField()
+    ssd_byte_seconds = serializers.IntegerField()
+    device_gb_hours = serializers.CharField(help_text="byte-seconds / 3.6e12, an exact decimal string")
+    dram_gb_hours = serializers.CharField()
+    ssd_gb_hours = serializers.CharField()
+    bytes_written = serializers.IntegerField()
+    tokens_served = serializers.IntegerField()
+
+
+@extend_schema_serializer(component_name="UsageSeries")
+class UsageSeriesSerializer(serializers.Serializer):
+    def get_fields(self):  # "from" is a Python keyword: the fields are named here
+        return {
+            "from": serializers.DateTimeField(),
+            "to": serializers.DateTimeField(),
+            "granularity": serializers.ChoiceField(choices=list(selectors.GRANULARITIES)),
+            "buckets": UsageBucketSerializer(many=True),
+        }
+
+
+@extend_schema_serializer(component_name="UsageWithSeries")
+class UsageWithSeriesSerializer(UsageSerializer):
+    series = UsageSeriesSerializer()
+
+
+CSV_COLUMNS = ["period_start", *(f"{t}_byte_seconds" for t in TIERS), *(f"{t}_gb_hours" for t in TIERS),
+               "bytes_written", "tokens_served"]  # fmt: skip
+
+
+class UsageApi(APIView):
+    """The tenant's effective quota limits next to its consumption and, for a period, its metered usage."""
+
+    permission_classes = [UsagePermission]
+    content_negotiation_class = _FormatIsAParameter
+
+    @extend_schema_serializer(component_name="UsageFilter")
+    class FilterSerializer(serializers.Serializer):
+        def get_fields(self):  # "from" is a Python keyword: the fields are named here
+            return {
+                "tenant_id": serializers.UUIDField(required=False),
+                "from": serializers.DateTimeField(required=False),
+                "to": serializers.DateTimeField(required=False),
+                "granularity": serializers.ChoiceField(choices=list(selectors.GRANULARITIES), required=False),
+                "format": serializers.ChoiceField(choices=["json", "csv"], required=False, default="json"),
+            }
+
+        def validate(self, attrs):
+            period = [attrs.get("from"), attrs.get("to")]
+            wants_series = any(period) or "granularity" in attrs or attrs["format"] == "csv"
+            if wants_series and not all(period):
+                raise InvalidPeriod("The metered series needs both from and to.")
+            if wants_series:
+                _check_period(attrs["from"], attrs["to"], attrs.setdefault("granularity", "day"))
+            attrs["wants_series"] = wants_series
+            return attrs
+
+    @extend_schema(
+        operation_id="usage_retrieve",
+        tags=["usage"],
+        parameters=[
+            _TENANT_ID_PARAM,
+            OpenApiParameter("from", OpenApiTypes.DATETIME, required=False, description="series start (inclusive)"),
+            OpenApiParameter("to", OpenApiTypes.DATETIME, required=False, description="series end (exclusive)"),
+            OpenApiParameter("granularity", str, enum=list(selectors.GRANULARITIES), required=False,
+                             description="series buckets (UTC), default day"),
+            OpenApiParameter("format", str, enum=["json", "csv"], required=False,
+                             description="csv: the series as CSV (needs from and to)"),
+            *RATE_LIMIT_HEADERS,
+        ],
+        responses={
+            (200, "application/json"): PolymorphicProxySerializer(
+                component_name="UsageAnswer", serializers=[UsageSerializer, UsageWithSeriesSerializer],
+                resource_type_field_name=None,
+            ),
+            (200, "text/csv"): OpenApiTypes.STR,
+            **error_responses(*AUTH_ERRORS, 404),
+        },
+        description="Quota limits and current consumption: the counts the quota checks compare with them (a "
+        "snapshot, not locked), and the bytes the nodes report resident. With from/to (and granularity "
+        "hour|day|month) also the metered series from the billing ledger: byte-seconds and GB-hours (exact "
+        "decimal strings) per tier, bytes written, tokens served; format=csv answers the series as CSV. "
+        "Needs caches:read or usage:read. 400 invalid_period for an empty, reversed or too long period.",
+    )
+    def get(self, request):
+        query = _validated(self.FilterSerializer, request.query_params)
+        tenant = request_tenant(request, query.get("tenant_id"))
+        series = _series(tenant.pk, query) if query["wants_series"] else None
+        if query["format"] == "csv":
+            return _csv_response(tenant.pk, series)
+        body = UsageSerializer(_snapshot(tenant)).data
+        if series is not None:
+            body["series"] = UsageSeriesSerializer(series).data
+        return Response(body)
+
+
+def _check_period(start, end, granularity: str) -> None:
+    if end <= start:
+        raise InvalidPeriod("to must be after from.", details={"from": str(start), "to": str(end)})
+    if end - start > timedelta(days=MAX_SERIES_DAYS[granularity]):
+        raise InvalidPeriod(f"A series by {granularity} spans at most {MAX_SERIES_DAYS[granularity]} days.",
+                            details={"max_days": MAX_SERIES_DAYS[granularity]})  # fmt: skip
+
+
+def _snapshot(tenant) -> dict:
+    usage = cache_selectors.tenant_usage(tenant=tenant)
+    return {
+        "tenant_id": tenant.pk,
+        "limits": dataclasses.asdict(usage.limits),
+        "used": {
+            "caches": usage.caches.num_caches,
+            **_per_tier(usage.caches.capacity_bytes),
+            "data_tokens_outstanding": usage.data_tokens_outstanding,
+        },
+        "resident": _per_tier(usage.resident_bytes),
+    }
+
+
+def _series(tenant_id, query: dict) -> dict:
+    buckets = selectors.usage_series(tenant_id=tenant_id, start=query["from"], end=query["to"],
+                                     granularity=query["granularity"])  # fmt: skip
+    return {"from": query["from"], "to": query["to"], "granularity": query["granularity"],
+            "buckets": [bucket.as_dict() for bucket in buckets]}  # fmt: skip
+
+
+def _csv_response(tenant_id, series: dict) -> HttpResponse:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=CSV_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(series["buckets"])
+    response = HttpResponse(out.getvalue(), content_type="text/csv; charset=utf-8")
+    start, end = (series[k].strftime("%Y%m%dT%H%M%SZ") for k in ("from", "to"))
+    response["Content-Disposition"] = f'attachment; filename="usage-{tenant_id}-{start}-{end}.csv"'
+    return response
+
+
+# ---- invoices -------------------------------------------------------------------------------------------------------
+
+
+@extend_schema_serializer(component_name="InvoiceLine")
+class InvoiceLineSerializer(serializers.Serializer):
+    cache_id = serializers.UUIDField()
+    meter = serializers.ChoiceField(choices=list(METERS))
+    usage = serializers.IntegerField(help_text="base units: byte-seconds, bytes or tokens")
+    quantity = ExactDecimalField(help_text="in the meter's unit (GB-hours, GB, million tokens)")
+    unit_price = ExactDecimalField()
+    rate_effective_from = serializers.DateTimeField()
+    amount = ExactDecimalField(help_text="quantity x unit_price, unrounded")
+
+
+@extend_schema_serializer(component_name="Invoice")
+class InvoiceSerializer(serializers.Serializer):
+    id = serializers.UUIDField()
+    tenant_id = serializers.UUIDField()
+    month = serializers.SerializerMethodField(help_text="YYYY-MM (UTC)")
+    status = serializers.ChoiceField(choices=InvoiceStatus.choices)
+    currency = serializers.CharField()
+    subtotal = ExactDecimalField(help_text="the sum of the line amounts, unrounded")
+    total = serializers.DecimalField(max_digits=20, decimal_places=2, help_text="subtotal rounded once "
+                                     "to the cent, half to even")  # fmt: skip
+    generated_at = serializers.DateTimeField()
+    finalised_at = serializers.DateTimeField(allow_null=True)
+    lines = InvoiceLineSerializer(many=True, source="lines.all")
+
+    def get_month(self, invoice) -> str:
+        return invoice.month.strftime("%Y-%m")
+
+
+class _InvoiceApi(APIView):
+    permission_classes = [ScopePermission]
+    scope_resource = "usage"
+
+
+class InvoiceListApi(_InvoiceApi):
+    @extend_schema_serializer(component_name="InvoiceFilter")
+    class FilterSerializer(serializers.Serializer):
+        tenant_id = serializers.UUIDField(required=False)
+
+    @extend_schema(
+        operation_id="invoices_list", tags=["invoices"],
+        parameters=[_TENANT_ID_PARAM, *RATE_LIMIT_HEADERS],
+        responses={200: InvoiceSerializer(many=True), **error_responses(*AUTH_ERRORS, 404)},
+        description="The tenant's invoices, newest month first (staff: every tenant's, or tenant_id's). Needs "
+        "usage:read.",
+    )  # fmt: skip
+    def get(self, request):
+        tenant_id = _tenant_scope(request, _validated(self.FilterSerializer, request.query_params).get("tenant_id"))
+        paginator = BoundedLimitOffsetPagination()
+        page = paginator.paginate_queryset(selectors.invoices_for_tenant(tenant_id=tenant_id), request, view=self)
+        return paginator.get_paginated_response(InvoiceSerializer(page, many=True).data)
+
+
+class InvoiceDetailApi(_InvoiceApi):
+    @extend_schema(operation_id="invoices_retrieve", tags=["invoices"], parameters=RATE_LIMIT_HEADERS,
+                   responses={200: InvoiceSerializer, **error_responses(*AUTH_ERRORS, 404)})  # fmt: skip
+    def get(self, request, invoice_id):
+        tenant_id = None if is_staff_user(request.user) else request_tenant(request).pk
+        return Response(InvoiceSerializer(selectors.invoice_get(invoice_id=invoice_id, tenant_id=tenant_id)).data)
+
+
+def _tenant_scope(request, tenant_id):
+    """Own tenant for a key; the named tenant (or None: all) for staff."""
+    if is_staff_user(request.user) and tenant_id is None:
+        return None
+    return request_tenant(request, tenant_id).pk
+
+
+# ---- rates (staff) --------------------------------------------------------------------------------------------------
+
+
+@extend_schema_serializer(component_name="Rate")
+class RateSerializer(serializers.Serializer):
+    id = serializers.IntegerField(read_only=True)
+    meter = serializers.ChoiceField(choices=list(METERS))
+    unit_price = serializers.DecimalField(max_digits=24, decimal_places=10, min_value=0, coerce_to_string=True)
+    effective_from = serializers.DateTimeField(help_text="a whole UTC hour; until the meter's next rate")
+    created_at = serializers.DateTimeField(read_only=True)
+
+
+class AdminRatesApi(APIView):
+    permission_classes = [IsStaff]
+    parser_classes = [JSONParser]
+
+    @extend_schema_serializer(component_name="RateFilter")
+    class FilterSerializer(serializers.Serializer):
+        meter = serializers.ChoiceField(choices=list(METERS), required=False)
+
+    @extend_schema(operation_id="admin_rates_list", tags=["admin"], parameters=[FilterSerializer],
+                   responses={200: RateSerializer(many=True), **error_responses(*AUTH_ERRORS)})  # fmt: skip
+    def get(self, request):
+        rates = selectors.rate_list(meter=_validated(self.FilterSerializer, request.query_params).get("meter"))
+        paginator = BoundedLimitOffsetPagination()
+        page = paginator.paginate_queryset(rates, request, view=self)
+        return paginator.get_paginated_response(RateSerializer(page, many=True).data)
+
+    @extend_schema(operation_id="admin_rates_create", tags=["admin"], request=RateSerializer,
+                   responses={201: RateSerializer, **error_responses(*AUTH_ERRORS, 409)},
+                   description="Audited (rate.created). 400 invalid_rate (effective_from not a whole UTC hour); "
+                   "409 rate_exists (same meter and time: rates are never edited, a later one supersedes).")  # fmt: skip
+    def post(self, request):
+        data = _validated(RateSerializer, request.data)
+        rate = services.rate_create(meter=data["meter"], unit_price=data["unit_price"],
+                                    effective_from=data["effective_from"])  # fmt: skip
+        return Response(RateSerializer(rate).data, status=status.HTTP_201_CREATED)

@@ -1,0 +1,88 @@
+"""Reads of the billing room. Tenant scoping happens here: given a tenant, a selector never returns another's rows.
+The privacy room's portability export reads `usage_series` and `invoices_for_tenant`."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
+
+from django.db.models import QuerySet, Sum
+from django.db.models.functions import TruncDay, TruncHour, TruncMonth
+
+from billing import money
+from billing.models import TIERS, Invoice, LedgerHour, Rate
+from controlplane.errors import NotFoundError
+from tenants.ids import as_uuid
+
+GRANULARITIES = {"hour": TruncHour, "day": TruncDay, "month": TruncMonth}
+
+
+@dataclass(frozen=True, slots=True)
+class UsageBucket:
+    """A tenant's metered usage in one period: byte-seconds and GB-hours (exact Decimal) per tier, bytes written,
+    tokens served."""
+
+    period_start: datetime
+    byte_seconds: dict[str, int]
+    bytes_written: int
+    tokens_served: int
+
+    @property
+    def gb_hours(self) -> dict[str, Decimal]:
+        return {tier: money.gb_hours(self.byte_seconds[tier]) for tier in TIERS}
+
+    def as_dict(self) -> dict:
+        """JSON-ready: integers as integers, GB-hours as decimal strings."""
+        return {
+            "period_start": self.period_start.isoformat(),
+            **{f"{tier}_byte_seconds": self.byte_seconds[tier] for tier in TIERS},
+            **{f"{tier}_gb_hours": str(value) for tier, value in self.gb_hours.items()},
+            "bytes_written": self.bytes_written,
+            "tokens_served": self.tokens_served,
+        }
+
+
+def usage_series(*, tenant_id: uuid.UUID, start: datetime, end: datetime, granularity: str) -> list[UsageBucket]:
+    """The tenant's ledger hours in [start, end) summed per hour, UTC day or UTC month (periods without usage are
+    left out), oldest first. Reads the ledger as the last rollup left it."""
+    trunc = GRANULARITIES[granularity]
+    rows = (
+        LedgerHour.objects.filter(tenant_id=tenant_id, hour__gte=start, hour__lt=end)
+        .annotate(period=trunc("hour"))
+        .values("period")
+        .annotate(
+            **{tier: Sum(f"{tier}_byte_seconds") for tier in TIERS},
+            written=Sum("bytes_written"),
+            served=Sum("tokens_served"),
+        )
+        .order_by("period")
+    )
+    return [
+        UsageBucket(
+            period_start=row["period"], byte_seconds={tier: int(row[tier]) for tier in TIERS},
+            bytes_written=int(row["written"]), tokens_served=int(row["served"]),
+        )  # fmt: skip
+        for row in rows
+    ]
+
+
+def invoices_for_tenant(*, tenant_id: uuid.UUID | None) -> QuerySet[Invoice]:
+    """The tenant's invoices, newest month first, lines prefetched (tenant_id None: every tenant's, for staff)."""
+    invoices = Invoice.objects.order_by("-month", "tenant_id").prefetch_related("lines")
+    return invoices if tenant_id is None else invoices.filter(tenant_id=tenant_id)
+
+
+def invoice_get(*, invoice_id, tenant_id: uuid.UUID | None) -> Invoice:
+    """One invoice within the tenant (None: any, for staff); another tenant's is a 404 like a missing one."""
+    wanted = as_uuid(invoice_id)
+    invoice = invoices_for_tenant(tenant_id=tenant_id).filter(pk=wanted).first() if wanted else None
+    if invoice is None:
+        raise NotFoundError("No such invoice.")
+    return invoice
+
+
+def rate_list(*, meter: str | None = None) -> QuerySet[Rate]:
+    rates = Rate.objects.order_by("meter", "effective_from")
+    return rates if meter is None else rates.filter(meter=meter)
