@@ -24,6 +24,9 @@ from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from audit.actions import AuditAction
+from audit.context import SYSTEM
+from audit.services import audit_record
 from caches import selectors
 from caches.errors import CacheNameTaken, CacheNotReady, InvalidCapacity
 from caches.models import RESERVING_STATES, TIERS, Cache, CacheState, DataToken
@@ -32,7 +35,7 @@ from caches.signing import token_sign
 from controlplane.celery import app as celery_app, node_queue
 from controlplane.errors import ConflictError, NotFoundError, QuotaExceeded
 from fleet.models import NodeState
-from fleet.services import node_place, node_unreserve, nodes_expire_leases
+from fleet.services import node_place, node_unreserve, nodes_expire_unrecorded, nodes_lost_record
 from kcaas.spec import KVCacheSpec
 from tenants.models import Tenant
 from tenants.selectors import quota_limits
@@ -141,7 +144,17 @@ def cache_attach(*, tenant_id: uuid.UUID, name: str, spec: KVCacheSpec, capacity
     except IntegrityError:  # the partial unique index: cannot happen under the tenant lock, but never a 500
         raise CacheNameTaken("A cache with this name is attached.", details={"name": name}) from None
     _provision(cache)
+    _audit(AuditAction.CACHE_ATTACHED, cache, new={
+        "name": cache.name, "spec": cache.spec_dict(), "capacity": cache.capacity(), "node_id": cache.node_id,
+        "epoch": cache.epoch, "state": cache.state,
+    })  # fmt: skip
     return cache
+
+
+def _audit(action: AuditAction, cache: Cache, *, old: dict | None = None, new: dict | None = None, actor=None) -> None:
+    """One audit event about `cache` (its tenant's), last in the transaction: every lock is taken by now."""
+    audit_record(action=action, target_type="cache", target_id=cache.pk, tenant_id=cache.tenant_id, old=old, new=new,
+                 actor=actor)  # fmt: skip
 
 
 def _provision(cache: Cache) -> None:
@@ -171,9 +184,13 @@ def caches_reconcile_node(*, node_id: uuid.UUID, held_cache_ids: list) -> list[d
         .exclude(id__in=[as_uuid(c) for c in held if as_uuid(c) is not None])
         .order_by("id")
     )
+    again = []
     for cache in lost:
         logger.info("node %s no longer holds cache %s: provisioning it again", node_id, cache.pk)
+        again.append((cache, cache.state))
         _provision(cache)
+    for cache, previous_state in again:
+        _audit(AuditAction.CACHE_REPROVISIONED, cache, old={"state": previous_state}, new={"state": cache.state})
     return selectors.caches_on_node(node_id=node_id)
 
 
@@ -226,7 +243,11 @@ def data_tokens_revoke(*, cache_id, tenant_id: uuid.UUID | None, jti=None) -> in
         wanted = as_uuid(jti)
         if wanted is None or not DataToken.objects.filter(cache=cache, jti=wanted).exists():
             raise NotFoundError("No such data token for this cache.")
-    return _revoke_tokens(cache, timezone.now(), jti=wanted)
+    now = timezone.now()
+    revoked = _revoke_tokens(cache, now, jti=wanted)
+    if revoked:  # already revoked or expired: no change, no event
+        _audit(AuditAction.DATA_TOKENS_REVOKED, cache, new={"revoked": revoked, "jti": wanted, "revoked_at": now})
+    return revoked
 
 
 @transaction.atomic
@@ -242,10 +263,12 @@ def cache_detach(*, cache_id: uuid.UUID, tenant_id: uuid.UUID | None) -> Cache:
         return cache
     now = timezone.now()
     _revoke_tokens(cache, now)
+    old_state = cache.state
     cache.state = CacheState.DETACHED if cache.state == CacheState.FAILED else CacheState.DETACHING
     cache.save(update_fields=["state", "updated_at"])
     if cache.node_id is not None:
         _send_to_node(DETACH_TASK, cache.node_id, [str(cache.pk), cache.epoch])
+    _audit(AuditAction.CACHE_DETACH_REQUESTED, cache, old={"state": old_state}, new={"state": cache.state})
     return cache
 
 
@@ -266,6 +289,7 @@ def cache_provision_result(
     if cache is None or not _same_node(cache, node_id) or cache.state != CacheState.PROVISIONING:
         logger.info("ignored provision result for cache %s from node %s", cache_id, node_id)
         return cache
+    old = {"state": cache.state, "endpoint": cache.endpoint, "failure_reason": cache.failure_reason}
     if ok:
         cache.state = CacheState.READY
         cache.endpoint = (endpoint or cache.node.endpoint)[:300]
@@ -275,6 +299,10 @@ def cache_provision_result(
         cache.failure_reason = (reason or "provisioning_failed")[:MAX_REASON_LENGTH]
         _release(cache)
     cache.save(update_fields=["state", "endpoint", "failure_reason", "updated_at"])
+    new = {"state": cache.state, "endpoint": cache.endpoint, "failure_reason": cache.failure_reason}
+    changed = [field for field in new if new[field] != old[field]]
+    _audit(AuditAction.CACHE_READY if ok else AuditAction.CACHE_FAILED, cache,
+           old={f: old[f] for f in changed}, new={f: new[f] for f in changed})  # fmt: skip
     return cache
 
 
@@ -288,6 +316,7 @@ def cache_detach_result(*, cache_id: uuid.UUID, node_id: uuid.UUID) -> Cache | N
     cache.state = CacheState.DETACHED
     _release(cache)
     cache.save(update_fields=["state", "updated_at"])
+    _audit(AuditAction.CACHE_DETACHED, cache, old={"state": CacheState.DETACHING}, new={"state": CacheState.DETACHED})
     return cache
 
 
@@ -308,16 +337,17 @@ def caches_sweep_leases(*, now: datetime | None = None) -> list[uuid.UUID]:
     candidates = list(
         Cache.objects.select_for_update(of=("self",)).filter(dying, state__in=RESERVING_STATES).order_by("id")
     )
-    nodes_expire_leases(now=now)
+    lost = nodes_expire_unrecorded(now=now)
     lost_nodes = set(
         Cache.objects.filter(pk__in=[c.pk for c in candidates], node__state=NodeState.LOST).values_list(
             "node_id", flat=True
         )
     )
-    changed = []
+    changed, events = [], []
     for cache in candidates:
         if cache.node_id not in lost_nodes:
             continue  # a heartbeat renewed the lease meanwhile
+        old = {"state": cache.state, "failure_reason": cache.failure_reason}
         if cache.state == CacheState.DETACHING:
             cache.state = CacheState.DETACHED
         else:
@@ -325,8 +355,15 @@ def caches_sweep_leases(*, now: datetime | None = None) -> list[uuid.UUID]:
         _release(cache)
         cache.save(update_fields=["state", "failure_reason", "updated_at"])
         changed.append(cache.pk)
+        events.append((cache, old))
     if changed:
         logger.warning("caches flagged on lost nodes: %s", ", ".join(map(str, changed)))
+    nodes_lost_record(lost=lost)  # the audit events last: every node and cache lock is taken by now
+    for cache, old in events:
+        new = {"state": cache.state, "failure_reason": cache.failure_reason}
+        fields = [field for field in new if new[field] != old[field]]
+        action = AuditAction.CACHE_DETACHED if cache.state == CacheState.DETACHED else AuditAction.CACHE_FAILED
+        _audit(action, cache, old={f: old[f] for f in fields}, new={f: new[f] for f in fields}, actor=SYSTEM)
     return changed
 
 
@@ -376,6 +413,9 @@ def data_token_issue(
     data_token = DataToken.objects.create(
         cache=cache, tenant=tenant, access=access, issued_at=now, expires_at=now + timedelta(seconds=ttl)
     )
+    audit_record(action=AuditAction.DATA_TOKEN_ISSUED, target_type="data_token", target_id=data_token.jti,
+                 tenant_id=tenant.pk, new={"cache_id": cache.pk, "access": access, "epoch": cache.epoch,
+                                           "expires_at": data_token.expires_at})  # fmt: skip - never the token
     claims = {
         "iss": settings.KCAAS_TOKEN_ISSUER,
         "aud": f"cache:{cache.pk}",

@@ -6,6 +6,7 @@ import logging
 
 from celery import shared_task
 
+from audit.context import SYSTEM, Actor, acting_as
 from caches import services
 from caches.idempotency import idempotency_records_purge
 from kcaas.node_messages import DETACH_RESULT_TASK, PROVISION_RESULT_TASK
@@ -15,24 +16,28 @@ logger = logging.getLogger("kcaas.caches")
 
 @shared_task(name=PROVISION_RESULT_TASK)
 def provision_result(cache_id: str, node_id: str, ok: bool, reason: str = "", endpoint: str = "") -> str | None:
-    """A node's answer to `kcaas.node.provision_cache`: ready (ok, with its data-plane endpoint) or failed."""
-    cache = services.cache_provision_result(
-        cache_id=cache_id, node_id=node_id, ok=bool(ok), reason=str(reason or ""), endpoint=str(endpoint or "")
-    )
+    """A node's answer to `kcaas.node.provision_cache`: ready (ok, with its data-plane endpoint) or failed.
+    Audited as the node's own action."""
+    with acting_as(Actor("node", str(node_id))):
+        cache = services.cache_provision_result(
+            cache_id=cache_id, node_id=node_id, ok=bool(ok), reason=str(reason or ""), endpoint=str(endpoint or "")
+        )
     return cache.state if cache is not None else None
 
 
 @shared_task(name=DETACH_RESULT_TASK)
 def detach_result(cache_id: str, node_id: str) -> str | None:
-    """A node confirms `kcaas.node.detach_cache`: the pool is gone."""
-    cache = services.cache_detach_result(cache_id=cache_id, node_id=node_id)
+    """A node confirms `kcaas.node.detach_cache`: the pool is gone. Audited as the node's own action."""
+    with acting_as(Actor("node", str(node_id))):
+        cache = services.cache_detach_result(cache_id=cache_id, node_id=node_id)
     return cache.state if cache is not None else None
 
 
 @shared_task(name="caches.sweep_leases")
 def sweep_leases() -> int:
-    """Beat, every few seconds: expire node leases, flag the caches of lost nodes."""
-    return len(services.caches_sweep_leases())
+    """Beat, every few seconds: expire node leases, flag the caches of lost nodes (audited as the system)."""
+    with acting_as(SYSTEM):
+        return len(services.caches_sweep_leases())
 
 
 @shared_task(name="caches.purge_expired")
