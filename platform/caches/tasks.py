@@ -7,14 +7,19 @@ import logging
 from celery import shared_task
 
 from audit.context import SYSTEM, Actor, acting_as
+from audit.services import AuditWriteError
 from caches import services
 from caches.idempotency import idempotency_records_purge
 from kcaas.node_messages import DETACH_RESULT_TASK, PROVISION_RESULT_TASK
 
 logger = logging.getLogger("kcaas.caches")
 
+# A node's answer whose audit event cannot be written is rolled back with it; retried (on the control queue, with
+# backoff up to a minute, for about half an hour) rather than lost while the trail is unavailable.
+_AUDIT_RETRY = {"autoretry_for": (AuditWriteError,), "retry_backoff": 2, "retry_backoff_max": 60, "max_retries": 30}
 
-@shared_task(name=PROVISION_RESULT_TASK)
+
+@shared_task(name=PROVISION_RESULT_TASK, **_AUDIT_RETRY)
 def provision_result(cache_id: str, node_id: str, ok: bool, reason: str = "", endpoint: str = "") -> str | None:
     """A node's answer to `kcaas.node.provision_cache`: ready (ok, with its data-plane endpoint) or failed.
     Audited as the node's own action."""
@@ -25,7 +30,7 @@ def provision_result(cache_id: str, node_id: str, ok: bool, reason: str = "", en
     return cache.state if cache is not None else None
 
 
-@shared_task(name=DETACH_RESULT_TASK)
+@shared_task(name=DETACH_RESULT_TASK, **_AUDIT_RETRY)
 def detach_result(cache_id: str, node_id: str) -> str | None:
     """A node confirms `kcaas.node.detach_cache`: the pool is gone. Audited as the node's own action."""
     with acting_as(Actor("node", str(node_id))):

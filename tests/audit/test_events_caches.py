@@ -10,6 +10,7 @@ import pytest
 from django.utils import timezone
 
 from audit.actions import AuditAction
+from audit.services import AuditWriteError
 from caches import tasks as caches_tasks
 from caches.models import Cache, DataToken
 from fleet.models import Node
@@ -259,3 +260,17 @@ def test_token_issue_revoke_and_detach_fail_closed(ready_cache):
     assert DataToken.objects.count() == tokens and DataToken.objects.get(jti=jti).revoked_at is None
     assert Cache.objects.get(pk=cache.pk).state == "ready"
     assert events_since(seq) == []
+
+
+def test_a_nodes_answer_whose_event_cannot_be_written_is_retried_not_applied_then_applied(make_tenant, make_node):
+    handle, node = make_tenant(), make_node()
+    cache_id = attach(handle).json()["id"]
+    args = [cache_id, str(node.node.pk), True, "", node.node.endpoint]
+    seq = mark()
+    with audit_insert_fails():
+        outcome = caches_tasks.provision_result.apply(args=args)  # eager: its retries run at once, all refused
+    assert outcome.failed() and isinstance(outcome.result, AuditWriteError)
+    assert outcome.result is not None and caches_tasks.provision_result.max_retries == 30
+    assert Cache.objects.get(pk=cache_id).state == "provisioning" and events_since(seq) == []
+    assert caches_tasks.provision_result.apply(args=args).get() == "ready"  # the trail is back: the answer lands
+    assert only_event_since(seq).action == AuditAction.CACHE_READY
