@@ -18,7 +18,9 @@ urlpatterns = [
     path("api/v1/", include("caches.urls")),
     path("api/v1/", include("billing.urls")),
     path("api/v1/", include("privacy.urls")),
+    path("api/v1/", include("audit.urls")),
     path("", include("caches.well_known_urls")),
+    path("", include("audit.well_known_urls")),
 ]
 
 handler400 = errors.json_400
