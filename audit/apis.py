@@ -57,7 +57,7 @@ def _errors(*codes: int) -> dict:
     return {code: OpenApiResponse(response=_ERROR_SCHEMA, description=_ERROR_TEXT[code]) for code in codes}
 
 
-# ---- who may read -----------------------------------------------------------------------------------------------------
+# ---- who may read ----------------------------------------------------------------------------------------------------
 
 
 def is_staff(user) -> bool:
@@ -100,7 +100,7 @@ def tenant_scope(request, tenant_id):
     return own
 
 
-# ---- query parameters -------------------------------------------------------------------------------------------------
+# ---- query parameters ------------------------------------------------------------------------------------------------
 
 
 class RangeSerializer(serializers.Serializer):
@@ -133,7 +133,7 @@ _TENANT_PARAM = OpenApiParameter("tenant_id", OpenApiTypes.UUID, required=False,
                                  "tenant's id is a 404).")  # fmt: skip
 
 
-# ---- events -------------------------------------------------------------------------------------------------------------
+# ---- events ----------------------------------------------------------------------------------------------------------
 
 
 @extend_schema_serializer(component_name="AuditEvent")
@@ -205,7 +205,7 @@ class AuditEventListApi(APIView):
         return paginator.get_paginated_response(AuditEventSerializer(page, many=True).data)
 
 
-# ---- exports ------------------------------------------------------------------------------------------------------------
+# ---- exports ---------------------------------------------------------------------------------------------------------
 
 
 class IgnoreFormatParameter(DefaultContentNegotiation):
@@ -263,7 +263,7 @@ def _content_type(fmt: str) -> str:
     return exports.FORMATS[fmt] + "; charset=utf-8"
 
 
-# ---- digests ------------------------------------------------------------------------------------------------------------
+# ---- digests ---------------------------------------------------------------------------------------------------------
 
 
 @extend_schema_serializer(component_name="AuditDigest")
