@@ -62,7 +62,7 @@ class ExactDecimalField(serializers.Field):
     """A Decimal as its exact string, without trailing zeros ("3.5", never a float)."""
 
     def to_representation(self, value):
-        return str(money.ratio(value, 1))
+        return money.decimal_text(value)
 
 
 # ---- node usage reports ---------------------------------------------------------------------------------------------

@@ -122,8 +122,8 @@ def _finalise(invoice: Invoice, now: datetime) -> None:
     invoice.status, invoice.finalised_at = InvoiceStatus.FINAL, now
     audit_record(action=AuditAction.INVOICE_FINALISED, target_type="invoice", target_id=invoice.pk,
                  tenant_id=invoice.tenant_id, old={"status": InvoiceStatus.DRAFT},
-                 new={"status": InvoiceStatus.FINAL, "month": invoice.month, "total": invoice.total,
-                      "currency": invoice.currency})  # fmt: skip
+                 new={"status": InvoiceStatus.FINAL, "month": invoice.month.strftime("%Y-%m"),
+                      "total": invoice.total, "currency": invoice.currency})  # fmt: skip
 
 
 def invoices_generate_due(*, now: datetime | None = None) -> int:

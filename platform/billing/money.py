@@ -51,6 +51,11 @@ def _plain(value: Decimal) -> Decimal:
     return normal.quantize(Decimal(1)) if normal.as_tuple().exponent > 0 else normal
 
 
+def decimal_text(value: Decimal) -> str:
+    """The exact text of a Decimal, positional, without trailing zeros: "3.5", "0.0000000000016", never "1E-12"."""
+    return format(_plain(Decimal(value)), "f")
+
+
 def gb_hours(byte_seconds: int) -> Decimal:
     return ratio(byte_seconds, BYTE_SECONDS_PER_GB_HOUR)
 

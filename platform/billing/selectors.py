@@ -38,7 +38,7 @@ class UsageBucket:
         return {
             "period_start": self.period_start.isoformat(),
             **{f"{tier}_byte_seconds": self.byte_seconds[tier] for tier in TIERS},
-            **{f"{tier}_gb_hours": str(value) for tier, value in self.gb_hours.items()},
+            **{f"{tier}_gb_hours": money.decimal_text(value) for tier, value in self.gb_hours.items()},
             "bytes_written": self.bytes_written,
             "tokens_served": self.tokens_served,
         }

@@ -24,7 +24,7 @@ from django.utils import timezone
 
 from audit.actions import AuditAction
 from audit.services import audit_record
-from billing import ledger
+from billing import ledger, money
 from billing.errors import InvalidRate, InvalidUsageReport, RateExists
 from billing.models import METERS, LedgerHour, Rate, UsageReport, UsageSample
 from caches.models import Cache
@@ -244,5 +244,6 @@ def rate_create(*, meter: str, unit_price: Decimal, effective_from: datetime) ->
         raise RateExists("A rate of this meter takes effect at that time already.",
                          details={"meter": meter, "effective_from": effective_from.isoformat()}) from None  # fmt: skip
     audit_record(action=AuditAction.RATE_CREATED, target_type="rate", target_id=rate.pk,
-                 new={"meter": meter, "unit_price": unit_price, "effective_from": effective_from})  # fmt: skip
+                 new={"meter": meter, "unit_price": money.decimal_text(unit_price),
+                      "effective_from": effective_from})  # fmt: skip
     return rate
