@@ -3,36 +3,16 @@ run reuses the cached prefix and produces exactly the tokens and logits of a run
 
 import pytest
 import torch
-import transformers
 
 from gpu_node.paged_cache import PagedKVCache
 from kcaas.connectors.hf import HFConnector
-from kcaas.spec import KVCacheSpec
+from tests.e2e.conftest import spec_for
 
-
-@pytest.fixture(scope="module", autouse=True)
-def deterministic_threads():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # with eager attention: the model's own arithmetic is bit-stable across lengths
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, attn_implementation="eager",
-    )
-    return transformers.LlamaForCausalLM(config).eval()
+pytestmark = pytest.mark.usefixtures("deterministic_threads")  # the model fixture comes from tests/e2e/conftest.py
 
 
 def store_for(model) -> PagedKVCache:
-    config = model.config
-    spec = KVCacheSpec("tiny-llama-random@seed0", config.num_hidden_layers, config.num_key_value_heads,
-                       config.hidden_size // config.num_attention_heads, 16, "float32", "float32")
-    return PagedKVCache(spec, hash_key=b"connector-test-k" * 2, num_blocks=64, device="cpu")
+    return PagedKVCache(spec_for(model), hash_key=b"connector-test-k" * 2, num_blocks=64, device="cpu")
 
 
 def prompt(system: torch.Tensor, user: list[int]) -> torch.Tensor:
