@@ -11,6 +11,9 @@ the worker finishes the task in hand (acks_late: one interrupted mid-way is rede
 The data-plane server (gpu_node/dataplane.py) is the last start step and the first stop step; it runs when TLS files
 (KCAAS_NODE_TLS_CERT/KCAAS_NODE_TLS_KEY) or a Unix socket (KCAAS_NODE_UDS) are set.
 
+Usage: a UsageReporter (gpu_node/usage_report.py) sends the registry's usage snapshot every
+KCAAS_NODE_USAGE_SECONDS (60) on its own thread, unsent reports retried in order; stop() sends a last one.
+
 Revoked data tokens: one RevocationList per agent, read by the data plane's TokenVerifier and fed by the
 `revoke_tokens` task and by every register and heartbeat answer (`revoked_tokens`).
 """
@@ -32,6 +35,7 @@ from gpu_node.metrics import NodeMetrics
 from gpu_node.node_tasks import build_node_app
 from gpu_node.registry import CacheRegistry
 from gpu_node.tokens import RevocationList
+from gpu_node.usage_report import UsageReporter, UsageReportLoop
 from kcaas.node_messages import node_queue
 
 logger = logging.getLogger("kcaas.node.agent")
@@ -58,6 +62,7 @@ class AgentConfig:
     token_issuer: str = "kcaas-control-plane"  # the `iss` of data tokens (the control plane's KCAAS_TOKEN_ISSUER)
     drain_seconds: float = 20.0  # SIGTERM: how long in-flight data-plane requests may take to finish
     tenant_limits: TenantLimits = TenantLimits()  # per-tenant data-plane connections / requests / staged bytes
+    usage_seconds: float = 60.0  # KCAAS_NODE_USAGE_SECONDS: how often usage reports go to the control plane
 
     @classmethod
     def from_env(cls, environ=os.environ) -> AgentConfig:
@@ -90,6 +95,7 @@ class AgentConfig:
                 max_inflight_requests=int(environ.get("KCAAS_NODE_TENANT_MAX_REQUESTS") or 8),
                 max_inflight_bytes=int(environ.get("KCAAS_NODE_TENANT_MAX_INFLIGHT_BYTES") or 1 << 30),
             ),
+            usage_seconds=float(environ.get("KCAAS_NODE_USAGE_SECONDS") or 60.0),
         )
 
     @property
@@ -130,6 +136,10 @@ class ControlPlane:
 
     def heartbeat(self, *, capacity: dict, resident: list[dict]) -> dict:
         return self._post("/api/v1/nodes/heartbeat", {"capacity": capacity, "resident": resident})
+
+    def usage(self, report: dict) -> dict:
+        """One usage report (gpu_node.usage_report): idempotent on (node, boot_id, sequence)."""
+        return self._post("/api/v1/nodes/usage", report)
 
     def jwks(self) -> dict:
         """The control plane's public data-token keys (GET /.well-known/jwks.json, unauthenticated)."""
@@ -180,6 +190,8 @@ class NodeAgent:
         self._worker = None
         self._worker_thread: threading.Thread | None = None
         self._heartbeat: Heartbeat | None = None
+        self.usage_reporter: UsageReporter | None = None
+        self._usage_loop: UsageReportLoop | None = None
         self.metrics: NodeMetrics | None = None
         self._metrics_server = None
         self.dataplane = None  # gpu_node.dataplane.DataPlaneServer once started
@@ -198,6 +210,9 @@ class NodeAgent:
             send=self.send_heartbeat, reregister=self.register, interval=registration["heartbeat_interval_seconds"]
         )
         self._heartbeat.start()
+        self.usage_reporter = UsageReporter(snapshot=self.registry.usage_snapshot, send=self.control.usage)
+        self._usage_loop = UsageReportLoop(self.usage_reporter, config.usage_seconds)
+        self._usage_loop.start()
         self._start_dataplane()
         logger.info("node %s serving %s", self.node_id, config.endpoint)
 
@@ -206,6 +221,7 @@ class NodeAgent:
             ("data plane", self._stop_dataplane),
             ("heartbeat", self._stop_heartbeat),
             ("last report", self._report_once),
+            ("usage reports", self._stop_usage_reports),
             ("worker", self._stop_worker),
             ("metrics", self._stop_metrics),
         )
@@ -302,6 +318,13 @@ class NodeAgent:
     def _stop_metrics(self) -> None:
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
+
+    def _stop_usage_reports(self) -> None:
+        """Stop the timer, then one last report (and a last try at the unsent ones): what the node served until it
+        stopped serving is billed."""
+        if self._usage_loop is not None:
+            self._usage_loop.stop()
+            self.usage_reporter.tick()
 
     def _stop_heartbeat(self) -> None:
         if self._heartbeat is not None:

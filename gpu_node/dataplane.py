@@ -72,6 +72,7 @@ class _Conn:
     tenants: set[str] = field(default_factory=set)  # tenants with a session here (each counted once by admission)
     holds: dict[int, Hold] = field(default_factory=dict)  # id(frame meta) -> the admission of a request read ahead
     held_prefixes: list = field(default_factory=list)  # a GET's PrefixHandles, held until its answer is sent
+    served: tuple | None = None  # (engine, tokens of KV) of the GET answer being sent: counted once it is sent
     busy: bool = False  # a frame has started arriving or is being handled (drain waits for it)
     closing: bool = False  # drain chose to close this idle connection
 
@@ -328,6 +329,7 @@ class DataPlaneServer:
                     response = wire.encode_error(frame.request_id, ErrorCode.INTERNAL, "internal error")
                 try:
                     _send_buffers(sock, response)
+                    _count_served(conn)
                 except (OSError, ssl.SSLError):
                     return
                 finally:
@@ -379,6 +381,7 @@ class DataPlaneServer:
         if hold is not None:
             hold.release()
         _release_prefixes(conn)
+        conn.served = None
         if conn.put_staging_owner == id(frame.meta):
             conn.put_staging_owner = None
 
@@ -494,8 +497,10 @@ class DataPlaneServer:
             kv_out.append(views)
         if staged:
             self._read_staged(conn, engine, [(i, handles[i], starts[i], ends[i]) for i in staged], kv_out)
-        return wire.encode_get_ok(request.head.request_id, spec=spec, num_cached=cached, kv_start=list(starts),
-                                  kv_end=list(ends), kv=kv_out, max_frame_bytes=self.max_frame_bytes)  # fmt: skip
+        answer = wire.encode_get_ok(request.head.request_id, spec=spec, num_cached=cached, kv_start=list(starts),
+                                    kv_end=list(ends), kv=kv_out, max_frame_bytes=self.max_frame_bytes)  # fmt: skip
+        conn.served = (engine, sum(max(end - start, 0) for start, end in zip(starts, ends)))
+        return answer
 
     def _read_staged(self, conn: _Conn, engine, reads: list, kv_out: list) -> None:
         """Copy path of _get (device or quantized pools): read each held prefix up to its end into staging."""
@@ -517,6 +522,13 @@ class DataPlaneServer:
             _send_buffers(sock, buffers)
         except (OSError, ssl.SSLError):
             pass
+
+
+def _count_served(conn: _Conn) -> None:
+    """A GET answer went out whole: its tokens of KV count as served (billing's read meter)."""
+    served, conn.served = conn.served, None
+    if served is not None and served[1]:
+        served[0].count_served(served[1])
 
 
 def _release_prefixes(conn: _Conn) -> None:

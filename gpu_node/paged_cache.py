@@ -69,6 +69,7 @@ class CacheStats:
     block_bytes: int
     bytes_resident: int  # used blocks x block bytes: what billing integrates over time
     bytes_capacity: int
+    num_served_tokens: int = 0  # tokens whose KV the data plane sent in GET answers (count_served): billed reads
 
 
 @dataclass(slots=True)
@@ -126,6 +127,7 @@ class PagedKVCache:
         self.pool, self.scales = self._allocate_storage(num_blocks)
         self._pool_bytes: memoryview | None = None  # the pool's bytes, for kv_views (host pools only)
         self._num_hit_tokens = self._num_miss_tokens = self._num_cow_copies = self._num_stored_tokens = 0
+        self._num_served_tokens = 0
 
     def _allocate_storage(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         spec = self.spec
@@ -385,6 +387,12 @@ class PagedKVCache:
             return resident
 
     # ---- accounting ---------------------------------------------------------------------------------------------
+    def count_served(self, num_tokens: int) -> None:
+        """Record that the KV of `num_tokens` tokens left in an answer (the data plane calls it once the answer is
+        sent). Unlike num_hit_tokens it counts neither prefixes the client already had nor internal reads."""
+        with self._lock:
+            self._num_served_tokens += num_tokens
+
     def stats(self) -> CacheStats:
         with self._lock:
             blocks = self._blocks
@@ -402,6 +410,7 @@ class PagedKVCache:
                 block_bytes=block_bytes,
                 bytes_resident=blocks.num_used_blocks * block_bytes,
                 bytes_capacity=blocks.num_blocks * block_bytes,
+                num_served_tokens=self._num_served_tokens,
             )
 
     def check_invariants(self) -> None:

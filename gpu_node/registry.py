@@ -9,6 +9,10 @@ Invariants (under the registry lock):
 - detaching with an older epoch than the hosted one is ignored (a stale message must not drop a newer incarnation).
 The pool of a new cache is allocated (and pre-faulted) outside the lock, so provisioning one cache never stalls
 requests to the others.
+
+Usage counters (`usage_snapshot`, billing): per cache id, bytes written and tokens served since this process
+started, monotonic: an engine that goes away (detach, purge, a newer epoch) leaves its counts to the cache id, and
+a cache that stopped being hosted is reported once more with 0 resident bytes, closing its resident interval.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ class CacheRegistry:
         self._lock = threading.Lock()
         self._caches: dict[str, HostedCache] = {}
         self._reserved_in_flight = 0
+        self._retired_counts: dict[str, tuple[int, int]] = {}  # cache id -> (bytes written, tokens served) of gone engines
+        self._unreported_gone: set[str] = set()  # no longer hosted, not yet reported with 0 resident bytes
 
     def provision(
         self, *, cache_id: str, spec: KVCacheSpec, capacity: dict[str, int], hash_key: bytes, epoch: int,
@@ -76,7 +82,10 @@ class CacheRegistry:
             current = self._caches.get(cache_id)
             if current is not None and current.epoch >= epoch:
                 return current  # a concurrent delivery of the same provisioning won
+            if current is not None:
+                self._retire_locked(current)
             self._caches[cache_id] = hosted
+            self._unreported_gone.discard(cache_id)
         return hosted
 
     def detach(self, *, cache_id: str, epoch: int) -> bool:
@@ -86,6 +95,7 @@ class CacheRegistry:
             if hosted is None or hosted.epoch > epoch:
                 return False
             del self._caches[cache_id]
+            self._retire_locked(hosted, gone=True)
             return True
 
     def purge_tenant(self, tenant_id: str) -> list[dict]:
@@ -97,6 +107,7 @@ class CacheRegistry:
             purged = [h for h in self._caches.values() if h.tenant_id == str(tenant_id)]
             for hosted in purged:
                 del self._caches[hosted.cache_id]
+                self._retire_locked(hosted, gone=True)
         return [{"cache_id": h.cache_id, "freed_bytes": h.engine.wipe()} for h in sorted(purged, key=lambda h: h.cache_id)]
 
     def get(self, cache_id: str) -> HostedCache | None:
@@ -114,6 +125,30 @@ class CacheRegistry:
         with self._lock:
             return self._used_locked()
 
+    def _retire_locked(self, hosted: HostedCache, *, gone: bool = False) -> None:
+        written, served = self._retired_counts.get(hosted.cache_id, (0, 0))
+        engine_written, engine_served = _engine_counts(hosted)
+        self._retired_counts[hosted.cache_id] = (written + engine_written, served + engine_served)
+        if gone:
+            self._unreported_gone.add(hosted.cache_id)
+
+    def usage_snapshot(self) -> list[dict]:
+        """Per cache: resident bytes per tier now and counters since this process started (bytes_written_total:
+        KV bytes written into the pool by puts; tokens_served_total: tokens of KV sent in GET answers), for the
+        usage report. Caches no longer hosted appear once more, with 0 resident bytes."""
+        with self._lock:
+            hosted = list(self._caches.values())
+            retired = dict(self._retired_counts)
+            gone, self._unreported_gone = self._unreported_gone, set()
+        entries = []
+        for h in hosted:
+            written, served = _engine_counts(h)
+            base_written, base_served = retired.get(h.cache_id, (0, 0))
+            entries.append(_usage_entry(h.cache_id, h.engine.stats().bytes_resident, base_written + written,
+                                        base_served + served))  # fmt: skip
+        entries += [_usage_entry(cache_id, 0, *retired[cache_id]) for cache_id in sorted(gone)]
+        return entries
+
     def resident_snapshot(self) -> list[dict]:
         """Absolute resident bytes per cache and tier, in the heartbeat's shape (billing integrates these)."""
         with self._lock:
@@ -122,3 +157,14 @@ class CacheRegistry:
             {"cache_id": h.cache_id, "device_bytes": h.engine.stats().bytes_resident, "dram_bytes": 0, "ssd_bytes": 0}
             for h in hosted
         ]
+
+
+def _engine_counts(hosted: HostedCache) -> tuple[int, int]:
+    """(bytes written, tokens served) by one engine: stored tokens at the pool's bytes per token."""
+    stats = hosted.engine.stats()
+    return stats.num_stored_tokens * hosted.spec.storage_bytes_per_token, stats.num_served_tokens
+
+
+def _usage_entry(cache_id: str, device_bytes: int, written: int, served: int) -> dict:
+    return {"cache_id": cache_id, "device_bytes": device_bytes, "dram_bytes": 0, "ssd_bytes": 0,
+            "bytes_written_total": written, "tokens_served_total": served}  # fmt: skip
