@@ -80,3 +80,16 @@ def test_an_empty_trail_gets_a_genesis_digest_and_the_beat_task_signs():
 def test_the_beat_schedule_runs_the_signer(settings):
     entry = settings.CELERY_BEAT_SCHEDULE["audit-sign-digests"]
     assert entry["task"] == sign_digests.name == "audit.sign_digests" and entry["schedule"] <= 3600
+
+
+def test_digests_are_append_only_in_the_database():
+    from django.db import connection, transaction
+
+    audit_digest_sign()
+    for sql in ("UPDATE audit_auditdigest SET head_seq = 7", "DELETE FROM audit_auditdigest"):
+        with pytest.raises(Exception, match="append-only"), transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute(sql)
+    with pytest.raises(Exception, match="append-only"), transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SET LOCAL kcaas.audit_allow_truncate = 'off'")
+        cursor.execute("TRUNCATE audit_auditdigest")
+    assert AuditDigest.objects.count() == 1
