@@ -229,12 +229,15 @@ def verify_export(path_or_lines, *, trusted_key_jwk: dict | None = None) -> Repo
             report.add("malformed", "a second header record")
     report.events = sum(r["record_type"] == "event" for r in chain_records)
     report.witnesses, report.digests = len(chain_records) - report.events, len(digests)
-    ordered = _check_sequence(chain_records, report)
-    _check_header(header, ordered, report)
-    _check_links(ordered, report)
-    _check_filter(header, ordered, report)
-    key = _check_key(header.get("platform_key"), trusted_key_jwk, report)
-    _check_digests(digests, key, ordered, report)
+    try:
+        ordered = _check_sequence(chain_records, report)
+        _check_header(header, ordered, report)
+        _check_links(ordered, report)
+        _check_filter(header, ordered, report)
+        key = _check_key(header.get("platform_key"), trusted_key_jwk, report)
+        _check_digests(digests, key, ordered, report)
+    except (TypeError, ValueError, KeyError, AttributeError) as error:  # a shape _validated does not catch
+        report.add("malformed", f"cannot check the export: {type(error).__name__}: {error}")
     return report
 
 
@@ -364,7 +367,7 @@ def _check_filter(header: dict, ordered: list[dict], report: Report) -> None:
     window = header.get("range") or {}
     try:
         start, end = _moment(window.get("from")), _moment(window.get("to"))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, AttributeError):
         report.add("malformed", "the header's range is not two ISO 8601 times")
         start = end = None
     events = [i for i, r in enumerate(ordered) if r["record_type"] == "event"]
@@ -378,7 +381,7 @@ def _check_filter(header: dict, ordered: list[dict], report: Report) -> None:
             report.add("outside_filter", f"tenant_id {record['tenant_id']} is not the filter's {wanted_tenant}", seq)
         try:
             outside = start is not None and not start <= _moment(record["occurred_at"]) < end
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, AttributeError):
             outside = True
         if outside:
             report.add("outside_range", f"occurred_at {record['occurred_at']} is outside the export's range", seq)
@@ -398,6 +401,9 @@ def _check_key(export_key, trusted_key: dict | None, report: Report) -> dict | N
     if not isinstance(export_key, dict) or "x" not in export_key:
         report.add("malformed", "the header carries no platform_key JWK")
         export_key = None
+    if trusted_key is not None and not isinstance(trusted_key, dict):
+        report.add("malformed", "the trusted key is not a JWK object")
+        trusted_key = {}
     if trusted_key is None:
         report.notes.append("platform key not pinned (pass --key): digests checked against the key in the export")
         return export_key

@@ -196,3 +196,18 @@ def test_an_export_of_an_empty_range_verifies(trail, tmp_path):
     write_export(path, start=far_future(), end=far_future().replace(year=far_future().year + 1))
     report = chain.verify_export(path)
     assert report.ok and report.events == 0 and timezone.now()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_damaged_export_is_reported_never_a_crash(trail, tmp_path, fmt):
+    import random
+
+    text = export(tmp_path, fmt).read_text()
+    rng = random.Random(5)
+    for _ in range(300):
+        at = rng.randrange(len(text))
+        damaged = text[:at] + rng.choice(['"', "{", "}", "1", "x", "", ",", "\\", "\n", "null"]) + text[at + 1:]
+        report = chain.verify_export(damaged.splitlines(keepends=True))  # must not raise
+        assert report.ok or report.problems[0].code
+    for garbage in ("", "{}", "[1]\n", "record_type\nheader\n", '{"record_type":"header","range":[1]}\n'):
+        assert not chain.verify_export([garbage]).ok
