@@ -2,15 +2,16 @@
 
 Contents (format "kcaas.tenant-export", version 1): the tenant profile, its quota (overrides and effective limits),
 API key metadata (never a secret or a hash), caches (identity, capacity, state, placement; never the hash key),
-data-token metadata (never the token), usage and invoices (billing's selectors when that room is installed, else
-today's usage snapshot from caches.selectors.tenant_usage, with `billing.available` false), and the audit events
-about the tenant. Invariants: built from selectors scoped by tenant id, so an archive never holds another tenant's
+data-token metadata (never the token), today's usage snapshot (caches.selectors.tenant_usage), metered usage per
+hour and invoices with their lines (billing.selectors.usage_series / invoices_for_tenant; `billing.available` is
+false where the billing room is not installed), and the audit events about the tenant (tenant_id = the tenant). Invariants: built from selectors scoped by tenant id, so an archive never holds another tenant's
 rows; secrets never appear; every export is audited (DATA_EXPORTED) in the transaction that builds it.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict
+from datetime import timedelta
 
 from django.apps import apps
 from django.db import transaction
@@ -76,16 +77,29 @@ def _usage(tenant: Tenant) -> dict:
 
 
 def _billing(tenant: Tenant) -> dict:
-    """Metered usage and invoices from billing's selectors when that room is installed (and offers them)."""
+    """Metered usage (the ledger's hours) and invoices with their lines, from billing's selectors when that room is
+    installed; amounts are decimal strings, never floats."""
     if not apps.is_installed("billing"):
-        return {"available": False, "reason": "billing is not installed", "invoices": [], "metered_usage": []}
-    from billing import selectors as billing_selectors  # noqa: PLC0415 - an optional room above caches
+        return {"available": False, "reason": "billing is not installed", "metered_usage": [], "invoices": []}
+    from billing import selectors as billing_selectors  # noqa: PLC0415 - an optional room between caches and us
 
-    exporter = getattr(billing_selectors, "tenant_billing_export", None)
-    if exporter is None:
-        return {"available": False, "reason": "billing offers no tenant_billing_export selector", "invoices": [],
-                "metered_usage": []}  # fmt: skip
-    return {"available": True, **exporter(tenant_id=tenant.pk)}
+    series = billing_selectors.usage_series(tenant_id=tenant.pk, start=tenant.created_at - timedelta(hours=1),
+                                            end=timezone.now() + timedelta(hours=1), granularity="hour")  # fmt: skip
+    invoices = billing_selectors.invoices_for_tenant(tenant_id=tenant.pk)
+    return {"available": True, "metered_usage": [bucket.as_dict() for bucket in series],
+            "invoices": [_invoice(invoice) for invoice in invoices]}  # fmt: skip
+
+
+def _invoice(invoice) -> dict:
+    lines = [
+        {"cache_id": str(line.cache_id), "meter": line.meter, "usage": line.usage, "quantity": str(line.quantity),
+         "unit_price": str(line.unit_price), "rate_effective_from": iso(line.rate_effective_from),
+         "amount": str(line.amount)}
+        for line in invoice.lines.all()
+    ]  # fmt: skip
+    return {"id": str(invoice.pk), "month": invoice.month.isoformat(), "status": invoice.status,
+            "currency": invoice.currency, "subtotal": str(invoice.subtotal), "total": str(invoice.total),
+            "generated_at": iso(invoice.generated_at), "finalised_at": iso(invoice.finalised_at), "lines": lines}  # fmt: skip
 
 
 def _audit_events(tenant: Tenant) -> list[dict]:
