@@ -472,9 +472,13 @@ class Client:
     def whoami(self) -> Principal:
         return Principal.from_json(self._request("GET", f"{API_PREFIX}/whoami").body)
 
-    def usage(self) -> Usage:
-        """The tenant's effective quota limits, what counts against them, and the bytes resident (GET /usage)."""
-        return Usage.from_json(self._request("GET", f"{API_PREFIX}/usage").body)
+    def usage(self, *, from_: datetime | str | None = None, to: datetime | str | None = None,
+              granularity: str | None = None) -> Usage:
+        """The tenant's effective quota limits, what counts against them, and the bytes resident (GET /usage);
+        with `from_` and `to` (and `granularity` hour|day|month, default day) also the metered series
+        (`Usage.series`). Datetimes should be timezone-aware (UTC)."""
+        query = {"from": _timestamp(from_), "to": _timestamp(to), "granularity": granularity}
+        return Usage.from_json(self._request("GET", f"{API_PREFIX}/usage", query=query).body)
 
     # -- caches ---------------------------------------------------------------------------------------------------
 
@@ -604,3 +608,8 @@ class Client:
 
 def _segment(value: Any) -> str:
     return quote(str(value), safe="")
+
+
+def _timestamp(moment: datetime | str | None) -> str | None:
+    """An ISO 8601 query value: datetimes as isoformat, text as given."""
+    return moment.isoformat() if isinstance(moment, datetime) else moment

@@ -19,12 +19,16 @@ QUOTA_PAIRS = (
 class Usage:
     """`limits`: the effective quota (max_caches, max_device_bytes, ..., max_requests_per_second); `used`: what the
     quota checks count (caches, device/dram/ssd_bytes reserved, data_tokens_outstanding); `resident`: bytes per tier
-    the nodes last reported holding. Keys a newer server adds are kept; none is required."""
+    the nodes last reported holding; `series`: the metered usage of a period, when one was asked for. Keys a newer
+    server adds are kept; none is required."""
 
     tenant_id: str | None = None
     limits: Mapping[str, int] = field(default_factory=dict)
     used: Mapping[str, int] = field(default_factory=dict)
     resident: Mapping[str, int] = field(default_factory=dict)
+    # With a period: {"from", "to", "granularity", "buckets": [{"period_start", "<tier>_byte_seconds",
+    # "<tier>_gb_hours" (exact decimal strings), "bytes_written", "tokens_served"}]}; None without one.
+    series: Mapping[str, Any] | None = None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Usage:
@@ -33,6 +37,7 @@ class Usage:
             limits=dict(data.get("limits") or {}),
             used=dict(data.get("used") or {}),
             resident=dict(data.get("resident") or {}),
+            series=data.get("series"),
         )
 
     def remaining(self) -> dict[str, int]:
