@@ -53,7 +53,8 @@ class CacheRegistry:
         self._lock = threading.Lock()
         self._caches: dict[str, HostedCache] = {}
         self._reserved_in_flight = 0
-        self._retired_counts: dict[str, tuple[int, int]] = {}  # cache id -> (bytes written, tokens served) of gone engines
+        # cache id -> (bytes written, tokens served) by its engines that are gone
+        self._retired_counts: dict[str, tuple[int, int]] = {}
         self._unreported_gone: set[str] = set()  # no longer hosted, not yet reported with 0 resident bytes
 
     def provision(

@@ -438,7 +438,7 @@ class AdminRatesApi(APIView):
     @extend_schema(operation_id="admin_rates_create", tags=["admin"], request=RateSerializer,
                    responses={201: RateSerializer, **error_responses(*AUTH_ERRORS, 409)},
                    description="Audited (rate.created). 400 invalid_rate (effective_from not a whole UTC hour); "
-                   "409 rate_exists (same meter and time: rates are never edited, a later one supersedes).")  # fmt: skip
+                   "409 rate_exists (same meter and time: rates are never edited, a later supersedes).")  # fmt: skip
     def post(self, request):
         data = _validated(RateSerializer, request.data)
         rate = services.rate_create(meter=data["meter"], unit_price=data["unit_price"],

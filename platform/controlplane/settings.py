@@ -124,7 +124,7 @@ CELERY_BEAT_SCHEDULE = {
     "caches-purge-expired": {"task": "caches.purge_expired", "schedule": 3600.0},
     "tenants-flush-key-usage": {"task": "tenants.flush_key_usage", "schedule": 30.0},
     # Billing: recompute the open ledger hours and prune old samples; refresh and finalise invoices.
-    "billing-rollup": {"task": "billing.rollup", "schedule": float(os.environ.get("KCAAS_USAGE_ROLLUP_SECONDS", "300"))},
+    "billing-rollup": {"task": "billing.rollup", "schedule": float(os.environ.get("KCAAS_USAGE_ROLLUP_SECONDS", 300))},
     "billing-invoices": {"task": "billing.invoices", "schedule": 3600.0},
     "privacy-run-erasures": {"task": "privacy.run_erasures", "schedule": KCAAS_ERASURE_TICK_SECONDS},
     # Signs each closed audit period within minutes of its end (idempotent: a period is signed once).

@@ -114,8 +114,11 @@ def test_a_bad_period_is_400_invalid_period(two_tenants, query):
     _error(a.client.get("/api/v1/usage", query), 400, "invalid_period")
 
 
-@pytest.mark.parametrize("query", [{"granularity": "week", "from": "2026-03-01T00:00:00Z", "to": "2026-03-02T00:00:00Z"},
-                                   {"from": "monday", "to": "2026-03-02T00:00:00Z"}, {"format": "xml"}])  # fmt: skip
+@pytest.mark.parametrize("query", [
+    {"granularity": "week", "from": "2026-03-01T00:00:00Z", "to": "2026-03-02T00:00:00Z"},
+    {"from": "monday", "to": "2026-03-02T00:00:00Z"},
+    {"format": "xml"},
+])  # fmt: skip
 def test_malformed_parameters_are_400_validation_error(two_tenants, query):
     a, _, _, _ = two_tenants
     _error(a.client.get("/api/v1/usage", query), 400, "validation_error")

@@ -72,7 +72,8 @@ def test_a_rate_change_mid_month_splits_the_meter_at_the_hour(cache):
         _ledger(cache, datetime(2026, 3, day, 23, tzinfo=UTC), device_byte_seconds=GB_HOUR)
     _ledger(cache, datetime(2026, 4, 1, tzinfo=UTC), device_byte_seconds=GB_HOUR)  # April: another invoice
     invoice = invoices.invoice_generate(tenant_id=cache.tenant_id, month=MARCH, now=DURING_MARCH)
-    lines = [(line.unit_price, line.quantity, line.amount, line.rate_effective_from.day) for line in invoice.lines.all()]
+    lines = [(line.unit_price, line.quantity, line.amount, line.rate_effective_from.day)
+             for line in invoice.lines.all()]  # fmt: skip
     assert lines == [(Decimal("0.1"), Decimal(2), Decimal("0.2"), 1), (Decimal("0.3"), Decimal(2), Decimal("0.6"), 16)]
     assert invoice.total == Decimal("0.80")
 

@@ -85,8 +85,8 @@ def test_a_node_restart_mid_hour_neither_loses_nor_doubles_usage(reporting_node,
                               boot_id=old_boot)  # fmt: skip
     # the agent restarts at minute 27; boot 2 reports from minute 28, its counters from 0 again: +30 bytes, +4 tokens
     for step, minute in enumerate([28, 33, 38, 43, 48, 53, 58]):
-        reporting_node.report(start + minute * MINUTE, [entry(cache, device=GB, written=10 * step, served=2 * step // 3)],
-                              boot_id=new_boot, sequence=step + 1)  # fmt: skip
+        sample = entry(cache, device=GB, written=10 * step, served=2 * step // 3)
+        reporting_node.report(start + minute * MINUTE, [sample], boot_id=new_boot, sequence=step + 1)
     reporting_node.report(start + 60 * MINUTE, [entry(cache, device=0, written=60, served=4)], boot_id=new_boot,
                           sequence=99)  # fmt: skip
     _rollup(start)
