@@ -144,3 +144,26 @@ def test_the_receipt_verifies_offline_and_a_tampered_one_fails(staff_client, ten
     assert bad.returncode == 1 and "FAILED" in bad.stdout
     with pytest.raises(ValueError):
         receipts.receipt_verify(tampered)
+
+
+def test_a_failing_step_rolls_back_to_error_and_a_new_request_retries_it(staff_client, tenant_a, no_grace,
+                                                                           settings):  # fmt: skip
+    tenant = tenant_a.tenant
+    tenant_key_ensure(tenant_id=tenant.pk)
+    staff_client.post(erasure_url(tenant.pk))
+    settings.KCAAS_PLATFORM_SIGNING_KEY_PEM = "not a key"  # the receipt cannot be signed: the finish fails
+    services.erasures_run_due()
+    job = staff_client.get(erasure_url(tenant.pk)).json()
+    assert job["state"] == "error" and job["error"].startswith("erasure_finish:")
+    tenant.refresh_from_db()
+    assert tenant.status == "erasing" and not tenant.name.startswith("erased-")  # the finish rolled back whole
+    assert TenantKey.objects.get(tenant=tenant).wrapped_key is not None
+    assert AuditAction.ERASURE_FAILED in actions_about(job["id"])
+
+    settings.KCAAS_PLATFORM_SIGNING_KEY_PEM = ""
+    retried = staff_client.post(erasure_url(tenant.pk))
+    assert retried.status_code == 200 and retried.json()["id"] == job["id"] and retried.json()["state"] == "scheduled"
+    services.erasures_run_due()
+    assert staff_client.get(erasure_url(tenant.pk)).json()["state"] == "complete"
+    receipts.receipt_verify(staff_client.get(erasure_url(tenant.pk, "/receipt")).json())
+    assert audit_chain_problems() == [] and audit_rows_mentioning(str(tenant.pk)) == []
