@@ -12,13 +12,14 @@ import dataclasses
 import io
 from datetime import timedelta
 
+from drf_spectacular.extensions import OpenApiSerializerExtension
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import (
     OpenApiParameter,
-    PolymorphicProxySerializer,
     extend_schema,
     extend_schema_field,
     extend_schema_serializer,
+    inline_serializer,
 )
 from django.http import HttpResponse
 from rest_framework import serializers, status
@@ -36,7 +37,7 @@ from controlplane.errors import ApplicationError
 from fleet.authentication import NodeCredentialAuthentication
 from fleet.permissions import IsNode
 from tenants.openapi import AUTH_ERRORS, RATE_LIMIT_HEADERS, error_responses
-from tenants.pagination import BoundedLimitOffsetPagination
+from tenants.pagination import MAX_LIMIT, MAX_OFFSET, BoundedLimitOffsetPagination
 from tenants.permissions import IsStaff, ScopePermission
 from tenants.principals import TenantPrincipal, is_staff_user, request_tenant
 
@@ -44,9 +45,29 @@ MAX_REPORT_ENTRIES = 10_000  # caches in one node report
 MAX_COUNTER = 2**62  # bytes and counters: far above any node, inside PostgreSQL's bigint
 MAX_SERIES_DAYS = {"hour": 400, "day": 3660, "month": 3660}  # at most ~10 000 buckets per answer
 
+
+
+@extend_schema_serializer(component_name="PageQuery")
+class PageQuerySerializer(serializers.Serializer):
+    """The bounds BoundedLimitOffsetPagination enforces, published as query parameters."""
+
+    limit = serializers.IntegerField(min_value=1, max_value=MAX_LIMIT, required=False, help_text="page size")
+    offset = serializers.IntegerField(min_value=0, max_value=MAX_OFFSET, required=False,
+                                      help_text="index of the first item")  # fmt: skip
+
+
+PAGE_PARAMS = [PageQuerySerializer]
 _TENANT_ID_PARAM = OpenApiParameter(
     "tenant_id", OpenApiTypes.UUID, required=False, description="Staff only: the tenant (required for usage)."
 )
+
+
+def _page_of(serializer, name: str):
+    """The schema of a BoundedLimitOffsetPagination page of `serializer` items."""
+    return inline_serializer(name=name, fields={
+        "count": serializers.IntegerField(), "next": serializers.URLField(allow_null=True),
+        "previous": serializers.URLField(allow_null=True), "results": serializer(many=True),
+    })  # fmt: skip
 
 
 def _validated(serializer_class, data) -> dict:
@@ -226,6 +247,23 @@ class UsageWithSeriesSerializer(UsageSerializer):
     series = UsageSeriesSerializer()
 
 
+class UsageAnswerSerializer(serializers.Serializer):
+    """Schema only: the snapshot (Usage) or, with a period, the snapshot and its series (UsageWithSeries)."""
+
+
+class UsageAnswerSchema(OpenApiSerializerExtension):
+    """anyOf, not oneOf: a body with a series also has every field of the snapshot."""
+
+    target_class = UsageAnswerSerializer
+
+    def get_name(self, auto_schema, direction):
+        return "UsageAnswer"
+
+    def map_serializer(self, auto_schema, direction):
+        branches = (UsageSerializer, UsageWithSeriesSerializer)
+        return {"anyOf": [auto_schema.resolve_serializer(branch, direction).ref for branch in branches]}
+
+
 CSV_COLUMNS = ["period_start", *(f"{t}_byte_seconds" for t in TIERS), *(f"{t}_gb_hours" for t in TIERS),
                "bytes_written", "tokens_served"]  # fmt: skip
 
@@ -271,10 +309,7 @@ class UsageApi(APIView):
             *RATE_LIMIT_HEADERS,
         ],
         responses={
-            (200, "application/json"): PolymorphicProxySerializer(
-                component_name="UsageAnswer", serializers=[UsageSerializer, UsageWithSeriesSerializer],
-                resource_type_field_name=None,
-            ),
+            (200, "application/json"): UsageAnswerSerializer,
             (200, "text/csv"): OpenApiTypes.STR,
             **error_responses(*AUTH_ERRORS, 404),
         },
@@ -380,8 +415,8 @@ class InvoiceListApi(_InvoiceApi):
 
     @extend_schema(
         operation_id="invoices_list", tags=["invoices"],
-        parameters=[_TENANT_ID_PARAM, *RATE_LIMIT_HEADERS],
-        responses={200: InvoiceSerializer(many=True), **error_responses(*AUTH_ERRORS, 404)},
+        parameters=[_TENANT_ID_PARAM, *PAGE_PARAMS, *RATE_LIMIT_HEADERS],
+        responses={200: _page_of(InvoiceSerializer, "PaginatedInvoiceList"), **error_responses(*AUTH_ERRORS, 404)},
         description="The tenant's invoices, newest month first (staff: every tenant's, or tenant_id's). Needs "
         "usage:read.",
     )  # fmt: skip
@@ -427,8 +462,9 @@ class AdminRatesApi(APIView):
     class FilterSerializer(serializers.Serializer):
         meter = serializers.ChoiceField(choices=list(METERS), required=False)
 
-    @extend_schema(operation_id="admin_rates_list", tags=["admin"], parameters=[FilterSerializer],
-                   responses={200: RateSerializer(many=True), **error_responses(*AUTH_ERRORS)})  # fmt: skip
+    @extend_schema(operation_id="admin_rates_list", tags=["admin"], parameters=[FilterSerializer, *PAGE_PARAMS],
+                   responses={200: _page_of(RateSerializer, "PaginatedRateList"),
+                              **error_responses(*AUTH_ERRORS)})  # fmt: skip
     def get(self, request):
         rates = selectors.rate_list(meter=_validated(self.FilterSerializer, request.query_params).get("meter"))
         paginator = BoundedLimitOffsetPagination()
