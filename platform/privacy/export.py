@@ -4,8 +4,9 @@ Contents (format "kcaas.tenant-export", version 1): the tenant profile, its quot
 API key metadata (never a secret or a hash), caches (identity, capacity, state, placement; never the hash key),
 data-token metadata (never the token), today's usage snapshot (caches.selectors.tenant_usage), metered usage per
 hour and invoices with their lines (billing.selectors.usage_series / invoices_for_tenant; `billing.available` is
-false where the billing room is not installed), and the audit events about the tenant (tenant_id = the tenant). Invariants: built from selectors scoped by tenant id, so an archive never holds another tenant's
-rows; secrets never appear; every export is audited (DATA_EXPORTED) in the transaction that builds it.
+false where the billing room is not installed), and the audit events about the tenant (tenant_id = the tenant).
+Invariants: built from queries scoped by tenant id, so an archive never holds another tenant's rows; secrets never
+appear; every export is audited (DATA_EXPORTED) in the transaction that builds it.
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def _invoice(invoice) -> dict:
     ]  # fmt: skip
     return {"id": str(invoice.pk), "month": invoice.month.isoformat(), "status": invoice.status,
             "currency": invoice.currency, "subtotal": str(invoice.subtotal), "total": str(invoice.total),
-            "generated_at": iso(invoice.generated_at), "finalised_at": iso(invoice.finalised_at), "lines": lines}  # fmt: skip
+            "generated_at": iso(invoice.generated_at), "finalised_at": iso(invoice.finalised_at),
+            "lines": lines}  # fmt: skip
 
 
 def _audit_events(tenant: Tenant) -> list[dict]:

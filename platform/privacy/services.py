@@ -154,7 +154,8 @@ def _plan_purges(job: ErasureJob) -> list[ErasurePurge]:
 
 def _send_purges(job: ErasureJob, purges: list[ErasurePurge], now: datetime) -> int:
     """Send purge_tenant (on commit) to those of `purges` whose node is not lost; returns how many were sent."""
-    lost = set(Node.objects.filter(pk__in=[p.node_id for p in purges], state=NodeState.LOST).values_list("id", flat=True))
+    nodes = Node.objects.filter(pk__in=[p.node_id for p in purges], state=NodeState.LOST)
+    lost = set(nodes.values_list("id", flat=True))
     sent = 0
     for purge in purges:
         if purge.node_id in lost:

@@ -30,7 +30,8 @@ def erasure_url(tenant_id, suffix: str = "") -> str:
 
 
 def actions_about(job_id) -> list[int]:
-    return list(AuditEvent.objects.filter(target_type="erasure_job", target_id=str(job_id)).values_list("action", flat=True))
+    events = AuditEvent.objects.filter(target_type="erasure_job", target_id=str(job_id))
+    return list(events.values_list("action", flat=True))
 
 
 def test_request_is_staff_only_and_idempotent(staff_client, tenant_a):

@@ -49,8 +49,10 @@ class FakeHost:
     revocations: RevocationList = field(default_factory=RevocationList)
 
     def consumer(self):
-        node_app = build_node_app(broker_url=os.environ["CELERY_BROKER_URL"], node_id=str(self.node.pk),
-                                  endpoint=self.endpoint, registry=self.registry, revocations=self.revocations)  # fmt: skip
+        node_app = build_node_app(
+            broker_url=os.environ["CELERY_BROKER_URL"], node_id=str(self.node.pk), endpoint=self.endpoint,
+            registry=self.registry, revocations=self.revocations,
+        )
         return node_app, [node_queue(self.node.pk)]
 
     def register(self) -> dict:
@@ -134,8 +136,8 @@ def test_erasure_purges_every_node_and_leaves_other_tenants_alone(staff_client, 
         jti = token.json()["jti"]
 
         start_erasure(staff_client, tenant_id)
-        assert eventually(lambda: erasure(staff_client, tenant_id)["state"] == "complete"), erasure(staff_client,
-                                                                                                   tenant_id)  # fmt: skip
+        assert eventually(lambda: erasure(staff_client, tenant_id)["state"] == "complete"), erasure(
+            staff_client, tenant_id)
         assert eventually(lambda: jti in one.revocations)  # the data token reached its node
 
     assert_purged(one, engines[a1], a1)
@@ -186,8 +188,8 @@ def test_a_node_down_during_the_erasure_is_purged_when_it_registers_again(staff_
     registration = two.register()  # node two comes back (its agent found its old data)
     assert registration["caches"] == []  # the erased tenant's cache is not provisioned again
     with workers(one, two):
-        assert eventually(lambda: erasure(staff_client, tenant_id)["state"] == "complete"), erasure(staff_client,
-                                                                                                   tenant_id)  # fmt: skip
+        assert eventually(lambda: erasure(staff_client, tenant_id)["state"] == "complete"), erasure(
+            staff_client, tenant_id)
     assert_purged(two, engines[a2], a2)
     body = receipts.receipt_verify(staff_client.get(f"/api/v1/admin/tenants/{tenant_id}/erasure/receipt").json())
     assert {n["node_id"]: [c["cache_id"] for c in n["caches"]] for n in body["nodes"]} == {
