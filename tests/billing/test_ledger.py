@@ -168,3 +168,19 @@ def test_a_restarted_counter_counts_from_zero_again():
     samples = [_sample(0, written=50, seq=1), _sample(60, written=80, seq=2), _sample(120, written=20, seq=3)]
     usage = ledger.integrate(samples, start=0, end=3600, max_gap=60)
     assert usage[0].bytes_written == 50 + 30 + 20
+
+
+def test_the_beat_tasks_roll_up_prune_and_invoice(reporting_node, make_tenant, make_cache, gap):
+    from billing import tasks
+    from billing.models import Invoice
+
+    cache = make_cache(make_tenant().tenant, reporting_node.node)
+    start = hours_ago(2)
+    for minute in range(0, 60, 5):
+        reporting_node.report(start + minute * MINUTE, [entry(cache, device=GB)])
+    assert tasks.rollup() >= 1  # the celery task's body, run in process
+    assert _device_gb_hours(cache) == Decimal(1)
+    services.rate_create(meter="device_gb_hour", unit_price=Decimal("0.25"), effective_from=start)
+    assert tasks.generate_invoices() >= 1
+    invoice = Invoice.objects.get(tenant_id=cache.tenant_id)
+    assert (invoice.status, invoice.total) == ("draft", Decimal("0.25"))
