@@ -212,13 +212,21 @@ def running_workers(*apps_and_queues):
     """Real Celery workers in threads, one per (app, queues), started together and stopped together.
 
     use_eventloop=False: each worker drains its own connection (with the event loop, two workers in one process
-    share kombu's process-global hub and steal each other's socket events)."""
-    from celery.contrib.testing.worker import start_worker
+    share kombu's process-global hub and steal each other's socket events). Each worker thread makes its own app the
+    thread's current app: Celery looks a received task up in current_app, which in a thread without one is the last
+    default app, so with two node apps both workers would otherwise run the second node's tasks."""
+    from celery.contrib.testing.worker import TestWorkController, start_worker
     from celery.signals import task_postrun
 
     from controlplane.celery import app as control_app
 
-    options = {"perform_ping_check": False, "shutdown_timeout": 20, "use_eventloop": False}
+    class OwnAppWorkController(TestWorkController):
+        def start(self):
+            self.app.set_current()  # runs in the worker's own thread
+            return super().start()
+
+    options = {"perform_ping_check": False, "shutdown_timeout": 20, "use_eventloop": False,
+               "WorkController": OwnAppWorkController}  # fmt: skip
     task_postrun.connect(_close_thread_connections, weak=False)
     try:
         with contextlib.ExitStack() as stack:

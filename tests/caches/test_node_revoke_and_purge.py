@@ -5,7 +5,6 @@
 - purge_tenant drops every cache of one tenant on the node, zeroes their pools, and leaves other tenants alone."""
 
 import os
-import time
 import uuid
 
 import pytest
@@ -21,6 +20,7 @@ from gpu_node.registry import CacheRegistry
 from gpu_node.tokens import RevocationList
 from kcaas.node_messages import PURGE_TENANT_TASK
 from tests.caches.conftest import BLOCK_BYTES, attach_body, purge_node_queue, running_workers, wait_for_state
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -47,15 +47,6 @@ def node(make_node, node_side):
     made = make_node(device=NODE_DEVICE_BYTES)
     Node.objects.filter(pk=made.pk).update(id=NODE_ID, endpoint=ENDPOINT)
     return Node.objects.get(pk=NODE_ID)
-
-
-def eventually(predicate, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def ready_cache(tenant, name: str) -> str:

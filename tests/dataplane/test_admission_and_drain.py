@@ -18,6 +18,7 @@ from kcaas.dataplane import DataPlaneClient
 from kcaas.wire import ErrorCode, Opcode
 from tests.dataplane.conftest import CACHE_A, CACHE_B, NODE_ID
 from tests.gpu_node.kv_fixtures import prefix_kv
+from tests.waiting import eventually
 
 TOKENS = np.arange(2000, 2022, dtype=np.int32)
 
@@ -57,15 +58,6 @@ def connect(limited_server, client_ctx):
         conn.close()
 
 
-def wait_until(predicate, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def token_b(make_token):
     return make_token(CACHE_B, sub="tenant:t-b")
 
@@ -80,7 +72,7 @@ def test_connections_per_tenant_bounded_other_tenant_unaffected(limited_server, 
     assert refused.meta["details"]["limit"] == "connections" and refused.meta["details"]["retry_after_ms"] > 0
     assert connect().hello(token_b(make_token), CACHE_B).opcode == Opcode.OK  # tenant B has its own allowance
     first.close()  # a closed connection gives its place back
-    assert wait_until(lambda: limited_server.admission.usage("tenant:t-a")[0] == 1)
+    assert eventually(lambda: limited_server.admission.usage("tenant:t-a")[0] == 1)
     assert third.hello(make_token()).opcode == Opcode.OK
 
 
@@ -100,7 +92,7 @@ def test_requests_in_flight_bounded_while_a_put_streams(limited_server, connect,
     slow.sock.sendall(frame[len(frame) - 64 :])
     done = slow.read()
     assert done.opcode == Opcode.OK and done.meta["num_written"] == [len(TOKENS)]
-    assert wait_until(lambda: limited_server.admission.usage("tenant:t-a")[1:] == (0, 0))  # released after sending
+    assert eventually(lambda: limited_server.admission.usage("tenant:t-a")[1:] == (0, 0))  # released after sending
     retried = other.request(Opcode.LOOKUP, TOKENS)  # the client's retry after the hint succeeds
     assert retried.opcode == Opcode.OK and retried.meta["num_cached"] == [len(TOKENS)]
     limited_server.admission.check_invariants()
@@ -129,7 +121,7 @@ def test_sdk_retries_overloaded_after_the_hint(registry, verifier, pki, client_c
         threading.Timer(0.3, holder.release).start()
         with DataPlaneClient(srv.endpoint, make_token(), CACHE_A, spec, ssl_context=client_ctx) as dp:
             assert dp.put(TOKENS, prefix_kv(spec, TOKENS))["num_written"] == len(TOKENS)
-        assert wait_until(lambda: srv.admission.usage("tenant:t-a")[1:] == (0, 0))
+        assert eventually(lambda: srv.admission.usage("tenant:t-a")[1:] == (0, 0))
     finally:
         srv.stop()
 

@@ -44,6 +44,7 @@ from kcaas.spec import KVCacheSpec
 from kcaas.tokens import TokenSource
 from kcaas.wire import ErrorCode, Opcode
 from tests.e2e.conftest import RawConnection, client_tls, error_of, random_kv, random_tokens, spec_for, tenant_key
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.django_db(transaction=True)
 PROMPT_TOKENS = 48  # 3 full blocks of 16
@@ -184,15 +185,6 @@ def hello_code(scene: Scene, token: str) -> str:
     with RawConnection(scene.endpoint, scene.pki) as conn:
         frame, _ = conn.hello(scene.cache_a.id, token)
         return "ok" if frame.opcode == Opcode.OK else frame.meta["code"]
-
-
-def eventually(predicate, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 @dataclass(frozen=True)

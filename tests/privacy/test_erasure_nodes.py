@@ -29,6 +29,7 @@ from gpu_node.tokens import RevocationList
 from privacy import receipt as receipts, services
 from tests.caches.conftest import BLOCK_BYTES, attach_body, purge_node_queue, wait_for_state
 from tests.privacy.conftest import audit_chain_problems, audit_rows_mentioning, running_workers
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -82,15 +83,6 @@ def hosts(db):
 def workers(*hosts_running):
     with running_workers((control_app, ["control"]), *(host.consumer() for host in hosts_running)):
         yield
-
-
-def eventually(predicate, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def attach_on(tenant, name: str, host: FakeHost, others: list[FakeHost]) -> str:
