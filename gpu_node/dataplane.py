@@ -36,6 +36,14 @@ import numpy as np
 import torch
 
 from gpu_node.admission import Hold, TenantAdmission, TenantLimits
+from gpu_node.dataplane_io import (  # noqa: F401 - server_tls_context is part of this module's API
+    close_quietly,
+    hard_shutdown,
+    recv_into,
+    send_buffers,
+    server_tls_context,
+    tensor_bytes,
+)
 from gpu_node.paged_cache import TORCH_DTYPES
 from gpu_node.registry import CacheRegistry, HostedCache
 from gpu_node.tokens import TokenVerifier
@@ -185,7 +193,7 @@ class DataPlaneServer:
                     conn.closing = True
                 busy = sum(1 for c in self._conns if c.busy)
             for conn in idle:
-                _hard_shutdown(conn.sock)
+                hard_shutdown(conn.sock)
             if busy == 0 or time.monotonic() >= deadline:
                 return busy
             time.sleep(0.02)
@@ -197,7 +205,7 @@ class DataPlaneServer:
         with self._lock:
             conns = list(self._conns)
         for conn in conns:
-            _hard_shutdown(conn.sock)
+            hard_shutdown(conn.sock)
         for conn in conns:
             if conn.thread is not None:
                 conn.thread.join(timeout)
@@ -238,7 +246,7 @@ class DataPlaneServer:
                 if not full:
                     self._conns.add(conn)
             if full:
-                _close(raw)  # too many connections: refuse before spending a handshake on it
+                close_quietly(raw)  # too many connections: refuse before spending a handshake on it
                 continue
             conn.thread = threading.Thread(target=self._serve, args=(conn, tls), daemon=True, name="dataplane-conn")
             conn.thread.start()
@@ -269,7 +277,7 @@ class DataPlaneServer:
                 self.admission.disconnect(tenant)
             conn.holds.clear()
             conn.tenants.clear()
-            _close(conn.sock)
+            close_quietly(conn.sock)
 
     def _count_refusal(self, limit: str) -> None:
         if self.metrics is not None:
@@ -297,7 +305,7 @@ class DataPlaneServer:
                 sock.settimeout(self.idle_timeout)
             try:
                 buf = decoder.get_buffer()
-                n = sock.recv_into(buf)
+                n = recv_into(sock, buf, fill=decoder.buffer_is_payload)
             except (TimeoutError, socket.timeout):
                 if not decoder.in_frame:
                     return  # idle for idle_timeout: close
@@ -328,7 +336,7 @@ class DataPlaneServer:
                     log.exception("data-plane request failed")
                     response = wire.encode_error(frame.request_id, ErrorCode.INTERNAL, "internal error")
                 try:
-                    _send_buffers(sock, response)
+                    send_buffers(sock, response)
                     _count_served(conn)
                 except (OSError, ssl.SSLError):
                     return
@@ -513,13 +521,13 @@ class DataPlaneServer:
             out = conn.get_staging[offset : offset + end * spec.elements_per_token]
             offset += end * spec.elements_per_token
             kv = engine.read(handle, end, out=out)
-            kv_out[index] = _tensor_bytes(kv if start == 0 else kv[:, :, start:end].contiguous())
+            kv_out[index] = tensor_bytes(kv if start == 0 else kv[:, :, start:end].contiguous())
 
     # ---- sending ------------------------------------------------------------------------------------------------
     def _send_quietly(self, sock, buffers: list) -> None:
         try:
             sock.settimeout(1.0)
-            _send_buffers(sock, buffers)
+            send_buffers(sock, buffers)
         except (OSError, ssl.SSLError):
             pass
 
@@ -535,81 +543,3 @@ def _release_prefixes(conn: _Conn) -> None:
     handles, conn.held_prefixes = conn.held_prefixes, []
     for handle in handles:
         handle.release()
-
-
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    t = t.contiguous()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
-
-
-_COALESCE_BYTES = 64 * 1024
-_DIRECT_MIN_BYTES = 16 * 1024  # one TLS record: smaller views are joined before encryption
-_IOV_PER_SEND = 64  # buffers offered to one sendmsg (Linux takes at most 1024)
-
-
-def _send_buffers(sock, buffers: list) -> None:
-    """Send [head+meta, *payload views] without joining large buffers (small frames go out as one write)."""
-    views = [memoryview(b).cast("B") if memoryview(b).format != "B" else memoryview(b) for b in buffers]
-    total = sum(v.nbytes for v in views)
-    if total <= _COALESCE_BYTES:
-        sock.sendall(b"".join(views))
-        return
-    if not isinstance(sock, ssl.SSLSocket) and hasattr(sock, "sendmsg"):
-        first = 0  # views[:first] are sent
-        while first < len(views):
-            # a blocking sendmsg returns after about one socket buffer: offering many more buffers than that only
-            # costs building their iovec array again on every call
-            sent = sock.sendmsg(views[first : first + _IOV_PER_SEND])
-            while first < len(views) and sent >= views[first].nbytes:
-                sent -= views[first].nbytes
-                first += 1
-            if sent:
-                views[first] = views[first][sent:]
-        return
-    # TLS (SSLSocket has no sendmsg): large views straight from their memory; runs of small ones joined first
-    pending: list[memoryview] = []
-    pending_bytes = 0
-    for view in views:
-        if view.nbytes >= _DIRECT_MIN_BYTES:
-            if pending:
-                sock.sendall(b"".join(pending))
-                pending, pending_bytes = [], 0
-            sock.sendall(view)
-            continue
-        pending.append(view)
-        pending_bytes += view.nbytes
-        if pending_bytes >= _COALESCE_BYTES:
-            sock.sendall(b"".join(pending))
-            pending, pending_bytes = [], 0
-    if pending:
-        sock.sendall(b"".join(pending))
-
-
-def _hard_shutdown(sock: socket.socket) -> None:
-    try:
-        socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the base method: wakes a thread blocked in recv on any socket
-    except OSError:
-        pass
-
-
-def _close(sock: socket.socket) -> None:
-    try:
-        sock.close()
-    except OSError:
-        pass
-
-
-# ---- TLS helpers ----------------------------------------------------------------------------------------------------
-def server_tls_context(certfile: str, keyfile: str, *, cafile: str | None = None,
-                       require_client_cert: bool = False) -> ssl.SSLContext:  # fmt: skip
-    """A TLS 1.3-only server context (optionally mutual TLS with the platform CA)."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
-    ctx.load_cert_chain(certfile, keyfile)
-    if cafile:
-        ctx.load_verify_locations(cafile)
-    if require_client_cert:
-        ctx.verify_mode = ssl.CERT_REQUIRED
-    return ctx

@@ -360,6 +360,12 @@ class FrameDecoder:
         self._direct = False
         return memoryview(self._scratch)
 
+    @property
+    def buffer_is_payload(self) -> bool:
+        """The last get_buffer() handed out the payload sink's own memory: a reader may fill more of it (several
+        reads) before one buffer_updated() with the total."""
+        return self._direct
+
     def buffer_updated(self, nbytes: int) -> None:
         self._check()
         if self._direct:

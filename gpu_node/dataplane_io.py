@@ -1,0 +1,109 @@
+"""Socket plumbing of the data-plane server: reads that fill a payload's own memory, sends of many buffers
+without joining them (sendmsg on a Unix socket, per-view writes under TLS), shutdown helpers, and the TLS 1.3
+server context."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+
+import torch
+
+_FILL_BYTES = 4 << 20  # a payload read goes on for up to this much before the decoder is told
+
+
+def recv_into(sock, buf: memoryview, *, fill: bool) -> int:
+    """One read; into a payload's own memory, keep reading while bytes come (a TLS socket returns one 16 KiB
+    record per read: without this the loop's per-read bookkeeping, not the copy, would bound a put's speed). A
+    timeout or a closed stream after some bytes returns what arrived; the next read reports it."""
+    n = sock.recv_into(buf)
+    if not fill or n == 0:
+        return n
+    limit = min(len(buf), _FILL_BYTES)
+    while n < limit:
+        try:
+            got = sock.recv_into(buf[n:limit])
+        except (TimeoutError, socket.timeout):
+            break
+        if got == 0:
+            break
+        n += got
+    return n
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    t = t.contiguous()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+
+
+_COALESCE_BYTES = 64 * 1024
+_DIRECT_MIN_BYTES = 16 * 1024  # one TLS record: smaller views are joined before encryption
+_IOV_PER_SEND = 64  # buffers offered to one sendmsg (Linux takes at most 1024)
+
+
+def send_buffers(sock, buffers: list) -> None:
+    """Send [head+meta, *payload views] without joining large buffers (small frames go out as one write)."""
+    views = [memoryview(b).cast("B") if memoryview(b).format != "B" else memoryview(b) for b in buffers]
+    total = sum(v.nbytes for v in views)
+    if total <= _COALESCE_BYTES:
+        sock.sendall(b"".join(views))
+        return
+    if not isinstance(sock, ssl.SSLSocket) and hasattr(sock, "sendmsg"):
+        first = 0  # views[:first] are sent
+        while first < len(views):
+            # a blocking sendmsg returns after about one socket buffer: offering many more buffers than that only
+            # costs building their iovec array again on every call
+            sent = sock.sendmsg(views[first : first + _IOV_PER_SEND])
+            while first < len(views) and sent >= views[first].nbytes:
+                sent -= views[first].nbytes
+                first += 1
+            if sent:
+                views[first] = views[first][sent:]
+        return
+    # TLS (SSLSocket has no sendmsg): large views straight from their memory; runs of small ones joined first
+    pending: list[memoryview] = []
+    pending_bytes = 0
+    for view in views:
+        if view.nbytes >= _DIRECT_MIN_BYTES:
+            if pending:
+                sock.sendall(b"".join(pending))
+                pending, pending_bytes = [], 0
+            sock.sendall(view)
+            continue
+        pending.append(view)
+        pending_bytes += view.nbytes
+        if pending_bytes >= _COALESCE_BYTES:
+            sock.sendall(b"".join(pending))
+            pending, pending_bytes = [], 0
+    if pending:
+        sock.sendall(b"".join(pending))
+
+
+def hard_shutdown(sock: socket.socket) -> None:
+    try:
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the base method: wakes a thread blocked in recv on any socket
+    except OSError:
+        pass
+
+
+def close_quietly(sock: socket.socket) -> None:
+    try:
+        sock.close()
+    except OSError:
+        pass
+
+
+# ---- TLS helpers ----------------------------------------------------------------------------------------------------
+def server_tls_context(certfile: str, keyfile: str, *, cafile: str | None = None,
+                       require_client_cert: bool = False) -> ssl.SSLContext:  # fmt: skip
+    """A TLS 1.3-only server context (optionally mutual TLS with the platform CA)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.load_cert_chain(certfile, keyfile)
+    if cafile:
+        ctx.load_verify_locations(cafile)
+    if require_client_cert:
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
