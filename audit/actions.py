@@ -22,6 +22,7 @@ class AuditAction(enum.IntEnum):
     NODE_UNCORDONED = 2004
     NODE_DRAINING = 2005
     NODE_LOST = 2006
+    NODE_CERTIFICATE_ISSUED = 2007  # the platform CA signed a node certificate (register or renewal)
     # caches 3xxx
     CACHE_ATTACHED = 3001
     CACHE_READY = 3002
