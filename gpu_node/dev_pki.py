@@ -92,3 +92,40 @@ def write_dev_pki(directory: Path, *, server_name: str = "kcaas node",
     paths["cert"].write_bytes(pem_cert(cert))
     write_private(paths["key"], pem_key(key))
     return {name: str(path) for name, path in paths.items()}
+
+
+def new_node_cert(ca_key, ca_cert, node_id: str, *, valid_for: dt.timedelta = dt.timedelta(hours=1),
+                  hosts: tuple[str, ...] = ("localhost", "127.0.0.1")):  # fmt: skip
+    """(private key, certificate) of a node as the platform CA issues it: one URI SAN `spiffe://kcaas/node/<id>`
+    plus the hosts, usable as TLS server and client (node-to-node mutual TLS)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = dt.datetime.now(dt.timezone.utc)
+    names: list = [x509.UniformResourceIdentifier(f"spiffe://kcaas/node/{node_id}")]
+    for host in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+    cert = (
+        x509.CertificateBuilder().subject_name(_name(f"kcaas node {node_id}")).issuer_name(ca_cert.subject)
+        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + valid_for)
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                       critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    return key, cert
+
+
+def write_node_pki(directory: Path, ca_key, ca_cert, node_id: str) -> dict[str, str]:
+    """A node certificate of `node_id` as files in `directory`: {"ca", "cert", "key"} -> path."""
+    directory = Path(directory)
+    key, cert = new_node_cert(ca_key, ca_cert, node_id)
+    paths = {"ca": directory / "ca.pem", "cert": directory / f"node-{node_id}.pem", "key": directory / f"node-{node_id}.key"}
+    paths["ca"].write_bytes(pem_cert(ca_cert))
+    paths["cert"].write_bytes(pem_cert(cert))
+    write_private(paths["key"], pem_key(key))
+    return {name: str(path) for name, path in paths.items()}

@@ -1,0 +1,349 @@
+"""Node-to-node block transfer for cache migration: a listener on the target, a sender on the source (no Django).
+
+Transport: mutual TLS 1.3 only. The listener REQUIRES a client certificate chained to the platform CA and accepts a
+connection for a migration only when the peer's node id (its SPIFFE URI SAN `spiffe://kcaas/node/<id>`) is the
+source the control plane named in migrate_in; the sender checks the target's node id the same way. Contexts come
+from gpu_node.identity.NodeIdentity (server_context()/client_context()) or, in tests, from dev_pki node certs.
+
+Protocol (after the handshake; every message is 1 type byte + 4-byte little-endian length + body):
+    sender -> target  H  JSON {"migration_id", "cache_id", "epoch"}        target -> sender  K  the keys it holds
+    sender -> target  B  BLOCK_HEAD (parent, key, full, n tokens, checksum) + tokens int32 + stored bytes
+    sender -> target  Y  sync                                               target -> sender  K  the keys it holds
+    target -> sender  E  JSON {"error"} and close (unknown migration, wrong peer, bad block)
+Resumable: the target inserts every verified block as it arrives, and every K lists what it holds, so a sender that
+(re)connects after either side was cut skips verified blocks. A block whose checksum does not match is refused
+(counted in `stats["checksum_failures"]`), is absent from the next K, and is sent again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import ssl
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+from cryptography import x509
+
+from gpu_node import block_transfer as bt
+from gpu_node.block_hash import HASH_NUM_BYTES
+
+log = logging.getLogger("kcaas.node.migration")
+MSG_HEAD = struct.Struct("<cI")
+BLOCK_HEAD = struct.Struct("<16s16s?IQ")  # parent, key, full, num tokens, checksum
+SPIFFE_PREFIX = "spiffe://kcaas/node/"
+MAX_CONTROL_BYTES = 64 << 20
+
+
+class MigrationError(Exception):
+    pass
+
+
+# ---- identity ---------------------------------------------------------------------------------------------------
+def peer_node_id(sock: ssl.SSLSocket) -> str | None:
+    """The node id in the peer certificate's one SPIFFE URI SAN, or None."""
+    der = sock.getpeercert(binary_form=True)
+    if not der:
+        return None
+    try:
+        sans = x509.load_der_x509_certificate(der).extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    except x509.ExtensionNotFound:
+        return None
+    uris = [u for u in sans.value.get_values_for_type(x509.UniformResourceIdentifier) if u.startswith(SPIFFE_PREFIX)]
+    return uris[0][len(SPIFFE_PREFIX):] if len(uris) == 1 else None
+
+
+def mtls_server_context(cert_file: str, key_file: str, ca_file: str) -> ssl.SSLContext:
+    """TLS 1.3 only, a client certificate from the CA required (NodeIdentity.server_context() once it lands)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.load_cert_chain(cert_file, key_file)
+    ctx.load_verify_locations(ca_file)
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def mtls_client_context(cert_file: str, key_file: str, ca_file: str) -> ssl.SSLContext:
+    """TLS 1.3 only, presenting this node's certificate; the peer is checked by SPIFFE id, not host name."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.load_cert_chain(cert_file, key_file)
+    ctx.load_verify_locations(ca_file)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+# ---- framing ----------------------------------------------------------------------------------------------------
+def _recv_exact(sock, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise MigrationError("the peer closed the connection")
+        got += n
+
+
+def _recv_msg(sock) -> tuple[bytes, bytearray, int]:
+    head = bytearray(MSG_HEAD.size)
+    _recv_exact(sock, memoryview(head))
+    kind, length = MSG_HEAD.unpack(head)
+    if kind != b"B" and length > MAX_CONTROL_BYTES:
+        raise MigrationError("oversized control message")
+    body = bytearray(length if kind != b"B" else BLOCK_HEAD.size)
+    _recv_exact(sock, memoryview(body))
+    return kind, body, length
+
+
+def _send_msg(sock, kind: bytes, body: bytes = b"") -> None:
+    sock.sendall(MSG_HEAD.pack(kind, len(body)) + body)
+
+
+def _keys_from(body: bytes) -> set[bytes]:
+    return {bytes(body[i : i + HASH_NUM_BYTES]) for i in range(0, len(body), HASH_NUM_BYTES)}
+
+
+# ---- the target's listener ----------------------------------------------------------------------------------------
+@dataclass
+class Incoming:
+    """A migration this node expects (migrate_in): which cache, from which node, at which epoch."""
+
+    migration_id: str
+    cache_id: str
+    source_node_id: str
+    epoch: int
+
+
+@dataclass
+class ListenerStats:
+    blocks_stored: int = 0
+    bytes_stored: int = 0
+    checksum_failures: int = 0
+    refused: dict = field(default_factory=dict)
+
+
+class MigrationListener:
+    """Accepts senders named by `expect()`; inserts verified blocks into `registry`'s engine for the cache."""
+
+    def __init__(self, registry, tls_context: ssl.SSLContext, host: str = "127.0.0.1", port: int = 0,
+                 metrics=None):  # fmt: skip
+        assert tls_context.verify_mode == ssl.CERT_REQUIRED, "the migration listener requires client certificates"
+        self.registry, self.tls_context, self.metrics = registry, tls_context, metrics
+        self._expected: dict[str, Incoming] = {}
+        self._lock = threading.Lock()
+        self.stats = ListenerStats()
+        self._sock = socket.create_server((host, port), backlog=32)
+        self._sock.settimeout(0.2)
+        self.address = self._sock.getsockname()[:2]
+        self._stop = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self._thread = threading.Thread(target=self._accept_loop, daemon=True, name="migration-accept")
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.address[0]}:{self.address[1]}"
+
+    def start(self) -> MigrationListener:
+        self._thread.start()
+        return self
+
+    def expect(self, incoming: Incoming) -> None:
+        with self._lock:
+            self._expected[incoming.migration_id] = incoming
+
+    def stop(self) -> None:
+        """Close the listener and cut every transfer in flight (what was verified stays stored)."""
+        self._stop.set()
+        self._sock.close()
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._thread.join(5)
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                raw, _ = self._sock.accept()
+            except (TimeoutError, socket.timeout):
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(raw,), daemon=True, name="migration-conn").start()
+
+    def _serve(self, raw: socket.socket) -> None:
+        with self._lock:
+            self._conns.add(raw)
+        try:
+            raw.settimeout(60)
+            with self.tls_context.wrap_socket(raw, server_side=True) as sock:
+                self._session(sock)
+        except (OSError, ssl.SSLError, MigrationError) as exc:
+            log.info("migration connection ended: %s", exc)
+        finally:
+            with self._lock:
+                self._conns.discard(raw)
+            raw.close()
+
+    def _session(self, sock: ssl.SSLSocket) -> None:
+        kind, body, _ = _recv_msg(sock)
+        hello = json.loads(body) if kind == b"H" else {}
+        with self._lock:
+            incoming = self._expected.get(str(hello.get("migration_id")))
+        hosted = self.registry.get(incoming.cache_id) if incoming is not None else None
+        if incoming is None or hosted is None or hosted.epoch != incoming.epoch or hello.get("cache_id") != incoming.cache_id:
+            return _send_msg(sock, b"E", b'{"error": "unknown_migration"}')
+        if peer_node_id(sock) != incoming.source_node_id:
+            return _send_msg(sock, b"E", b'{"error": "wrong_peer"}')
+        engine = hosted.engine
+        _send_msg(sock, b"K", b"".join(bt.held_keys(engine)))
+        staging = bytearray(bt.block_nbytes(engine))
+        while True:
+            kind, body, length = _recv_msg(sock)
+            if kind == b"Y":
+                _send_msg(sock, b"K", b"".join(bt.held_keys(engine)))
+            elif kind == b"B" and length == len(staging):
+                self._block(sock, engine, body, staging)
+            else:
+                return
+
+    def _block(self, sock, engine, head: bytearray, staging: bytearray) -> None:
+        parent, key, full, num_tokens, checksum = BLOCK_HEAD.unpack(head)
+        if num_tokens > engine.block_size:
+            raise MigrationError("a block with too many tokens")
+        tokens = np.empty(num_tokens, dtype="<i4")
+        _recv_exact(sock, memoryview(tokens.view(np.uint8)))
+        _recv_exact(sock, memoryview(staging))
+        verdict = bt.insert_block(engine, parent, key, full, tokens, checksum, memoryview(staging))
+        with self._lock:
+            if verdict == "stored":
+                self.stats.blocks_stored += 1
+                self.stats.bytes_stored += len(staging)
+            elif verdict == "checksum":
+                self.stats.checksum_failures += 1
+            self.stats.refused[verdict] = self.stats.refused.get(verdict, 0) + (verdict not in ("stored", "have"))
+        if verdict == "checksum" and self.metrics is not None and hasattr(self.metrics, "checksum_failures"):
+            self.metrics.checksum_failures.labels(where="migration").inc()
+
+
+# ---- the source's sender ------------------------------------------------------------------------------------------
+@dataclass
+class SenderStats:
+    blocks_sent: int = 0
+    bytes_sent: int = 0
+    rounds: int = 0
+    connects: int = 0
+    keys_sent: list = field(default_factory=list)  # every block key sent, in order (tests count resends)
+
+
+class MigrationSender:
+    """Streams one cache's blocks to the target until the target holds every block of the snapshot.
+
+    `run(fence)`: bulk rounds while writes continue, then `fence()` (the data plane stops acknowledging writes),
+    then rounds until a sync shows the target holds everything. `corrupt(key) -> bool` (a test hook) flips one byte
+    of that block on the wire, keeping its true checksum. `cut_after_blocks` (a test hook) closes the connection
+    abruptly after that many blocks, as a killed process would.
+    """
+
+    def __init__(self, engine, *, migration_id: str, cache_id: str, epoch: int, target_endpoint: str,
+                 target_node_id: str, tls_context: ssl.SSLContext, progress: Callable[[dict], None] | None = None,
+                 corrupt: Callable[[bytes], bool] | None = None, cut_after_blocks: int | None = None,
+                 connect_timeout: float = 30.0, max_rounds: int = 8):  # fmt: skip
+        self.engine, self.migration_id, self.cache_id, self.epoch = engine, migration_id, cache_id, int(epoch)
+        self.target_endpoint, self.target_node_id, self.tls_context = target_endpoint, target_node_id, tls_context
+        self.progress, self.corrupt, self.cut_after_blocks = progress, corrupt, cut_after_blocks
+        self.connect_timeout, self.max_rounds = connect_timeout, max_rounds
+        self.stats = SenderStats()
+
+    def run(self, fence: Callable[[], None] | None = None) -> SenderStats:
+        with self._connect() as sock:
+            have = self._hello(sock)
+            have = self._rounds(sock, have, self.max_rounds, until_empty=False)
+            if fence is not None:
+                fence()
+            self._rounds(sock, have, self.max_rounds, until_empty=True)
+        return self.stats
+
+    def _connect(self) -> ssl.SSLSocket:
+        """Connect (retrying while the target is not ready: it may still be provisioning, or restarting)."""
+        host, _, port = self.target_endpoint.rpartition(":")
+        deadline = time.monotonic() + self.connect_timeout
+        while True:
+            try:
+                raw = socket.create_connection((host.strip("[]"), int(port)), timeout=30)
+                sock = self.tls_context.wrap_socket(raw)
+                if peer_node_id(sock) != self.target_node_id:
+                    sock.close()
+                    raise MigrationError("the target's certificate names another node")
+                self.stats.connects += 1
+                return sock
+            except (OSError, ssl.SSLError):
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
+
+    def _hello(self, sock) -> set[bytes]:
+        body = json.dumps({"migration_id": self.migration_id, "cache_id": self.cache_id, "epoch": self.epoch})
+        _send_msg(sock, b"H", body.encode())
+        return self._keys(sock)
+
+    def _keys(self, sock) -> set[bytes]:
+        kind, body, _ = _recv_msg(sock)
+        if kind == b"E":
+            raise MigrationError(f"the target refused: {json.loads(body).get('error')}")
+        if kind != b"K":
+            raise MigrationError("unexpected answer from the target")
+        return _keys_from(body)
+
+    def _rounds(self, sock, have: set[bytes], limit: int, *, until_empty: bool) -> set[bytes]:
+        """Send what the target lacks, sync, repeat: until nothing is missing (or, in bulk, nothing was sent)."""
+        for _ in range(limit):
+            todo = [m for m in bt.snapshot(self.engine) if m.key not in have]
+            if not todo:
+                return have
+            sent = sum(self._send_block(sock, meta) for meta in todo)
+            _send_msg(sock, b"Y")
+            have = self._keys(sock)
+            self.stats.rounds += 1
+            if self.progress is not None:
+                self.progress({"blocks": len(have), "bytes_sent": self.stats.bytes_sent})
+            if not sent and not until_empty:
+                return have
+        if until_empty and [m for m in bt.snapshot(self.engine) if m.key not in have]:
+            raise MigrationError(f"the target still lacks blocks after {limit} rounds")
+        return have
+
+    def _send_block(self, sock, meta: bt.BlockMeta) -> int:
+        held = bt.read_block(self.engine, meta)
+        if held is None:
+            return 0  # changed or evicted since the snapshot: the next round sees it as it is now
+        try:
+            parts = held.parts
+            if self.corrupt is not None and self.corrupt(meta.key):
+                flipped = bytearray(b"".join(bytes(p) for p in parts))
+                flipped[len(flipped) // 2] ^= 0x01
+                parts = [memoryview(flipped)]
+            nbytes = sum(len(p) for p in parts)
+            tokens = np.ascontiguousarray(meta.tokens, dtype="<i4").tobytes()
+            head = MSG_HEAD.pack(b"B", nbytes) + BLOCK_HEAD.pack(meta.parent, meta.key, meta.full, len(meta.tokens),
+                                                                  held.checksum)  # fmt: skip
+            sock.sendall(head + tokens)
+            for part in parts:
+                sock.sendall(part)
+        finally:
+            held.release()
+        self.stats.blocks_sent += 1
+        self.stats.bytes_sent += nbytes
+        self.stats.keys_sent.append(meta.key)
+        if self.cut_after_blocks is not None and self.stats.blocks_sent >= self.cut_after_blocks:
+            sock.shutdown(socket.SHUT_RDWR)
+            raise MigrationError("cut by the test hook")
+        return 1
