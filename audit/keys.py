@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
@@ -26,16 +27,22 @@ def b64url(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
 
-def _load_or_create_file(path: Path) -> bytes:
+def _new_ed25519_pem() -> bytes:
+    return Ed25519PrivateKey.generate().private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def load_or_create_private_file(path: Path, generate: Callable[[], bytes] = _new_ed25519_pem) -> bytes:
+    """The bytes of the 0600 file `path`, created once with `generate()` when missing. Concurrent creators (threads
+    or processes) all end up reading the one file that won: the others' keys are discarded, never used."""
     if path.exists():
         return path.read_bytes()
     path.parent.mkdir(parents=True, exist_ok=True)
-    pem = Ed25519PrivateKey.generate().private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
+    pem = generate()
     # Write a complete 0600 temporary file, then link it into place: link fails if another process won the race,
     # and then its key is the one everybody uses.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".ed25519-key-")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
     try:
         os.fchmod(fd, 0o600)
         with os.fdopen(fd, "wb") as f:
@@ -47,6 +54,9 @@ def _load_or_create_file(path: Path) -> bytes:
     finally:
         os.unlink(tmp)
     return path.read_bytes()
+
+
+_load_or_create_file = load_or_create_private_file  # the Ed25519 default, as the audit and token keys use it
 
 
 @lru_cache(maxsize=8)

@@ -173,6 +173,13 @@ KCAAS_PLATFORM_SIGNING_KEY_PEM = os.environ.get("KCAAS_PLATFORM_SIGNING_KEY_PEM"
 KCAAS_PLATFORM_SIGNING_KEY_FILE = os.environ.get(
     "KCAAS_PLATFORM_SIGNING_KEY_FILE", str(VAR_DIR / "secrets" / "platform-ed25519.pem")
 )
+# The platform CA (fleet.pki): ECDSA P-256 key signing node certificates (spiffe://kcaas/node/<id>); its self-signed
+# certificate is derived from the key (deterministic), so every control-plane process serves the same one.
+KCAAS_PLATFORM_CA_KEY_PEM = os.environ.get("KCAAS_PLATFORM_CA_KEY_PEM", "")
+KCAAS_PLATFORM_CA_KEY_FILE = os.environ.get(
+    "KCAAS_PLATFORM_CA_KEY_FILE", str(VAR_DIR / "secrets" / "platform-ca-p256.pem")
+)
+KCAAS_NODE_CERT_HOURS = env_int("KCAAS_NODE_CERT_HOURS", 12)  # node certificates' validity; agents renew at half
 KCAAS_TOKEN_ISSUER = os.environ.get("KCAAS_TOKEN_ISSUER", "kcaas-control-plane")
 KCAAS_DATA_TOKEN_TTL_SECONDS = env_int("KCAAS_DATA_TOKEN_TTL_SECONDS", 15 * 60)
 # Key-encryption key for per-cache secrets held by the control plane (AES-256-GCM).

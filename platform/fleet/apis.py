@@ -18,6 +18,7 @@ from rest_framework.views import APIView
 from fleet import selectors, services
 from fleet.authentication import NodeCredentialAuthentication
 from fleet.models import NodeState
+from fleet.pki import MAX_CSR_BYTES
 from fleet.permissions import IsNode
 from fleet.serializers import (
     NodeDetailSerializer,
@@ -40,6 +41,13 @@ def _validate_endpoint(value: str) -> str:
 
 
 # ---- node agents ----------------------------------------------------------------------------------------------------
+
+
+def _csr_field(*, required: bool) -> serializers.CharField:
+    return serializers.CharField(
+        required=required, max_length=MAX_CSR_BYTES, trim_whitespace=False,
+        help_text="PEM PKCS#10 request for the node's own ECDSA P-256 key; only the key is used (fleet.pki)",
+    )
 
 
 @extend_schema_serializer(component_name="RevokedToken")
@@ -69,6 +77,7 @@ class NodeRegisterApi(_NodeApi):
             child=serializers.UUIDField(), required=False, default=list, max_length=10_000,
             help_text="ids of the caches the agent still holds (after a restart: usually none)",
         )
+        csr = _csr_field(required=False)
 
     @extend_schema_serializer(component_name="NodeRegistration")
     class OutputSerializer(serializers.Serializer):
@@ -81,6 +90,10 @@ class NodeRegisterApi(_NodeApi):
             "the agent no longer holds are being provisioned again (state provisioning)",
         )
         revoked_tokens = RevokedTokenSerializer(many=True)
+        certificate = serializers.CharField(
+            required=False, help_text="PEM node certificate (spiffe://kcaas/node/<id>); only when a csr was sent"
+        )
+        ca_certificate = serializers.CharField(required=False, help_text="PEM platform CA; only with certificate")
 
     @extend_schema(
         operation_id="nodes_register",
@@ -92,7 +105,8 @@ class NodeRegisterApi(_NodeApi):
     def post(self, request):
         data = _validated(self.InputSerializer, request.data)
         registration = services.node_register(
-            node_id=request.user.node.pk, endpoint=data["endpoint"], capacity=dict(data["capacity"])
+            node_id=request.user.node.pk, endpoint=data["endpoint"], capacity=dict(data["capacity"]),
+            csr=data.get("csr"),
         )
         body = {
             "node": registration.node,
@@ -103,6 +117,8 @@ class NodeRegisterApi(_NodeApi):
             ),
             "revoked_tokens": _revoked_tokens(registration.node.pk),
         }
+        if registration.certificate is not None:
+            body.update(certificate=registration.certificate, ca_certificate=registration.ca_certificate)
         _run_register_hooks(registration.node.pk)
         return Response(self.OutputSerializer(body).data)
 
@@ -145,6 +161,32 @@ class NodeHeartbeatApi(_NodeApi):
             "heartbeat_interval_seconds": settings.KCAAS_NODE_HEARTBEAT_SECONDS,
             "revoked_tokens": _revoked_tokens(node.pk),
         }
+        return Response(self.OutputSerializer(body).data)
+
+
+class NodeCertificateApi(_NodeApi):
+    @extend_schema_serializer(component_name="NodeCertificateRequest")
+    class InputSerializer(serializers.Serializer):
+        csr = _csr_field(required=True)
+
+    @extend_schema_serializer(component_name="NodeCertificate")
+    class OutputSerializer(serializers.Serializer):
+        certificate = serializers.CharField(help_text="PEM node certificate (spiffe://kcaas/node/<id>)")
+        ca_certificate = serializers.CharField(help_text="PEM platform CA certificate")
+
+    @extend_schema(
+        operation_id="nodes_certificate_renew",
+        tags=["nodes"],
+        request=InputSerializer,
+        responses={200: OutputSerializer, **error_responses(400, 401, 409)},
+        summary="Renew the calling node's certificate from a fresh CSR",
+        description="400 csr_malformed | csr_signature_invalid | csr_key_unsupported; 409 reregister_required for "
+        "a lost or unregistered node.",
+    )
+    def post(self, request):
+        data = _validated(self.InputSerializer, request.data)
+        issued = services.node_certificate_renew(node_id=request.user.node.pk, csr=data["csr"])
+        body = {"certificate": issued.certificate, "ca_certificate": issued.ca_certificate}
         return Response(self.OutputSerializer(body).data)
 
 

@@ -48,3 +48,11 @@ class ReregisterRequired(ConflictError):
     """A heartbeat from a node that is lost (or never registered): the agent must call register again."""
 
     code = "reregister_required"
+
+
+class InvalidCsr(ApplicationError):
+    """A certificate signing request the platform CA refuses; `code` says why: csr_malformed (not one PEM CSR),
+    csr_signature_invalid (its self-signature does not verify: the sender does not hold the key), or
+    csr_key_unsupported (not an ECDSA P-256 public key)."""
+
+    code = "csr_malformed"

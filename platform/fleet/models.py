@@ -48,6 +48,9 @@ class Node(models.Model):
 
     credential_public_id = models.CharField(max_length=32, unique=True)
     credential_hash = models.CharField(max_length=64)  # hex HMAC-SHA256 of the secret with the server pepper
+    # The latest certificate the platform CA issued to the node (fleet.pki): hex serial and expiry; empty/null before.
+    certificate_serial = models.CharField(max_length=40, blank=True, default="")
+    certificate_not_after = models.DateTimeField(null=True, blank=True)
 
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)

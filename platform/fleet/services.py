@@ -20,6 +20,7 @@ from audit.actions import AuditAction
 from audit.context import SYSTEM
 from audit.services import audit_record
 from controlplane.errors import NotFoundError
+from fleet import pki
 from fleet.credentials import credential_new
 from fleet.errors import (
     EndpointInUse,
@@ -46,6 +47,14 @@ class IssuedNode:
 @dataclass(frozen=True, slots=True)
 class NodeRegistration:
     node: Node
+    certificate: str | None = None  # PEM node certificate (fleet.pki) when the agent sent a CSR
+    ca_certificate: str | None = None  # PEM platform CA certificate, with `certificate`
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCertificate:
+    certificate: str
+    ca_certificate: str
 
 
 def _lock(node_id: uuid.UUID) -> Node:
@@ -105,18 +114,22 @@ _REGISTERED_FIELDS = ("state", "endpoint", "device_capacity_bytes", "dram_capaci
 
 @transaction.atomic
 def node_register(
-    *, node_id: uuid.UUID, endpoint: str, capacity: dict[str, int], now: datetime | None = None
+    *, node_id: uuid.UUID, endpoint: str, capacity: dict[str, int], now: datetime | None = None,
+    csr: str | None = None,
 ) -> NodeRegistration:
     """(Re-)registration by the agent itself: endpoint and whole capacity recorded, lease started.
 
     A new (`registering`) or `lost` node becomes `ready`; a cordoned or draining node keeps that state (an agent
     restart does not undo an operator's decision); the node id never changes. Reservations are kept: the caches
     placed on the node are still the control plane's to release. 409 endpoint_in_use when another live node
-    answers on the same endpoint.
+    answers on the same endpoint. With a `csr` the platform CA issues the node's certificate for the new endpoint
+    in the same transaction (a bad CSR refuses the whole registration, 400 csr_*).
     """
     problem = endpoint_error(endpoint)
     if problem:
         raise InvalidEndpoint(f"The endpoint {problem}.", details={"endpoint": problem})
+    if csr is not None:
+        pki.csr_public_key(csr)  # refuse a bad CSR before anything changes
     checked = _checked_capacity(capacity, require_all=True)
     now = now or timezone.now()
     node = _lock(node_id)
@@ -136,7 +149,24 @@ def node_register(
     audit_record(action=AuditAction.NODE_REGISTERED, target_type="node", target_id=node.pk,
                  old={field: before[field] for field in changed},
                  new={field: getattr(node, field) for field in changed})  # fmt: skip
-    return NodeRegistration(node=node)
+    if csr is None:
+        return NodeRegistration(node=node)
+    certificate, ca_certificate = pki.node_certificate_issue(node=node, csr_pem=csr, now=now)
+    return NodeRegistration(node=node, certificate=certificate, ca_certificate=ca_certificate)
+
+
+@transaction.atomic
+def node_certificate_renew(*, node_id: uuid.UUID, csr: str, now: datetime | None = None) -> NodeCertificate:
+    """A fresh certificate for a registered, live node from a fresh CSR (the agent renews at half-life).
+
+    409 reregister_required for a node that is lost or never registered (its endpoint is not known to be live);
+    400 csr_* for a bad CSR."""
+    node = _lock(node_id)
+    if node.state in (NodeState.REGISTERING, NodeState.LOST) or not node.endpoint:
+        raise ReregisterRequired("This node must register again before renewing its certificate.",
+                                 details={"state": node.state})  # fmt: skip
+    certificate, ca_certificate = pki.node_certificate_issue(node=node, csr_pem=csr, now=now)
+    return NodeCertificate(certificate=certificate, ca_certificate=ca_certificate)
 
 
 @transaction.atomic
