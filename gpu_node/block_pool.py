@@ -58,6 +58,9 @@ class BlockPool:
         # Cached blocks nobody holds, least recently used first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self.num_evictions = 0
+        # When lower tiers are attached: (block id, hash) of full blocks evicted by allocate whose bytes are still
+        # intact; the cache copies them out (tiers.demote_evicted) before the blocks are written. None: drop them.
+        self.evicted: list[tuple[int, BlockHash]] | None = None
 
     # ---- counts -------------------------------------------------------------------------------------------------
     @property
@@ -95,12 +98,14 @@ class BlockPool:
         free_stack = self._free_stack
         taken = free_stack[: -num_wanted - 1 : -1] if num_wanted else []  # top of the stack first
         del free_stack[len(free_stack) - len(taken) :]
-        evictable, uncache = self._evictable, self._uncache
+        evictable, uncache, evicted = self._evictable, self._uncache, self.evicted
         while len(taken) < num_wanted:
             if free_stack:  # an eviction's cascade may have freed descendants
                 taken.append(free_stack.pop())
             elif evictable:
                 block_id = evictable.popitem(last=False)[0]
+                if evicted is not None and self.block_hash[block_id] is not None:
+                    evicted.append((block_id, self.block_hash[block_id]))
                 uncache(block_id)
                 self.num_evictions += 1
                 taken.append(block_id)

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 import kernels
+from gpu_node import tiers
 from gpu_node.block_hash import HASH_NUM_BYTES, BlockHasher, tokens_as_int32
 from gpu_node.block_pool import BlockPool
 from gpu_node.put_plan import COW, EXTEND, PutPlan, plan_put
@@ -128,6 +129,17 @@ class PagedKVCache:
         self._pool_bytes: memoryview | None = None  # the pool's bytes, for kv_views (host pools only)
         self._num_hit_tokens = self._num_miss_tokens = self._num_cow_copies = self._num_stored_tokens = 0
         self._num_served_tokens = 0
+        self._tiers = None  # LowerTiers (gpu_node/tiers.py) once attached: evicted full blocks are demoted there
+
+    def attach_tiers(self, tiers) -> None:
+        """Demote evicted full blocks into `tiers` (a gpu_node.tiers.LowerTiers) and promote them back on reads."""
+        with self._lock:
+            self._tiers = tiers
+            self._blocks.evicted = []
+
+    @property
+    def tiers(self):
+        return self._tiers
 
     def _allocate_storage(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         spec = self.spec
@@ -197,12 +209,17 @@ class PagedKVCache:
         self._check_identity(identity)
         tokens = tokens_as_int32(tokens)
         with self._lock:
-            return self._match(tokens, want_ids=False)[0]
+            num_tokens = self._match(tokens, want_ids=False)[0]
+        if self._tiers is not None:
+            return tiers.lookup_beyond_device(self, tokens, num_tokens)
+        return num_tokens
 
     def acquire(self, tokens, *, identity: KVCacheSpec | None = None) -> PrefixHandle:
         """Hold the longest cached prefix of `tokens` (for reading in place, e.g. paged attention)."""
         self._check_identity(identity)
         tokens = tokens_as_int32(tokens)
+        if self._tiers is not None:
+            tiers.promote(self, tokens)
         with self._lock:
             num_tokens, block_ids = self._match(tokens, want_ids=True)
             self._blocks.hold(block_ids)
@@ -294,6 +311,8 @@ class PagedKVCache:
         hashes = self._hasher.block_hashes(tokens)
         with self._lock:
             plan = plan_put(self._blocks, hashes, self._hasher.root, tokens, self._extending)
+            if self._tiers is not None:
+                tiers.demote_evicted(self)
         try:
             self._write(plan, kv)
         except BaseException:
@@ -384,7 +403,9 @@ class PagedKVCache:
             self.pool.zero_()
             if self.scales is not None:
                 self.scales.zero_()
-            return resident
+        if self._tiers is not None:
+            resident += self._tiers.wipe()
+        return resident
 
     # ---- accounting ---------------------------------------------------------------------------------------------
     def count_served(self, num_tokens: int) -> None:

@@ -1,0 +1,343 @@
+"""The SSD tier of one cache: encrypted blocks in append-only segment files, an index that survives crashes.
+
+Directory `<root>/<cache id>/` (root: KCAAS_NODE_SSD_DIR):
+
+    seg-000001.log ...   records, appended by this store's writer thread only, fsync'd per batch
+    index.json           the live entries as of the last commit: written to index.json.tmp, fsync, rename, fsync dir
+
+Record = HEADER (magic, ciphertext length, block hash, nonce, xxh3-64 of the plaintext payload) + ciphertext, where
+ciphertext = AES-GCM(data key, nonce, payload, aad = AAD_PREFIX + block hash): 16 bytes longer than the payload. The
+hash in the associated data binds a record to its name, so records cannot be swapped. The data key (32 bytes) comes
+from the control plane in provision_cache and lives in this process's memory only: without it the files are noise.
+
+Crash safety: a record becomes visible to readers only after its batch is fsync'd (until then it is served from
+`_pending`). A crash may leave a torn record at a segment's end and records the index does not name yet; `rescan`
+(run when a store opens an existing directory: warm restart) reads every block named by the index and every record
+after each segment's committed end, keeps only those that decrypt and match their checksum, and never appends to
+an old segment again (new writes go to a fresh one).
+
+Invariants (under `_lock`): bytes_resident == sum of entry.length over `_index` <= capacity_bytes; every entry
+names a record fully written and fsync'd; no lock is held during file I/O, and nothing here is shared by two caches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import struct
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from gpu_node.checksum import verify_block
+
+HEADER = struct.Struct("<4sI16s12sQ")  # magic, ciphertext length, block hash, nonce, xxh3 of the plaintext
+MAGIC = b"KCB1"
+AAD_PREFIX = b"kcaas/ssd/v1/"
+TAG_BYTES = 16
+DATA_KEY_BYTES = 32
+SEGMENT_BYTES = 64 << 20
+INDEX_NAME = "index.json"
+WRITE_BATCH = 64  # records per fsync at most
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    segment: int
+    offset: int  # of the record's header
+    length: int  # of the plaintext payload
+
+
+def segment_name(segment: int) -> str:
+    return f"seg-{segment:06d}.log"
+
+
+class SsdStore:
+    def __init__(self, directory: str, data_key: bytes, capacity_bytes: int, *, segment_bytes: int = SEGMENT_BYTES):
+        if not isinstance(data_key, bytes) or len(data_key) != DATA_KEY_BYTES:
+            raise ValueError(f"the SSD data key must be {DATA_KEY_BYTES} bytes")
+        self.directory = directory
+        self.capacity_bytes = int(capacity_bytes)
+        self.segment_bytes = segment_bytes
+        self._aead = AESGCM(data_key)
+        self._lock = threading.Lock()
+        self._index: OrderedDict[bytes, Entry] = OrderedDict()  # LRU first
+        self._pending: dict[bytes, tuple[bytearray, int]] = {}  # queued or being written: served from here
+        self._segment_live: dict[int, int] = {}  # segment -> live entries
+        self._committed_end: dict[int, int] = {}  # segment -> bytes fsync'd
+        self.bytes_resident = 0
+        self.num_checksum_failures = 0
+        self.num_rescanned_blocks = 0
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        self.rescan()
+        self._segment = max(self._committed_end, default=0) + 1  # never append after a possibly torn tail
+        self._segment_fd: int | None = None
+        self._queue: queue.Queue = queue.Queue()
+        self._closed = False
+        self._writer = threading.Thread(target=self._write_loop, name=f"ssd-writer-{os.path.basename(directory)}",
+                                        daemon=True)  # fmt: skip
+        self._writer.start()
+
+    # ---- reads ----------------------------------------------------------------------------------------------------
+    def contains(self, block_hash: bytes) -> bool:
+        return block_hash in self._index or block_hash in self._pending
+
+    def read(self, block_hash: bytes) -> bytearray | None:
+        """The verified payload of a block, or None (absent, or corrupt: then dropped and counted)."""
+        with self._lock:
+            pending = self._pending.get(block_hash)
+            entry = self._index.get(block_hash)
+            if entry is not None:
+                self._index.move_to_end(block_hash)
+        if pending is not None:
+            return bytearray(pending[0])
+        if entry is None:
+            return None
+        payload = self._read_record(entry, block_hash)
+        if payload is None:
+            with self._lock:
+                self.num_checksum_failures += 1
+                if self._index.get(block_hash) == entry:
+                    self._drop_locked(block_hash)
+        return payload
+
+    def _read_record(self, entry: Entry, block_hash: bytes) -> bytearray | None:
+        try:
+            with open(os.path.join(self.directory, segment_name(entry.segment)), "rb", buffering=0) as file:
+                record = os.pread(file.fileno(), HEADER.size + entry.length + TAG_BYTES, entry.offset)
+        except OSError:
+            return None
+        parsed = self._parse(record, 0)
+        if parsed is None or parsed[0] != block_hash:
+            return None
+        return parsed[1]
+
+    def _parse(self, data, at: int) -> tuple[bytes, bytearray, int] | None:
+        """(block hash, verified payload, record length) of the record at `at`, or None if torn or corrupt."""
+        if len(data) - at < HEADER.size:
+            return None
+        magic, cipher_len, block_hash, nonce, checksum = HEADER.unpack_from(data, at)
+        end = at + HEADER.size + cipher_len
+        if magic != MAGIC or cipher_len < TAG_BYTES or end > len(data):
+            return None
+        try:
+            payload = self._aead.decrypt(nonce, bytes(data[at + HEADER.size : end]), AAD_PREFIX + block_hash)
+        except InvalidTag:
+            return None
+        if not verify_block(checksum, payload):
+            return None
+        return block_hash, bytearray(payload), end - at
+
+    # ---- writes ---------------------------------------------------------------------------------------------------
+    def write_async(self, block_hash: bytes, payload: bytearray, checksum: int) -> None:
+        """Queue a block for the writer thread (no I/O here); readable at once from the pending set."""
+        if len(payload) > self.capacity_bytes or self._closed:
+            return
+        with self._lock:
+            if block_hash in self._index or block_hash in self._pending:
+                return
+            self._pending[block_hash] = (payload, checksum)
+        self._queue.put(block_hash)
+
+    def flush(self) -> None:
+        """Wait until every queued block is written (or dropped)."""
+        self._queue.join()
+
+    def _write_loop(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            while len(batch) < WRITE_BATCH and not self._queue.empty():
+                batch.append(self._queue.get())
+            hashes = [h for h in batch if h is not None]
+            try:
+                if hashes:
+                    self._write_batch(hashes)
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
+            if len(hashes) < len(batch):  # the stop sentinel: everything queued before it is written
+                return
+
+    def _write_batch(self, hashes: list[bytes]) -> None:
+        written: list[tuple[bytes, Entry]] = []
+        for block_hash in hashes:
+            with self._lock:
+                pending = self._pending.get(block_hash)
+            if pending is not None and not self._closed:
+                written.append((block_hash, self._append(block_hash, *pending)))
+        if self._segment_fd is not None:
+            os.fsync(self._segment_fd)
+        with self._lock:
+            for block_hash, entry in written:
+                self._index[block_hash] = entry
+                self._segment_live[entry.segment] = self._segment_live.get(entry.segment, 0) + 1
+                self.bytes_resident += entry.length
+            for block_hash in hashes:
+                self._pending.pop(block_hash, None)
+            while self.bytes_resident > self.capacity_bytes:
+                self._drop_locked(next(iter(self._index)))
+            if self._segment_fd is not None:
+                self._committed_end[self._segment] = os.fstat(self._segment_fd).st_size
+        if not self._closed:
+            self._commit_index()
+            self._delete_dead_segments()
+
+    def _append(self, block_hash: bytes, payload: bytearray, checksum: int) -> Entry:
+        assert verify_block(checksum, payload), "a block corrupted in memory before it reached the SSD"
+        if self._segment_fd is None or os.fstat(self._segment_fd).st_size >= self.segment_bytes:
+            self._open_next_segment()
+        nonce = os.urandom(12)
+        ciphertext = self._aead.encrypt(nonce, bytes(payload), AAD_PREFIX + block_hash)
+        offset = os.fstat(self._segment_fd).st_size
+        record = HEADER.pack(MAGIC, len(ciphertext), block_hash, nonce, checksum) + ciphertext
+        os.write(self._segment_fd, record)
+        return Entry(self._segment, offset, len(payload))
+
+    def _open_next_segment(self) -> None:
+        if self._segment_fd is not None:
+            os.fsync(self._segment_fd)
+            os.close(self._segment_fd)
+            self._segment += 1
+        path = os.path.join(self.directory, segment_name(self._segment))
+        self._segment_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        _fsync_directory(self.directory)
+
+    def _drop_locked(self, block_hash: bytes) -> None:
+        entry = self._index.pop(block_hash)
+        self.bytes_resident -= entry.length
+        self._segment_live[entry.segment] -= 1
+
+    def _delete_dead_segments(self) -> None:
+        with self._lock:
+            dead = [s for s, live in self._segment_live.items() if live == 0 and s != self._segment]
+            for segment in dead:
+                del self._segment_live[segment]
+                self._committed_end.pop(segment, None)
+        for segment in dead:
+            _unlink_quietly(os.path.join(self.directory, segment_name(segment)))
+
+    # ---- the index ------------------------------------------------------------------------------------------------
+    def _commit_index(self) -> None:
+        """Write the live entries (temp file, fsync, rename, fsync dir): a crash leaves the old or the new index."""
+        with self._lock:
+            document = {
+                "version": 1,
+                "entries": [[h.hex(), e.segment, e.offset, e.length] for h, e in self._index.items()],
+                "committed_end": {str(s): end for s, end in self._committed_end.items()},
+            }
+        path = os.path.join(self.directory, INDEX_NAME)
+        with open(path + ".tmp", "w") as file:
+            json.dump(document, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(path + ".tmp", path)
+        _fsync_directory(self.directory)
+
+    def rescan(self) -> None:
+        """Rebuild the index from disk, verifying every block (warm restart); drops torn and corrupt records."""
+        indexed, committed_end = self._load_index()
+        for block_hash, entry in indexed:
+            self._admit(block_hash, entry, self._read_record(entry, block_hash))
+        for segment in self._segments_on_disk():
+            self._scan_tail(segment, committed_end.get(segment, 0))
+        with self._lock:
+            while self.bytes_resident > self.capacity_bytes:
+                self._drop_locked(next(iter(self._index)))
+        for segment in self._segments_on_disk():
+            if not self._segment_live.get(segment):
+                self._segment_live.pop(segment, None)
+                _unlink_quietly(os.path.join(self.directory, segment_name(segment)))
+            else:
+                self._committed_end[segment] = os.path.getsize(os.path.join(self.directory, segment_name(segment)))
+        self._commit_index()
+
+    def _admit(self, block_hash: bytes, entry: Entry, payload: bytearray | None) -> None:
+        with self._lock:
+            if payload is None or len(payload) != entry.length:
+                self.num_checksum_failures += 1
+                return
+            if block_hash in self._index:
+                return
+            self._index[block_hash] = entry
+            self._segment_live[entry.segment] = self._segment_live.get(entry.segment, 0) + 1
+            self.bytes_resident += entry.length
+            self.num_rescanned_blocks += 1
+
+    def _scan_tail(self, segment: int, start: int) -> None:
+        """Admit the records after a segment's committed end (written after the last index commit)."""
+        with open(os.path.join(self.directory, segment_name(segment)), "rb") as file:
+            data = file.read()
+        at = start
+        while at < len(data):
+            parsed = self._parse(data, at)
+            if parsed is None:
+                self.num_checksum_failures += 1  # a torn or corrupt record: the rest of this segment is not trusted
+                return
+            block_hash, payload, record_length = parsed
+            self._admit(block_hash, Entry(segment, at, len(payload)), payload)
+            at += record_length
+
+    def _load_index(self) -> tuple[list[tuple[bytes, Entry]], dict[int, int]]:
+        try:
+            with open(os.path.join(self.directory, INDEX_NAME)) as file:
+                document = json.load(file)
+            entries = [(bytes.fromhex(h), Entry(int(s), int(o), int(n))) for h, s, o, n in document["entries"]]
+            return entries, {int(s): int(end) for s, end in document["committed_end"].items()}
+        except (OSError, ValueError, KeyError, TypeError):
+            return [], {}
+
+    def _segments_on_disk(self) -> list[int]:
+        names = [n for n in os.listdir(self.directory) if n.startswith("seg-") and n.endswith(".log")]
+        return sorted(int(n[4:-4]) for n in names)
+
+    # ---- lifetime -------------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Write what is queued, then stop the writer (the directory stays: a later provisioning rescans it)."""
+        if self._closed:
+            return
+        self._queue.put(None)
+        self._writer.join()
+        self._closed = True
+        if self._segment_fd is not None:
+            os.close(self._segment_fd)
+            self._segment_fd = None
+
+    def destroy(self) -> int:
+        """Stop writing and delete the directory (erasure); returns the bytes that were resident."""
+        self._closed = True
+        self._queue.put(None)
+        self._writer.join()
+        if self._segment_fd is not None:
+            os.close(self._segment_fd)
+            self._segment_fd = None
+        with self._lock:
+            resident = self.bytes_resident
+            self._index.clear()
+            self._pending.clear()
+            self.bytes_resident = 0
+        shutil.rmtree(self.directory, ignore_errors=True)
+        return resident
+
+    def check_invariants(self) -> None:
+        with self._lock:
+            assert self.bytes_resident == sum(e.length for e in self._index.values()) <= self.capacity_bytes
+
+
+def _fsync_directory(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,253 @@
+"""Lower tiers of one cache: host DRAM, then encrypted SSD segments (gpu_node/ssd_store.py).
+
+A cold, unheld, *full* block the device pool evicts is demoted (its bytes copied out under the cache lock, before
+the evicting writer overwrites them) into DRAM; DRAM overflow (LRU) goes to the SSD store's writer thread. Partial
+tails stay on the device only. A get/acquire whose prefix continues past the device tier into lower tiers promotes
+that run of blocks back into the device pool (checksum verified; a mismatch drops the block, counts a failure and
+ends the run: a miss, never wrong KV), so readers always read the device pool as before.
+
+Blocks are named by their chained keyed hash (gpu_node/block_hash.py): equal hash, equal prefix, so a lower-tier
+block is installed under the request's own chain (its tokens are the request's tokens). A block's *payload* is its
+pool bytes followed by its scales bytes (quantized storage), exactly what gpu_node/checksum.py sums.
+
+Tiering: DRAM is exclusive (a promoted block leaves DRAM), SSD is inclusive (a block stays on SSD after promotion,
+so a later demotion of the same hash costs no write, and a restart finds it: warm restart).
+
+Lock order: cache lock -> DRAM lock -> SSD index lock. No lock of this module is held during SSD I/O, and no lock
+is shared between caches.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from gpu_node.block_hash import HASH_NUM_BYTES
+from gpu_node.checksum import block_checksum, verify_block
+
+
+def block_payloads(pool: torch.Tensor, scales: torch.Tensor | None, block_ids: list[int]) -> list[bytearray]:
+    """Copies of the stored bytes of blocks (pool bytes, then scales bytes), one bytearray each."""
+    ids = torch.as_tensor(block_ids, dtype=torch.int64, device=pool.device)
+    rows = _byte_rows(pool.index_select(0, ids), len(block_ids))
+    if scales is None:
+        return [bytearray(row) for row in rows]
+    scale_rows = _byte_rows(scales.index_select(0, ids), len(block_ids))
+    return [bytearray(row.tobytes() + scale_row.tobytes()) for row, scale_row in zip(rows, scale_rows)]
+
+
+def _byte_rows(blocks: torch.Tensor, num_blocks: int) -> np.ndarray:
+    return blocks.contiguous().cpu().reshape(num_blocks, -1).view(torch.uint8).numpy()
+
+
+def write_payloads(pool: torch.Tensor, scales: torch.Tensor | None, block_ids: list[int], payloads) -> None:
+    """Store payloads (block_payloads' format) into blocks of the pool (and scales)."""
+    num_blocks = len(block_ids)
+    data = np.frombuffer(bytearray().join(payloads), dtype=np.uint8).reshape(num_blocks, -1)
+    pool_bytes = pool[0].numel() * pool.element_size()
+    ids = torch.as_tensor(block_ids, dtype=torch.int64, device=pool.device)
+    pool[ids] = _as_blocks(data[:, :pool_bytes], pool).to(pool.device)
+    if scales is not None:
+        scales[ids] = _as_blocks(data[:, pool_bytes:], scales).to(scales.device)
+
+
+def _as_blocks(rows: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    flat = torch.from_numpy(np.ascontiguousarray(rows)).view(like.dtype)
+    return flat.reshape((rows.shape[0],) + tuple(like.shape[1:]))
+
+
+class DramTier:
+    """Host-memory blocks of one cache, LRU, keyed by block hash: hash -> (payload, xxh3 checksum of payload).
+
+    Invariant: bytes_resident == sum of len(payload) over entries <= capacity_bytes (checked by check_invariants).
+    Payloads are bytearrays owned here, so wipe() can overwrite them with zeros.
+    """
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity_bytes = int(capacity_bytes)
+        self._entries: OrderedDict[bytes, tuple[bytearray, int]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.bytes_resident = 0
+        self.num_checksum_failures = 0
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._entries
+
+    def put(self, block_hash: bytes, payload: bytearray, checksum: int) -> list[tuple[bytes, bytearray, int]]:
+        """Insert (most recently used); returns the LRU entries pushed out to stay within capacity."""
+        assert len(payload) <= self.capacity_bytes
+        pushed_out = []
+        with self._lock:
+            previous = self._entries.pop(block_hash, None)
+            if previous is not None:
+                self.bytes_resident -= len(previous[0])
+            while self.bytes_resident + len(payload) > self.capacity_bytes:
+                old_hash, (old_payload, old_checksum) = self._entries.popitem(last=False)
+                self.bytes_resident -= len(old_payload)
+                pushed_out.append((old_hash, old_payload, old_checksum))
+            self._entries[block_hash] = (payload, checksum)
+            self.bytes_resident += len(payload)
+        return pushed_out
+
+    def take(self, block_hash: bytes) -> bytearray | None:
+        """Remove and return a block's payload if present and intact; a corrupt one is dropped and counted."""
+        with self._lock:
+            entry = self._entries.pop(block_hash, None)
+            if entry is None:
+                return None
+            self.bytes_resident -= len(entry[0])
+        payload, checksum = entry
+        if not verify_block(checksum, payload):
+            with self._lock:
+                self.num_checksum_failures += 1
+            return None
+        return payload
+
+    def wipe(self) -> int:
+        """Zero every payload's bytes and forget them (erasure); returns the bytes that were resident."""
+        with self._lock:
+            resident = self.bytes_resident
+            for payload, _ in self._entries.values():
+                payload[:] = bytes(len(payload))
+            self._entries.clear()
+            self.bytes_resident = 0
+        return resident
+
+    def check_invariants(self) -> None:
+        with self._lock:
+            assert self.bytes_resident == sum(len(p) for p, _ in self._entries.values()) <= self.capacity_bytes
+
+
+class LowerTiers:
+    """The tiers below one cache's device pool: DRAM (capacity may be 0) and an optional SsdStore."""
+
+    def __init__(self, dram_bytes: int, ssd=None):
+        self.dram = DramTier(dram_bytes)
+        self.ssd = ssd
+
+    def demote(self, block_hash: bytes, payload: bytearray) -> None:
+        """Keep an evicted full block: DRAM when it fits, its overflow (or the block itself) to SSD, else drop."""
+        checksum = block_checksum(payload)
+        if len(payload) <= self.dram.capacity_bytes:
+            for pushed in self.dram.put(block_hash, payload, checksum):
+                self._to_ssd(*pushed)
+        else:
+            self._to_ssd(block_hash, payload, checksum)
+
+    def _to_ssd(self, block_hash: bytes, payload: bytearray, checksum: int) -> None:
+        if self.ssd is not None:
+            self.ssd.write_async(block_hash, payload, checksum)
+
+    def has(self, block_hash: bytes) -> bool:
+        return block_hash in self.dram or (self.ssd is not None and self.ssd.contains(block_hash))
+
+    def count_run(self, hashes: list[bytes]) -> int:
+        """How many leading hashes are held by some lower tier (no verification: a pure query)."""
+        count = 0
+        for block_hash in hashes:
+            if not self.has(block_hash):
+                break
+            count += 1
+        return count
+
+    def fetch_run(self, hashes: list[bytes]) -> list[bytearray]:
+        """Verified payloads of the leading run of `hashes` found in lower tiers (DRAM entries are taken out)."""
+        payloads = []
+        for block_hash in hashes:
+            payload = self.dram.take(block_hash)
+            if payload is None and self.ssd is not None:
+                payload = self.ssd.read(block_hash)
+            if payload is None:
+                break
+            payloads.append(payload)
+        return payloads
+
+    def resident_bytes(self) -> dict[str, int]:
+        return {"dram": self.dram.bytes_resident, "ssd": self.ssd.bytes_resident if self.ssd is not None else 0}
+
+    def checksum_failures(self) -> dict[str, int]:
+        return {"dram": self.dram.num_checksum_failures,
+                "ssd": self.ssd.num_checksum_failures if self.ssd is not None else 0}  # fmt: skip
+
+    def wipe(self) -> int:
+        """Erasure: zero DRAM, delete the SSD directory; returns the bytes that were resident in both."""
+        resident = self.dram.wipe()
+        if self.ssd is not None:
+            resident += self.ssd.destroy()
+        return resident
+
+    def close(self) -> None:
+        if self.ssd is not None:
+            self.ssd.close()
+
+
+# ---- the hooks PagedKVCache calls (under its lock where said) -------------------------------------------------------
+def demote_evicted(cache) -> None:
+    """Copy out and demote the full blocks the last allocation evicted. Call under the cache lock, right after the
+    allocation and before anything writes the blocks it handed out."""
+    evicted = cache._blocks.evicted
+    if not evicted:
+        return
+    block_ids = [block_id for block_id, _ in evicted]
+    hashes = [block_hash for _, block_hash in evicted]
+    evicted.clear()
+    for block_hash, payload in zip(hashes, block_payloads(cache.pool, cache.scales, block_ids)):
+        cache._tiers.demote(block_hash, payload)
+
+
+def _split(chain: bytes, start: int) -> list[bytes]:
+    return [chain[i : i + HASH_NUM_BYTES] for i in range(start * HASH_NUM_BYTES, len(chain), HASH_NUM_BYTES)]
+
+
+def lookup_beyond_device(cache, tokens: np.ndarray, device_tokens: int) -> int:
+    """lookup() with lower tiers: the device match, or its full blocks followed by the lower tiers' run if longer."""
+    chain = cache._hasher.chain(tokens)
+    with cache._lock:
+        num_full = cache._num_cached_full_blocks(chain)
+    num_lower = cache._tiers.count_run(_split(chain, num_full))
+    return max(device_tokens, (num_full + num_lower) * cache.block_size)
+
+
+def promote(cache, tokens: np.ndarray) -> int:
+    """Bring the run of lower-tier blocks continuing the device prefix of `tokens` into the device pool; returns
+    how many blocks were installed. Lower-tier I/O happens without the cache lock."""
+    chain = cache._hasher.chain(tokens)
+    with cache._lock:
+        num_full = cache._num_cached_full_blocks(chain)
+    wanted = _split(chain, num_full)
+    if not wanted or not cache._tiers.has(wanted[0]):
+        return 0
+    payloads = cache._tiers.fetch_run(wanted)
+    if not payloads:
+        return 0
+    with cache._lock:
+        return _install(cache, chain, num_full, tokens, wanted[: len(payloads)], payloads)
+
+
+def _install(cache, chain: bytes, num_full: int, tokens: np.ndarray, hashes: list[bytes], payloads) -> int:
+    """Under the cache lock: allocate device blocks after the (held) device prefix, write the payloads, publish."""
+    blocks, block_size = cache._blocks, cache.block_size
+    if cache._num_cached_full_blocks(chain) != num_full:  # the device prefix changed meanwhile: keep the blocks
+        _demote_back(cache, hashes, payloads)
+        return 0
+    prefix_ids = [blocks.cached_hash_to_block[h] for h in _split(chain[: num_full * HASH_NUM_BYTES], 0)]
+    blocks.hold(prefix_ids)  # so the allocation cannot evict the prefix the new blocks hang off
+    block_ids = blocks.allocate(len(payloads))
+    demote_evicted(cache)
+    installed = len(block_ids)
+    if installed:
+        write_payloads(cache.pool, cache.scales, block_ids, payloads[:installed])
+        parent = chain[(num_full - 1) * HASH_NUM_BYTES : num_full * HASH_NUM_BYTES] if num_full else cache._hasher.root
+        segment = tokens[num_full * block_size : (num_full + installed) * block_size]
+        blocks.publish_chain(block_ids, parent, segment, hashes[:installed])
+    blocks.release(block_ids[::-1] + prefix_ids[::-1])
+    _demote_back(cache, hashes[installed:], payloads[installed:])
+    return installed
+
+
+def _demote_back(cache, hashes: list[bytes], payloads) -> None:
+    for block_hash, payload in zip(hashes, payloads):
+        cache._tiers.demote(block_hash, payload)
