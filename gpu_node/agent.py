@@ -63,6 +63,9 @@ class AgentConfig:
     drain_seconds: float = 20.0  # SIGTERM: how long in-flight data-plane requests may take to finish
     tenant_limits: TenantLimits = TenantLimits()  # per-tenant data-plane connections / requests / staged bytes
     usage_seconds: float = 60.0  # KCAAS_NODE_USAGE_SECONDS: how often usage reports go to the control plane
+    identity: bool = True  # KCAAS_NODE_IDENTITY: send a CSR at register, hold a platform certificate (identity.py)
+    identity_dir: str | None = None  # KCAAS_NODE_IDENTITY_DIR: persist key + certificate there (0600); else memory
+    tls_from_identity: bool = False  # KCAAS_NODE_TLS_FROM_IDENTITY: no TLS files -> data plane on the platform cert
 
     @classmethod
     def from_env(cls, environ=os.environ) -> AgentConfig:
@@ -96,11 +99,18 @@ class AgentConfig:
                 max_inflight_bytes=int(environ.get("KCAAS_NODE_TENANT_MAX_INFLIGHT_BYTES") or 1 << 30),
             ),
             usage_seconds=float(environ.get("KCAAS_NODE_USAGE_SECONDS") or 60.0),
+            identity=_flag(environ.get("KCAAS_NODE_IDENTITY"), default=True),
+            identity_dir=environ.get("KCAAS_NODE_IDENTITY_DIR") or None,
+            tls_from_identity=_flag(environ.get("KCAAS_NODE_TLS_FROM_IDENTITY"), default=False),
         )
 
     @property
     def capacity(self) -> dict[str, int]:
         return {"device": self.device_capacity_bytes, "dram": self.dram_capacity_bytes, "ssd": self.ssd_capacity_bytes}
+
+
+def _flag(value: str | None, *, default: bool) -> bool:
+    return default if not value else value.strip().lower() not in ("0", "false", "no", "off")
 
 
 class ControlPlaneError(Exception):
@@ -130,9 +140,15 @@ class ControlPlane:
                 detail = {"code": "http_error", "message": error.reason}
             raise ControlPlaneError(error.code, detail.get("code", ""), detail.get("message", "")) from None
 
-    def register(self, *, endpoint: str, capacity: dict, caches: list[str] = ()) -> dict:
+    def register(self, *, endpoint: str, capacity: dict, caches: list[str] = (), csr: str | None = None) -> dict:
         body = {"endpoint": endpoint, "capacity": capacity, "caches": list(caches)}
+        if csr is not None:
+            body["csr"] = csr
         return self._post("/api/v1/nodes/register", body)
+
+    def certificate(self, csr: str) -> dict:
+        """A renewed node certificate from a fresh CSR: {"certificate", "ca_certificate"} (PEM)."""
+        return self._post("/api/v1/nodes/certificate", {"csr": csr})
 
     def heartbeat(self, *, capacity: dict, resident: list[dict]) -> dict:
         return self._post("/api/v1/nodes/heartbeat", {"capacity": capacity, "resident": resident})
@@ -196,6 +212,8 @@ class NodeAgent:
         self._metrics_server = None
         self.dataplane = None  # gpu_node.dataplane.DataPlaneServer once started
         self.revocations = RevocationList()
+        self.identity = None  # gpu_node.identity.NodeIdentity when config.identity
+        self._renewal = None
 
     # ---- steps ----------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -204,6 +222,7 @@ class NodeAgent:
         self.metrics = NodeMetrics(self.registry)
         if config.metrics_port is not None:
             self._metrics_server, _ = self.metrics.serve(config.metrics_port, config.metrics_addr)
+        self._load_identity()
         registration = self.register()
         self._start_worker()
         self._heartbeat = Heartbeat(
@@ -213,6 +232,7 @@ class NodeAgent:
         self.usage_reporter = UsageReporter(snapshot=self.registry.usage_snapshot, send=self.control.usage)
         self._usage_loop = UsageReportLoop(self.usage_reporter, config.usage_seconds)
         self._usage_loop.start()
+        self._start_renewal()
         self._start_dataplane()
         logger.info("node %s serving %s", self.node_id, config.endpoint)
 
@@ -220,6 +240,7 @@ class NodeAgent:
         steps = (
             ("data plane", self._stop_dataplane),
             ("heartbeat", self._stop_heartbeat),
+            ("certificate renewal", self._stop_renewal),
             ("last report", self._report_once),
             ("usage reports", self._stop_usage_reports),
             ("worker", self._stop_worker),
@@ -235,9 +256,11 @@ class NodeAgent:
     def register(self) -> dict:
         # What this process still holds (nothing after a restart: the control plane provisions those again).
         registration = self.control.register(
-            endpoint=self.config.endpoint, capacity=self.config.capacity, caches=self.registry.cache_ids()
+            endpoint=self.config.endpoint, capacity=self.config.capacity, caches=self.registry.cache_ids(),
+            csr=self._register_csr(),
         )
         self.node_id = registration["node"]["id"]
+        self._install_certificate(registration)
         self.revocations.update(registration.get("revoked_tokens"))
         return registration
 
@@ -250,6 +273,39 @@ class NodeAgent:
         """The last heartbeat before exiting: the control plane sees what the node held when it stopped serving."""
         if self._heartbeat is not None:
             self._heartbeat.tick()
+
+    # ---- node identity (gpu_node/identity.py) ------------------------------------------------------------------------
+    def _load_identity(self) -> None:
+        if self.config.identity:
+            from gpu_node.identity import NodeIdentity
+
+            self.identity = NodeIdentity.load(self.config.identity_dir) if self.config.identity_dir else NodeIdentity()
+
+    def _register_csr(self) -> str | None:
+        """A CSR for register: the current key first, a fresh key on re-registration (rotation)."""
+        if self.identity is None:
+            return None
+        return (self.identity.renewal_csr_pem() if self.identity.has_certificate else self.identity.csr_pem()).decode()
+
+    def _install_certificate(self, answer: dict) -> None:
+        if self.identity is not None and answer.get("certificate"):
+            self.identity.install(answer["certificate"], answer["ca_certificate"])
+            self._save_identity()
+
+    def _save_identity(self) -> None:
+        if self.identity is not None and self.config.identity_dir:
+            self.identity.save(self.config.identity_dir)
+
+    def _start_renewal(self) -> None:
+        if self.identity is not None and self.identity.has_certificate:
+            from gpu_node.identity import RenewalLoop
+
+            self._renewal = RenewalLoop(self.identity, send=self.control.certificate, save=self._save_identity)
+            self._renewal.start()
+
+    def _stop_renewal(self) -> None:
+        if self._renewal is not None:
+            self._renewal.stop()
 
     # ---- the in-process Celery worker -------------------------------------------------------------------------------
     def _start_worker(self) -> None:
@@ -290,7 +346,9 @@ class NodeAgent:
     # ---- the data plane ---------------------------------------------------------------------------------------------
     def _start_dataplane(self) -> None:
         config = self.config
-        tls = bool(config.tls_cert_file and config.tls_key_file)
+        from_identity = bool(config.tls_from_identity and self.identity is not None and self.identity.has_certificate
+                             and not (config.tls_cert_file and config.tls_key_file))  # fmt: skip
+        tls = bool(config.tls_cert_file and config.tls_key_file) or from_identity
         if not tls and not config.uds_path:
             logger.warning("no data plane: set KCAAS_NODE_TLS_CERT and KCAAS_NODE_TLS_KEY (and/or KCAAS_NODE_UDS)")
             return
@@ -302,7 +360,9 @@ class NodeAgent:
         if tls:
             host, _, port_text = (config.listen or config.endpoint).rpartition(":")
             host, port = host.strip("[]") or "0.0.0.0", int(port_text)
-        context = server_tls_context(config.tls_cert_file, config.tls_key_file) if tls else None
+        context = server_tls_context(config.tls_cert_file, config.tls_key_file) if tls and not from_identity else None
+        if from_identity:
+            context = self.identity.dataplane_server_context()  # follows renewals; clients verify with the CA
         self.dataplane = DataPlaneServer(self.registry, self.node_id, verifier, context, host, port or 0,
                                          uds_path=config.uds_path, metrics=self.metrics,
                                          tenant_limits=config.tenant_limits).start()  # fmt: skip

@@ -23,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import os
 import socket
 import ssl
@@ -38,6 +39,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+logger = logging.getLogger("kcaas.node.identity")
 SPIFFE_NODE_PREFIX = "spiffe://kcaas/node/"
 KEY_FILE, CERT_FILE, CA_FILE = "node.key", "node.pem", "ca.pem"
 
@@ -311,3 +313,47 @@ class NodeIdentity:
 
 def _as_bytes(value: bytes | str) -> bytes:
     return value.encode() if isinstance(value, str) else value
+
+
+class RenewalLoop:
+    """Renews the certificate at half-life on its own thread: `send(csr_pem: str) -> {"certificate",
+    "ca_certificate"}` (the agent's POST /api/v1/nodes/certificate) with a fresh key each time; after `save` (when
+    given) the new key and certificate are persisted. A failed renewal is retried every `retry_seconds` (the
+    current certificate stays in use until it expires; a 409 reregister_required is the heartbeat's to handle, and
+    a re-registration installs a new certificate). `tick()` is the one renewal step, for tests."""
+
+    def __init__(self, identity: NodeIdentity, *, send, save=None, retry_seconds: float = 30.0, clock=None):
+        self._identity, self._send, self._save, self.retry_seconds = identity, send, save, retry_seconds
+        self._clock = clock or (lambda: dt.datetime.now(dt.timezone.utc))
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def seconds_until_due(self) -> float:
+        return max(0.0, (self._identity.renewal_due_at() - self._clock()).total_seconds())
+
+    def tick(self) -> bool:
+        """Renew now; True when a new certificate was installed."""
+        try:
+            answer = self._send(self._identity.renewal_csr_pem().decode())
+            self._identity.install(answer["certificate"], answer["ca_certificate"])
+        except Exception as error:  # noqa: BLE001 - the loop must survive; the old certificate is still valid
+            logger.warning("certificate renewal failed: %s", error)
+            return False
+        if self._save is not None:
+            self._save()
+        logger.info("node certificate renewed, valid until %s", self._identity.not_valid_after)
+        return True
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kcaas-cert-renewal", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.seconds_until_due()):
+            if not self.tick() and self._stopped.wait(self.retry_seconds):
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
