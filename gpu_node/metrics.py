@@ -29,6 +29,10 @@ class CacheStatsCollector:
             "stored_tokens": CounterMetricFamily("kcaas_cache_stored_tokens", "Tokens written by puts", labels=["cache"]),
             "evictions": CounterMetricFamily("kcaas_cache_evictions", "Cached blocks evicted under pressure", labels=["cache"]),
             "cow_copies": CounterMetricFamily("kcaas_cache_cow_copies", "Partial blocks copied on write", labels=["cache"]),
+            "checksum_failures": CounterMetricFamily(
+                "kcaas_block_checksum_failures", "Lower-tier blocks dropped for a checksum (or AES-GCM tag) mismatch",
+                labels=["cache", "where"],
+            ),
         }
         gauges = {
             "used_blocks": GaugeMetricFamily("kcaas_cache_used_blocks", "Blocks holding data", labels=["cache"]),
@@ -52,8 +56,19 @@ class CacheStatsCollector:
             gauges["free_blocks"].add_metric([cache_id], stats.num_free_blocks)
             gauges["resident_bytes"].add_metric([cache_id, "device"], stats.bytes_resident)
             gauges["capacity_bytes"].add_metric([cache_id, "device"], stats.bytes_capacity)
+            self._add_lower_tiers(cache_id, hosted, counters, gauges)
         yield from counters.values()
         yield from gauges.values()
+
+    @staticmethod
+    def _add_lower_tiers(cache_id: str, hosted, counters: dict, gauges: dict) -> None:
+        lower = hosted.engine.tiers
+        resident = lower.resident_bytes() if lower is not None else {}
+        failures = lower.checksum_failures() if lower is not None else {}
+        for tier in ("dram", "ssd"):
+            gauges["resident_bytes"].add_metric([cache_id, tier], resident.get(tier, 0))
+            gauges["capacity_bytes"].add_metric([cache_id, tier], hosted.capacity.get(tier, 0))
+            counters["checksum_failures"].add_metric([cache_id, tier], failures.get(tier, 0))
 
 
 class NodeMetrics:

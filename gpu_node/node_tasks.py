@@ -31,25 +31,29 @@ from kcaas.spec import KVCacheSpec, SpecError
 
 logger = logging.getLogger("kcaas.node")
 HASH_KEY_BYTES = 32
+SSD_KEY_BYTES = 32
 
 
 def provision(registry: CacheRegistry, cache_id: str, spec: dict, capacity: dict, hash_key_b64: str, epoch: int,
-              tenant_id: str = ""):  # fmt: skip
+              tenant_id: str = "", ssd_key_b64: str = ""):  # fmt: skip
     """(ok, reason) for one provisioning request; never raises for a bad request (it is answered as failed)."""
     try:
         layout = KVCacheSpec.from_dict(spec)
         hash_key = base64.b64decode(hash_key_b64, validate=True)
         if len(hash_key) != HASH_KEY_BYTES:
             return False, "invalid_hash_key"
+        ssd_key = base64.b64decode(ssd_key_b64, validate=True) if ssd_key_b64 else None
+        if ssd_key is not None and len(ssd_key) != SSD_KEY_BYTES:
+            return False, "invalid_ssd_key"
         registry.provision(cache_id=cache_id, spec=layout, capacity=capacity, hash_key=hash_key, epoch=int(epoch),
-                           tenant_id=tenant_id)  # fmt: skip
+                           tenant_id=tenant_id, ssd_key=ssd_key)  # fmt: skip
     except SpecError:
         return False, "invalid_spec"
     except (binascii.Error, ValueError, TypeError):
         return False, "invalid_request"
     except ProvisionError as refusal:
         return False, refusal.code
-    except (MemoryError, RuntimeError) as error:  # the allocator (torch raises RuntimeError for CUDA OOM)
+    except (MemoryError, RuntimeError, OSError) as error:  # the allocator (CUDA OOM: RuntimeError), the SSD dir
         logger.warning("provisioning %s failed: %s", cache_id, error)
         return False, "allocation_failed"
     return True, ""
@@ -81,8 +85,8 @@ def build_node_app(
 
     @app.task(name=PROVISION_TASK, shared=False)  # tasks of this app only (several agents may share a process in tests)
     def provision_cache(cache_id: str, spec: dict, capacity: dict, hash_key_b64: str, epoch: int,
-                        tenant_id: str = "") -> bool:  # fmt: skip
-        ok, reason = provision(registry, cache_id, spec, capacity, hash_key_b64, epoch, tenant_id)
+                        tenant_id: str = "", ssd_key_b64: str = "") -> bool:  # fmt: skip
+        ok, reason = provision(registry, cache_id, spec, capacity, hash_key_b64, epoch, tenant_id, ssd_key_b64)
         answer(PROVISION_RESULT_TASK, [cache_id, node_id, ok, reason, endpoint if ok else ""])
         return ok
 

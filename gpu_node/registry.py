@@ -10,6 +10,12 @@ Invariants (under the registry lock):
 The pool of a new cache is allocated (and pre-faulted) outside the lock, so provisioning one cache never stalls
 requests to the others.
 
+Lower tiers (gpu_node/tiers.py): a capacity with `dram` bytes gets a DRAM tier; one with `ssd` bytes and a data key
+(`ssd_key`, from provision_cache) gets an SSD store under `<ssd_dir>/<cache id>/`, which is rescanned when it exists
+(warm restart: same id, epoch and keys after an agent restart). Only one store is open per directory: a newer
+epoch closes the old one first. Detach deletes the cache's directory; purge_tenant zeroes DRAM and deletes the
+tenant's directories, hosted or left over from an earlier run.
+
 Usage counters (`usage_snapshot`, billing): per cache id, bytes written and tokens served since this process
 started, monotonic: an engine that goes away (detach, purge, a newer epoch) leaves its counts to the cache id, and
 a cache that stopped being hosted is reported once more with 0 resident bytes, closing its resident interval.
@@ -22,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gpu_node import tiers
 from gpu_node.paged_cache import PagedKVCache
 from kcaas.spec import KVCacheSpec
 
@@ -47,9 +54,11 @@ class HostedCache:
 
 
 class CacheRegistry:
-    def __init__(self, *, device_capacity_bytes: int, device: torch.device | str | None = None):
+    def __init__(self, *, device_capacity_bytes: int, device: torch.device | str | None = None,
+                 ssd_dir: str | None = None):  # fmt: skip
         self.device_capacity_bytes = device_capacity_bytes
         self.device = device
+        self.ssd_dir = ssd_dir or tiers.default_ssd_root()
         self._lock = threading.Lock()
         self._caches: dict[str, HostedCache] = {}
         self._reserved_in_flight = 0
@@ -59,7 +68,7 @@ class CacheRegistry:
 
     def provision(
         self, *, cache_id: str, spec: KVCacheSpec, capacity: dict[str, int], hash_key: bytes, epoch: int,
-        tenant_id: str = "",
+        tenant_id: str = "", ssd_key: bytes | None = None,
     ) -> HostedCache:
         device_bytes = int(capacity.get("device", 0))
         if device_bytes < spec.block_bytes:
@@ -72,8 +81,13 @@ class CacheRegistry:
             if self._used_locked() - replaced_bytes + device_bytes > self.device_capacity_bytes:
                 raise ProvisionError("insufficient_capacity", "not enough device memory on this node")
             self._reserved_in_flight += device_bytes
+        if hosted is not None and hosted.engine.tiers is not None:
+            hosted.engine.tiers.close()  # one open store per directory: the newer epoch rescans it
         try:
             engine = PagedKVCache(spec, hash_key=hash_key, capacity_bytes=device_bytes, device=self.device)
+            lower = tiers.open_tiers(self.ssd_dir, cache_id, str(tenant_id or ""), capacity, spec.block_bytes, ssd_key)
+            if lower is not None:
+                engine.attach_tiers(lower)
         finally:
             with self._lock:
                 self._reserved_in_flight -= device_bytes
@@ -82,6 +96,8 @@ class CacheRegistry:
         with self._lock:
             current = self._caches.get(cache_id)
             if current is not None and current.epoch >= epoch:
+                if engine.tiers is not None:
+                    engine.tiers.close()
                 return current  # a concurrent delivery of the same provisioning won
             if current is not None:
                 self._retire_locked(current)
@@ -97,7 +113,9 @@ class CacheRegistry:
                 return False
             del self._caches[cache_id]
             self._retire_locked(hosted, gone=True)
-            return True
+        if hosted.engine.tiers is not None:
+            hosted.engine.tiers.wipe()  # its blocks are no longer this node's to keep
+        return True
 
     def purge_tenant(self, tenant_id: str) -> list[dict]:
         """Stop hosting every cache of the tenant, whatever its epoch, and wipe its pool (zeros): erasure.
@@ -109,7 +127,9 @@ class CacheRegistry:
             for hosted in purged:
                 del self._caches[hosted.cache_id]
                 self._retire_locked(hosted, gone=True)
-        return [{"cache_id": h.cache_id, "freed_bytes": h.engine.wipe()} for h in sorted(purged, key=lambda h: h.cache_id)]
+        freed = [{"cache_id": h.cache_id, "freed_bytes": h.engine.wipe()} for h in sorted(purged, key=lambda h: h.cache_id)]
+        tiers.purge_tenant_directories(self.ssd_dir, str(tenant_id))  # leftovers of caches not hosted now
+        return freed
 
     def get(self, cache_id: str) -> HostedCache | None:
         with self._lock:
@@ -145,19 +165,16 @@ class CacheRegistry:
         for h in hosted:
             written, served = _engine_counts(h)
             base_written, base_served = retired.get(h.cache_id, (0, 0))
-            entries.append(_usage_entry(h.cache_id, h.engine.stats().bytes_resident, base_written + written,
+            entries.append(_usage_entry(h.cache_id, _resident_by_tier(h), base_written + written,
                                         base_served + served))  # fmt: skip
-        entries += [_usage_entry(cache_id, 0, *retired[cache_id]) for cache_id in sorted(gone)]
+        entries += [_usage_entry(cache_id, {}, *retired[cache_id]) for cache_id in sorted(gone)]
         return entries
 
     def resident_snapshot(self) -> list[dict]:
         """Absolute resident bytes per cache and tier, in the heartbeat's shape (billing integrates these)."""
         with self._lock:
             hosted = list(self._caches.values())
-        return [
-            {"cache_id": h.cache_id, "device_bytes": h.engine.stats().bytes_resident, "dram_bytes": 0, "ssd_bytes": 0}
-            for h in hosted
-        ]
+        return [{"cache_id": h.cache_id, **_resident_fields(_resident_by_tier(h))} for h in hosted]
 
 
 def _engine_counts(hosted: HostedCache) -> tuple[int, int]:
@@ -166,6 +183,16 @@ def _engine_counts(hosted: HostedCache) -> tuple[int, int]:
     return stats.num_stored_tokens * hosted.spec.storage_bytes_per_token, stats.num_served_tokens
 
 
-def _usage_entry(cache_id: str, device_bytes: int, written: int, served: int) -> dict:
-    return {"cache_id": cache_id, "device_bytes": device_bytes, "dram_bytes": 0, "ssd_bytes": 0,
-            "bytes_written_total": written, "tokens_served_total": served}  # fmt: skip
+def _resident_by_tier(hosted: HostedCache) -> dict[str, int]:
+    """Resident bytes of one cache per tier: used device blocks, DRAM payloads, live SSD blocks."""
+    lower = hosted.engine.tiers.resident_bytes() if hosted.engine.tiers is not None else {}
+    return {"device": hosted.engine.stats().bytes_resident, **lower}
+
+
+def _resident_fields(resident: dict[str, int]) -> dict[str, int]:
+    return {f"{tier}_bytes": int(resident.get(tier, 0)) for tier in TIERS}
+
+
+def _usage_entry(cache_id: str, resident: dict[str, int], written: int, served: int) -> dict:
+    return {"cache_id": cache_id, **_resident_fields(resident), "bytes_written_total": written,
+            "tokens_served_total": served}  # fmt: skip

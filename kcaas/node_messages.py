@@ -3,7 +3,9 @@ torch-free, Django-free module both sides import, so they cannot drift apart.
 
 control -> node, on the node's own queue `node.<node id>`:
     provision_cache(cache_id: str, spec: dict (KVCacheSpec fields), capacity: {"device","dram","ssd": bytes},
-                    hash_key_b64: str (32 bytes), epoch: int, tenant_id: str = "")
+                    hash_key_b64: str (32 bytes), epoch: int, tenant_id: str = "", ssd_key_b64: str = "")
+                    (ssd_key_b64: the cache's SSD data key, 32 bytes, in clear only here; "" = no SSD tier. The
+                    node keeps it in memory only; the control plane stores it sealed under the tenant key)
     detach_cache(cache_id: str, epoch: int)
     revoke_tokens(entries: [{"jti": str, "exp": int unix seconds}])   (no answer: idempotent, and the same list
                     comes back in every register/heartbeat answer as `revoked_tokens`)
