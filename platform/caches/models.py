@@ -58,6 +58,9 @@ class Cache(models.Model):
     endpoint = models.CharField(max_length=300, blank=True, default="")  # the node's data-plane address once ready
     epoch = models.PositiveIntegerField(default=1)
     hash_key_sealed = models.BinaryField()
+    # The SSD tier's data key (32 bytes) sealed under the tenant key (caches.sealing.ssd_key_new_sealed); null for a
+    # cache without an SSD tier. Sent in clear only inside provision_cache.
+    ssd_key_sealed = models.BinaryField(null=True, blank=True)
 
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)

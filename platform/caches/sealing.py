@@ -73,6 +73,27 @@ def hash_key_new_sealed(*, cache_id: uuid.UUID | str, tenant_id: uuid.UUID | str
     return tenant_seal(tenant_id=tenant_id, plaintext=hash_key, aad=_aad(cache_id))
 
 
+def _ssd_aad(cache_id: uuid.UUID | str) -> bytes:
+    return b"kcaas-cache-ssd:" + str(uuid.UUID(str(cache_id))).encode()
+
+
+def ssd_key_new_sealed(*, cache_id: uuid.UUID | str, tenant_id: uuid.UUID | str) -> bytes:
+    """A fresh random SSD data key for `cache_id` (AES-256-GCM key of the node's SSD tier), sealed under the tenant's
+    data key with its own associated data (a sealed hash key does not open as an SSD key, nor the reverse)."""
+    return tenant_seal(tenant_id=tenant_id, plaintext=os.urandom(HASH_KEY_NUM_BYTES), aad=_ssd_aad(cache_id))
+
+
+def ssd_key_unseal(*, cache_id: uuid.UUID | str, sealed: bytes) -> bytes:
+    """The plaintext SSD data key. HashKeyShredded once the tenant key is destroyed (erasure): after that, whatever
+    a node still has on disk for the cache is unreadable."""
+    try:
+        return tenant_unseal(sealed=bytes(sealed), aad=_ssd_aad(cache_id))
+    except TenantKeyDestroyed as exc:
+        raise HashKeyShredded("the tenant's data key was destroyed") from exc
+    except TenantSealError as exc:
+        raise SealError("the sealed SSD key does not open for this cache") from exc
+
+
 def hash_key_unseal(*, cache_id: uuid.UUID | str, sealed: bytes) -> bytes:
     """The plaintext hash key of either version. HashKeyShredded once the tenant key is destroyed."""
     sealed = bytes(sealed)

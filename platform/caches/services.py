@@ -30,7 +30,7 @@ from audit.services import audit_record
 from caches import selectors
 from caches.errors import CacheNameTaken, CacheNotReady, InvalidCapacity
 from caches.models import RESERVING_STATES, TIERS, Cache, CacheState, DataToken
-from caches.sealing import hash_key_new_sealed, hash_key_unseal
+from caches.sealing import hash_key_new_sealed, hash_key_unseal, ssd_key_new_sealed, ssd_key_unseal
 from caches.signing import token_sign
 from controlplane.celery import app as celery_app, node_queue
 from controlplane.errors import ConflictError, NotFoundError, QuotaExceeded
@@ -140,6 +140,7 @@ def cache_attach(*, tenant_id: uuid.UUID, name: str, spec: KVCacheSpec, capacity
                 node=node,
                 epoch=1,
                 hash_key_sealed=hash_key_new_sealed(cache_id=cache_id, tenant_id=tenant.pk),
+                ssd_key_sealed=ssd_key_new_sealed(cache_id=cache_id, tenant_id=tenant.pk) if capacity["ssd"] else None,
             )
     except IntegrityError:  # the partial unique index: cannot happen under the tenant lock, but never a 500
         raise CacheNameTaken("A cache with this name is attached.", details={"name": name}) from None
@@ -161,12 +162,11 @@ def _provision(cache: Cache) -> None:
     """Send the cache's provisioning to its node on commit (its sealed key unsealed only into that message) and mark
     it provisioning until the node answers."""
     hash_key = hash_key_unseal(cache_id=cache.pk, sealed=cache.hash_key_sealed)
-    _send_to_node(
-        PROVISION_TASK,
-        cache.node_id,
-        [str(cache.pk), cache.spec_dict(), cache.capacity(), base64.b64encode(hash_key).decode(), cache.epoch,
-         str(cache.tenant_id)],  # fmt: skip
-    )
+    args = [str(cache.pk), cache.spec_dict(), cache.capacity(), base64.b64encode(hash_key).decode(), cache.epoch,
+            str(cache.tenant_id)]  # fmt: skip
+    if cache.ssd_key_sealed:  # the trailing ssd_key_b64: only caches with an SSD tier send it
+        args.append(base64.b64encode(ssd_key_unseal(cache_id=cache.pk, sealed=cache.ssd_key_sealed)).decode())
+    _send_to_node(PROVISION_TASK, cache.node_id, args)
     cache.state = CacheState.PROVISIONING
     cache.save(update_fields=["state", "updated_at"])
 
