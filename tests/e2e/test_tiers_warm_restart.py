@@ -1,0 +1,60 @@
+"""Warm restart against the real service: an agent process whose cache spilled blocks to its SSD tier is SIGKILLed;
+restarted with the same credential it re-registers, the control plane provisions the cache again (same id, epoch,
+hash key and SSD data key), the node rescans the cache's SSD directory and serves those blocks without recompute."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+import kcaas
+from kcaas.dataplane import DataPlaneClient
+from kcaas.tokens import TokenSource
+from tests.e2e.conftest import client_tls, random_kv, random_tokens, spec_for, tenant_key
+
+pytestmark = pytest.mark.django_db(transaction=True)
+SEQ_TOKENS = 64  # 4 full blocks of 16
+
+
+def indexed_blocks(directory) -> int:
+    try:
+        return len(json.loads((directory / "index.json").read_text())["entries"])
+    except (OSError, ValueError):
+        return 0
+
+
+def test_sigkill_then_restart_serves_the_ssd_blocks_again(live_server, agent_launcher, pki, model, tmp_path,
+                                                          monkeypatch):  # fmt: skip
+    spec = spec_for(model)
+    ssd_root = tmp_path / "ssd"
+    monkeypatch.setenv("KCAAS_NODE_SSD_DIR", str(ssd_root))
+    monkeypatch.setenv("KCAAS_NODE_SSD_BYTES", str(1024 * spec.block_bytes))
+    agent = agent_launcher.start()
+    client = kcaas.Client(live_server.url, tenant_key())
+    sequences = [(random_tokens(SEQ_TOKENS, seed=s)[0], random_kv(spec, SEQ_TOKENS, seed=s + 100)) for s in range(4)]
+    try:
+        cache = client.attach("warm", spec, {"device": 8 * spec.block_bytes, "ssd": 256 * spec.block_bytes}, timeout=30)
+        with DataPlaneClient(cache.endpoint, TokenSource(client, cache.id), cache.id, spec, ssl_context=client_tls(pki),
+                             timeout=10.0) as dp:  # fmt: skip
+            for tokens, kv in sequences:
+                assert dp.put(tokens, kv)["num_cached"] == SEQ_TOKENS
+        directory = ssd_root / cache.id
+        deadline = time.monotonic() + 20
+        while indexed_blocks(directory) < 8 and time.monotonic() < deadline:  # the first two sequences were evicted
+            time.sleep(0.05)
+        assert indexed_blocks(directory) >= 8
+        agent.kill()
+        restarted = agent_launcher.restart(agent)
+        again = client.wait_for(cache.id, "ready", timeout=30)
+        assert (again.endpoint, again.epoch) == (cache.endpoint, cache.epoch) and restarted.alive
+        with DataPlaneClient(again.endpoint, TokenSource(client, again.id), again.id, spec,
+                             ssl_context=client_tls(pki), timeout=10.0) as dp:  # fmt: skip
+            for tokens, kv in sequences[:2]:
+                assert dp.lookup(tokens) == SEQ_TOKENS
+                n, got = dp.get(tokens)
+                assert n == SEQ_TOKENS and torch.equal(got, kv)  # served from SSD, no recompute
+    finally:
+        client.close()
