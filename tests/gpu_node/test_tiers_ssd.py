@@ -152,3 +152,38 @@ def test_reopened_store_serves_blocks_again(tmp_path, storage):
     assert n == 16 and torch.equal(kv, expected)
     fresh.tiers.close()
     assert np.array_equal(kv.numpy(), expected.numpy())
+
+
+def test_concurrent_puts_and_gets_across_tiers_never_return_wrong_kv(tmp_path):
+    import threading
+
+    cache, store = ssd_cache(tmp_path, dram_blocks=3, num_blocks=6)
+    starts = list(range(100, 1300, 100))
+    errors = []
+
+    def worker(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(60):
+                start = int(rng.choice(starts))
+                tokens = seq(16, start)
+                if rng.random() < 0.5:
+                    cache.put(tokens, prefix_kv(cache.spec, tokens))
+                else:
+                    n, kv = cache.get(tokens)
+                    assert torch.equal(kv, prefix_kv(cache.spec, tokens[:n]))
+        except BaseException as error:  # reported below: a thread's assertion must fail the test
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    store.flush()
+    cache.check_invariants()
+    cache.tiers.dram.check_invariants()
+    store.check_invariants()
+    assert cache.tiers.checksum_failures() == {"dram": 0, "ssd": 0}
+    store.close()
