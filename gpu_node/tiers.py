@@ -33,33 +33,39 @@ from gpu_node.checksum import block_checksum, verify_block
 
 
 def block_payloads(pool: torch.Tensor, scales: torch.Tensor | None, block_ids: list[int]) -> list[bytearray]:
-    """Copies of the stored bytes of blocks (pool bytes, then scales bytes), one bytearray each."""
-    ids = torch.as_tensor(block_ids, dtype=torch.int64, device=pool.device)
-    rows = _byte_rows(pool.index_select(0, ids), len(block_ids))
-    if scales is None:
-        return [bytearray(row) for row in rows]
-    scale_rows = _byte_rows(scales.index_select(0, ids), len(block_ids))
-    return [bytearray(row.tobytes() + scale_row.tobytes()) for row, scale_row in zip(rows, scale_rows)]
-
-
-def _byte_rows(blocks: torch.Tensor, num_blocks: int) -> np.ndarray:
-    return blocks.contiguous().cpu().reshape(num_blocks, -1).view(torch.uint8).numpy()
+    """Copies of the stored bytes of blocks (pool bytes, then scales bytes), one bytearray each: one copy per block
+    (device to host when the pool is on a device)."""
+    pool_bytes = _block_nbytes(pool)
+    scale_bytes = _block_nbytes(scales) if scales is not None else 0
+    payloads = []
+    for block_id in block_ids:
+        payload = bytearray(pool_bytes + scale_bytes)
+        target = torch.frombuffer(payload, dtype=torch.uint8)
+        target[:pool_bytes].copy_(_bytes_of(pool[block_id]))
+        if scales is not None:
+            target[pool_bytes:].copy_(_bytes_of(scales[block_id]))
+        payloads.append(payload)
+    return payloads
 
 
 def write_payloads(pool: torch.Tensor, scales: torch.Tensor | None, block_ids: list[int], payloads) -> None:
-    """Store payloads (block_payloads' format) into blocks of the pool (and scales)."""
-    num_blocks = len(block_ids)
-    data = np.frombuffer(bytearray().join(payloads), dtype=np.uint8).reshape(num_blocks, -1)
-    pool_bytes = pool[0].numel() * pool.element_size()
-    ids = torch.as_tensor(block_ids, dtype=torch.int64, device=pool.device)
-    pool[ids] = _as_blocks(data[:, :pool_bytes], pool).to(pool.device)
-    if scales is not None:
-        scales[ids] = _as_blocks(data[:, pool_bytes:], scales).to(scales.device)
+    """Store payloads (block_payloads' format) into blocks of the pool (and scales): one copy per block."""
+    pool_bytes = _block_nbytes(pool)
+    for block_id, payload in zip(block_ids, payloads):
+        assert len(payload) == pool_bytes + (_block_nbytes(scales) if scales is not None else 0), "a foreign payload"
+        source = torch.frombuffer(payload, dtype=torch.uint8)
+        _bytes_of(pool[block_id]).copy_(source[:pool_bytes])
+        if scales is not None:
+            _bytes_of(scales[block_id]).copy_(source[pool_bytes:])
 
 
-def _as_blocks(rows: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    flat = torch.from_numpy(np.ascontiguousarray(rows)).view(like.dtype)
-    return flat.reshape((rows.shape[0],) + tuple(like.shape[1:]))
+def _block_nbytes(storage: torch.Tensor) -> int:
+    return storage[0].numel() * storage.element_size()
+
+
+def _bytes_of(block: torch.Tensor) -> torch.Tensor:
+    """A uint8 view of one (contiguous) block of the pool or scales: writes through it land in the pool."""
+    return block.view(-1).view(torch.uint8)
 
 
 class DramTier:
