@@ -107,12 +107,13 @@ class SsdStore:
         return payload
 
     def _read_record(self, entry: Entry, block_hash: bytes) -> bytearray | None:
+        record = bytearray(HEADER.size + entry.length + TAG_BYTES)
         try:
             with open(os.path.join(self.directory, segment_name(entry.segment)), "rb", buffering=0) as file:
-                record = os.pread(file.fileno(), HEADER.size + entry.length + TAG_BYTES, entry.offset)
+                num_read = os.preadv(file.fileno(), [record], entry.offset)
         except OSError:
             return None
-        parsed = self._parse(record, 0)
+        parsed = self._parse(memoryview(record)[:num_read], 0)
         if parsed is None or parsed[0] != block_hash:
             return None
         return parsed[1]
@@ -125,13 +126,14 @@ class SsdStore:
         end = at + HEADER.size + cipher_len
         if magic != MAGIC or cipher_len < TAG_BYTES or end > len(data):
             return None
+        payload = bytearray(cipher_len - TAG_BYTES)
         try:
-            payload = self._aead.decrypt(nonce, bytes(data[at + HEADER.size : end]), AAD_PREFIX + block_hash)
+            self._aead.decrypt_into(nonce, data[at + HEADER.size : end], AAD_PREFIX + block_hash, payload)
         except InvalidTag:
             return None
         if not verify_block(checksum, payload):
             return None
-        return block_hash, bytearray(payload), end - at
+        return block_hash, payload, end - at
 
     # ---- writes ---------------------------------------------------------------------------------------------------
     def write_async(self, block_hash: bytes, payload: bytearray, checksum: int) -> None:
@@ -192,10 +194,11 @@ class SsdStore:
         if self._segment_fd is None or os.fstat(self._segment_fd).st_size >= self.segment_bytes:
             self._open_next_segment()
         nonce = os.urandom(12)
-        ciphertext = self._aead.encrypt(nonce, bytes(payload), AAD_PREFIX + block_hash)
+        record = bytearray(HEADER.size + len(payload) + TAG_BYTES)
+        HEADER.pack_into(record, 0, MAGIC, len(payload) + TAG_BYTES, block_hash, nonce, checksum)
+        self._aead.encrypt_into(nonce, payload, AAD_PREFIX + block_hash, memoryview(record)[HEADER.size :])
         offset = os.fstat(self._segment_fd).st_size
-        record = HEADER.pack(MAGIC, len(ciphertext), block_hash, nonce, checksum) + ciphertext
-        os.write(self._segment_fd, record)
+        _write_all(self._segment_fd, record)
         return Entry(self._segment, offset, len(payload))
 
     def _open_next_segment(self) -> None:
@@ -271,7 +274,7 @@ class SsdStore:
     def _scan_tail(self, segment: int, start: int) -> None:
         """Admit the records after a segment's committed end (written after the last index commit)."""
         with open(os.path.join(self.directory, segment_name(segment)), "rb") as file:
-            data = file.read()
+            data = memoryview(file.read())
         at = start
         while at < len(data):
             parsed = self._parse(data, at)
@@ -326,6 +329,12 @@ class SsdStore:
     def check_invariants(self) -> None:
         with self._lock:
             assert self.bytes_resident == sum(e.length for e in self._index.values()) <= self.capacity_bytes
+
+
+def _write_all(fd: int, data: bytearray) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _fsync_directory(directory: str) -> None:
