@@ -44,6 +44,7 @@ DATA_KEY_BYTES = 32
 SEGMENT_BYTES = 64 << 20
 INDEX_NAME = "index.json"
 WRITE_BATCH = 64  # records per fsync at most
+MAX_PENDING_BLOCKS = 256  # blocks queued for the writer at most: beyond, demotions to SSD are dropped (counted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +74,7 @@ class SsdStore:
         self.bytes_resident = 0
         self.num_checksum_failures = 0
         self.num_rescanned_blocks = 0
+        self.num_dropped_writes = 0
         os.makedirs(directory, mode=0o700, exist_ok=True)
         self.rescan()
         self._segment = max(self._committed_end, default=0) + 1  # never append after a possibly torn tail
@@ -142,6 +144,9 @@ class SsdStore:
             return
         with self._lock:
             if block_hash in self._index or block_hash in self._pending:
+                return
+            if len(self._pending) >= MAX_PENDING_BLOCKS:  # the disk is behind: bound the memory it holds
+                self.num_dropped_writes += 1
                 return
             self._pending[block_hash] = (payload, checksum)
         self._queue.put(block_hash)

@@ -187,3 +187,18 @@ def test_concurrent_puts_and_gets_across_tiers_never_return_wrong_kv(tmp_path):
     store.check_invariants()
     assert cache.tiers.checksum_failures() == {"dram": 0, "ssd": 0}
     store.close()
+
+
+def test_the_writer_queue_is_bounded_and_drops_are_counted(tmp_path, monkeypatch):
+    import gpu_node.ssd_store as ssd_store
+
+    monkeypatch.setattr(ssd_store, "MAX_PENDING_BLOCKS", 2)
+    store = SsdStore(str(tmp_path / "s"), KEY_A, 1 << 20)
+    store._queue.put(None)  # the writer stops (as if the disk hung): queued blocks stay pending
+    store._writer.join()
+    payloads = [bytearray(os.urandom(64)) for _ in range(40)]
+    for number, payload in enumerate(payloads):
+        store.write_async(bytes([number]) * 16, payload, block_checksum(payload))
+    assert len(store._pending) == 2 and store.num_dropped_writes == 38
+    assert store.read(bytes([1]) * 16) == payloads[1]  # pending blocks are served from memory
+    store.destroy()
