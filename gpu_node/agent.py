@@ -51,6 +51,7 @@ class AgentConfig:
     device_capacity_bytes: int
     dram_capacity_bytes: int = 0
     ssd_capacity_bytes: int = 0
+    ssd_dir: str | None = None  # KCAAS_NODE_SSD_DIR: caches' SSD tiers (default var/kcaas-ssd under the working dir)
     device: str | None = None  # torch device for the pools; default cuda when present, else cpu
     broker_transport_options: dict | None = None  # e.g. the folders of the file-system broker of `make up`
     metrics_port: int | None = None  # Prometheus /metrics on <metrics_addr>:<port> (KCAAS_NODE_METRICS_PORT)
@@ -83,6 +84,7 @@ class AgentConfig:
             device_capacity_bytes=int(required("KCAAS_NODE_DEVICE_BYTES")),
             dram_capacity_bytes=int(environ.get("KCAAS_NODE_DRAM_BYTES", 0)),
             ssd_capacity_bytes=int(environ.get("KCAAS_NODE_SSD_BYTES", 0)),
+            ssd_dir=environ.get("KCAAS_NODE_SSD_DIR") or None,
             device=environ.get("KCAAS_NODE_TORCH_DEVICE") or None,
             broker_transport_options=json.loads(environ.get("CELERY_BROKER_TRANSPORT_OPTIONS") or "null"),
             metrics_port=int(environ["KCAAS_NODE_METRICS_PORT"]) if environ.get("KCAAS_NODE_METRICS_PORT") else None,
@@ -218,7 +220,8 @@ class NodeAgent:
     # ---- steps ----------------------------------------------------------------------------------------------------
     def start(self) -> None:
         config = self.config
-        self.registry = CacheRegistry(device_capacity_bytes=config.device_capacity_bytes, device=config.device)
+        self.registry = CacheRegistry(device_capacity_bytes=config.device_capacity_bytes, device=config.device,
+                                      ssd_dir=config.ssd_dir)  # fmt: skip
         self.metrics = NodeMetrics(self.registry)
         if config.metrics_port is not None:
             self._metrics_server, _ = self.metrics.serve(config.metrics_port, config.metrics_addr)
