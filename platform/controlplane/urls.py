@@ -21,6 +21,7 @@ urlpatterns = [
     path("api/v1/", include("audit.urls")),
     path("", include("caches.well_known_urls")),
     path("", include("audit.well_known_urls")),
+    path("", include("fleet.well_known_urls")),
 ]
 
 handler400 = errors.json_400
