@@ -46,6 +46,7 @@ from gpu_node.dataplane_io import (  # noqa: F401 - server_tls_context is part o
 )
 from gpu_node.paged_cache import TORCH_DTYPES
 from gpu_node.registry import CacheRegistry, HostedCache
+from gpu_node.migration_fence import MovedError, fences_for
 from gpu_node.tokens import TokenVerifier
 from kcaas import wire
 from kcaas.spec import IdentityMismatch
@@ -331,6 +332,9 @@ class DataPlaneServer:
                 started = time.perf_counter()
                 try:
                     response = self._handle(conn, frame)
+                except MovedError as exc:  # the cache is leaving or has left this node (gpu_node/migration_fence.py)
+                    response = wire.encode_moved(frame.request_id, cache_id=exc.cache_id, endpoint=exc.endpoint,
+                                                 epoch=exc.epoch)  # fmt: skip
                 except ProtocolError as exc:
                     if exc.code in AUTH_FAILURE_CODES and self.metrics is not None:
                         self.metrics.auth_failures.labels(reason=exc.code).inc()
@@ -400,6 +404,7 @@ class DataPlaneServer:
         session = conn.sessions.get(request.cache_id)
         if session is None:
             raise ProtocolError(ErrorCode.UNAUTHENTICATED, "send HELLO with a data token for this cache first")
+        fences_for(self.registry).check(request.cache_id, write=request.op in WRITE_OPS)
         hosted = self.registry.get(request.cache_id)
         if hosted is None or hosted.epoch != session.hosted.epoch:
             conn.sessions.pop(request.cache_id, None)
@@ -433,10 +438,11 @@ class DataPlaneServer:
         tokens = [np.frombuffer(t, dtype=np.int32) for t in request.token_ids]
         if op == "lookup":
             return wire.encode_lookup_ok(rid, [engine.lookup(t) for t in tokens])
-        if op == "delete":
-            return wire.encode_delete_ok(rid, [engine.delete(t) for t in tokens])
-        if op == "put":
-            return self._put(session.hosted, request, tokens)
+        if op in WRITE_OPS:  # counted, so a migration's fence waits for it (or refused with MOVED)
+            with fences_for(self.registry).writing(request_head.cache_id):
+                if op == "delete":
+                    return wire.encode_delete_ok(rid, [engine.delete(t) for t in tokens])
+                return self._put(session.hosted, request, tokens)
         return self._get(conn, session.hosted, request, tokens, conn.holds[id(frame.meta)])
 
     def _hello(self, conn: _Conn, frame: wire.Frame) -> list:
@@ -444,6 +450,9 @@ class DataPlaneServer:
         try:
             claims = self.verifier.verify(hello.token)
             hosted = self.registry.get(hello.cache_id)
+            moved = fences_for(self.registry).is_moved(hello.cache_id)
+            if moved is not None and claims.get("aud") == f"cache:{hello.cache_id}":
+                raise MovedError(hello.cache_id, *moved)  # a token for this cache: tell it where the cache went
             # One answer for every "this token does not open that cache here": unknown cache, another tenant's cache,
             # a token for another node or an older placement (epoch).
             if (

@@ -199,7 +199,8 @@ class MigrationListener:
         with self._lock:
             incoming = self._expected.get(str(hello.get("migration_id")))
         hosted = self.registry.get(incoming.cache_id) if incoming is not None else None
-        if incoming is None or hosted is None or hosted.epoch != incoming.epoch or hello.get("cache_id") != incoming.cache_id:
+        known = incoming is not None and hosted is not None and hello.get("cache_id") == incoming.cache_id
+        if not known or hosted.epoch != incoming.epoch:
             return _send_msg(sock, b"E", b'{"error": "unknown_migration"}')
         if peer_node_id(sock) != incoming.source_node_id:
             return _send_msg(sock, b"E", b'{"error": "wrong_peer"}')

@@ -85,9 +85,15 @@ class FenceTable:
                 del self._fenced[cache_id]
 
 
+_CREATE_LOCK = threading.Lock()
+
+
 def fences_for(registry) -> FenceTable:
     """The one FenceTable of a node, kept on its CacheRegistry (the data plane and the node tasks share it)."""
     table = getattr(registry, "_migration_fences", None)
     if table is None:
-        table = registry._migration_fences = FenceTable()
+        with _CREATE_LOCK:
+            table = getattr(registry, "_migration_fences", None)
+            if table is None:
+                table = registry._migration_fences = FenceTable()
     return table

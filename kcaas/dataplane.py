@@ -16,7 +16,8 @@ Retries: every operation is idempotent (a repeated put deduplicates), so on a re
 valid for this placement) the client refreshes it once through its TokenSource (invalidate() + get()) and retries,
 on a broken connection (or a node that is shutting down) it reconnects once and retries, and on `overloaded` (a
 per-tenant limit on the node) it waits the node's `retry_after_ms`, doubling with jitter up to 1 s, at most
-`max_overloaded_retries` times, then raises.
+`max_overloaded_retries` times, then raises. On MOVED (the cache migrated) it refreshes its token and, once the
+token is for the announced epoch, reconnects to the announced endpoint and retries (`_follow_move`).
 
 torch is imported lazily, inside the methods that take or return tensors: `import kcaas.dataplane` stays light.
 """
@@ -84,6 +85,7 @@ class DataPlaneClient:
         self._token_source = token
         self.timeout = timeout
         self.max_overloaded_retries = max_overloaded_retries
+        self.max_move_waits = 100  # MOVED while the cutover is in progress: at most ~1 minute of waiting
         self._max_frame_bytes = max_frame_bytes  # the node's limit replaces it after HELLO
         self.server_hostname = server_hostname
         if endpoint is not None and ssl_context is None:
@@ -214,6 +216,21 @@ class DataPlaneClient:
             return True
         return False
 
+    def _follow_move(self, details: dict, attempt: int) -> bool:
+        """MOVED: get a token for the new placement; once the control plane issues one at the announced epoch (or
+        later), reconnect to the new endpoint; until then wait (the cache is fenced for the cutover) and retry."""
+        if not self._refresh_token():
+            return False
+        epoch = getattr(self._token_source.get(), "epoch", None)
+        if epoch is not None and int(epoch) < int(details.get("epoch", 0)):
+            time.sleep(_backoff(50, min(attempt, 4)))  # the placement has not flipped yet: ask again shortly
+            return True
+        self.endpoint, self.uds_path = str(details["endpoint"]), None
+        if self.ssl_context is None:
+            self.ssl_context = ssl.create_default_context()
+        self._drop()
+        return True
+
     def _call(self, opcode: Opcode, tokens, *, kv=None, kv_start: int = 0):
         """One request with the retry policy (the module's docstring)."""
         return self._with_retries(lambda: self._request(opcode, tokens, kv=kv, kv_start=kv_start))
@@ -225,7 +242,7 @@ class DataPlaneClient:
     def _with_retries(self, attempt):
         with self._lock:
             refreshed = reconnected = False
-            waits = 0
+            waits = moves = 0
             while True:
                 try:
                     self._ensure_connected()
@@ -234,6 +251,9 @@ class DataPlaneClient:
                     if exc.code in REFRESH_CODES and not refreshed and self._refresh_token():
                         refreshed = True
                         self._drop()  # the next attempt sends HELLO with the fresh token
+                        continue
+                    if exc.code == "moved" and moves < self.max_move_waits and self._follow_move(exc.details, moves):
+                        moves += 1
                         continue
                     if exc.code == ErrorCode.OVERLOADED and waits < self.max_overloaded_retries:
                         time.sleep(_backoff(exc.details.get("retry_after_ms"), waits))
