@@ -61,7 +61,7 @@ def provision(registry: CacheRegistry, cache_id: str, spec: dict, capacity: dict
 
 def build_node_app(
     *, broker_url: str, node_id: str, endpoint: str, registry: CacheRegistry, transport_options: dict | None = None,
-    revocations: RevocationList | None = None,
+    revocations: RevocationList | None = None, migration=None,
 ) -> Celery:
     """A Celery app whose tasks act on `registry` (and `revocations`, the list the data plane's TokenVerifier
     reads) and answer on the control queue as node `node_id`."""
@@ -107,4 +107,6 @@ def build_node_app(
         answer(PURGE_RESULT_TASK, [job_id, node_id, str(tenant_id), purged])
         return len(purged)
 
+    if migration is not None:  # gpu_node.migration_tasks.NodeMigration: migrate_in / migrate_out / migrate_cutover
+        migration.register(app, answer)
     return app

@@ -14,6 +14,14 @@ node -> control, on the `control` queue:
     provision_result(cache_id: str, node_id: str, ok: bool, reason: str, endpoint: str)
     detach_result(cache_id: str, node_id: str)
     purge_result(job_id: str, node_id: str, tenant_id: str, purged: [{"cache_id": str, "freed_bytes": int}])
+migration (platform/caches/migration.py, gpu_node/migration_tasks.py):
+    control -> target  migrate_in(migration_id, cache_id, spec, capacity, hash_key_b64, epoch_to, source_node_id,
+                                  tenant_id)
+    control -> source  migrate_out(migration_id, cache_id, epoch_from, epoch_to, target_node_id,
+                                   target_migration_endpoint, target_endpoint)
+    control -> source  migrate_cutover(migration_id, cache_id, epoch_from, target_endpoint, epoch_to)
+    node -> control    migration_progress(migration_id, node_id, phase: "ready"|"copying"|"fenced", info: dict)
+                       migration_result(migration_id, node_id, ok: bool, reason: str, info: dict)
 """
 
 CONTROL_QUEUE = "control"
@@ -24,6 +32,11 @@ PURGE_TENANT_TASK = "kcaas.node.purge_tenant"
 PURGE_RESULT_TASK = "privacy.purge_result"
 PROVISION_RESULT_TASK = "caches.provision_result"
 DETACH_RESULT_TASK = "caches.detach_result"
+MIGRATE_IN_TASK = "kcaas.node.migrate_in"
+MIGRATE_OUT_TASK = "kcaas.node.migrate_out"
+MIGRATE_CUTOVER_TASK = "kcaas.node.migrate_cutover"
+MIGRATION_PROGRESS_TASK = "caches.migration_progress"
+MIGRATION_RESULT_TASK = "caches.migration_result"
 
 
 def node_queue(node_id) -> str:

@@ -144,3 +144,48 @@ class IdempotencyRecord(models.Model):
     class Meta:
         constraints = [models.UniqueConstraint(fields=["tenant", "key"], name="caches_idempotency_tenant_key")]
         indexes = [models.Index(fields=["expires_at"], name="caches_idempotency_expires")]
+
+
+class MigrationState(models.TextChoices):
+    PENDING = "pending"  # target reserved, migrate_in sent; the target has not said it is ready
+    COPYING = "copying"  # migrate_out sent: the source streams blocks while the cache still takes writes
+    CUTOVER = "cutover"  # the source fenced writes (MOVED) and sends the last blocks
+    COMPLETE = "complete"  # the cache is served by the target at epoch_to
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+ACTIVE_MIGRATION_STATES = (MigrationState.PENDING, MigrationState.COPYING, MigrationState.CUTOVER)
+
+
+class Migration(models.Model):
+    """One move of a cache from `source` to `target` (caches.migration is the only writer).
+
+    Invariants: at most one active (pending/copying/cutover) migration per cache; epoch_to == epoch_from + 1; while
+    active the target holds a reservation of the cache's capacity, released once when it fails or is cancelled,
+    and kept (as the cache's own) when it completes, the source's being released in that same transaction.
+    """
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    cache = models.ForeignKey(Cache, on_delete=models.CASCADE, related_name="migrations")
+    source = models.ForeignKey("fleet.Node", on_delete=models.PROTECT, related_name="migrations_out")
+    target = models.ForeignKey("fleet.Node", on_delete=models.PROTECT, related_name="migrations_in")
+    epoch_from = models.PositiveIntegerField()
+    epoch_to = models.PositiveIntegerField()
+    reason = models.CharField(max_length=16, choices=[(r, r) for r in ("drain", "rebalance", "replica")])
+    state = models.CharField(max_length=16, choices=MigrationState.choices, default=MigrationState.PENDING)
+    blocks_copied = models.BigIntegerField(default=0)
+    bytes_copied = models.BigIntegerField(default=0)
+    failure_reason = models.CharField(max_length=300, blank=True, default="")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-created_at", "id"]
+        constraints = [
+            models.UniqueConstraint(fields=["cache"], condition=Q(state__in=["pending", "copying", "cutover"]),
+                                    name="caches_migration_one_active"),
+            models.CheckConstraint(condition=Q(epoch_to=models.F("epoch_from") + 1),
+                                   name="caches_migration_epoch_step"),
+            models.CheckConstraint(condition=~Q(source=models.F("target")), name="caches_migration_moves"),
+        ]

@@ -10,7 +10,13 @@ from audit.context import SYSTEM, Actor, acting_as
 from audit.services import AuditWriteError
 from caches import services
 from caches.idempotency import idempotency_records_purge
-from kcaas.node_messages import DETACH_RESULT_TASK, PROVISION_RESULT_TASK
+from caches import migration
+from kcaas.node_messages import (
+    DETACH_RESULT_TASK,
+    MIGRATION_PROGRESS_TASK,
+    MIGRATION_RESULT_TASK,
+    PROVISION_RESULT_TASK,
+)
 
 logger = logging.getLogger("kcaas.caches")
 
@@ -36,6 +42,24 @@ def detach_result(cache_id: str, node_id: str) -> str | None:
     with acting_as(Actor("node", str(node_id))):
         cache = services.cache_detach_result(cache_id=cache_id, node_id=node_id)
     return cache.state if cache is not None else None
+
+
+@shared_task(name=MIGRATION_PROGRESS_TASK, acks_late=True, **_AUDIT_RETRY)
+def migration_progress(migration_id: str, node_id: str, phase: str, info: dict | None = None) -> str | None:
+    """A node's migration progress (status-guarded in caches.migration: duplicates and strays are no-ops)."""
+    with acting_as(Actor("node", str(node_id))):
+        row = migration.migration_progress(migration_id=migration_id, node_id=node_id, phase=str(phase),
+                                           info=dict(info or {}))  # fmt: skip
+    return row.state if row is not None else None
+
+
+@shared_task(name=MIGRATION_RESULT_TASK, acks_late=True, **_AUDIT_RETRY)
+def migration_result(migration_id: str, node_id: str, ok: bool, reason: str = "", info: dict | None = None):
+    """The source's last word on a migration: cutover (audited CACHE_MIGRATED as the node) or failure."""
+    with acting_as(Actor("node", str(node_id))):
+        row = migration.migration_result(migration_id=migration_id, node_id=node_id, ok=bool(ok),
+                                         reason=str(reason or ""), info=dict(info or {}))  # fmt: skip
+    return row.state if row is not None else None
 
 
 @shared_task(name="caches.sweep_leases")

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from caches import apis
+from caches import apis, migration_apis
 
 urlpatterns = [
     path("caches", apis.CacheListAttachApi.as_view(), name="caches"),
@@ -9,4 +9,5 @@ urlpatterns = [
     path("caches/<uuid:cache_id>/tokens/revoke", apis.DataTokensRevokeAllApi.as_view(), name="cache-tokens-revoke"),
     path("caches/<uuid:cache_id>/tokens/<uuid:jti>/revoke", apis.DataTokenRevokeApi.as_view(),
          name="cache-token-revoke"),
+    path("admin/nodes/<uuid:node_id>/drain", migration_apis.AdminNodeDrainApi.as_view(), name="admin-node-drain"),
 ]

@@ -1,0 +1,193 @@
+"""Cache migration, control side: Migration rows, orders to the nodes, and the atomic cutover.
+
+    migration_start   pending:  target reserved (fleet), migrate_in sent to the target on commit
+    progress "ready"  pending -> copying: the target hosts an empty pool at epoch_to and listens; migrate_out sent
+                      to the source (the target's migration endpoint and data-plane endpoint)
+    progress "fenced" copying -> cutover: the source answers writes with MOVED and sends the last blocks
+    result ok         copying|cutover -> complete, in ONE transaction: cache.node/endpoint/epoch flipped to the
+                      target at epoch_to, the source's reservation released, CACHE_MIGRATED audited (last); then
+                      migrate_cutover to the source (MOVED for good, detach)
+    result failed     -> failed: the target's reservation released, its copy detached (epoch_to)
+
+Invariants: the cache has exactly one serving placement at every instant (tokens are issued for cache.node at
+cache.epoch; the flip is one row update); every answer is status-guarded (a duplicate, stale or foreign answer is
+a no-op), so Celery redelivery is harmless; orders leave only after their transaction commits.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import uuid
+
+from django.db import IntegrityError, transaction
+from django.db.models import F
+from django.utils import timezone
+
+from audit.actions import AuditAction
+from audit.services import audit_record
+from caches.models import Cache, CacheState, Migration, MigrationState
+from caches.sealing import hash_key_unseal
+from caches.services import _lock_cache, _send_to_node
+from controlplane.errors import ConflictError, NotFoundError
+from fleet.errors import NoCapacity
+from fleet.models import Node, NodeState
+from fleet.services import node_drain, node_place, node_unreserve
+from kcaas.node_messages import DETACH_TASK, MIGRATE_CUTOVER_TASK, MIGRATE_IN_TASK, MIGRATE_OUT_TASK
+
+logger = logging.getLogger("kcaas.caches.migration")
+REASONS = ("drain", "rebalance", "replica")
+
+
+class MigrationConflict(ConflictError):
+    code = "migration_conflict"
+
+
+def _reserve_on(node_id, capacity: dict[str, int]) -> Node:
+    """Reserve `capacity` on one named node (ready, live lease, room on every tier), row-locked."""
+    node = Node.objects.select_for_update().filter(pk=node_id).first()
+    if node is None:
+        raise NotFoundError("No such node.")
+    fits = all(getattr(node, f"{t}_capacity_bytes") - getattr(node, f"{t}_reserved_bytes") >= n
+               for t, n in capacity.items())  # fmt: skip
+    live = node.lease_expires_at is not None and node.lease_expires_at > timezone.now()
+    if node.state != NodeState.READY or not live or not fits:
+        raise NoCapacity("The target node cannot take this cache.", details={"node": str(node_id)})
+    Node.objects.filter(pk=node.pk).update(**{f"{t}_reserved_bytes": F(f"{t}_reserved_bytes") + n
+                                              for t, n in capacity.items()}, updated_at=timezone.now())  # fmt: skip
+    return node
+
+
+@transaction.atomic
+def migration_start(*, cache_id, target_node_id=None, reason: str = "rebalance") -> Migration:
+    """Order a ready cache moved to `target_node_id` (or where placement puts it). 409 when it is not ready, already
+    moving, or the only fitting node is its own."""
+    assert reason in REASONS, reason
+    cache = _lock_cache(cache_id)
+    if cache is None:
+        raise NotFoundError("No such cache.")
+    if cache.state != CacheState.READY or cache.node_id is None:
+        raise MigrationConflict("Only a ready cache can be migrated.", details={"state": cache.state})
+    capacity = cache.capacity()
+    target = _reserve_on(target_node_id, capacity) if target_node_id else node_place(capacity=capacity)
+    if target.pk == cache.node_id:
+        raise MigrationConflict("The cache is already on that node.")  # rolls the reservation back
+    try:
+        with transaction.atomic():
+            migration = Migration.objects.create(cache=cache, source_id=cache.node_id, target=target, reason=reason,
+                                                 epoch_from=cache.epoch, epoch_to=cache.epoch + 1)  # fmt: skip
+    except IntegrityError:
+        raise MigrationConflict("The cache is already being migrated.") from None
+    hash_key = hash_key_unseal(cache_id=cache.pk, sealed=cache.hash_key_sealed)
+    _send_to_node(MIGRATE_IN_TASK, target.pk, [str(migration.pk), str(cache.pk), cache.spec_dict(), capacity,
+                                               base64.b64encode(hash_key).decode(), migration.epoch_to,
+                                               str(cache.node_id), str(cache.tenant_id)])  # fmt: skip
+    return migration
+
+
+def _lock_migration(migration_id, node_id, *, role: str, states) -> Migration | None:
+    try:
+        wanted = uuid.UUID(str(migration_id))
+    except ValueError:
+        return None
+    migration = Migration.objects.select_for_update().filter(pk=wanted).first()
+    if migration is None or str(getattr(migration, f"{role}_id")) != str(node_id) or migration.state not in states:
+        logger.info("ignored migration answer %s from node %s", migration_id, node_id)
+        return None
+    return migration
+
+
+@transaction.atomic
+def migration_progress(*, migration_id, node_id, phase: str, info: dict) -> Migration | None:
+    """A node's progress: the target is ready (migrate_out goes to the source), the source copied some blocks, or
+    the source fenced writes (cutover)."""
+    if phase == "ready":
+        migration = _lock_migration(migration_id, node_id, role="target", states=(MigrationState.PENDING,))
+        if migration is not None:
+            migration.state = MigrationState.COPYING
+            migration.save(update_fields=["state", "updated_at"])
+            _send_to_node(MIGRATE_OUT_TASK, migration.source_id, [
+                str(migration.pk), str(migration.cache_id), migration.epoch_from, migration.epoch_to,
+                str(migration.target_id), str(info.get("migration_endpoint", "")),
+                str(info.get("endpoint") or migration.target.endpoint)])  # fmt: skip
+        return migration
+    active = (MigrationState.COPYING, MigrationState.CUTOVER)
+    migration = _lock_migration(migration_id, node_id, role="source", states=active)
+    if migration is not None:
+        migration.blocks_copied = max(migration.blocks_copied, int(info.get("blocks", 0)))
+        migration.bytes_copied = max(migration.bytes_copied, int(info.get("bytes_sent", 0)))
+        if phase == "fenced":
+            migration.state = MigrationState.CUTOVER
+        migration.save(update_fields=["state", "blocks_copied", "bytes_copied", "updated_at"])
+    return migration
+
+
+@transaction.atomic
+def migration_result(*, migration_id, node_id, ok: bool, reason: str = "", info: dict | None = None):
+    """The source's last word: every block verified on the target (cutover) or a failure (roll back)."""
+    active = (MigrationState.PENDING, MigrationState.COPYING, MigrationState.CUTOVER)
+    migration = _lock_migration(migration_id, node_id, role="source" if ok else _failing_role(migration_id, node_id),
+                                states=active)  # fmt: skip
+    if migration is None:
+        return None
+    cache = _lock_cache(migration.cache_id)
+    if ok and cache is not None and cache.state == CacheState.READY and cache.epoch == migration.epoch_from:
+        return _cutover(migration, cache, info or {})
+    return _fail(migration, reason or "cache_changed")
+
+
+def _failing_role(migration_id, node_id) -> str:
+    """A failure may come from either side (the target may refuse to provision)."""
+    row = Migration.objects.filter(pk=migration_id).values("target_id").first() if _is_uuid(migration_id) else None
+    return "target" if row is not None and str(row["target_id"]) == str(node_id) else "source"
+
+
+def _is_uuid(value) -> bool:
+    try:
+        uuid.UUID(str(value))
+    except ValueError:
+        return False
+    return True
+
+
+def _cutover(migration: Migration, cache: Cache, info: dict) -> Migration:
+    """The one transaction that moves the cache: node, endpoint, epoch; source released; audited last."""
+    old = {"node": str(cache.node_id), "endpoint": cache.endpoint, "epoch": cache.epoch}
+    node_unreserve(node_id=migration.source_id, capacity=cache.capacity())
+    cache.node_id, cache.endpoint, cache.epoch = migration.target_id, migration.target.endpoint, migration.epoch_to
+    cache.save(update_fields=["node", "endpoint", "epoch", "updated_at"])
+    migration.state = MigrationState.COMPLETE
+    migration.blocks_copied = max(migration.blocks_copied, int(info.get("blocks", 0)))
+    migration.bytes_copied = max(migration.bytes_copied, int(info.get("bytes_sent", 0)))
+    migration.save(update_fields=["state", "blocks_copied", "bytes_copied", "updated_at"])
+    _send_to_node(MIGRATE_CUTOVER_TASK, migration.source_id, [str(migration.pk), str(cache.pk), migration.epoch_from,
+                                                              cache.endpoint, migration.epoch_to])  # fmt: skip
+    new = {"node": str(cache.node_id), "endpoint": cache.endpoint, "epoch": cache.epoch}
+    audit_record(action=AuditAction.CACHE_MIGRATED, target_type="cache", target_id=cache.pk, tenant_id=cache.tenant_id,
+                 old=old, new={**new, "migration": str(migration.pk), "reason": migration.reason})  # fmt: skip
+    return migration
+
+
+def _fail(migration: Migration, reason: str) -> Migration:
+    migration.state = MigrationState.FAILED
+    migration.failure_reason = str(reason)[:300]
+    migration.save(update_fields=["state", "failure_reason", "updated_at"])
+    node_unreserve(node_id=migration.target_id, capacity=migration.cache.capacity())
+    _send_to_node(DETACH_TASK, migration.target_id, [str(migration.cache_id), migration.epoch_to])
+    return migration
+
+
+@transaction.atomic
+def node_drain_caches(*, node_id) -> list[Migration]:
+    """Drain a node: no new placements (fleet node_drain, audited NODE_DRAINING) and a migration for every ready
+    cache on it, each to where placement puts it. A cache that cannot move now (no room) is left for a retry."""
+    node_drain(node_id=node_id)
+    started = []
+    hosted = Cache.objects.filter(node_id=node_id, state=CacheState.READY).order_by("id")
+    for cache_id in hosted.values_list("id", flat=True):
+        try:
+            with transaction.atomic():
+                started.append(migration_start(cache_id=cache_id, reason="drain"))
+        except (MigrationConflict, NoCapacity) as refusal:
+            logger.warning("drain of node %s: cache %s not moved now: %s", node_id, cache_id, refusal)
+    return started
