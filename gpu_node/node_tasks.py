@@ -31,6 +31,11 @@ from kcaas.spec import KVCacheSpec, SpecError
 
 logger = logging.getLogger("kcaas.node")
 HASH_KEY_BYTES = 32
+# How a node's unacknowledged message (its worker died mid-task) comes back on Redis. The agent's worker runs without
+# an event loop, where kombu restores unacked messages only when a poll ends with no reply at all: BRPOP must then
+# wait longer than the worker's 2 s drain (kombu's default of 1 s never lets that happen, and the message would be
+# lost until some other consumer swept it). Visible again after 15 minutes: longer than any one node task runs.
+REDIS_REDELIVERY = {"visibility_timeout": 900, "polling_interval": 5, "unacked_restore_throttle": 1}
 SSD_KEY_BYTES = 32
 
 
@@ -77,8 +82,8 @@ def build_node_app(
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
     )
-    if transport_options:
-        app.conf.broker_transport_options = transport_options
+    app.conf.broker_transport_options = {**(REDIS_REDELIVERY if broker_url.startswith(("redis", "rediss")) else {}),
+                                         **(transport_options or {})}  # fmt: skip
 
     def answer(task_name: str, args: list) -> None:
         app.send_task(task_name, args=args, queue=CONTROL_QUEUE)
