@@ -60,6 +60,7 @@ class AgentConfig:
     tls_key_file: str | None = None
     listen: str | None = None  # host:port the data plane binds (default: endpoint)
     uds_path: str | None = None  # a Unix socket for engines on this host (same token auth, no TLS)
+    migration_listen: str | None = None  # KCAAS_NODE_MIGRATION_LISTEN host:port: mutual-TLS migration listener
     token_issuer: str = "kcaas-control-plane"  # the `iss` of data tokens (the control plane's KCAAS_TOKEN_ISSUER)
     drain_seconds: float = 20.0  # SIGTERM: how long in-flight data-plane requests may take to finish
     tenant_limits: TenantLimits = TenantLimits()  # per-tenant data-plane connections / requests / staged bytes
@@ -93,6 +94,7 @@ class AgentConfig:
             tls_key_file=environ.get("KCAAS_NODE_TLS_KEY") or None,
             listen=environ.get("KCAAS_NODE_LISTEN") or None,
             uds_path=environ.get("KCAAS_NODE_UDS") or None,
+            migration_listen=environ.get("KCAAS_NODE_MIGRATION_LISTEN") or None,
             token_issuer=environ.get("KCAAS_TOKEN_ISSUER") or "kcaas-control-plane",
             drain_seconds=float(environ.get("KCAAS_NODE_DRAIN_SECONDS") or 20.0),
             tenant_limits=TenantLimits(
@@ -311,11 +313,26 @@ class NodeAgent:
             self._renewal.stop()
 
     # ---- the in-process Celery worker -------------------------------------------------------------------------------
+    def _migration(self):
+        """The migration side (gpu_node/migration_tasks.py) when KCAAS_NODE_MIGRATION_LISTEN is set and the node holds
+        a platform certificate: its listener requires the platform CA's client certificates."""
+        if not self.config.migration_listen or self.identity is None or not self.identity.has_certificate:
+            return None
+        from gpu_node.migration import MigrationListener
+        from gpu_node.migration_tasks import NodeMigration
+
+        host, _, port = self.config.migration_listen.rpartition(":")
+        listener = MigrationListener(self.registry, self.identity.server_context(), host.strip("[]") or "0.0.0.0",
+                                     int(port)).start()  # fmt: skip
+        advertise = f"{self.config.endpoint.rpartition(':')[0]}:{listener.address[1]}"  # the data plane's host
+        return NodeMigration(registry=self.registry, node_id=self.node_id, listener=listener,
+                             client_context=self.identity.client_context(), advertise=advertise)
+
     def _start_worker(self) -> None:
         app = build_node_app(
             broker_url=self.config.broker_url, node_id=self.node_id, endpoint=self.config.endpoint,
             registry=self.registry, transport_options=self.config.broker_transport_options,
-            revocations=self.revocations,
+            revocations=self.revocations, migration=self._migration(),
         )
         # A bare WorkController (not the `celery worker` program): no signal handlers of its own (they belong to
         # the main thread), a solo pool so tasks run in this process next to the pools they act on.

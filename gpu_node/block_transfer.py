@@ -169,3 +169,38 @@ def _write_bytes(engine: PagedKVCache, block_id: int, data: memoryview) -> None:
     engine.pool[block_id].view(-1).view(torch.uint8).copy_(raw[:pool_bytes])
     if engine.scales is not None:
         engine.scales[block_id].view(-1).view(torch.uint8).copy_(raw[pool_bytes:])
+
+
+def receive_block(engine: PagedKVCache, parent: bytes, key: bytes, full: bool, tokens: np.ndarray, checksum: int,
+                  fill, staging: bytearray) -> str:  # fmt: skip
+    """insert_block for bytes still on the wire: `fill(view)` reads exactly one block's bytes into `view`. On a host
+    pool without scales they land straight in a freshly allocated (held, unpublished) block: one copy fewer; the
+    block is published only after its checksum matched, else freed unseen. Same verdicts as insert_block."""
+    if engine.scales is not None or engine.pool.device.type != "cpu" or not 0 < len(tokens) <= engine.block_size:
+        fill(memoryview(staging))
+        return insert_block(engine, parent, key, full, tokens, checksum, memoryview(staging))
+    if full != (len(tokens) == engine.block_size) or (full and chained_hash(engine, parent, tokens) != bytes(key)):
+        fill(memoryview(staging))
+        return "bad"
+    with engine._lock:
+        verdict = _admit(engine, parent, key, full, tokens)
+        ids = engine._blocks.allocate(1) if verdict == "ok" else []
+    if not ids:
+        fill(memoryview(staging))  # the bytes must leave the stream either way
+        return verdict if verdict != "ok" else "full"
+    block_id = ids[0]
+    try:
+        view = memoryview(engine.pool[block_id].view(-1).view(torch.uint8).numpy())
+        fill(view)
+        verdict = "ok" if block_checksum(view) == int(checksum) else "checksum"
+    except BaseException:
+        engine._release(ids)
+        raise
+    with engine._lock:
+        try:
+            verdict = _admit(engine, parent, key, full, tokens) if verdict == "ok" else verdict
+            if verdict == "ok":
+                engine._blocks.publish_chain([block_id], parent, tokens, [key if full else None])
+        finally:
+            engine._blocks.release([block_id])
+    return "stored" if verdict == "ok" else verdict

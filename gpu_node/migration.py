@@ -1,7 +1,7 @@
 """Node-to-node block transfer for cache migration: a listener on the target, a sender on the source (no Django).
 
 Transport: mutual TLS 1.3 only. The listener REQUIRES a client certificate chained to the platform CA and accepts a
-connection for a migration only when the peer's node id (its SPIFFE URI SAN `spiffe://kcaas/node/<id>`) is the
+connection for a migration only when the peer's node id (its SPIFFE URI SAN `spiffe://kcaas/node/<uuid>`) is the
 source the control plane named in migrate_in; the sender checks the target's node id the same way. Contexts come
 from gpu_node.identity.NodeIdentity (server_context()/client_context()) or, in tests, from dev_pki node certs.
 
@@ -24,19 +24,18 @@ import ssl
 import struct
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
-from cryptography import x509
 
-from gpu_node import block_transfer as bt
+from gpu_node import block_transfer as bt, identity
 from gpu_node.block_hash import HASH_NUM_BYTES
 
 log = logging.getLogger("kcaas.node.migration")
 MSG_HEAD = struct.Struct("<cI")
 BLOCK_HEAD = struct.Struct("<16s16s?IQ")  # parent, key, full, num tokens, checksum
-SPIFFE_PREFIX = "spiffe://kcaas/node/"
 MAX_CONTROL_BYTES = 64 << 20
 
 
@@ -46,16 +45,20 @@ class MigrationError(Exception):
 
 # ---- identity ---------------------------------------------------------------------------------------------------
 def peer_node_id(sock: ssl.SSLSocket) -> str | None:
-    """The node id in the peer certificate's one SPIFFE URI SAN, or None."""
-    der = sock.getpeercert(binary_form=True)
-    if not der:
-        return None
+    """The node id (canonical UUID) in the verified peer certificate's one SPIFFE URI SAN, or None
+    (gpu_node.identity.peer_node_id, which raises instead)."""
     try:
-        sans = x509.load_der_x509_certificate(der).extensions.get_extension_for_class(x509.SubjectAlternativeName)
-    except x509.ExtensionNotFound:
+        return identity.peer_node_id(sock)
+    except identity.PeerIdentityError:
         return None
-    uris = [u for u in sans.value.get_values_for_type(x509.UniformResourceIdentifier) if u.startswith(SPIFFE_PREFIX)]
-    return uris[0][len(SPIFFE_PREFIX):] if len(uris) == 1 else None
+
+
+def is_peer(sock: ssl.SSLSocket, node_id: str) -> bool:
+    """Is the peer of this mutual-TLS connection the node `node_id` (the one the control plane named)?"""
+    try:
+        return peer_node_id(sock) == str(uuid.UUID(str(node_id)))
+    except ValueError:
+        return False
 
 
 def mtls_server_context(cert_file: str, key_file: str, ca_file: str) -> ssl.SSLContext:
@@ -202,7 +205,7 @@ class MigrationListener:
         known = incoming is not None and hosted is not None and hello.get("cache_id") == incoming.cache_id
         if not known or hosted.epoch != incoming.epoch:
             return _send_msg(sock, b"E", b'{"error": "unknown_migration"}')
-        if peer_node_id(sock) != incoming.source_node_id:
+        if not is_peer(sock, incoming.source_node_id):
             return _send_msg(sock, b"E", b'{"error": "wrong_peer"}')
         engine = hosted.engine
         _send_msg(sock, b"K", b"".join(bt.held_keys(engine)))
@@ -222,8 +225,8 @@ class MigrationListener:
             raise MigrationError("a block with too many tokens")
         tokens = np.empty(num_tokens, dtype="<i4")
         _recv_exact(sock, memoryview(tokens.view(np.uint8)))
-        _recv_exact(sock, memoryview(staging))
-        verdict = bt.insert_block(engine, parent, key, full, tokens, checksum, memoryview(staging))
+        verdict = bt.receive_block(engine, parent, key, full, tokens, checksum, lambda view: _recv_exact(sock, view),
+                                   staging)  # fmt: skip
         with self._lock:
             if verdict == "stored":
                 self.stats.blocks_stored += 1
@@ -281,7 +284,7 @@ class MigrationSender:
             try:
                 raw = socket.create_connection((host.strip("[]"), int(port)), timeout=30)
                 sock = self.tls_context.wrap_socket(raw)
-                if peer_node_id(sock) != self.target_node_id:
+                if not is_peer(sock, self.target_node_id):
                     sock.close()
                     raise MigrationError("the target's certificate names another node")
                 self.stats.connects += 1

@@ -34,9 +34,11 @@ logger = logging.getLogger("kcaas.node.migration")
 class NodeMigration:
     """One node's migration side: its listener (mutual TLS; started by the caller) and its client TLS context."""
 
-    def __init__(self, *, registry, node_id: str, listener: MigrationListener, client_context: ssl.SSLContext):
+    def __init__(self, *, registry, node_id: str, listener: MigrationListener, client_context: ssl.SSLContext,
+                 advertise: str | None = None):  # fmt: skip
+        """`advertise`: host:port other nodes reach the listener at (default: its bound address)."""
         self.registry, self.node_id, self.listener = registry, str(node_id), listener
-        self.client_context = client_context
+        self.client_context, self.advertise = client_context, advertise
         self.senders: dict[str, threading.Thread] = {}
         self.last_stats = {}
 
@@ -50,7 +52,7 @@ class NodeMigration:
                 return False
             self.listener.expect(Incoming(str(migration_id), str(cache_id), str(source_node_id), int(epoch_to)))
             answer(MIGRATION_PROGRESS_TASK, [migration_id, self.node_id, "ready",
-                                             {"migration_endpoint": self.listener.endpoint}])  # fmt: skip
+                                             {"migration_endpoint": self.advertise or self.listener.endpoint}])  # fmt: skip
             return True
 
         @app.task(name=MIGRATE_OUT_TASK, shared=False)

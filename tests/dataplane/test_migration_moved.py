@@ -25,6 +25,8 @@ from tests.dataplane.conftest import CACHE_A, EPOCH, NODE_ID
 from tests.gpu_node.kv_fixtures import prefix_kv
 
 TARGET_NODE = "node-2"
+# the nodes' platform identities (SPIFFE ids are node UUIDs) for the migration transfer
+IDENTITY = {NODE_ID: "6e0de000-0000-4000-8000-0000000000b1", TARGET_NODE: "6e0de000-0000-4000-8000-0000000000b2"}
 
 
 @dataclass
@@ -61,17 +63,17 @@ def target(spec, verifier, pki):
 @pytest.fixture
 def node_pki(tmp_path):
     ca_key, ca_cert = new_ca("platform CA (test)", valid_for=dt.timedelta(hours=1))
-    return {n: write_node_pki(tmp_path, ca_key, ca_cert, n) for n in (NODE_ID, TARGET_NODE)}
+    return {n: write_node_pki(tmp_path, ca_key, ca_cert, IDENTITY[n]) for n in (NODE_ID, TARGET_NODE)}
 
 
 def migrate(registry, target_registry, target_srv, node_pki, tokens: PlacementTokens, *, while_fenced=None):
     """The node side of one migration, then the control plane's flip (tokens) and the source's detach."""
     listener = MigrationListener(target_registry, mtls_server_context(**_files(node_pki[TARGET_NODE]))).start()
-    listener.expect(Incoming("m1", CACHE_A, NODE_ID, EPOCH + 1))
+    listener.expect(Incoming("m1", CACHE_A, IDENTITY[NODE_ID], EPOCH + 1))
     fences = fences_for(registry)
     try:
         sender = MigrationSender(registry.get(CACHE_A).engine, migration_id="m1", cache_id=CACHE_A, epoch=EPOCH + 1,
-                                 target_endpoint=listener.endpoint, target_node_id=TARGET_NODE,
+                                 target_endpoint=listener.endpoint, target_node_id=IDENTITY[TARGET_NODE],
                                  tls_context=mtls_client_context(**_files(node_pki[NODE_ID])))  # fmt: skip
 
         def fence():

@@ -25,6 +25,8 @@ from gpu_node.registry import CacheRegistry
 from tests.gpu_node.kv_fixtures import prefix_kv, tiny_spec
 
 KEY = b"m" * 32
+SRC, DST = "6e0de000-0000-4000-8000-0000000000a1", "6e0de000-0000-4000-8000-0000000000a2"
+IDS = {"src": SRC, "dst": DST, "evil": "6e0de000-0000-4000-8000-0000000000e1"}
 CAP = {"device": 0, "dram": 0, "ssd": 0}
 
 
@@ -33,10 +35,10 @@ def pki(tmp_path_factory):
     directory = tmp_path_factory.mktemp("pki")
     ca_key, ca_cert = new_ca("KCaaS platform CA (test)", valid_for=dt.timedelta(hours=1))
     other_key, other_cert = new_ca("another CA", valid_for=dt.timedelta(hours=1))
-    files = {node: write_node_pki(directory / node, ca_key, ca_cert, node) for node in ("src", "dst", "evil")
+    files = {node: write_node_pki(directory / node, ca_key, ca_cert, IDS[node]) for node in ("src", "dst", "evil")
              if (directory / node).mkdir() is None}  # fmt: skip
     (directory / "rogue").mkdir()
-    files["rogue"] = write_node_pki(directory / "rogue", other_key, other_cert, "src")  # "src", wrong CA
+    files["rogue"] = write_node_pki(directory / "rogue", other_key, other_cert, SRC)  # "src", wrong CA
     return files
 
 
@@ -66,7 +68,7 @@ def fill(engine, spec, num_seqs=6, length=37, seed=0):
     return seqs
 
 
-def listener_for(target, pki, source_node="src", migration_id="m1"):
+def listener_for(target, pki, source_node=SRC, migration_id="m1"):
     listener = MigrationListener(target, server_ctx(pki["dst"])).start()
     listener.expect(Incoming(migration_id, "c1", source_node, 2))
     return listener
@@ -74,7 +76,7 @@ def listener_for(target, pki, source_node="src", migration_id="m1"):
 
 def sender_for(src, listener, files, **hooks):
     return MigrationSender(src, migration_id="m1", cache_id="c1", epoch=2, target_endpoint=listener.endpoint,
-                           target_node_id="dst", tls_context=client_ctx(files), connect_timeout=2, **hooks)
+                           target_node_id=DST, tls_context=client_ctx(files), connect_timeout=2, **hooks)
 
 
 def wait_stored(listener, count, timeout=5.0):
@@ -214,7 +216,7 @@ def test_sender_refuses_a_target_that_is_another_node(pki):
     spec = tiny_spec()
     _, target, src, _ = two_nodes(spec)
     listener = MigrationListener(target, server_ctx(pki["evil"])).start()
-    listener.expect(Incoming("m1", "c1", "src", 2))
+    listener.expect(Incoming("m1", "c1", SRC, 2))
     try:
         with pytest.raises(MigrationError, match="another node"):
             sender_for(src, listener, pki["src"]).run()
