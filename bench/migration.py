@@ -39,7 +39,8 @@ SPEC = KVCacheSpec(model_fingerprint="bench-llama@1", num_layers=32, num_kv_head
 
 
 def gbps(nbytes: int, seconds: float) -> float:
-    return nbytes * 8 / seconds / 1e9 if seconds > 0 else float("inf")
+    """GB/s (10^9 bytes per second), as bench/dataplane.py reports."""
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 
 
 def _files(files: dict) -> dict:
