@@ -1,0 +1,59 @@
+"""Migration answers are status-guarded (a stray, duplicate or foreign answer changes nothing) and a failed migration
+gives the target's reservation back and leaves the cache where it was. The orders go to the real broker; no node
+consumes them here (tests/caches/test_migration.py runs the nodes)."""
+
+import uuid
+
+import pytest
+
+from caches.migration import MigrationConflict, migration_progress, migration_result, migration_start
+from caches.models import Cache, Migration
+from tests.caches.conftest import BLOCK_BYTES, attach_body, make_ready, purge_node_queue, reserved
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def placed(tenant_a, make_node):
+    small, large = make_node(device=40 * BLOCK_BYTES), make_node(device=80 * BLOCK_BYTES)
+    response = tenant_a.client.post("/api/v1/caches", attach_body("guarded", device=8 * BLOCK_BYTES), format="json")
+    cache = make_ready(response.json()["id"])
+    assert cache.node_id == small.pk
+    yield cache, small, large
+    for node in (small, large):
+        purge_node_queue(node.pk)
+
+
+def test_stray_and_duplicate_answers_change_nothing(placed):
+    cache, source, target = placed
+    migration = migration_start(cache_id=cache.pk, target_node_id=target.pk)
+    assert migration.state == "pending" and reserved(target)["device"] == 8 * BLOCK_BYTES
+    with pytest.raises(MigrationConflict):
+        migration_start(cache_id=cache.pk, target_node_id=target.pk)  # one active migration per cache
+    assert migration_progress(migration_id=migration.pk, node_id=source.pk, phase="ready", info={}) is None
+    assert migration_result(migration_id=migration.pk, node_id=uuid.uuid4(), ok=True) is None
+    assert migration_result(migration_id="not-a-uuid", node_id=source.pk, ok=True) is None
+    assert migration_result(migration_id=migration.pk, node_id=target.pk, ok=True) is None  # only the source cuts over
+    assert Migration.objects.get(pk=migration.pk).state == "pending"
+    assert Cache.objects.get(pk=cache.pk).node_id == source.pk
+
+
+def test_failed_migration_releases_the_target_and_keeps_the_cache(placed):
+    cache, source, target = placed
+    migration = migration_start(cache_id=cache.pk, target_node_id=target.pk)
+    failed = migration_result(migration_id=migration.pk, node_id=target.pk, ok=False, reason="insufficient_capacity")
+    assert failed.state == "failed" and failed.failure_reason == "insufficient_capacity"
+    assert reserved(target)["device"] == 0
+    assert migration_result(migration_id=migration.pk, node_id=target.pk, ok=False) is None  # a duplicate: no-op
+    assert reserved(target)["device"] == 0  # released once
+    cache = Cache.objects.get(pk=cache.pk)
+    assert (cache.node_id, cache.epoch, cache.state) == (source.pk, 1, "ready")
+    again = migration_start(cache_id=cache.pk, target_node_id=target.pk)  # a new migration may start
+    assert again.state == "pending"
+
+
+def test_migrating_to_its_own_node_is_refused(placed):
+    cache, source, _ = placed
+    with pytest.raises(MigrationConflict):
+        migration_start(cache_id=cache.pk, target_node_id=source.pk)
+    assert reserved(source)["device"] == 8 * BLOCK_BYTES  # the refused reservation was rolled back
