@@ -216,6 +216,7 @@ class NodeAgent:
         self._metrics_server = None
         self.dataplane = None  # gpu_node.dataplane.DataPlaneServer once started
         self.revocations = RevocationList()
+        self._migration_listener = None  # gpu_node.migration.MigrationListener when KCAAS_NODE_MIGRATION_LISTEN is set
         self.identity = None  # gpu_node.identity.NodeIdentity when config.identity
         self._renewal = None
 
@@ -244,6 +245,7 @@ class NodeAgent:
     def stop(self) -> None:
         steps = (
             ("data plane", self._stop_dataplane),
+            ("migration listener", self._stop_migration_listener),
             ("heartbeat", self._stop_heartbeat),
             ("certificate renewal", self._stop_renewal),
             ("last report", self._report_once),
@@ -308,6 +310,10 @@ class NodeAgent:
             self._renewal = RenewalLoop(self.identity, send=self.control.certificate, save=self._save_identity)
             self._renewal.start()
 
+    def _stop_migration_listener(self) -> None:
+        if self._migration_listener is not None:
+            self._migration_listener.stop()
+
     def _stop_renewal(self) -> None:
         if self._renewal is not None:
             self._renewal.stop()
@@ -323,7 +329,8 @@ class NodeAgent:
 
         host, _, port = self.config.migration_listen.rpartition(":")
         listener = MigrationListener(self.registry, self.identity.server_context(), host.strip("[]") or "0.0.0.0",
-                                     int(port)).start()  # fmt: skip
+                                     int(port), metrics=self.metrics).start()  # fmt: skip
+        self._migration_listener = listener
         advertise = f"{self.config.endpoint.rpartition(':')[0]}:{listener.address[1]}"  # the data plane's host
         return NodeMigration(registry=self.registry, node_id=self.node_id, listener=listener,
                              client_context=self.identity.client_context(), advertise=advertise)

@@ -87,6 +87,10 @@ class NodeMetrics:
         self.auth_failures = Counter(
             "kcaas_dataplane_auth_failures", "Refused data tokens", ["reason"], registry=self.registry
         )
+        self.migration_blocks_refused = Counter(
+            "kcaas_migration_blocks_refused", "Blocks a migration target refused (checksum, chain, ...): resent",
+            ["reason"], registry=self.registry,
+        )
         self.overloaded = Counter(
             "kcaas_dataplane_overloaded", "Requests refused by an admission limit (connections, requests or bytes in flight)", ["limit"],
             registry=self.registry,

@@ -234,8 +234,8 @@ class MigrationListener:
             elif verdict == "checksum":
                 self.stats.checksum_failures += 1
             self.stats.refused[verdict] = self.stats.refused.get(verdict, 0) + (verdict not in ("stored", "have"))
-        if verdict == "checksum" and self.metrics is not None and hasattr(self.metrics, "checksum_failures"):
-            self.metrics.checksum_failures.labels(where="migration").inc()
+        if verdict not in ("stored", "have") and self.metrics is not None:
+            self.metrics.migration_blocks_refused.labels(reason=verdict).inc()
 
 
 # ---- the source's sender ------------------------------------------------------------------------------------------

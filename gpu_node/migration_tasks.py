@@ -45,8 +45,9 @@ class NodeMigration:
     def register(self, app, answer) -> None:
         @app.task(name=MIGRATE_IN_TASK, shared=False)
         def migrate_in(migration_id, cache_id, spec, capacity, hash_key_b64, epoch_to, source_node_id,
-                       tenant_id="") -> bool:  # fmt: skip
-            ok, reason = provision(self.registry, cache_id, spec, capacity, hash_key_b64, int(epoch_to), tenant_id)
+                       tenant_id="", ssd_key_b64="") -> bool:  # fmt: skip
+            ok, reason = provision(self.registry, cache_id, spec, capacity, hash_key_b64, int(epoch_to), tenant_id,
+                                   ssd_key_b64)  # fmt: skip
             if not ok:
                 answer(MIGRATION_RESULT_TASK, [migration_id, self.node_id, False, reason, {}])
                 return False

@@ -16,7 +16,7 @@ node -> control, on the `control` queue:
     purge_result(job_id: str, node_id: str, tenant_id: str, purged: [{"cache_id": str, "freed_bytes": int}])
 migration (platform/caches/migration.py, gpu_node/migration_tasks.py):
     control -> target  migrate_in(migration_id, cache_id, spec, capacity, hash_key_b64, epoch_to, source_node_id,
-                                  tenant_id)
+                                  tenant_id, ssd_key_b64 = "" (only for caches with an SSD tier))
     control -> source  migrate_out(migration_id, cache_id, epoch_from, epoch_to, target_node_id,
                                    target_migration_endpoint, target_endpoint)
     control -> source  migrate_cutover(migration_id, cache_id, epoch_from, target_endpoint, epoch_to)

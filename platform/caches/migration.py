@@ -19,7 +19,9 @@ from __future__ import annotations
 import base64
 import logging
 import uuid
+from datetime import timedelta
 
+from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
@@ -27,7 +29,7 @@ from django.utils import timezone
 from audit.actions import AuditAction
 from audit.services import audit_record
 from caches.models import Cache, CacheState, Migration, MigrationState
-from caches.sealing import hash_key_unseal
+from caches.sealing import hash_key_unseal, ssd_key_unseal
 from caches.services import _lock_cache, _send_to_node
 from controlplane.errors import ConflictError, NotFoundError
 from fleet.errors import NoCapacity
@@ -79,9 +81,11 @@ def migration_start(*, cache_id, target_node_id=None, reason: str = "rebalance")
     except IntegrityError:
         raise MigrationConflict("The cache is already being migrated.") from None
     hash_key = hash_key_unseal(cache_id=cache.pk, sealed=cache.hash_key_sealed)
-    _send_to_node(MIGRATE_IN_TASK, target.pk, [str(migration.pk), str(cache.pk), cache.spec_dict(), capacity,
-                                               base64.b64encode(hash_key).decode(), migration.epoch_to,
-                                               str(cache.node_id), str(cache.tenant_id)])  # fmt: skip
+    args = [str(migration.pk), str(cache.pk), cache.spec_dict(), capacity, base64.b64encode(hash_key).decode(),
+            migration.epoch_to, str(cache.node_id), str(cache.tenant_id)]  # fmt: skip
+    if cache.ssd_key_sealed:  # the target's SSD tier encrypts under the cache's own data key, as the source's did
+        args.append(base64.b64encode(ssd_key_unseal(cache_id=cache.pk, sealed=cache.ssd_key_sealed)).decode())
+    _send_to_node(MIGRATE_IN_TASK, target.pk, args)
     return migration
 
 
@@ -175,6 +179,22 @@ def _fail(migration: Migration, reason: str) -> Migration:
     node_unreserve(node_id=migration.target_id, capacity=migration.cache.capacity())
     _send_to_node(DETACH_TASK, migration.target_id, [str(migration.cache_id), migration.epoch_to])
     return migration
+
+
+@transaction.atomic
+def migrations_expire(*, now=None) -> list[uuid.UUID]:
+    """Fail migrations that stopped moving: pending or copying with no node answer for
+    settings.KCAAS_MIGRATION_STALL_SECONDS (a target that never answered migrate_in, a source that died mid-copy).
+    Each gives the target's reservation back and drops the target's partial copy (as any failure does); the cache
+    stays where it is, and a new migration may start. Returns the ids failed."""
+    cutoff = (now or timezone.now()) - timedelta(seconds=settings.KCAAS_MIGRATION_STALL_SECONDS)
+    stalled = Migration.objects.select_for_update().filter(
+        state__in=[MigrationState.PENDING, MigrationState.COPYING], updated_at__lt=cutoff
+    )
+    failed = []
+    for migration in stalled.select_related("cache").order_by("id"):
+        failed.append(_fail(migration, "stalled").pk)
+    return failed
 
 
 @transaction.atomic

@@ -73,3 +73,10 @@ def sweep_leases() -> int:
 def purge_expired() -> int:
     """Beat, hourly: forget expired idempotency keys and long-expired data-token rows."""
     return idempotency_records_purge() + services.data_tokens_purge()
+
+
+@shared_task(name="caches.expire_migrations")
+def expire_migrations() -> int:
+    """Beat, every minute: fail migrations no node has moved for KCAAS_MIGRATION_STALL_SECONDS (caches.migration)."""
+    with acting_as(SYSTEM):
+        return len(migration.migrations_expire())

@@ -117,11 +117,14 @@ CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 # A lost node is seen within its lease (KCAAS_NODE_LEASE_SECONDS) plus one sweep period.
 KCAAS_LEASE_SWEEP_SECONDS = float(os.environ.get("KCAAS_LEASE_SWEEP_SECONDS", "10"))
+# A migration with no node answer (progress or result) for this long is failed and its target released.
+KCAAS_MIGRATION_STALL_SECONDS = float(os.environ.get("KCAAS_MIGRATION_STALL_SECONDS", "600"))
 # How often beat moves erasure jobs (starts those past their grace, finishes confirmed ones).
 KCAAS_ERASURE_TICK_SECONDS = float(os.environ.get("KCAAS_ERASURE_TICK_SECONDS", "10"))
 CELERY_BEAT_SCHEDULE = {
     "caches-sweep-leases": {"task": "caches.sweep_leases", "schedule": KCAAS_LEASE_SWEEP_SECONDS},
     "caches-purge-expired": {"task": "caches.purge_expired", "schedule": 3600.0},
+    "caches-expire-migrations": {"task": "caches.expire_migrations", "schedule": 60.0},
     "tenants-flush-key-usage": {"task": "tenants.flush_key_usage", "schedule": 30.0},
     # Billing: recompute the open ledger hours and prune old samples; refresh and finalise invoices.
     "billing-rollup": {"task": "billing.rollup", "schedule": float(os.environ.get("KCAAS_USAGE_ROLLUP_SECONDS", 300))},

@@ -57,3 +57,24 @@ def test_migrating_to_its_own_node_is_refused(placed):
     with pytest.raises(MigrationConflict):
         migration_start(cache_id=cache.pk, target_node_id=source.pk)
     assert reserved(source)["device"] == 8 * BLOCK_BYTES  # the refused reservation was rolled back
+
+
+def test_a_migration_no_node_moves_is_failed_by_the_sweep_and_releases_the_target(placed, settings):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from caches.migration import migrations_expire
+    from caches.tasks import expire_migrations
+
+    cache, source, target = placed
+    settings.KCAAS_MIGRATION_STALL_SECONDS = 60
+    fresh = migration_start(cache_id=cache.pk, target_node_id=target.pk)
+    assert migrations_expire() == []  # a migration that just started is not stalled
+    Migration.objects.filter(pk=fresh.pk).update(updated_at=timezone.now() - timedelta(seconds=120))
+    assert expire_migrations.apply().get() == 1  # the beat task, as the system
+    stalled = Migration.objects.get(pk=fresh.pk)
+    assert (stalled.state, stalled.failure_reason) == ("failed", "stalled")
+    assert reserved(target)["device"] == 0
+    assert Cache.objects.get(pk=cache.pk).node_id == source.pk  # the cache stays where it was
+    assert migrations_expire() == []  # already failed: not again

@@ -20,6 +20,7 @@ from gpu_node.migration import (
     mtls_client_context,
     mtls_server_context,
 )
+from gpu_node.metrics import NodeMetrics
 from gpu_node.migration_fence import FenceTable, MovedError
 from gpu_node.registry import CacheRegistry
 from tests.gpu_node.kv_fixtures import prefix_kv, tiny_spec
@@ -68,8 +69,8 @@ def fill(engine, spec, num_seqs=6, length=37, seed=0):
     return seqs
 
 
-def listener_for(target, pki, source_node=SRC, migration_id="m1"):
-    listener = MigrationListener(target, server_ctx(pki["dst"])).start()
+def listener_for(target, pki, source_node=SRC, migration_id="m1", metrics=None):
+    listener = MigrationListener(target, server_ctx(pki["dst"]), metrics=metrics).start()
     listener.expect(Incoming(migration_id, "c1", source_node, 2))
     return listener
 
@@ -170,13 +171,15 @@ def test_corrupted_block_is_refused_and_resent(pki):
             return True
         return False
 
-    listener = listener_for(target, pki)
+    metrics = NodeMetrics(target)
+    listener = listener_for(target, pki, metrics=metrics)
     try:
         stats = sender_for(src, listener, pki["src"], corrupt=corrupt_once).run()
     finally:
         listener.stop()
     assert corrupted == [victim]
     assert listener.stats.checksum_failures == 1
+    assert metrics.registry.get_sample_value("kcaas_migration_blocks_refused_total", {"reason": "checksum"}) == 1
     assert stats.keys_sent.count(victim) == 2  # refused, then sent again
     assert_same(dst, spec, seqs)  # never stored wrong
 
