@@ -32,6 +32,7 @@ import numpy as np
 
 from gpu_node import block_transfer as bt, identity
 from gpu_node.block_hash import HASH_NUM_BYTES
+from gpu_node.migration_journal import IncomingJournal
 
 log = logging.getLogger("kcaas.node.migration")
 MSG_HEAD = struct.Struct("<cI")
@@ -128,16 +129,25 @@ class ListenerStats:
     bytes_stored: int = 0
     checksum_failures: int = 0
     refused: dict = field(default_factory=dict)
+    blocks_restored: int = 0  # published again from the SSD journal after a restart (never received twice)
 
 
 class MigrationListener:
-    """Accepts senders named by `expect()`; inserts verified blocks into `registry`'s engine for the cache."""
+    """Accepts senders named by `expect()`; inserts verified blocks into `registry`'s engine for the cache.
+
+    When the incoming cache has an SSD tier, every verified full block is also written through to it and journaled
+    (gpu_node/migration_journal.py), durably before a K answer lists it (and at least every `durable_every` blocks):
+    a SIGKILLed target provisioned again with the same id/epoch/keys republishes those blocks at `expect()`, so the
+    resuming sender skips them. Without an SSD tier a killed target restarts empty (device memory does not survive).
+    """
 
     def __init__(self, registry, tls_context: ssl.SSLContext, host: str = "127.0.0.1", port: int = 0,
-                 metrics=None):  # fmt: skip
+                 metrics=None, durable_every: int = 64):  # fmt: skip
         assert tls_context.verify_mode == ssl.CERT_REQUIRED, "the migration listener requires client certificates"
         self.registry, self.tls_context, self.metrics = registry, tls_context, metrics
+        self.durable_every = durable_every
         self._expected: dict[str, Incoming] = {}
+        self._journals: dict[str, IncomingJournal] = {}
         self._lock = threading.Lock()
         self.stats = ListenerStats()
         self._sock = socket.create_server((host, port), backlog=32)
@@ -156,8 +166,29 @@ class MigrationListener:
         return self
 
     def expect(self, incoming: Incoming) -> None:
+        """Accept this migration's sender; blocks a previous run of this node journaled are published again now."""
         with self._lock:
             self._expected[incoming.migration_id] = incoming
+        hosted = self.registry.get(incoming.cache_id)
+        if hosted is not None and hosted.epoch == incoming.epoch:
+            self._journal_for(incoming, hosted)
+
+    def _journal_for(self, incoming: Incoming, hosted) -> IncomingJournal | None:
+        """The journal of `incoming` on `hosted`'s SSD store (None without one); opening it replays it once."""
+        ssd = hosted.engine.tiers.ssd if hosted.engine.tiers is not None else None
+        if ssd is None:
+            return None
+        with self._lock:
+            journal = self._journals.get(incoming.migration_id)
+            if journal is not None and journal.ssd is ssd:
+                return journal
+            if journal is not None:
+                journal.close()
+            journal = self._journals[incoming.migration_id] = IncomingJournal(ssd, incoming.migration_id)
+            restored = journal.replay(hosted.engine)
+            self.stats.blocks_restored += restored
+        log.info("migration %s: %d blocks restored from the SSD journal", incoming.migration_id, restored)
+        return journal
 
     def stop(self) -> None:
         """Close the listener and cut every transfer in flight (what was verified stays stored)."""
@@ -208,18 +239,21 @@ class MigrationListener:
         if not is_peer(sock, incoming.source_node_id):
             return _send_msg(sock, b"E", b'{"error": "wrong_peer"}')
         engine = hosted.engine
+        journal = self._journal_for(incoming, hosted)
         _send_msg(sock, b"K", b"".join(bt.held_keys(engine)))
         staging = bytearray(bt.block_nbytes(engine))
         while True:
             kind, body, length = _recv_msg(sock)
             if kind == b"Y":
+                if journal is not None:
+                    journal.sync()  # what K lists survives a SIGKILL of this process
                 _send_msg(sock, b"K", b"".join(bt.held_keys(engine)))
             elif kind == b"B" and length == len(staging):
-                self._block(sock, engine, body, staging)
+                self._block(sock, engine, body, staging, journal)
             else:
                 return
 
-    def _block(self, sock, engine, head: bytearray, staging: bytearray) -> None:
+    def _block(self, sock, engine, head: bytearray, staging: bytearray, journal=None) -> None:
         parent, key, full, num_tokens, checksum = BLOCK_HEAD.unpack(head)
         if num_tokens > engine.block_size:
             raise MigrationError("a block with too many tokens")
@@ -227,6 +261,10 @@ class MigrationListener:
         _recv_exact(sock, memoryview(tokens.view(np.uint8)))
         verdict = bt.receive_block(engine, parent, key, full, tokens, checksum, lambda view: _recv_exact(sock, view),
                                    staging)  # fmt: skip
+        if verdict == "stored" and full and journal is not None:
+            journal.write_through(engine, parent, key, tokens, checksum)
+            if journal.unsynced >= self.durable_every:
+                journal.sync()
         with self._lock:
             if verdict == "stored":
                 self.stats.blocks_stored += 1

@@ -9,6 +9,11 @@ the source. No Django. `NodeMigration.register(app, answer)` adds them to the no
 - migrate_cutover (after the control plane flipped the placement) answers MOVED for good and detaches the copy.
 Every handler is idempotent: a redelivered migrate_in re-provisions nothing, a redelivered migrate_out resumes
 (the target lists what it holds), a redelivered cutover finds the cache already detached.
+
+Resume (issue 6): a sender whose transfer breaks (the target was killed, restarts, or does not expect it yet) tries
+again, reconnecting, for `resume_seconds` before it answers a failure; the fence is lifted between tries. A second
+migrate_out while this node's sender for that migration still runs starts NO second sender: it only updates the
+target endpoint the running one reconnects to (the control plane re-sends migrate_out after a target restarted).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import logging
 import ssl
 import threading
+import time
 
 from gpu_node.migration import Incoming, MigrationListener, MigrationSender
 from gpu_node.migration_fence import fences_for
@@ -35,12 +41,15 @@ class NodeMigration:
     """One node's migration side: its listener (mutual TLS; started by the caller) and its client TLS context."""
 
     def __init__(self, *, registry, node_id: str, listener: MigrationListener, client_context: ssl.SSLContext,
-                 advertise: str | None = None):  # fmt: skip
-        """`advertise`: host:port other nodes reach the listener at (default: its bound address)."""
+                 advertise: str | None = None, resume_seconds: float = 60.0):  # fmt: skip
+        """`advertise`: host:port other nodes reach the listener at (default: its bound address).
+        `resume_seconds`: how long a broken transfer keeps reconnecting before it is answered as failed."""
         self.registry, self.node_id, self.listener = registry, str(node_id), listener
-        self.client_context, self.advertise = client_context, advertise
+        self.client_context, self.advertise, self.resume_seconds = client_context, advertise, resume_seconds
         self.senders: dict[str, threading.Thread] = {}
         self.last_stats = {}
+        self._out_lock = threading.Lock()
+        self._endpoints: dict[str, str] = {}  # migration id -> the target listener the sender (re)connects to
 
     def register(self, app, answer) -> None:
         @app.task(name=MIGRATE_IN_TASK, shared=False)
@@ -61,41 +70,81 @@ class NodeMigration:
                         target_endpoint) -> bool:  # fmt: skip
             args = (str(migration_id), str(cache_id), int(epoch_from), int(epoch_to), str(target_node_id),
                     str(target_migration_endpoint), str(target_endpoint))  # fmt: skip
-            thread = threading.Thread(target=self.send, args=(answer, *args), daemon=True, name="migration-send")
-            self.senders[str(migration_id)] = thread
-            thread.start()
-            return True
+            return self.start_sender(answer, *args)
 
         @app.task(name=MIGRATE_CUTOVER_TASK, shared=False)
         def migrate_cutover(migration_id, cache_id, epoch_from, target_endpoint, epoch_to) -> bool:
             fences_for(self.registry).moved(str(cache_id), str(target_endpoint), int(epoch_to))
             return self.registry.detach(cache_id=str(cache_id), epoch=int(epoch_from))
 
+    def start_sender(self, answer, migration_id, cache_id, *rest) -> bool:
+        """Start this migration's sender thread, or, while one runs, only point it at the (new) target endpoint.
+        Invariant: at most one live sender per migration id on this node. True when a sender was started."""
+        target_migration_endpoint = rest[3]
+        with self._out_lock:
+            self._endpoints[migration_id] = target_migration_endpoint
+            running = self.senders.get(migration_id)
+            if running is not None and running.is_alive():
+                logger.info("migration %s: a sender already runs; it reconnects to %s", migration_id,
+                            target_migration_endpoint)  # fmt: skip
+                return False
+            thread = threading.Thread(target=self.send, args=(answer, migration_id, cache_id, *rest), daemon=True,
+                                      name="migration-send")  # fmt: skip
+            self.senders[migration_id] = thread
+        thread.start()
+        return True
+
     def send(self, answer, migration_id, cache_id, epoch_from, epoch_to, target_node_id, migration_endpoint,
              target_endpoint) -> None:  # fmt: skip
-        """Copy, fence, copy the rest, answer. Never raises (the answer says how it ended)."""
+        """Copy, fence, copy the rest, answer; a broken transfer is resumed (reconnect, the target lists what it
+        holds) until `resume_seconds` pass. Never raises (the answer says how it ended)."""
         fences = fences_for(self.registry)
         hosted = self.registry.get(cache_id)
         if hosted is None or hosted.epoch != epoch_from:
             return answer(MIGRATION_RESULT_TASK, [migration_id, self.node_id, False, "not_hosted", {}])
-        def progress(info: dict) -> None:
-            answer(MIGRATION_PROGRESS_TASK, [migration_id, self.node_id, "copying", info])
+        totals = {"blocks_sent": 0, "bytes_sent": 0, "rounds": 0, "attempts": 0}
+        current: list[MigrationSender] = []  # this try's sender (progress adds its live counts to the totals)
 
-        sender = MigrationSender(hosted.engine, migration_id=migration_id, cache_id=cache_id, epoch=epoch_to,
-                                 target_endpoint=migration_endpoint, target_node_id=target_node_id,
-                                 tls_context=self.client_context, progress=progress)  # fmt: skip
+        def progress(info: dict) -> None:
+            live = current[0].stats
+            answer(MIGRATION_PROGRESS_TASK, [migration_id, self.node_id, "copying",
+                                             {**info, "bytes_sent": totals["bytes_sent"] + live.bytes_sent,
+                                              "blocks_sent": totals["blocks_sent"] + live.blocks_sent}])  # fmt: skip
 
         def fence() -> None:
             if not fences.fence(cache_id, target_endpoint, epoch_to):
                 raise TimeoutError("writes in flight did not finish")
             answer(MIGRATION_PROGRESS_TASK, [migration_id, self.node_id, "fenced", {}])
 
-        try:
-            stats = sender.run(fence=fence)
-        except Exception as exc:  # noqa: BLE001 - any failure is reported, and the cache takes writes again
-            logger.warning("migration %s of cache %s failed: %s", migration_id, cache_id, exc)
-            fences.lift(cache_id)
-            return answer(MIGRATION_RESULT_TASK, [migration_id, self.node_id, False, type(exc).__name__, {}])
-        info = {"blocks": stats.blocks_sent, "bytes_sent": stats.bytes_sent, "rounds": stats.rounds}
+        deadline = time.monotonic() + self.resume_seconds
+        while True:
+            with self._out_lock:
+                endpoint = self._endpoints.get(migration_id, migration_endpoint)
+            sender = MigrationSender(
+                hosted.engine, migration_id=migration_id, cache_id=cache_id, epoch=epoch_to, target_endpoint=endpoint,
+                target_node_id=target_node_id, tls_context=self.client_context, progress=progress,
+                connect_timeout=min(30.0, self.resume_seconds))  # fmt: skip
+            current[:] = [sender]
+            try:
+                sender.run(fence=fence)
+                _add_stats(totals, sender.stats)
+                break
+            except Exception as exc:  # noqa: BLE001 - any failure is retried, then reported; writes resume here
+                _add_stats(totals, sender.stats)
+                fences.lift(cache_id)
+                if time.monotonic() >= deadline or self.registry.get(cache_id) is not hosted:
+                    logger.warning("migration %s of cache %s failed: %s", migration_id, cache_id, exc)
+                    return answer(MIGRATION_RESULT_TASK, [migration_id, self.node_id, False, type(exc).__name__,
+                                                          totals])  # fmt: skip
+                logger.info("migration %s of cache %s broke (%s): resuming", migration_id, cache_id, exc)
+                time.sleep(0.5)
+        info = {"blocks": totals["blocks_sent"], **totals}
         self.last_stats[migration_id] = info
         answer(MIGRATION_RESULT_TASK, [migration_id, self.node_id, True, "", info])
+
+
+def _add_stats(totals: dict, stats) -> None:
+    totals["blocks_sent"] += stats.blocks_sent
+    totals["bytes_sent"] += stats.bytes_sent
+    totals["rounds"] += stats.rounds
+    totals["attempts"] += 1
