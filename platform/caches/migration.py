@@ -23,7 +23,7 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import F
+from django.db.models import F, Q
 from django.utils import timezone
 
 from audit.actions import AuditAction
@@ -80,13 +80,20 @@ def migration_start(*, cache_id, target_node_id=None, reason: str = "rebalance")
                                                  epoch_from=cache.epoch, epoch_to=cache.epoch + 1)  # fmt: skip
     except IntegrityError:
         raise MigrationConflict("The cache is already being migrated.") from None
+    _send_to_node(MIGRATE_IN_TASK, target.pk, _migrate_in_args(migration, cache))
+    return migration
+
+
+def _migrate_in_args(migration: Migration, cache: Cache) -> list:
+    """migrate_in's arguments: always the same for one migration (epoch_to, hash key, SSD key), so a re-sent order
+    re-provisions the very cache the target had (its SSD directory rescans under the same key)."""
     hash_key = hash_key_unseal(cache_id=cache.pk, sealed=cache.hash_key_sealed)
-    args = [str(migration.pk), str(cache.pk), cache.spec_dict(), capacity, base64.b64encode(hash_key).decode(),
-            migration.epoch_to, str(cache.node_id), str(cache.tenant_id)]  # fmt: skip
+    args = [str(migration.pk), str(cache.pk), cache.spec_dict(), cache.capacity(),
+            base64.b64encode(hash_key).decode(), migration.epoch_to, str(migration.source_id),
+            str(cache.tenant_id)]  # fmt: skip
     if cache.ssd_key_sealed:  # the target's SSD tier encrypts under the cache's own data key, as the source's did
         args.append(base64.b64encode(ssd_key_unseal(cache_id=cache.pk, sealed=cache.ssd_key_sealed)).decode())
-    _send_to_node(MIGRATE_IN_TASK, target.pk, args)
-    return migration
+    return args
 
 
 def _lock_migration(migration_id, node_id, *, role: str, states) -> Migration | None:
@@ -195,6 +202,32 @@ def migrations_expire(*, now=None) -> list[uuid.UUID]:
     for migration in stalled.select_related("cache").order_by("id"):
         failed.append(_fail(migration, "stalled").pk)
     return failed
+
+
+@transaction.atomic
+def migrations_redrive_node(*, node_id) -> list[uuid.UUID]:
+    """The fleet register hook (KCAAS_NODE_REGISTER_HOOKS): a node that registers again (a restart) is the target
+    or the source of active migrations whose orders it lost with its process. Each goes back to pending and the
+    target gets migrate_in again (same epoch_to and keys: it re-provisions the incoming cache, rescanning its SSD
+    and republishing the blocks it had verified); its "ready" answer then sends migrate_out to the source again,
+    whose running sender (if it survived) only reconnects. A pending migration whose source restarted needs
+    nothing: the target's "ready" will reach the source. Returns the ids re-driven."""
+    redriven = []
+    active = Migration.objects.select_for_update().filter(
+        Q(target_id=node_id, state__in=[MigrationState.PENDING, MigrationState.COPYING, MigrationState.CUTOVER])
+        | Q(source_id=node_id, state__in=[MigrationState.COPYING, MigrationState.CUTOVER])
+    )
+    for migration in active.select_related("cache").order_by("id"):
+        cache = migration.cache
+        if cache.state != CacheState.READY and not (cache.state == CacheState.PROVISIONING
+                                                    and cache.node_id == migration.source_id):  # fmt: skip
+            continue  # the cache is going away: migration_result will fail the move
+        migration.state = MigrationState.PENDING
+        migration.save(update_fields=["state", "updated_at"])
+        _send_to_node(MIGRATE_IN_TASK, migration.target_id, _migrate_in_args(migration, cache))
+        logger.info("migration %s re-driven: node %s registered again", migration.pk, node_id)
+        redriven.append(migration.pk)
+    return redriven
 
 
 @transaction.atomic

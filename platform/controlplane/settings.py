@@ -213,7 +213,7 @@ KCAAS_NODE_REGISTER_RECONCILER = "caches.services.caches_reconcile_node"
 KCAAS_NODE_REVOKED_TOKENS = "caches.selectors.data_tokens_revoked_on_node"
 # Called (node_id=...) after a node (re-)registers, after the reconciler; e.g. privacy resends the purges of running
 # erasures to a node that was lost while they started.
-KCAAS_NODE_REGISTER_HOOKS = ["privacy.services.erasure_node_registered"]
+KCAAS_NODE_REGISTER_HOOKS = ["privacy.services.erasure_node_registered", "caches.migration.migrations_redrive_node"]
 # GDPR erasure: the grace window between the request and the start (cancellable inside it), and how long a node's
 # purge may stay unanswered before beat sends it again.
 KCAAS_ERASURE_GRACE_SECONDS = env_int("KCAAS_ERASURE_GRACE_SECONDS", 24 * 3600)
