@@ -58,9 +58,10 @@ class BlockPool:
         # Cached blocks nobody holds, least recently used first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self.num_evictions = 0
-        # When lower tiers are attached: (block id, hash) of full blocks evicted by allocate whose bytes are still
-        # intact; the cache copies them out (tiers.demote_evicted) before the blocks are written. None: drop them.
-        self.evicted: list[tuple[int, BlockHash]] | None = None
+        # When lower tiers are attached: (block id, hash, parent hash) of full blocks evicted by allocate whose bytes
+        # and block_tokens row are still intact; the cache copies them out (tiers.demote_evicted) before the blocks
+        # are written. None: drop them.
+        self.evicted: list[tuple[int, BlockHash, BlockHash]] | None = None
 
     # ---- counts -------------------------------------------------------------------------------------------------
     @property
@@ -105,7 +106,7 @@ class BlockPool:
             elif evictable:
                 block_id = evictable.popitem(last=False)[0]
                 if evicted is not None and self.block_hash[block_id] is not None:
-                    evicted.append((block_id, self.block_hash[block_id]))
+                    evicted.append((block_id, self.block_hash[block_id], self.block_parent[block_id]))
                 uncache(block_id)
                 self.num_evictions += 1
                 taken.append(block_id)

@@ -6,13 +6,21 @@ checksum of its stored bytes (pool bytes, then scales when quantized: gpu_node/c
 target can rebuild the same prefix chain because the hash key travels with the cache (provisioning): `parent`
 of block i is `key` of block i-1, the root for the first block.
 
+Lower tiers: a cache with DRAM/SSD tiers (gpu_node/tiers.py) also holds full blocks there, named by hash, with
+their (parent, tokens) in `LowerTiers.lineage`. They are part of the snapshot (`BlockMeta.lower`) and are read with
+`LowerTiers.peek` (checksum verified, nothing promoted, so reading them never evicts the source's device blocks).
+
 Invariants:
-- `snapshot()` lists cached blocks parent first (breadth first from the root), so a target inserting them in order
-  always finds the parent (unless it was refused or evicted: that block is then an orphan and comes again later);
-- `read_block()` holds the block while its bytes are read (never evicted or reused under the reader) and returns
-  a private copy for a partial tail (a put may extend it in place); the checksum is over exactly the bytes returned;
+- `snapshot()` lists device and lower-tier blocks depth first from the root, a parent always before its children
+  (and a child right after its parent's subtree starts, so a small target pool still holds the parent when the child
+  arrives); a block on both the device and SSD is listed once (device); a lower-tier block whose parent is in no
+  tier and not on the device is unreachable and not listed;
+- `read_block()` holds a device block while its bytes are read (never evicted or reused under the reader) and returns
+  a private copy for a partial tail or a lower-tier block; the checksum is over exactly the bytes returned;
 - `insert_block()` verifies the checksum before anything is published: a block whose bytes do not match is never
-  visible (its allocated slot is freed), and a block is published only under a parent that is cached.
+  visible (its allocated slot is freed); a block is published on the device only under a parent cached there, and a
+  full block whose parent the target holds only in a lower tier is demoted straight there (with its lineage);
+- on a target with lower tiers, every device allocation demotes what it evicts (tiers.demote_evicted), as a put does.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gpu_node import tiers
 from gpu_node.block_hash import HASH_NUM_BYTES, chain_hashes
 from gpu_node.checksum import block_checksum
 from gpu_node.paged_cache import PagedKVCache
@@ -35,6 +44,7 @@ class BlockMeta:
     key: bytes
     full: bool
     tokens: np.ndarray  # int32, the filled tokens only
+    lower: bool = False  # held in a lower tier (DRAM/SSD), not in the device pool (block_id is then -1)
 
 
 def partial_key(parent: bytes, tokens: np.ndarray) -> bytes:
@@ -55,21 +65,53 @@ def root_of(engine: PagedKVCache) -> bytes:
 
 
 def snapshot(engine: PagedKVCache) -> list[BlockMeta]:
-    """Every cached block, parent first (metadata only; nothing is held)."""
+    """Every cached block, device and lower tiers, depth first from the root (metadata only; nothing is held)."""
     out: list[BlockMeta] = []
     with engine._lock:
-        blocks = engine._blocks
-        frontier = [root_of(engine)]
-        while frontier:
-            parent = frontier.pop(0)
-            for block_id in blocks.children(parent):
-                filled = int(blocks.num_filled[block_id])
-                tokens = blocks.block_tokens[block_id, :filled].copy()
-                block_hash = blocks.block_hash[block_id]
-                key = bytes(block_hash) if block_hash is not None else partial_key(parent, tokens)
-                out.append(BlockMeta(block_id, bytes(parent), key, block_hash is not None, tokens))
-                if block_hash is not None:
-                    frontier.append(bytes(block_hash))
+        lower = _lower_children(engine)
+        stack = [root_of(engine)]
+        while stack:
+            parent = stack.pop()
+            children = _device_children(engine, parent) + lower.get(parent, [])
+            out.extend(children)
+            stack.extend(meta.key for meta in reversed(children) if meta.full)
+    return _depth_first(out, root_of(engine))
+
+
+def _device_children(engine: PagedKVCache, parent: bytes) -> list[BlockMeta]:
+    """Under the engine lock: the device blocks cached under `parent`."""
+    blocks, out = engine._blocks, []
+    for block_id in blocks.children(parent):
+        tokens = blocks.block_tokens[block_id, : int(blocks.num_filled[block_id])].copy()
+        block_hash = blocks.block_hash[block_id]
+        key = bytes(block_hash) if block_hash is not None else partial_key(parent, tokens)
+        out.append(BlockMeta(block_id, bytes(parent), key, block_hash is not None, tokens))
+    return sorted(out, key=lambda meta: meta.full)  # partial tails first: they follow their parent at once
+
+
+def _lower_children(engine: PagedKVCache) -> dict[bytes, list[BlockMeta]]:
+    """Under the engine lock: parent hash -> the lower-tier blocks under it (those also on the device left out)."""
+    out: dict[bytes, list[BlockMeta]] = {}
+    if engine._tiers is None:
+        return out
+    on_device = engine._blocks.cached_hash_to_block
+    for key, (parent, tokens) in engine._tiers.present_lineage().items():
+        if key not in on_device:
+            out.setdefault(parent, []).append(BlockMeta(-1, parent, key, True, tokens, lower=True))
+    return out
+
+
+def _depth_first(metas: list[BlockMeta], root: bytes) -> list[BlockMeta]:
+    """Reorder a parent-first listing (children of one parent are contiguous) into depth-first order."""
+    children: dict[bytes, list[BlockMeta]] = {}
+    for meta in metas:
+        children.setdefault(meta.parent, []).append(meta)
+    out, stack = [], list(reversed(children.get(root, [])))
+    while stack:
+        meta = stack.pop()
+        out.append(meta)
+        if meta.full:
+            stack.extend(reversed(children.get(meta.key, [])))
     return out
 
 
@@ -104,11 +146,18 @@ class HeldBlock:
         self.engine, self.meta, self.parts, self.checksum = engine, meta, parts, checksum
 
     def release(self) -> None:
-        self.engine._release([self.meta.block_id])
+        if not self.meta.lower:  # a lower-tier block is a private copy: nothing is held
+            self.engine._release([self.meta.block_id])
 
 
 def read_block(engine: PagedKVCache, meta: BlockMeta) -> HeldBlock | None:
-    """Hold `meta`'s block and take its bytes; None when it changed or left the index since the snapshot."""
+    """Hold `meta`'s block and take its bytes; None when it changed or left the index (or its tier) since the
+    snapshot. A lower-tier block is read with a verified peek: never promoted, so nothing on the device is evicted."""
+    if meta.lower:
+        payload = engine._tiers.peek(meta.key) if engine._tiers is not None else None
+        if payload is None:
+            return None
+        return HeldBlock(engine, meta, [memoryview(payload)], block_checksum(payload))
     with engine._lock:
         if not _still_same(engine, meta):
             return None
@@ -130,11 +179,17 @@ def insert_block(engine: PagedKVCache, parent: bytes, key: bytes, full: bool, to
         return "checksum"
     if full and chained_hash(engine, parent, tokens) != bytes(key):
         return "bad"  # a full block's name is h(parent || tokens) under this cache's key, or it is not ours
+    if not full and engine._tiers is not None:
+        _promote_parent(engine, parent)
     with engine._lock:
         verdict = _admit(engine, parent, key, full, tokens)
+        if verdict == "ok" and full and engine._tiers is not None and not engine._blocks.num_free_blocks:
+            verdict = "lower"  # a full device pool: the arriving block is the one demoted (no eviction cascades)
+        if verdict == "lower":
+            return _demote_received(engine, parent, key, tokens, data)
         if verdict != "ok":
             return verdict
-        ids = engine._blocks.allocate(1)
+        ids = _allocate_one(engine)
         if not ids:
             return "full"
     block_id = ids[0]
@@ -148,19 +203,70 @@ def insert_block(engine: PagedKVCache, parent: bytes, key: bytes, full: bool, to
             verdict = _admit(engine, parent, key, full, tokens)
             if verdict == "ok":
                 engine._blocks.publish_chain([block_id], parent, tokens, [key if full else None])
+            elif verdict == "lower":  # the parent was demoted meanwhile: so is this block
+                verdict = "ok" if _demote_received(engine, parent, key, tokens, data) == "stored" else verdict
         finally:
             engine._blocks.release([block_id])  # published: evictable; otherwise freed, never seen
     return "stored" if verdict == "ok" else verdict
 
 
+def _promote_parent(engine: PagedKVCache, parent: bytes) -> None:
+    """A partial tail lives on the device only: bring its parent's chain up from the lower tiers if needed."""
+    with engine._lock:
+        if parent == root_of(engine) or parent in engine._blocks.cached_hash_to_block:
+            return
+        tokens = _chain_tokens(engine, parent)
+    if tokens is not None:
+        tiers.promote(engine, tokens)
+
+
+def _chain_tokens(engine: PagedKVCache, key: bytes) -> np.ndarray | None:
+    """Under the engine lock: the tokens of the prefix ending with full block `key` (device or lineage), or None."""
+    blocks, lineage, root, parts = engine._blocks, engine._tiers.lineage, root_of(engine), []
+    while key != root:
+        block_id = blocks.cached_hash_to_block.get(key)
+        if block_id is not None:
+            key, tokens = blocks.block_parent[block_id], blocks.block_tokens[block_id]
+        elif key in lineage:
+            key, tokens = lineage[key]
+        else:
+            return None
+        parts.append(tokens)
+        key = bytes(key)
+    return np.concatenate(parts[::-1]).astype(np.int32)
+
+
+def _allocate_one(engine: PagedKVCache) -> list[int]:
+    """Under the engine lock: one block for a received block; what the allocation evicts is demoted (as in put)."""
+    ids = engine._blocks.allocate(1)
+    if engine._tiers is not None:
+        tiers.demote_evicted(engine)
+    return ids
+
+
+def _demote_received(engine: PagedKVCache, parent: bytes, key: bytes, tokens: np.ndarray, data) -> str:
+    """Under the engine lock: keep a verified full block whose parent is only in a lower tier there too."""
+    engine._tiers.demote(bytes(key), bytearray(data), (bytes(parent), tokens))
+    return "stored"
+
+
 def _admit(engine: PagedKVCache, parent: bytes, key: bytes, full: bool, tokens: np.ndarray) -> str:
-    """Under the engine lock: may this block be published now?"""
-    blocks = engine._blocks
+    """Under the engine lock: may this block be published now? "ok" (on the device), "lower" (a full block whose
+    parent only a lower tier holds: it goes there too), "have", or "orphan" (a partial tail whose parent is not on
+    the device is refused as an orphan and comes again; partial tails are sent right after their parent)."""
+    blocks, lower = engine._blocks, engine._tiers
+    if full and (key in blocks.cached_hash_to_block or (lower is not None and _lower_has(lower, key))):
+        return "have"
     if parent != root_of(engine) and parent not in blocks.cached_hash_to_block:
-        return "orphan"
+        return "lower" if full and lower is not None and _lower_has(lower, parent) else "orphan"
     if full:
-        return "have" if key in blocks.cached_hash_to_block else "ok"
+        return "ok"
     return "have" if blocks.best_child(parent, tokens)[1] >= len(tokens) else "ok"
+
+
+def _lower_has(lower, key: bytes) -> bool:
+    """A lower tier holds `key` with its lineage (a block without lineage cannot be a migrated parent)."""
+    return key in lower.lineage and lower.has(key)
 
 
 def _write_bytes(engine: PagedKVCache, block_id: int, data: memoryview) -> None:
@@ -176,7 +282,8 @@ def receive_block(engine: PagedKVCache, parent: bytes, key: bytes, full: bool, t
     """insert_block for bytes still on the wire: `fill(view)` reads exactly one block's bytes into `view`. On a host
     pool without scales they land straight in a freshly allocated (held, unpublished) block: one copy fewer; the
     block is published only after its checksum matched, else freed unseen. Same verdicts as insert_block."""
-    if engine.scales is not None or engine.pool.device.type != "cpu" or not 0 < len(tokens) <= engine.block_size:
+    direct = engine.scales is None and engine.pool.device.type == "cpu" and engine._tiers is None
+    if not direct or not 0 < len(tokens) <= engine.block_size:
         fill(memoryview(staging))
         return insert_block(engine, parent, key, full, tokens, checksum, memoryview(staging))
     if full != (len(tokens) == engine.block_size) or (full and chained_hash(engine, parent, tokens) != bytes(key)):

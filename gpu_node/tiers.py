@@ -13,6 +13,11 @@ pool bytes followed by its scales bytes (quantized storage), exactly what gpu_no
 Tiering: DRAM is exclusive (a promoted block leaves DRAM), SSD is inclusive (a block stays on SSD after promotion,
 so a later demotion of the same hash costs no write, and a restart finds it: warm restart).
 
+Lineage: every demotion also records the block's (parent hash, tokens) in `LowerTiers.lineage`, in memory only, so
+a migration (gpu_node/block_transfer.py) can send lower-tier blocks with the names the target checks. Entries of
+blocks that left every tier are pruned lazily (`present_lineage`, and when the map outgrows the tiers). Blocks found by
+an SSD rescan (warm restart) have no lineage: they are served by hash but not migrated.
+
 Lock order: cache lock -> DRAM lock -> SSD index lock. No lock of this module is held during SSD I/O, and no lock
 is shared between caches.
 """
@@ -101,6 +106,24 @@ class DramTier:
             self.bytes_resident += len(payload)
         return pushed_out
 
+    def peek(self, block_hash: bytes) -> bytearray | None:
+        """A verified copy of a block's payload, leaving it in place (LRU order unchanged); None if absent or
+        corrupt (a corrupt entry is dropped and counted)."""
+        with self._lock:
+            entry = self._entries.get(block_hash)
+            copy = bytearray(entry[0]) if entry is not None else None
+        if entry is None or verify_block(entry[1], copy):
+            return copy
+        with self._lock:
+            if self._entries.get(block_hash) is entry:
+                del self._entries[block_hash]
+                self.bytes_resident -= len(entry[0])
+            self.num_checksum_failures += 1
+        return None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
     def take(self, block_hash: bytes) -> bytearray | None:
         """Remove and return a block's payload if present and intact; a corrupt one is dropped and counted."""
         with self._lock:
@@ -136,9 +159,15 @@ class LowerTiers:
     def __init__(self, dram_bytes: int, ssd=None):
         self.dram = DramTier(dram_bytes)
         self.ssd = ssd
+        self.lineage: dict[bytes, tuple[bytes, np.ndarray]] = {}  # hash -> (parent hash, tokens): see module doc
 
-    def demote(self, block_hash: bytes, payload: bytearray) -> None:
-        """Keep an evicted full block: DRAM when it fits, its overflow (or the block itself) to SSD, else drop."""
+    def demote(self, block_hash: bytes, payload: bytearray, lineage: tuple[bytes, np.ndarray] | None = None) -> None:
+        """Keep an evicted full block: DRAM when it fits, its overflow (or the block itself) to SSD, else drop.
+        `lineage` (parent hash, tokens) is recorded first, so a block in a tier always has it when one was given."""
+        if lineage is not None:
+            self.lineage[block_hash] = (bytes(lineage[0]), np.array(lineage[1], dtype=np.int32))
+            if len(self.lineage) > 2 * self._num_blocks() + 1024:
+                self.present_lineage()
         checksum = block_checksum(payload)
         if len(payload) <= self.dram.capacity_bytes:
             for pushed in self.dram.put(block_hash, payload, checksum):
@@ -149,6 +178,23 @@ class LowerTiers:
     def _to_ssd(self, block_hash: bytes, payload: bytearray, checksum: int) -> None:
         if self.ssd is not None:
             self.ssd.write_async(block_hash, payload, checksum)
+
+    def _num_blocks(self) -> int:
+        ssd = self.ssd
+        return len(self.dram) + (len(ssd._index) + len(ssd._pending) if ssd is not None else 0)
+
+    def present_lineage(self) -> dict[bytes, tuple[bytes, np.ndarray]]:
+        """Lineage of the blocks some tier holds now (entries of blocks gone from every tier are pruned)."""
+        for block_hash in [h for h in self.lineage if not self.has(h)]:
+            self.lineage.pop(block_hash, None)
+        return dict(self.lineage)
+
+    def peek(self, block_hash: bytes) -> bytearray | None:
+        """A verified copy of a block's payload read straight from DRAM or SSD: nothing is promoted or moved."""
+        payload = self.dram.peek(block_hash)
+        if payload is None and self.ssd is not None:
+            payload = self.ssd.read(block_hash)
+        return payload
 
     def has(self, block_hash: bytes) -> bool:
         return block_hash in self.dram or (self.ssd is not None and self.ssd.contains(block_hash))
@@ -200,11 +246,12 @@ def demote_evicted(cache) -> None:
     evicted = cache._blocks.evicted
     if not evicted:
         return
-    block_ids = [block_id for block_id, _ in evicted]
-    hashes = [block_hash for _, block_hash in evicted]
+    block_ids = [block_id for block_id, _, _ in evicted]
+    lineages = [(parent, cache._blocks.block_tokens[block_id].copy()) for block_id, _, parent in evicted]
+    hashes = [block_hash for _, block_hash, _ in evicted]
     evicted.clear()
-    for block_hash, payload in zip(hashes, block_payloads(cache.pool, cache.scales, block_ids)):
-        cache._tiers.demote(block_hash, payload)
+    for block_hash, payload, lineage in zip(hashes, block_payloads(cache.pool, cache.scales, block_ids), lineages):
+        cache._tiers.demote(block_hash, payload, lineage)
 
 
 def _split(chain: bytes, start: int) -> list[bytes]:
@@ -240,7 +287,7 @@ def _install(cache, chain: bytes, num_full: int, tokens: np.ndarray, hashes: lis
     """Under the cache lock: allocate device blocks after the (held) device prefix, write the payloads, publish."""
     blocks, block_size = cache._blocks, cache.block_size
     if cache._num_cached_full_blocks(chain) != num_full:  # the device prefix changed meanwhile: keep the blocks
-        _demote_back(cache, hashes, payloads)
+        _demote_back(cache, chain, tokens, num_full, hashes, payloads)
         return 0
     prefix_ids = [blocks.cached_hash_to_block[h] for h in _split(chain[: num_full * HASH_NUM_BYTES], 0)]
     blocks.hold(prefix_ids)  # so the allocation cannot evict the prefix the new blocks hang off
@@ -253,13 +300,16 @@ def _install(cache, chain: bytes, num_full: int, tokens: np.ndarray, hashes: lis
         segment = tokens[num_full * block_size : (num_full + installed) * block_size]
         blocks.publish_chain(block_ids, parent, segment, hashes[:installed])
     blocks.release(block_ids[::-1] + prefix_ids[::-1])
-    _demote_back(cache, hashes[installed:], payloads[installed:])
+    _demote_back(cache, chain, tokens, num_full + installed, hashes[installed:], payloads[installed:])
     return installed
 
 
-def _demote_back(cache, hashes: list[bytes], payloads) -> None:
-    for block_hash, payload in zip(hashes, payloads):
-        cache._tiers.demote(block_hash, payload)
+def _demote_back(cache, chain: bytes, tokens: np.ndarray, first: int, hashes: list[bytes], payloads) -> None:
+    """Demote blocks first, first+1, ... of `chain` again, with their lineage."""
+    size = cache.block_size
+    for i, (block_hash, payload) in enumerate(zip(hashes, payloads), start=first):
+        parent = chain[(i - 1) * HASH_NUM_BYTES : i * HASH_NUM_BYTES] if i else cache._hasher.root
+        cache._tiers.demote(block_hash, payload, (bytes(parent), tokens[i * size : (i + 1) * size]))
 
 
 # ---- setting tiers up for a hosted cache (the registry calls these) -------------------------------------------------
