@@ -58,9 +58,9 @@ class BlockPool:
         # Cached blocks nobody holds, least recently used first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self.num_evictions = 0
-        # When lower tiers are attached: (block id, hash, parent hash) of full blocks evicted by allocate whose bytes
-        # and block_tokens row are still intact; the cache copies them out (tiers.demote_evicted) before the blocks
-        # are written. None: drop them.
+        # When lower tiers are attached: (block id, hash, parent hash) of full blocks evicted by allocate (cascaded
+        # descendants included) whose bytes and block_tokens row are still intact; the cache copies them out
+        # (tiers.demote_evicted) before the blocks are written. None: drop them.
         self.evicted: list[tuple[int, BlockHash, BlockHash]] | None = None
 
     # ---- counts -------------------------------------------------------------------------------------------------
@@ -105,8 +105,8 @@ class BlockPool:
                 taken.append(free_stack.pop())
             elif evictable:
                 block_id = evictable.popitem(last=False)[0]
-                if evicted is not None and self.block_hash[block_id] is not None:
-                    evicted.append((block_id, self.block_hash[block_id], self.block_parent[block_id]))
+                if evicted is not None:
+                    self._note_evicted(block_id, evicted)
                 uncache(block_id)
                 self.num_evictions += 1
                 taken.append(block_id)
@@ -118,6 +118,18 @@ class BlockPool:
             self.ref_cnt[ids] = 1
             self.num_filled[ids] = 0
         return taken
+
+    def _note_evicted(self, block_id: int, evicted: list) -> None:
+        """Record (id, hash, parent) of an evicted full block and of every full block cached under it (the cascade
+        the eviction takes out): all still hold their bytes and tokens until the allocating writer writes, so the
+        cache demotes the whole subtree instead of dropping its descendants."""
+        stack = [block_id]
+        while stack:
+            current = stack.pop()
+            block_hash = self.block_hash[current]
+            if block_hash is not None:
+                evicted.append((current, block_hash, self.block_parent[current]))
+                stack.extend(self.hash_to_children.get(block_hash, ()))
 
     def hold(self, block_ids: list[int]) -> None:
         """Add a holder to each block (distinct ids); cached blocks leave the evictable queue while held."""

@@ -89,3 +89,23 @@ def test_corrupt_dram_copy_is_not_sent(tmp_path):
     assert bt.read_block(src, victim) is None  # verified before it goes on the wire: dropped, counted
     assert src.tiers.dram.num_checksum_failures == 1
     assert victim.key not in {meta.key for meta in bt.snapshot(src)}
+
+
+def test_evicting_a_parent_demotes_its_cached_descendants_too():
+    """A chain whose head is the LRU block (as on a target that received it parent first): evicting the head
+    cascades its descendants out of the device index; they are demoted with it, not dropped."""
+    from gpu_node.tiers import LowerTiers
+    from tests.gpu_node.kv_fixtures import tiny_cache
+
+    cache = tiny_cache(num_blocks=4)
+    cache.attach_tiers(LowerTiers(16 * cache.spec.block_bytes))
+    chain = list(range(100, 116))  # 4 full blocks
+    cache.put(chain, prefix_kv(cache.spec, chain))
+    ids = [cache._blocks.cached_hash_to_block[m.key] for m in bt.snapshot(cache)]
+    cache._blocks.touch(ids[1:])  # the head is now least recently used
+    other = list(range(500, 504))
+    cache.put(other, prefix_kv(cache.spec, other))  # evicts the head, cascading the other three
+    assert len(cache.tiers.dram) == 4
+    n, kv = cache.get(chain)
+    assert n == 16 and torch.equal(kv, prefix_kv(cache.spec, chain))
+    cache.check_invariants()
