@@ -61,6 +61,7 @@ class AgentConfig:
     listen: str | None = None  # host:port the data plane binds (default: endpoint)
     uds_path: str | None = None  # a Unix socket for engines on this host (same token auth, no TLS)
     migration_listen: str | None = None  # KCAAS_NODE_MIGRATION_LISTEN host:port: mutual-TLS migration listener
+    migration_max_bytes_per_second: float | None = None  # KCAAS_NODE_MIGRATION_MAX_BYTES_PER_SECOND: sender cap
     token_issuer: str = "kcaas-control-plane"  # the `iss` of data tokens (the control plane's KCAAS_TOKEN_ISSUER)
     drain_seconds: float = 20.0  # SIGTERM: how long in-flight data-plane requests may take to finish
     tenant_limits: TenantLimits = TenantLimits()  # per-tenant data-plane connections / requests / staged bytes
@@ -95,6 +96,7 @@ class AgentConfig:
             listen=environ.get("KCAAS_NODE_LISTEN") or None,
             uds_path=environ.get("KCAAS_NODE_UDS") or None,
             migration_listen=environ.get("KCAAS_NODE_MIGRATION_LISTEN") or None,
+            migration_max_bytes_per_second=float(environ.get("KCAAS_NODE_MIGRATION_MAX_BYTES_PER_SECOND") or 0) or None,
             token_issuer=environ.get("KCAAS_TOKEN_ISSUER") or "kcaas-control-plane",
             drain_seconds=float(environ.get("KCAAS_NODE_DRAIN_SECONDS") or 20.0),
             tenant_limits=TenantLimits(
@@ -333,7 +335,8 @@ class NodeAgent:
         self._migration_listener = listener
         advertise = f"{self.config.endpoint.rpartition(':')[0]}:{listener.address[1]}"  # the data plane's host
         return NodeMigration(registry=self.registry, node_id=self.node_id, listener=listener,
-                             client_context=self.identity.client_context(), advertise=advertise)
+                             client_context=self.identity.client_context(), advertise=advertise,
+                             max_bytes_per_second=self.config.migration_max_bytes_per_second)  # fmt: skip
 
     def _start_worker(self) -> None:
         app = build_node_app(

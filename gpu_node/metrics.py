@@ -91,6 +91,14 @@ class NodeMetrics:
             "kcaas_migration_blocks_refused", "Blocks a migration target refused (checksum, chain, ...): resent",
             ["reason"], registry=self.registry,
         )
+        self.migration_blocks_received = Counter(
+            "kcaas_migration_blocks_received", "Blocks a migration target received, by verdict (stored, have, ...)",
+            ["verdict"], registry=self.registry,
+        )
+        self.migration_blocks_restored = Counter(
+            "kcaas_migration_blocks_restored", "Blocks a restarted migration target republished from its SSD journal",
+            registry=self.registry,
+        )
         self.overloaded = Counter(
             "kcaas_dataplane_overloaded", "Requests refused by an admission limit (connections, requests or bytes in flight)", ["limit"],
             registry=self.registry,

@@ -187,6 +187,8 @@ class MigrationListener:
             journal = self._journals[incoming.migration_id] = IncomingJournal(ssd, incoming.migration_id)
             restored = journal.replay(hosted.engine)
             self.stats.blocks_restored += restored
+        if self.metrics is not None:
+            self.metrics.migration_blocks_restored.inc(restored)
         log.info("migration %s: %d blocks restored from the SSD journal", incoming.migration_id, restored)
         return journal
 
@@ -272,11 +274,18 @@ class MigrationListener:
             elif verdict == "checksum":
                 self.stats.checksum_failures += 1
             self.stats.refused[verdict] = self.stats.refused.get(verdict, 0) + (verdict not in ("stored", "have"))
+        if self.metrics is not None:
+            self.metrics.migration_blocks_received.labels(verdict=verdict).inc()
         if verdict not in ("stored", "have") and self.metrics is not None:
             self.metrics.migration_blocks_refused.labels(reason=verdict).inc()
 
 
 # ---- the source's sender ------------------------------------------------------------------------------------------
+def _pace_sleep(sent_bytes: int, since: float, rate: float) -> float:
+    """Seconds to wait so that `sent_bytes` since `since` stay within `rate` bytes per second."""
+    return max(0.0, sent_bytes / rate - (time.monotonic() - since))
+
+
 @dataclass
 class SenderStats:
     blocks_sent: int = 0
@@ -292,17 +301,20 @@ class MigrationSender:
     `run(fence)`: bulk rounds while writes continue, then `fence()` (the data plane stops acknowledging writes),
     then rounds until a sync shows the target holds everything. `corrupt(key) -> bool` (a test hook) flips one byte
     of that block on the wire, keeping its true checksum. `cut_after_blocks` (a test hook) closes the connection
-    abruptly after that many blocks, as a killed process would.
+    abruptly after that many blocks, as a killed process would. `max_bytes_per_second` caps this sender's rate
+    (None: unpaced), so a migration leaves the node's network to the data plane.
     """
 
     def __init__(self, engine, *, migration_id: str, cache_id: str, epoch: int, target_endpoint: str,
                  target_node_id: str, tls_context: ssl.SSLContext, progress: Callable[[dict], None] | None = None,
                  corrupt: Callable[[bytes], bool] | None = None, cut_after_blocks: int | None = None,
-                 connect_timeout: float = 30.0, max_rounds: int = 8):  # fmt: skip
+                 connect_timeout: float = 30.0, max_rounds: int = 8,
+                 max_bytes_per_second: float | None = None):  # fmt: skip
         self.engine, self.migration_id, self.cache_id, self.epoch = engine, migration_id, cache_id, int(epoch)
         self.target_endpoint, self.target_node_id, self.tls_context = target_endpoint, target_node_id, tls_context
         self.progress, self.corrupt, self.cut_after_blocks = progress, corrupt, cut_after_blocks
         self.connect_timeout, self.max_rounds = connect_timeout, max_rounds
+        self.max_bytes_per_second, self._paced_since = max_bytes_per_second, None
         self.stats = SenderStats()
 
     def run(self, fence: Callable[[], None] | None = None) -> SenderStats:
@@ -385,7 +397,15 @@ class MigrationSender:
         self.stats.blocks_sent += 1
         self.stats.bytes_sent += nbytes
         self.stats.keys_sent.append(meta.key)
+        self._pace()
         if self.cut_after_blocks is not None and self.stats.blocks_sent >= self.cut_after_blocks:
             sock.shutdown(socket.SHUT_RDWR)
             raise MigrationError("cut by the test hook")
         return 1
+
+    def _pace(self) -> None:
+        if not self.max_bytes_per_second:
+            return
+        if self._paced_since is None:
+            self._paced_since = time.monotonic()
+        time.sleep(_pace_sleep(self.stats.bytes_sent, self._paced_since, self.max_bytes_per_second))

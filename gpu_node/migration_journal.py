@@ -92,13 +92,16 @@ class IncomingJournal:
 
     # ---- writing --------------------------------------------------------------------------------------------------
     def write_through(self, engine, parent: bytes, key: bytes, tokens: np.ndarray, checksum: int) -> bool:
-        """Queue a just-stored full block for the SSD and journal it (durable at the next sync()); False when the
-        block already left the device index (it is then simply not journaled: resent after a restart)."""
+        """Queue a just-stored full block for the SSD and journal it (durable at the next sync()). The bytes come
+        from the device pool, or from the lower tier a tiered target kept the block in; False when neither holds it
+        any more (it is then simply not journaled: sent again after a restart)."""
         with engine._lock:
             block_id = engine._blocks.cached_hash_to_block.get(bytes(key))
-            if block_id is None:
-                return False
-            (payload,) = block_payloads(engine.pool, engine.scales, [block_id])
+            payload = block_payloads(engine.pool, engine.scales, [block_id])[0] if block_id is not None else None
+        if payload is None and engine.tiers is not None:
+            payload = engine.tiers.peek(bytes(key))
+        if payload is None:
+            return False
         self.ssd.write_async(bytes(key), payload, int(checksum))
         record = RECORD.pack(bytes(parent), bytes(key), len(tokens)) + np.ascontiguousarray(tokens, "<i4").tobytes()
         with self._lock:

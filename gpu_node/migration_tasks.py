@@ -41,9 +41,12 @@ class NodeMigration:
     """One node's migration side: its listener (mutual TLS; started by the caller) and its client TLS context."""
 
     def __init__(self, *, registry, node_id: str, listener: MigrationListener, client_context: ssl.SSLContext,
-                 advertise: str | None = None, resume_seconds: float = 60.0):  # fmt: skip
+                 advertise: str | None = None, resume_seconds: float = 60.0,
+                 max_bytes_per_second: float | None = None):  # fmt: skip
         """`advertise`: host:port other nodes reach the listener at (default: its bound address).
-        `resume_seconds`: how long a broken transfer keeps reconnecting before it is answered as failed."""
+        `resume_seconds`: how long a broken transfer keeps reconnecting before it is answered as failed.
+        `max_bytes_per_second`: each sender's rate cap (KCAAS_NODE_MIGRATION_MAX_BYTES_PER_SECOND; None: unpaced)."""
+        self.max_bytes_per_second = max_bytes_per_second
         self.registry, self.node_id, self.listener = registry, str(node_id), listener
         self.client_context, self.advertise, self.resume_seconds = client_context, advertise, resume_seconds
         self.senders: dict[str, threading.Thread] = {}
@@ -123,7 +126,8 @@ class NodeMigration:
             sender = MigrationSender(
                 hosted.engine, migration_id=migration_id, cache_id=cache_id, epoch=epoch_to, target_endpoint=endpoint,
                 target_node_id=target_node_id, tls_context=self.client_context, progress=progress,
-                connect_timeout=min(30.0, self.resume_seconds))  # fmt: skip
+                connect_timeout=min(30.0, self.resume_seconds),
+                max_bytes_per_second=self.max_bytes_per_second)  # fmt: skip
             current[:] = [sender]
             try:
                 sender.run(fence=fence)
