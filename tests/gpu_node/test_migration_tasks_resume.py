@@ -1,0 +1,55 @@
+"""The source's migrate_out side (gpu_node/migration_tasks.py NodeMigration) under re-drive: a second migrate_out
+while the first one's sender runs starts no second sender, only re-points it; the running sender retries a transfer
+the target refused and completes on the new endpoint. Real listeners, real mutual TLS 1.3."""
+
+import time
+
+from gpu_node import block_transfer as bt
+from gpu_node.migration import MigrationListener
+from gpu_node.migration_tasks import NodeMigration
+from kcaas.node_messages import MIGRATION_RESULT_TASK
+from tests.gpu_node.test_migration_transfer import (  # noqa: F401 (pki is a fixture)
+    DST,
+    SRC,
+    assert_same,
+    client_ctx,
+    fill,
+    listener_for,
+    pki,
+    server_ctx,
+    two_nodes,
+)
+from tests.gpu_node.kv_fixtures import tiny_spec
+
+
+def results(answers):
+    return [args for task, args in answers if task == MIGRATION_RESULT_TASK]
+
+
+def test_second_migrate_out_repoints_the_running_sender_instead_of_starting_another(pki):  # noqa: F811
+    spec = tiny_spec()
+    source, target, src, dst = two_nodes(spec)
+    seqs = fill(src, spec)
+    stale = MigrationListener(target, server_ctx(pki["dst"])).start()  # expects nothing: refuses the migration
+    listener = listener_for(target, pki)
+    own = MigrationListener(source, server_ctx(pki["src"])).start()
+    node = NodeMigration(registry=source, node_id=SRC, listener=own, client_context=client_ctx(pki["src"]),
+                         resume_seconds=20)  # fmt: skip
+    answers = []
+    args = ("m1", "c1", 1, 2, DST)
+    try:
+        assert node.start_sender(lambda task, a: answers.append((task, a)), *args, stale.endpoint, "10.0.0.2:7000")
+        first = node.senders["m1"]
+        time.sleep(0.3)  # refused at least once: it is retrying, not failed
+        assert first.is_alive() and not results(answers)
+        assert not node.start_sender(lambda task, a: answers.append((task, a)), *args, listener.endpoint,
+                                     "10.0.0.2:7000")  # fmt: skip
+        assert node.senders["m1"] is first  # no second sender
+        first.join(20)
+    finally:
+        for one in (stale, listener, own):
+            one.stop()
+    (result,) = results(answers)
+    assert result[2] is True and result[4]["attempts"] >= 2  # refused, then completed on the re-pointed endpoint
+    assert result[4]["blocks_sent"] == len(bt.snapshot(src)) == listener.stats.blocks_stored  # each block once
+    assert_same(dst, spec, seqs)
