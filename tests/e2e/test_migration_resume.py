@@ -128,7 +128,7 @@ def kill_mid_copy(nodes, victim, target, cache_id, migration) -> int:
 
 def test_killed_target_resumes_without_resending_verified_blocks(live_server, nodes, pki, model):
     spec = spec_for(model)
-    source = nodes.start("source")
+    nodes.start("source")  # the only node yet: the cache is placed there
     client, cache, sequences = cache_with_data(live_server, pki, spec)
     target = nodes.start("target")
     try:
