@@ -61,6 +61,13 @@ def _values(values: dict | None, sensitive: frozenset[str]) -> dict | None:
 
 
 def _lock_head() -> AuditChainHead:
+    """Lock the chain head: the last lock of the transaction. PostgreSQL checks foreign keys at COMMIT (Django makes
+    them DEFERRABLE INITIALLY DEFERRED), and each check takes a KEY SHARE lock on the referenced row: left to the
+    commit, that lock would come after the head's, and a transaction holding that row (say a cache being cut over)
+    while waiting for the head would deadlock with us. So the deferred checks run first."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")
     AuditChainHead.objects.bulk_create([AuditChainHead(id=1, seq=0, hash=chain.GENESIS_HASH)], ignore_conflicts=True)
     return AuditChainHead.objects.select_for_update().get(pk=1)
 

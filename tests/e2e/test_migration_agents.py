@@ -92,6 +92,9 @@ def test_drain_moves_a_live_cache_between_agent_processes(live_server, agent_lau
             assert len(response.json()["migrations"]) == 1
             assert eventually(lambda: Cache.objects.get(pk=cache.id).node_id == target, timeout=40)
             assert eventually(lambda: len(loop.acked) >= MAX_PUTS or loop.errors, timeout=20)
+            # the source answers MOVED once its cutover order arrives (just after the control plane's flip): the
+            # loop's next request then follows it
+            assert eventually(lambda: dp.endpoint == agents[target].endpoint or loop.errors, timeout=20)
             loop.stop.set()
             loop.join(30)
             assert not loop.errors, (loop.errors, cache.endpoint, len(loop.acked))

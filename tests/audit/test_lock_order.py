@@ -1,0 +1,56 @@
+"""The chain head is the last lock a transaction takes, even though PostgreSQL checks foreign keys at COMMIT:
+audit_record runs the deferred checks first (SET CONSTRAINTS ALL IMMEDIATE). Without that, issuing a data token
+(which inserts a row referencing its cache, then records its event) while another transaction holds that cache row
+and waits for the head (a cutover) deadlocked, and one of them answered 500 (seen in the e2e drain test)."""
+
+import threading
+import time
+
+import pytest
+from django.db import connections, transaction
+
+from audit.actions import AuditAction
+from audit.services import audit_record
+from caches import services
+from caches.models import Cache
+from tests.caches.conftest import (  # noqa: F401 - fixtures
+    attach_body,
+    make_node,
+    make_ready,
+    make_tenant,
+    node,
+    tenant_a,
+)
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_a_token_issue_and_a_transaction_holding_its_cache_both_commit(tenant_a, node):
+    response = tenant_a.client.post("/api/v1/caches", attach_body("locked"), format="json")
+    cache = make_ready(response.json()["id"])
+    holding, results = threading.Event(), {}
+
+    def hold_the_cache_then_record():
+        try:
+            with transaction.atomic():
+                Cache.objects.select_for_update().get(pk=cache.pk)  # as a cutover does
+                holding.set()
+                time.sleep(0.5)  # the token issue runs meanwhile, up to where it needs this row
+                audit_record(action=AuditAction.CACHE_MIGRATED, target_type="cache", target_id=cache.pk,
+                             tenant_id=cache.tenant_id)  # fmt: skip
+            results["holder"] = "committed"
+        except Exception as error:  # noqa: BLE001 - the outcome under test
+            results["holder"] = error
+        finally:
+            connections.close_all()
+
+    holder = threading.Thread(target=hold_the_cache_then_record)
+    holder.start()
+    assert holding.wait(5)
+    try:
+        services.data_token_issue(tenant_id=tenant_a.tenant.pk, cache_id=cache.pk, access="read")
+        results["issuer"] = "committed"
+    except Exception as error:  # noqa: BLE001
+        results["issuer"] = error
+    holder.join(10)
+    assert results == {"holder": "committed", "issuer": "committed"}
