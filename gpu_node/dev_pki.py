@@ -38,28 +38,37 @@ def new_ca(common_name: str, *, valid_for: dt.timedelta):
     return key, cert
 
 
-def new_server_cert(ca_key, ca_cert, common_name: str, *, valid_for: dt.timedelta,
-                    hosts: tuple[str, ...] = ("localhost", "127.0.0.1")):  # fmt: skip
-    """(private key, certificate) for a TLS server answering on `hosts`, signed by the CA."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = dt.datetime.now(dt.timezone.utc)
+def _host_names(hosts) -> list:
     names = []
     for host in hosts:
         try:
             names.append(x509.IPAddress(ipaddress.ip_address(host)))
         except ValueError:
             names.append(x509.DNSName(host))
+    return names
+
+
+def _leaf_cert(ca_key, ca_cert, common_name: str, names: list, usages: list, valid_for: dt.timedelta):
+    """(private key, certificate): a fresh P-256 key, `names` as SANs, `usages` as extended key usages."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = dt.datetime.now(dt.timezone.utc)
     cert = (
         x509.CertificateBuilder().subject_name(_name(common_name)).issuer_name(ca_cert.subject)
         .public_key(key.public_key()).serial_number(x509.random_serial_number())
         .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + valid_for)
         .add_extension(x509.SubjectAlternativeName(names), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )  # fmt: skip
     return key, cert
+
+
+def new_server_cert(ca_key, ca_cert, common_name: str, *, valid_for: dt.timedelta,
+                    hosts: tuple[str, ...] = ("localhost", "127.0.0.1")):  # fmt: skip
+    """(private key, certificate) for a TLS server answering on `hosts`, signed by the CA."""
+    return _leaf_cert(ca_key, ca_cert, common_name, _host_names(hosts), [ExtendedKeyUsageOID.SERVER_AUTH], valid_for)
 
 
 def pem_cert(cert) -> bytes:
@@ -98,26 +107,9 @@ def new_node_cert(ca_key, ca_cert, node_id: str, *, valid_for: dt.timedelta = dt
                   hosts: tuple[str, ...] = ("localhost", "127.0.0.1")):  # fmt: skip
     """(private key, certificate) of a node as the platform CA issues it: one URI SAN `spiffe://kcaas/node/<id>`
     plus the hosts, usable as TLS server and client (node-to-node mutual TLS)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = dt.datetime.now(dt.timezone.utc)
-    names: list = [x509.UniformResourceIdentifier(f"spiffe://kcaas/node/{node_id}")]
-    for host in hosts:
-        try:
-            names.append(x509.IPAddress(ipaddress.ip_address(host)))
-        except ValueError:
-            names.append(x509.DNSName(host))
-    cert = (
-        x509.CertificateBuilder().subject_name(_name(f"kcaas node {node_id}")).issuer_name(ca_cert.subject)
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + valid_for)
-        .add_extension(x509.SubjectAlternativeName(names), critical=False)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                       critical=False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
-    return key, cert
+    names = [x509.UniformResourceIdentifier(f"spiffe://kcaas/node/{node_id}"), *_host_names(hosts)]
+    usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    return _leaf_cert(ca_key, ca_cert, f"kcaas node {node_id}", names, usages, valid_for)
 
 
 def write_node_pki(directory: Path, ca_key, ca_cert, node_id: str) -> dict[str, str]:
