@@ -9,6 +9,8 @@ The node side only (gpu_node.node_tasks + CacheRegistry): the control plane is n
 from __future__ import annotations
 
 import base64
+import contextlib
+import itertools
 import multiprocessing as mp
 import os
 import shutil
@@ -33,15 +35,20 @@ VISIBILITY = {"visibility_timeout": 2}  # seconds, not node_tasks' 15 minutes: t
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 
 
+_databases = itertools.count(1)
+
+
 class PrivateRedis:
-    """A redis-server of this test's own (port, data dir), restartable with its data."""
+    """A redis-server of this test's own (port, data dir), restartable with its data. Each one uses another
+    database number too: a port freed by an earlier test can be handed out again, and nothing from that test
+    (a worker still reconnecting) may then see this test's keys."""
 
     def __init__(self, directory: Path):
         self.directory = directory
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.url = f"redis://127.0.0.1:{self.port}/{next(_databases) % 16}"
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -92,87 +99,61 @@ def send_provision(broker_url: str, cache_id: str) -> None:
     sender.close()
 
 
-def run_worker(broker_url: str, registry: CacheRegistry):
-    """A node app worker in a thread (solo pool, no event loop, as the agent runs it); returns (app, worker, thread)."""
-    import threading
+def _worker_process(broker_url: str, marker_dir: str, stall_seconds: float) -> None:
+    """A node worker in a process of its own (solo pool, no event loop, as the agent runs it). Its registry marks
+    each provisioning it starts and finishes in `marker_dir`; `stall_seconds` stretches the work so a test can kill
+    the worker in the middle (Celery, Redis and the task are the real ones)."""
 
-    app = build_node_app(broker_url=broker_url, node_id=NODE_ID, endpoint="127.0.0.1:1", registry=registry,
-                         transport_options=VISIBILITY)  # fmt: skip
-    worker = app.WorkController(app=app, queues=[node_queue(NODE_ID)], pool_cls="solo", concurrency=1,
-                                without_heartbeat=True, without_mingle=True, without_gossip=True,
-                                use_eventloop=False, hostname=f"{NODE_ID}@test")  # fmt: skip
-
-    def run():
-        app.set_current()
-        worker.start()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return app, worker, thread
-
-
-def stop_worker(worker, thread) -> None:
-    from celery.worker import state as worker_state
-
-    worker_state.should_stop = 0
-    thread.join(10)
-    worker_state.should_stop = None
-
-
-def test_a_queued_job_survives_a_redis_restart(private_redis):
-    send_provision(private_redis.url, "c-queued")
-    private_redis.restart()
-    registry = CacheRegistry(device_capacity_bytes=1 << 20, device="cpu")
-    _, worker, thread = run_worker(private_redis.url, registry)
-    try:
-        assert eventually(lambda: registry.get("c-queued") is not None, timeout=20)
-    finally:
-        stop_worker(worker, thread)
-
-
-def _slow_worker_process(broker_url: str, started_path: str) -> None:
-    """A node worker whose provisioning takes long enough to be killed in the middle (the registry's work is
-    stretched; Celery, Redis and the task are the real ones)."""
-
-    class SlowRegistry(CacheRegistry):
+    class MarkingRegistry(CacheRegistry):
         def provision(self, **kwargs):
-            Path(started_path).write_text("started")
-            time.sleep(60)
-            return super().provision(**kwargs)
+            Path(marker_dir, f"started-{kwargs['cache_id']}").write_text("")
+            time.sleep(stall_seconds)
+            hosted = super().provision(**kwargs)
+            Path(marker_dir, f"provisioned-{kwargs['cache_id']}").write_text("")
+            return hosted
 
-    registry = SlowRegistry(device_capacity_bytes=1 << 20, device="cpu")
+    registry = MarkingRegistry(device_capacity_bytes=1 << 20, device="cpu")
     app = build_node_app(broker_url=broker_url, node_id=NODE_ID, endpoint="127.0.0.1:1", registry=registry,
                          transport_options=VISIBILITY)  # fmt: skip
     app.WorkController(app=app, queues=[node_queue(NODE_ID)], pool_cls="solo", concurrency=1,
                        without_heartbeat=True, without_mingle=True, without_gossip=True, use_eventloop=False,
-                       hostname=f"{NODE_ID}-slow@test").start()  # fmt: skip
+                       hostname=f"{NODE_ID}-{os.getpid()}@test").start()  # fmt: skip
 
 
-def test_a_job_in_flight_when_its_worker_dies_and_redis_restarts_runs_again(private_redis, tmp_path):
-    started = tmp_path / "started"
-    process = mp.get_context("spawn").Process(target=_slow_worker_process, args=(private_redis.url, str(started)))
+@contextlib.contextmanager
+def worker_process(broker_url: str, marker_dir: Path, stall_seconds: float = 0.0):
+    process = mp.get_context("spawn").Process(target=_worker_process, args=(broker_url, str(marker_dir), stall_seconds))
     process.start()
     try:
-        send_provision(private_redis.url, "c-in-flight")
-        client = redis.Redis.from_url(private_redis.url)
-        assert eventually(lambda: started.exists(), timeout=30), "the worker never started the job"
-        # not acknowledged (acks_late): still in the broker, in the unacked set (or, once its 2 s visibility
-        # timeout passed and an idle poll restored it, back on its queue)
-        assert client.hlen("unacked") + client.llen(node_queue(NODE_ID)) == 1
-        os.kill(process.pid, signal.SIGKILL)  # the worker dies mid-job
-        process.join(10)
-        client.close()
+        yield process
     finally:
         if process.is_alive():
             process.kill()
+        process.join(10)
+
+
+def test_a_queued_job_survives_a_redis_restart(private_redis, tmp_path):
+    send_provision(private_redis.url, "c-queued")
+    private_redis.restart()
+    with worker_process(private_redis.url, tmp_path):
+        assert eventually(lambda: (tmp_path / "provisioned-c-queued").exists(), timeout=60)
+
+
+def test_a_job_in_flight_when_its_worker_dies_and_redis_restarts_runs_again(private_redis, tmp_path):
+    with worker_process(private_redis.url, tmp_path, stall_seconds=120) as slow:
+        send_provision(private_redis.url, "c-in-flight")
+        client = redis.Redis.from_url(private_redis.url)
+        assert eventually(lambda: (tmp_path / "started-c-in-flight").exists(), timeout=60), "the job never started"
+        # not acknowledged (acks_late): still in the broker, in the unacked set (or, once its 2 s visibility
+        # timeout passed and an idle poll restored it, back on its queue)
+        assert client.hlen("unacked") + client.llen(node_queue(NODE_ID)) == 1
+        os.kill(slow.pid, signal.SIGKILL)  # the worker dies mid-job
+        slow.join(10)
+        client.close()
     private_redis.restart()  # and the broker restarts while the job is unacknowledged
 
-    registry = CacheRegistry(device_capacity_bytes=1 << 20, device="cpu")
-    _, worker, thread = run_worker(private_redis.url, registry)
-    try:
-        assert eventually(lambda: registry.get("c-in-flight") is not None, timeout=30)  # delivered again, ran
+    with worker_process(private_redis.url, tmp_path):
+        assert eventually(lambda: (tmp_path / "provisioned-c-in-flight").exists(), timeout=60)  # delivered again
         client = redis.Redis.from_url(private_redis.url)
-        assert eventually(lambda: client.hlen("unacked") == 0, timeout=10)  # and acknowledged this time
+        assert eventually(lambda: client.hlen("unacked") == 0, timeout=20)  # and acknowledged this time
         client.close()
-    finally:
-        stop_worker(worker, thread)
