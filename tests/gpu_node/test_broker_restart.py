@@ -80,7 +80,8 @@ def _answers(client) -> bool:
 
 
 @pytest.fixture
-def private_redis(tmp_path):
+def private_redis(tmp_path, monkeypatch):
+    monkeypatch.delenv("CELERY_BROKER_URL", raising=False)  # Celery would prefer it to the private broker's URL
     server = PrivateRedis(tmp_path)
     server.start()
     yield server
@@ -112,6 +113,7 @@ def _worker_process(broker_url: str, marker_dir: str, stall_seconds: float) -> N
             Path(marker_dir, f"provisioned-{kwargs['cache_id']}").write_text("")
             return hosted
 
+    os.environ.pop("CELERY_BROKER_URL", None)  # Celery prefers that variable to the broker it is given
     registry = MarkingRegistry(device_capacity_bytes=1 << 20, device="cpu")
     app = build_node_app(broker_url=broker_url, node_id=NODE_ID, endpoint="127.0.0.1:1", registry=registry,
                          transport_options=VISIBILITY)  # fmt: skip

@@ -11,6 +11,7 @@ import kcaas
 from controlplane.celery import app as control_app, node_queue
 from fleet.models import Node
 from tests.caches import node_consumer
+from tests.waiting import eventually
 from tests.caches.conftest import make_node, make_tenant, purge_node_queue, running_workers  # noqa: F401 - fixtures reused
 
 # The workers outlive each test, so the node they serve keeps one id (its own, distinct from the caches tests').
@@ -37,7 +38,24 @@ def node(make_node, workers):  # noqa: F811
     with behaviour.lock:
         behaviour.node_id, behaviour.endpoint = str(made.pk), made.endpoint
         behaviour.fail_reason, behaviour.received = None, []
-    return made
+    yield made
+    # The workers outlive the test: let them finish what the test set off (a node's answer still on the control
+    # queue, a task in hand) before the database is flushed under them, or the flush deadlocks with their writes.
+    assert eventually(workers_idle, timeout=20), "the module's Celery workers did not settle"
+
+
+def workers_idle() -> bool:
+    import os
+
+    import redis
+    from celery.worker import state as worker_state
+
+    client = redis.Redis.from_url(os.environ["CELERY_BROKER_URL"])
+    try:
+        queued = client.llen("control") + client.llen(node_queue(NODE_ID))
+    finally:
+        client.close()
+    return queued == 0 and not worker_state.active_requests and not worker_state.reserved_requests
 
 
 @pytest.fixture
