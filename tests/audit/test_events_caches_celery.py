@@ -10,8 +10,6 @@ import pytest
 
 from audit.actions import AuditAction
 from audit.models import AuditEvent
-from controlplane.celery import app as control_app, node_queue
-from fleet.models import Node
 from tests.audit.events_support import (
     assert_event,
     events_since,
@@ -20,7 +18,8 @@ from tests.audit.events_support import (
     mark,
 )
 from tests.caches import node_consumer
-from tests.caches.conftest import attach_body, purge_node_queue, running_workers, wait_for_state
+from tests.waiting import eventually
+from tests.caches.conftest import attach_body, wait_for_state
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -30,23 +29,13 @@ NODE_ID = uuid.UUID("6e0de000-0000-4000-8000-0000000a0d17")
 
 @pytest.fixture(scope="module")
 def workers():
-    apps = ((control_app, ["control"]), (node_consumer.node_app, [node_queue(NODE_ID)]))
-    try:
-        with running_workers(*apps):
-            yield node_consumer.behaviour
-    finally:
-        purge_node_queue(NODE_ID)
+    yield from node_consumer.module_workers(NODE_ID)
 
 
 @pytest.fixture
 def node(make_node, workers):
-    made = make_node().node
-    Node.objects.filter(pk=made.pk).update(id=NODE_ID)
-    made = Node.objects.get(pk=NODE_ID)
-    with workers.lock:
-        workers.node_id, workers.endpoint = str(made.pk), made.endpoint
-        workers.fail_reason, workers.received = None, []
-    return made
+    yield node_consumer.adopt_node(make_node().node, NODE_ID)
+    assert eventually(lambda: node_consumer.workers_settled(NODE_ID), timeout=20), "the workers did not settle"
 
 
 def wait_for_event(action, target_id, timeout=20.0) -> AuditEvent:

@@ -61,3 +61,46 @@ def detach_cache(cache_id: str, epoch: int) -> None:
     with behaviour.lock:
         behaviour.received.append(("detach_cache", [cache_id, epoch]))
     _answer("caches.detach_result", [cache_id, behaviour.node_id])
+
+
+# ---- the fixtures' shared part: module-long workers serving one fixed node id ----------------------------------------
+def module_workers(node_id):
+    """Generator for a module-scoped fixture: the control worker and this consumer on `node_id`'s queue, alive for
+    the whole module (starting a pair costs seconds); yields `behaviour`."""
+    from controlplane.celery import app as control_app, node_queue
+    from tests.caches.conftest import purge_node_queue, running_workers
+
+    try:
+        with running_workers((control_app, ["control"]), (node_app, [node_queue(node_id)])):
+            yield behaviour
+    finally:
+        purge_node_queue(node_id)
+
+
+def adopt_node(node, node_id):
+    """Give a freshly registered node the id the consumer serves, tell the consumer who it is and to succeed, and
+    return the node row. (The database is emptied between transactional tests, so the id is free again.)"""
+    from fleet.models import Node
+
+    Node.objects.filter(pk=node.pk).update(id=node_id)
+    adopted = Node.objects.get(pk=node_id)
+    with behaviour.lock:
+        behaviour.node_id, behaviour.endpoint = str(adopted.pk), adopted.endpoint
+        behaviour.fail_reason, behaviour.received = None, []
+    return adopted
+
+
+def workers_settled(node_id) -> bool:
+    """Nothing the test set off is still on its way: both queues empty and no task in hand. The workers outlive the
+    test; flushing the database under a late answer deadlocks the flush."""
+    import redis
+    from celery.worker import state as worker_state
+
+    from controlplane.celery import node_queue
+
+    client = redis.Redis.from_url(os.environ["CELERY_BROKER_URL"])
+    try:
+        queued = client.llen(CONTROL_QUEUE) + client.llen(node_queue(node_id))
+    finally:
+        client.close()
+    return queued == 0 and not worker_state.active_requests and not worker_state.reserved_requests

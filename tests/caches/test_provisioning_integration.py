@@ -9,10 +9,9 @@ import pytest
 
 from caches.models import Cache
 from caches.sealing import hash_key_unseal
-from fleet.models import Node
-from controlplane.celery import app as control_app, node_queue
 from tests.caches import node_consumer
-from tests.caches.conftest import SPEC, attach_body, purge_node_queue, reserved, running_workers, wait_for_state
+from tests.waiting import eventually
+from tests.caches.conftest import SPEC, attach_body, reserved, wait_for_state
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -26,25 +25,14 @@ NODE_ID = uuid.UUID("6e0de000-0000-4000-8000-00000000cafe")
 
 @pytest.fixture(scope="module")
 def workers():
-    apps = ((control_app, ["control"]), (node_consumer.node_app, [node_queue(NODE_ID)]))
-    try:
-        with running_workers(*apps):
-            yield node_consumer.behaviour
-    finally:
-        purge_node_queue(NODE_ID)
+    yield from node_consumer.module_workers(NODE_ID)
 
 
 @pytest.fixture
 def node(make_node, workers):
     """A registered node with the id the node worker serves; the consumer told who it is and to succeed."""
-    made = make_node()
-    Node.objects.filter(pk=made.pk).update(id=NODE_ID)
-    made = Node.objects.get(pk=NODE_ID)
-    behaviour = node_consumer.behaviour
-    with behaviour.lock:
-        behaviour.node_id, behaviour.endpoint = str(made.pk), made.endpoint
-        behaviour.fail_reason, behaviour.received = None, []
-    return made
+    yield node_consumer.adopt_node(make_node(), NODE_ID)
+    assert eventually(lambda: node_consumer.workers_settled(NODE_ID), timeout=20), "the workers did not settle"
 
 
 def test_attach_provision_ready_then_detach(tenant_a, node, workers):
