@@ -46,12 +46,16 @@ INSTALLED_APPS = [
     "rest_framework",
     "drf_spectacular",
     "drf_spectacular_sidecar",
+    "django_htmx",
+    "django_otp",
+    "django_otp.plugins.otp_totp",
     "audit",
     "tenants",
     "fleet",
     "caches",
     "billing",
     "privacy",
+    "console",
 ]
 
 MIDDLEWARE = [
@@ -61,8 +65,12 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django_otp.middleware.OTPMiddleware",  # request.user.is_verified(): the console's second factor
     "audit.middleware.RequestContextMiddleware",  # request id, source IP and actor for the audit trail
     "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_htmx.middleware.HtmxMiddleware",
+    "console.middleware.ConsoleSessionMiddleware",  # console idle/absolute expiry, CSP
 ]
 
 ROOT_URLCONF = "controlplane.urls"
@@ -138,8 +146,9 @@ CELERY_BEAT_SCHEDULE = {
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
         "tenants.authentication.ApiKeyAuthentication",
-        "rest_framework.authentication.SessionAuthentication",
-        "rest_framework.authentication.BasicAuthentication",
+        # Staff sessions and passwords, except console users' (their second factor and role would be bypassed).
+        "controlplane.authentication.NonConsoleSessionAuthentication",
+        "controlplane.authentication.NonConsoleBasicAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_THROTTLE_CLASSES": ["tenants.ratelimit.TenantRateThrottle"],
@@ -228,6 +237,21 @@ KCAAS_INVOICE_GRACE_DAYS = env_int("KCAAS_INVOICE_GRACE_DAYS", 3)
 KCAAS_BILLING_CURRENCY = os.environ.get("KCAAS_BILLING_CURRENCY", "USD")
 # GCRA burst: a tenant may send this many seconds' worth of its rate at once.
 KCAAS_RATE_LIMIT_BURST_SECONDS = float(os.environ.get("KCAAS_RATE_LIMIT_BURST_SECONDS", "1"))
+
+# ---- the web console (platform/console) ------------------------------------------------------------------------------
+LOGIN_URL = "/console/login"
+KCAAS_CONSOLE_IDLE_SECONDS = env_int("KCAAS_CONSOLE_IDLE_SECONDS", 30 * 60)  # no user request for this long: signed out
+KCAAS_CONSOLE_MAX_SESSION_SECONDS = env_int("KCAAS_CONSOLE_MAX_SESSION_SECONDS", 12 * 3600)  # after sign-in, at most
+SESSION_COOKIE_AGE = KCAAS_CONSOLE_MAX_SESSION_SECONDS
+SESSION_COOKIE_HTTPONLY = True
+SESSION_COOKIE_SAMESITE = "Lax"
+CSRF_COOKIE_SAMESITE = "Lax"
+# Behind TLS (production) set KCAAS_SECURE_COOKIES=1: cookies then never travel over plain HTTP.
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = env_bool("KCAAS_SECURE_COOKIES", False)
+X_FRAME_OPTIONS = "DENY"
+CSRF_FAILURE_VIEW = "console.views_errors.csrf_failure"  # an HTML page saying what to do (DRF answers its own JSON)
+OTP_TOTP_ISSUER = os.environ.get("KCAAS_TOTP_ISSUER", "KCaaS console")
+OTP_TOTP_THROTTLE_FACTOR = 1  # seconds; doubles with each wrong code
 
 LOGGING = {
     "version": 1,

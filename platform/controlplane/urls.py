@@ -19,6 +19,7 @@ urlpatterns = [
     path("api/v1/", include("billing.urls")),
     path("api/v1/", include("privacy.urls")),
     path("api/v1/", include("audit.urls")),
+    path("console/", include("console.urls")),
     path("", include("caches.well_known_urls")),
     path("", include("audit.well_known_urls")),
     path("", include("fleet.well_known_urls")),

@@ -1,0 +1,151 @@
+"""Sign-in in two steps (password, then a TOTP code; first sign-in enrols the authenticator) and sign-out.
+
+Every refusal says the same thing whatever was wrong (unknown user, wrong password, no console role), so the page
+does not tell which usernames exist; each is recorded as console.login_failed. Codes are throttled by django-otp
+(each failure doubles the wait before the next try).
+"""
+
+from __future__ import annotations
+
+import base64
+
+import segno
+from django import forms
+from django.contrib import auth
+from django.http import HttpResponseRedirect
+from django.shortcuts import render
+from django.urls import reverse
+from django.utils.http import url_has_allowed_host_and_scheme
+from django.views.decorators.cache import never_cache
+from django.views.decorators.http import require_http_methods
+from django_otp.plugins.otp_totp.models import TOTPDevice
+
+from audit.services import AuditWriteError
+from console import access, roles, sessions
+
+REFUSED = "Wrong username, password or code."
+
+
+class PasswordForm(forms.Form):
+    username = forms.CharField(max_length=150, widget=forms.TextInput(attrs={"autocomplete": "username",
+                                                                            "autofocus": True}))  # fmt: skip
+    password = forms.CharField(max_length=1024, widget=forms.PasswordInput(attrs={"autocomplete": "current-password"}))
+
+
+class CodeForm(forms.Form):
+    code = forms.RegexField(regex=r"^\s*\d{6}\s*$", label="6-digit code", error_messages={"invalid": "Six digits."},
+                            widget=forms.TextInput(attrs={"autocomplete": "one-time-code", "inputmode": "numeric",
+                                                          "autofocus": True, "maxlength": 8}))  # fmt: skip
+
+    def clean_code(self) -> str:
+        return self.cleaned_data["code"].strip()
+
+
+def _next_url(request) -> str:
+    wanted = request.POST.get("next") or request.GET.get("next") or ""
+    if wanted.startswith("/console/") and url_has_allowed_host_and_scheme(wanted, allowed_hosts={request.get_host()}):
+        return wanted
+    return reverse("console:overview")
+
+
+def _audit_down(request):
+    return access.error_page(request, 503, "Audit trail unavailable",
+                             "Sign-in is recorded in the audit trail, which cannot be written right now. "
+                             "Try again shortly.", "audit_unavailable")  # fmt: skip
+
+
+@never_cache
+@require_http_methods(["GET", "POST"])
+def login(request):
+    if access.signed_in(request):
+        return HttpResponseRedirect(_next_url(request))
+    form = PasswordForm(request.POST or None)
+    error = ""
+    if request.method == "POST" and form.is_valid():
+        username = form.cleaned_data["username"]
+        user = auth.authenticate(request, username=username, password=form.cleaned_data["password"])
+        if user is not None and roles.has_console_role(user):
+            sessions.begin_pending(request, user)
+            confirmed = TOTPDevice.objects.devices_for_user(user, confirmed=True).exists()
+            step = "console:verify" if confirmed else "console:enroll"
+            return HttpResponseRedirect(reverse(step) + f"?next={_next_url(request)}")
+        try:
+            sessions.record_failure(username=username, step="password")
+        except AuditWriteError:
+            return _audit_down(request)
+        error = REFUSED
+    elif request.method == "POST":
+        error = "Enter a username and a password."
+    reason = request.GET.get("reason")
+    notice = "Your session expired. Sign in again." if reason == "expired" else ""
+    return render(request, "console/login.html", {"form": form, "error": error, "notice": notice,
+                                                   "next": _next_url(request)},
+                  status=400 if error else 200)  # fmt: skip
+
+
+def _code_step(request, *, user, device, template: str, extra: dict):
+    """Check the posted code against `device`; sign in on success (enrolment confirms the device first)."""
+    form = CodeForm(request.POST or None)
+    error = ""
+    if request.method == "POST":
+        allowed, _ = device.verify_is_allowed()
+        if not allowed:
+            error = "Too many wrong codes: wait a little, then try again."
+        elif form.is_valid() and device.verify_token(form.cleaned_data["code"]):
+            if not device.confirmed:
+                device.confirmed = True
+                device.save(update_fields=["confirmed"])
+            try:
+                sessions.start_session(request, user, device)
+            except AuditWriteError:
+                return _audit_down(request)
+            return HttpResponseRedirect(_next_url(request))
+        else:
+            error = REFUSED
+        try:
+            sessions.record_failure(username=user.get_username(), step="code", user=user)
+        except AuditWriteError:
+            return _audit_down(request)
+    context = {"form": form, "error": error, "next": _next_url(request), "username": user.get_username(), **extra}
+    return render(request, template, context, status=400 if error else 200)
+
+
+@never_cache
+@require_http_methods(["GET", "POST"])
+def verify(request):
+    user = sessions.pending_user(request)
+    device = TOTPDevice.objects.devices_for_user(user, confirmed=True).first() if user else None
+    if device is None:
+        return HttpResponseRedirect(reverse("console:login"))
+    return _code_step(request, user=user, device=device, template="console/verify.html", extra={})
+
+
+@never_cache
+@require_http_methods(["GET", "POST"])
+def enroll(request):
+    """First sign-in: a new authenticator secret as a QR code (and as text), confirmed by its first code."""
+    user = sessions.pending_user(request)
+    if user is None:
+        return HttpResponseRedirect(reverse("console:login"))
+    if TOTPDevice.objects.devices_for_user(user, confirmed=True).exists():
+        return HttpResponseRedirect(reverse("console:verify"))
+    device = TOTPDevice.objects.devices_for_user(user, confirmed=False).first()
+    if device is None:
+        device = TOTPDevice.objects.create(user=user, name="console", confirmed=False)
+    qr = segno.make(device.config_url, error="m").svg_inline(scale=4, title="Authenticator QR code")
+    return _code_step(request, user=user, device=device, template="console/enroll.html",
+                      extra={"qr_svg": qr, "otpauth_url": device.config_url,
+                             "secret_b32": _base32(device.bin_key)})  # fmt: skip
+
+
+def _base32(key: bytes) -> str:
+    """The secret as authenticator apps take it typed: base32, in groups of four."""
+    text = base64.b32encode(key).decode().rstrip("=")
+    return " ".join(text[i:i + 4] for i in range(0, len(text), 4))
+
+
+@never_cache
+@require_http_methods(["POST"])
+def logout(request):
+    sessions.end_session(request, reason="signed_out")
+    return HttpResponseRedirect(reverse("console:login"))
