@@ -16,11 +16,12 @@ install: $(STAMP)
 
 # Kernel tests run the Triton kernels on the CPU through the interpreter; the variable must be
 # set before kernel modules are imported, so it is set for the whole run.
-# PostgreSQL and Redis are started when they are not running (scripts/services.sh prints where they answer).
+# PostgreSQL and Redis are started when they are not running (scripts/services.sh prints where they answer); the
+# console's browser tests get Debian's chromium (scripts/browser.sh installs it when missing).
 test: install
-	@eval "$$(scripts/services.sh)" && \
+	@eval "$$(scripts/services.sh)" && KCAAS_CHROMIUM="$$(scripts/browser.sh)" && \
 	DATABASE_URL="$$DATABASE_URL" REDIS_URL=redis://127.0.0.1:6379/15 CELERY_BROKER_URL=redis://127.0.0.1:6379/14 \
-	TRITON_INTERPRET=1 $(PY) -m pytest -q
+	KCAAS_CHROMIUM="$$KCAAS_CHROMIUM" TRITON_INTERPRET=1 $(PY) -m pytest -q
 
 bench: install
 	@scripts/services.sh >/dev/null
