@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import secrets
 import os
 import signal
 import subprocess
@@ -134,12 +135,18 @@ def bootstrap(env: dict, agents: int) -> dict:
     node_dir = Path(env.get("KCAAS_NODE_SECRETS_DIR") or secrets_dir)
     manage(env, "migrate", "--noinput")
     password = manage(env, "kcaas_local_admin", "admin", "--password-file", str(secrets_dir / "admin-password"))
+    console_password_file = secrets_dir / "console-password"
+    if not console_password_file.exists():
+        write_secret(console_password_file, secrets.token_urlsafe(18).encode() + b"\n")
+    manage(env, "console_user", "console", "--role", "operator", "--role", "compliance",
+           "--password-file", str(console_password_file))  # fmt: skip
     api_key = manage(env, "kcaas_create_tenant", "demo", "--reuse", "--key-name", "make up")
     write_secret(secrets_dir / "demo-api-key", api_key.encode() + b"\n")  # for `make demo`
     credentials = [manage(env, "kcaas_local_node", node_name(i), "--credential-file",
                           str(node_dir / node_file(i, "credential"))) for i in range(1, agents + 1)]  # fmt: skip
     tls = dev_tls(secrets_dir, agents=agents, node_dir=node_dir)
-    return {"password": password, "api_key": api_key, "credentials": credentials, "tls": tls}
+    return {"password": password, "api_key": api_key, "credentials": credentials, "tls": tls,
+            "console_password": console_password_file.read_text().strip()}
 
 
 def agent_envs(env: dict, boot: dict, agents: int, url: str, host: str, port: int) -> list[dict]:
@@ -253,7 +260,8 @@ def banner(url: str, boot: dict, node_envs: list[dict], processes: dict) -> str:
     return (
         f"\nKCaaS is up.\n"
         f"  API           {url}/api/v1/   (OpenAPI: {url}/api/schema/, docs: {url}/api/docs/)\n"
-        f"  console       {url}/api/docs/   (the web console arrives with issue 7)\n"
+        f"  console       {url}/console/   login console / {boot['console_password']}   (operator + compliance; "
+        f"the first sign-in enrols an authenticator app from a QR code)\n"
         f"  admin login   admin / {boot['password']}   (staff: HTTP basic auth on /api/v1/admin/...)\n"
         f"  demo API key  {key}\n"
         f"{nodes}"

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import kcaas
@@ -39,12 +40,16 @@ def test_make_up_serves_a_cache_end_to_end_and_stops_on_ctrl_c(tmp_path):
             banner += up.stdout.readline()
         api_key = re.search(r"demo API key\s+(kc_live_\S+)", banner).group(1)
         assert re.search(r"admin login\s+admin / \S+", banner)
+        console_password = re.search(r"/console/\s+login console / (\S+)", banner).group(1)
         ca_file = Path(re.search(r"dev CA: ([^)\s]+)\)", banner).group(1))
         assert ca_file.is_file() and b"BEGIN CERTIFICATE" in ca_file.read_bytes()
         secrets = tmp_path / "var" / "secrets"
-        for key_file in ("node-tls.key", "dev-ca.key", "demo-api-key"):
+        for key_file in ("node-tls.key", "dev-ca.key", "demo-api-key", "console-password"):
             assert (secrets / key_file).stat().st_mode & 0o777 == 0o600
         assert (secrets / "demo-api-key").read_text().strip() == api_key
+
+        assert (secrets / "console-password").read_text().strip() == console_password
+        _console_is_served(f"http://127.0.0.1:{port}")
 
         client = kcaas.Client(f"http://127.0.0.1:{port}", api_key)
         assert client.whoami().kind == "tenant_key"
@@ -61,3 +66,15 @@ def test_make_up_serves_a_cache_end_to_end_and_stops_on_ctrl_c(tmp_path):
             up.wait()
     leftovers = subprocess.run(["pgrep", "-s", str(up.pid)], capture_output=True, text=True).stdout.split()
     assert leftovers == []  # no child of make up outlives it
+
+
+def _console_is_served(base: str) -> None:
+    """The sign-in page and its static files (htmx, the stylesheet) come from the app server itself: no CDN, no
+    collectstatic step."""
+    with urllib.request.urlopen(base + "/console/login", timeout=10) as answer:
+        page = answer.read().decode()
+        assert answer.status == 200 and "Sign in" in page
+    for asset in re.findall(r'(?:src|href)="(/static/[^"]+)"', page):
+        with urllib.request.urlopen(base + asset, timeout=10) as answer:
+            assert answer.status == 200 and answer.read()
+    assert "/static/django_htmx/" in page and "/static/console/console.css" in page
