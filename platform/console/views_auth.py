@@ -11,6 +11,7 @@ import base64
 
 import segno
 from django import forms
+from django.conf import settings
 from django.contrib import auth
 from django.http import HttpResponseRedirect
 from django.shortcuts import render
@@ -20,8 +21,9 @@ from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_http_methods
 from django_otp.plugins.otp_totp.models import TOTPDevice
 
-from audit.services import AuditWriteError
+from audit.services import AuditWriteError, sensitive_digest
 from console import access, roles, sessions
+from tenants.ratelimit import check_rate
 
 REFUSED = "Wrong username, password or code."
 
@@ -63,6 +65,11 @@ def login(request):
     error = ""
     if request.method == "POST" and form.is_valid():
         username = form.cleaned_data["username"]
+        wait = _password_tries_wait(username)
+        if wait:
+            return access.error_page(request, 429, "Too many sign-in attempts",
+                                     f"Too many sign-in attempts for this username: wait {wait} s, then try again.",
+                                     "rate_limited")  # fmt: skip
         user = auth.authenticate(request, username=username, password=form.cleaned_data["password"])
         if user is not None and roles.has_console_role(user):
             sessions.begin_pending(request, user)
@@ -81,6 +88,15 @@ def login(request):
     return render(request, "console/login.html", {"form": form, "error": error, "notice": notice,
                                                    "next": _next_url(request)},
                   status=400 if error else 200)  # fmt: skip
+
+
+def _password_tries_wait(username: str) -> int:
+    """Seconds to wait before another password try for this username (0: go ahead). GCRA in Redis, shared by every
+    control-plane process (tenants.ratelimit); the bucket is named by an HMAC of the username, never the name."""
+    rate = settings.KCAAS_CONSOLE_PASSWORD_TRIES_PER_MINUTE / 60
+    bucket = "console-login:" + sensitive_digest(username.casefold()).partition(":")[2][:32]
+    decision = check_rate(bucket, rate=rate, burst=settings.KCAAS_CONSOLE_PASSWORD_TRIES_PER_MINUTE)
+    return 0 if decision is None or decision.allowed else max(1, decision.retry_after_seconds)
 
 
 def _code_step(request, *, user, device, template: str, extra: dict):

@@ -251,6 +251,7 @@ SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = env_bool("KCAAS_SECURE_COOKIES", Fa
 X_FRAME_OPTIONS = "DENY"
 CSRF_FAILURE_VIEW = "console.views_errors.csrf_failure"  # an HTML page saying what to do (DRF answers its own JSON)
 OTP_TOTP_ISSUER = os.environ.get("KCAAS_TOTP_ISSUER", "KCaaS console")
+KCAAS_CONSOLE_PASSWORD_TRIES_PER_MINUTE = env_int("KCAAS_CONSOLE_PASSWORD_TRIES_PER_MINUTE", 10)  # per username
 OTP_TOTP_THROTTLE_FACTOR = 1  # seconds; doubles with each wrong code
 
 LOGGING = {

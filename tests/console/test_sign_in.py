@@ -170,3 +170,17 @@ def test_rest_api_refuses_console_sessions_and_console_passwords(operator_client
 def test_unknown_console_url_is_a_console_404(operator_client):
     answer = operator_client.get("/console/no/such/page")
     assert answer.status_code == 404 and b"There is no such console page." in answer.content
+
+
+@override_settings(KCAAS_CONSOLE_PASSWORD_TRIES_PER_MINUTE=3)
+def test_password_tries_are_rate_limited_per_username(redis_client):
+    user, device = make_console_user(roles.OPERATOR)
+    client = Client()
+    for _ in range(3):
+        assert client.post("/console/login", {"username": user.username, "password": "guess"}).status_code == 400
+    refused = client.post("/console/login", {"username": user.username, "password": PASSWORD})
+    assert refused.status_code == 429 and b"Too many sign-in attempts" in refused.content
+    assert client.get("/console/").status_code == 302  # not even the right password gets through now
+    other, other_device = make_console_user(roles.OPERATOR)
+    sign_in(Client(), other, other_device)  # another username is not held back
+    assert not redis_client.keys(f"*{user.username}*")  # the bucket is named by an HMAC, not the username
