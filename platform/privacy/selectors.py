@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+from django.db.models import Count, Q, QuerySet
+
+from audit.services import tenant_pseudonym
 from controlplane.errors import ConflictError, NotFoundError
-from privacy.models import ErasureJob, ErasureState
+from privacy import receipt as receipts
+from privacy.models import ErasureJob, ErasureState, PurgeState
 from tenants.ids import as_uuid
+from tenants.models import Tenant
 
 
 def erasure_job_for_tenant(*, tenant_id) -> ErasureJob:
@@ -24,3 +31,39 @@ def erasure_receipt_job(*, tenant_id) -> ErasureJob:
         raise ConflictError(f"The erasure is {job.state}; its receipt exists once it completes.",
                             code="erasure_not_complete", details={"state": job.state})  # fmt: skip
     return job
+
+
+def erasure_job_list() -> QuerySet[ErasureJob]:
+    """Every erasure job of every tenant, newest request first, each annotated with `nodes_to_purge` (its purge rows:
+    one per node known when it started, 0 before) and `nodes_purged` (those confirmed)."""
+    return ErasureJob.objects.annotate(
+        nodes_to_purge=Count("purges"),
+        nodes_purged=Count("purges", filter=Q(purges__state=PurgeState.CONFIRMED)),
+    ).order_by("-requested_at", "-id")
+
+
+def erasure_tenant_labels(*, tenant_ids: Iterable) -> dict:
+    """{tenant id: how a page may name it}: the tenant's current name — an erased tenant's is already
+    `erased-<pseudonym>` — or `erased-<pseudonym>` when its row is gone; never anything erasure removed."""
+    wanted = {as_uuid(tenant_id) for tenant_id in tenant_ids} - {None}
+    names = dict(Tenant.objects.filter(pk__in=wanted).values_list("pk", "name"))
+    return {tenant_id: names.get(tenant_id) or f"erased-{tenant_pseudonym(tenant_id)}" for tenant_id in wanted}
+
+
+def erasure_receipt_verifies(*, job: ErasureJob) -> bool:
+    """Whether the job's stored receipt verifies under the platform's current key (False while it has none)."""
+    if job.receipt is None:
+        return False
+    try:
+        receipts.receipt_verify(receipts.receipt_envelope(job))
+    except ValueError:
+        return False
+    return True
+
+
+def tenant_by_name_or_id(*, text: str) -> Tenant | None:
+    """The tenant whose id (a UUID in any spelling) or exact name is `text`; None when there is none."""
+    text = (text or "").strip()
+    wanted = as_uuid(text)
+    tenant = Tenant.objects.filter(pk=wanted).first() if wanted else None
+    return tenant or (Tenant.objects.filter(name=text).first() if text else None)
