@@ -171,10 +171,17 @@ class CacheRegistry:
         return entries
 
     def resident_snapshot(self) -> list[dict]:
-        """Absolute resident bytes per cache and tier, in the heartbeat's shape (billing integrates these)."""
+        """Absolute resident bytes per cache and tier, in the heartbeat's shape (billing integrates these), with the
+        engine's hit and miss token counters since the cache was provisioned here (the control plane's hit rate)."""
         with self._lock:
             hosted = list(self._caches.values())
-        return [{"cache_id": h.cache_id, **_resident_fields(_resident_by_tier(h))} for h in hosted]
+        return [_resident_entry(h) for h in hosted]
+
+
+def _resident_entry(hosted: HostedCache) -> dict:
+    stats = hosted.engine.stats()
+    return {"cache_id": hosted.cache_id, **_resident_fields(_resident_by_tier(hosted)),
+            "hit_tokens": stats.num_hit_tokens, "miss_tokens": stats.num_miss_tokens}  # fmt: skip
 
 
 def _engine_counts(hosted: HostedCache) -> tuple[int, int]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
 
-from django.db.models import QuerySet, Sum
+from django.db.models import F, QuerySet, Sum
 from django.db.models.functions import TruncDay, TruncHour, TruncMonth
 
 from billing import money
@@ -86,3 +86,30 @@ def invoice_get(*, invoice_id, tenant_id: uuid.UUID | None) -> Invoice:
 def rate_list(*, meter: str | None = None) -> QuerySet[Rate]:
     rates = Rate.objects.order_by("meter", "effective_from")
     return rates if meter is None else rates.filter(meter=meter)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantGbHours:
+    """A tenant's ledgered byte-seconds over the three tiers since a point in time, and their GB-hours."""
+
+    tenant_id: uuid.UUID
+    tenant_name: str
+    byte_seconds: int
+
+    @property
+    def gb_hours(self) -> Decimal:
+        return money.gb_hours(self.byte_seconds)
+
+
+def top_tenants_by_gb_hours(*, since: datetime, limit: int = 10) -> list[TenantGbHours]:
+    """The `limit` tenants with the most device+dram+ssd byte-seconds in ledger hours at or after `since`, most
+    first (ties by tenant name); tenants with no such hours are left out. Reads the ledger as the last rollup
+    left it."""
+    rows = (
+        LedgerHour.objects.filter(hour__gte=since)
+        .values("tenant_id", "tenant__name")
+        .annotate(total=Sum(F("device_byte_seconds") + F("dram_byte_seconds") + F("ssd_byte_seconds")))
+        .filter(total__gt=0)
+        .order_by("-total", "tenant__name", "tenant_id")[:limit]
+    )
+    return [TenantGbHours(row["tenant_id"], row["tenant__name"], int(row["total"])) for row in rows]

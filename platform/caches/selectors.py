@@ -3,10 +3,10 @@
 import uuid
 from dataclasses import dataclass
 
-from django.db.models import Count, Q, QuerySet, Sum
+from django.db.models import Case, Count, Q, QuerySet, Sum, When
 from django.utils import timezone
 
-from caches.models import TIERS, Cache, CacheState, DataToken
+from caches.models import ACTIVE_MIGRATION_STATES, RESERVING_STATES, TIERS, Cache, CacheState, DataToken, Migration
 from controlplane.errors import NotFoundError
 from fleet.models import Node
 from tenants.ids import as_uuid
@@ -123,3 +123,69 @@ def data_tokens_revoked_on_node(*, node_id: uuid.UUID, now=None) -> list[dict]:
         .values_list("jti", "expires_at")[:MAX_REVOKED_LISTED]
     )
     return [{"jti": str(jti), "exp": int(expires_at.timestamp())} for jti, expires_at in rows]
+
+
+# ---- console aggregations (read-only) -------------------------------------------------------------------------------
+
+
+def cache_state_counts() -> dict[str, int]:
+    """{state: number of caches} for every CacheState, zero included, in the enum's order (all tenants)."""
+    counts = dict(Cache.objects.order_by().values("state").annotate(n=Count("id")).values_list("state", "n"))
+    return {state: counts.get(state, 0) for state in CacheState.values}
+
+
+def hosted_cache_counts(*, node_ids) -> dict[uuid.UUID, int]:
+    """{node id: caches holding a reservation on it (pending, provisioning, ready, detaching)}; absent means 0."""
+    rows = (
+        Cache.objects.filter(node_id__in=list(node_ids), state__in=RESERVING_STATES)
+        .order_by()
+        .values("node_id")
+        .annotate(n=Count("id"))
+        .values_list("node_id", "n")
+    )
+    return dict(rows)
+
+
+@dataclass(frozen=True, slots=True)
+class HostedCache:
+    """A cache placed on a node, as staff see it: never its keys."""
+
+    id: uuid.UUID
+    name: str
+    state: str
+    tenant_id: uuid.UUID
+    tenant_name: str
+    capacity_bytes: dict[str, int]
+    resident_bytes: dict[str, int]  # the node's latest snapshot; 0 where it has not reported the cache
+
+
+def caches_hosted_on(*, node: Node) -> list[HostedCache]:
+    """The caches holding a reservation on `node` (tenant name, state, capacity) with the resident bytes the node
+    last reported for each, by tenant name then cache name."""
+    reported = (node.resident_snapshot or {}).get("caches") or {}
+    caches = (
+        Cache.objects.filter(node_id=node.pk, state__in=RESERVING_STATES)
+        .select_related("tenant")
+        .only("id", "name", "state", "tenant__name", *(f"{tier}_capacity_bytes" for tier in TIERS))
+        .order_by("tenant__name", "name", "id")
+    )
+    return [
+        HostedCache(
+            id=c.id, name=c.name, state=c.state, tenant_id=c.tenant_id, tenant_name=c.tenant.name,
+            capacity_bytes=c.capacity(),
+            resident_bytes={tier: int((reported.get(str(c.id)) or {}).get(tier, 0) or 0) for tier in TIERS},
+        )  # fmt: skip
+        for c in caches
+    ]
+
+
+def migrations_of_node(*, node_id: uuid.UUID, limit: int = 50) -> dict[str, list[Migration]]:
+    """{"incoming": [...], "outgoing": [...]}: the node's latest migrations each way (cache and the other node
+    loaded), active ones first, then newest first."""
+    base = Migration.objects.select_related("cache", "source", "target").order_by(
+        Case(When(state__in=ACTIVE_MIGRATION_STATES, then=0), default=1), "-created_at", "id"
+    )
+    return {
+        "incoming": list(base.filter(target_id=node_id)[:limit]),
+        "outgoing": list(base.filter(source_id=node_id)[:limit]),
+    }

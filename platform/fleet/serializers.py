@@ -6,6 +6,8 @@ from rest_framework import serializers
 from fleet.models import NodeState
 from fleet.validators import MAX_TIER_BYTES
 
+MAX_TOKEN_COUNT = 2**63 - 1  # a counter stored in JSON and summed in Python: only the int64 range is refused
+
 
 def _bytes_field(**kwargs) -> serializers.IntegerField:
     return serializers.IntegerField(min_value=0, max_value=MAX_TIER_BYTES, **kwargs)
@@ -40,6 +42,9 @@ class ResidentCacheSerializer(serializers.Serializer):
     device_bytes = _bytes_field(default=0)
     dram_bytes = _bytes_field(default=0)
     ssd_bytes = _bytes_field(default=0)
+    # The engine's token counters since the cache was provisioned on this node (optional: older agents omit them).
+    hit_tokens = serializers.IntegerField(min_value=0, max_value=MAX_TOKEN_COUNT, required=False)
+    miss_tokens = serializers.IntegerField(min_value=0, max_value=MAX_TOKEN_COUNT, required=False)
 
 
 class NodeDetailSerializer(NodeSerializer):

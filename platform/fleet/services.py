@@ -179,9 +179,10 @@ def node_heartbeat(
 ) -> Node:
     """Lease renewal with the node's current capacity and, optionally, its per-cache resident bytes.
 
-    `resident` is an absolute snapshot ([{"cache_id", "device_bytes", "dram_bytes", "ssd_bytes"}]) that replaces
-    the previous one; None keeps the previous one. A `lost` or never-registered node is refused with 409
-    reregister_required: only register brings it back, so the caches room has seen it lost before it is ready again.
+    `resident` is an absolute snapshot ([{"cache_id", "device_bytes", "dram_bytes", "ssd_bytes", optionally
+    "hit_tokens", "miss_tokens"}]) that replaces the previous one; None keeps the previous one. A `lost` or
+    never-registered node is refused with 409 reregister_required: only register brings it back, so the caches
+    room has seen it lost before it is ready again.
     A node whose lease has passed but that no sweep has marked lost yet is renewed: it was never declared lost.
     """
     checked = _checked_capacity(capacity, require_all=True)
@@ -198,11 +199,19 @@ def node_heartbeat(
     return node
 
 
+SNAPSHOT_COUNTERS = ("hit_tokens", "miss_tokens")  # kept per cache when the agent reports them
+
+
 def _snapshot(resident: list[dict], now: datetime) -> dict:
-    caches = {
-        str(entry["cache_id"]): {tier: int(entry.get(f"{tier}_bytes", 0)) for tier in TIERS} for entry in resident
-    }
+    """{"reported_at", "caches": {id: {tier: bytes, and hit_tokens/miss_tokens when reported}}}."""
+    caches = {str(entry["cache_id"]): _snapshot_entry(entry) for entry in resident}
     return {"reported_at": now.isoformat(), "caches": caches}
+
+
+def _snapshot_entry(entry: dict) -> dict:
+    kept = {tier: int(entry.get(f"{tier}_bytes", 0)) for tier in TIERS}
+    kept.update({name: int(entry[name]) for name in SNAPSHOT_COUNTERS if entry.get(name) is not None})
+    return kept
 
 
 def _transition(node_id: uuid.UUID, *, allowed: set[str], target: str, action: str, audit: AuditAction) -> Node:

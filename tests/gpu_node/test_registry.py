@@ -75,7 +75,20 @@ def test_resident_snapshot_reports_absolute_bytes_per_cache():
     hosted = provision_one(reg)
     tokens = list(range(9))
     hosted.engine.put(tokens, prefix_kv(SPEC, tokens))
-    assert reg.resident_snapshot() == [{"cache_id": "c1", "device_bytes": 3 * BLOCK, "dram_bytes": 0, "ssd_bytes": 0}]
+    assert reg.resident_snapshot() == [{"cache_id": "c1", "device_bytes": 3 * BLOCK, "dram_bytes": 0, "ssd_bytes": 0,
+                                        "hit_tokens": 0, "miss_tokens": 0}]  # fmt: skip
+
+
+def test_resident_snapshot_carries_the_engines_hit_and_miss_token_counters():
+    reg = registry()
+    hosted = provision_one(reg)
+    tokens = list(range(9))
+    hosted.engine.put(tokens, prefix_kv(SPEC, tokens))
+    hosted.engine.get(tokens + [100, 101])  # 9 tokens cached, 2 not
+    [entry] = reg.resident_snapshot()
+    stats = hosted.engine.stats()
+    assert (entry["hit_tokens"], entry["miss_tokens"]) == (stats.num_hit_tokens, stats.num_miss_tokens)
+    assert entry["hit_tokens"] > 0 and entry["miss_tokens"] > 0
 
 
 @pytest.mark.parametrize(
