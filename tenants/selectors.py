@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from django.conf import settings
-from django.db.models import QuerySet
+from django.db.models import Count, Q, QuerySet
+from django.utils import timezone
 
 from controlplane.errors import NotFoundError
 from tenants.ids import as_uuid
@@ -53,6 +54,32 @@ def quota_overrides(*, tenant: Tenant) -> dict[str, int | None]:
 
 def tenant_list() -> QuerySet[Tenant]:
     return Tenant.objects.select_related("quota").order_by("created_at", "id")
+
+
+def tenant_search(*, query: str = "") -> QuerySet[Tenant]:
+    """Tenants whose name contains ``query`` (case-insensitive) or whose id it spells, oldest first; every tenant for
+    a blank query."""
+    query = (query or "").strip()
+    tenants = tenant_list()
+    if not query:
+        return tenants
+    wanted = as_uuid(query)
+    matches = Q(name__icontains=query) | (Q(pk=wanted) if wanted else Q(pk__in=[]))
+    return tenants.filter(matches)
+
+
+def active_key_counts(*, tenant_ids, now=None) -> dict:
+    """{tenant id: number of its keys neither revoked nor expired at ``now``} for the given tenants (one query);
+    a tenant without active keys is absent."""
+    now = now or timezone.now()
+    rows = (
+        ApiKey.objects.filter(tenant_id__in=list(tenant_ids), revoked_at__isnull=True)
+        .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
+        .order_by()
+        .values("tenant_id")
+        .annotate(active=Count("id"))
+    )
+    return {row["tenant_id"]: row["active"] for row in rows}
 
 
 def tenant_get(*, tenant_id) -> Tenant:

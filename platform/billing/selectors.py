@@ -68,6 +68,18 @@ def usage_series(*, tenant_id: uuid.UUID, start: datetime, end: datetime, granul
     ]
 
 
+def gb_hours_by_tenant(*, tenant_ids, start: datetime, end: datetime) -> dict[uuid.UUID, Decimal]:
+    """{tenant id: GB-hours of every tier together in the ledger hours [start, end)} for the given tenants (one
+    query; exact Decimal); a tenant without ledger hours there is absent."""
+    rows = (
+        LedgerHour.objects.filter(tenant_id__in=list(tenant_ids), hour__gte=start, hour__lt=end)
+        .values("tenant_id")
+        .annotate(**{tier: Sum(f"{tier}_byte_seconds") for tier in TIERS})
+        .order_by()
+    )
+    return {row["tenant_id"]: money.gb_hours(sum(int(row[tier] or 0) for tier in TIERS)) for row in rows}
+
+
 def invoices_for_tenant(*, tenant_id: uuid.UUID | None) -> QuerySet[Invoice]:
     """The tenant's invoices, newest month first, lines prefetched (tenant_id None: every tenant's, for staff)."""
     invoices = Invoice.objects.order_by("-month", "tenant_id").prefetch_related("lines")

@@ -51,6 +51,26 @@ def cache_usage(*, tenant_id: uuid.UUID) -> CacheUsage:
     )
 
 
+def cache_usage_by_tenant(*, tenant_ids) -> dict[uuid.UUID, CacheUsage]:
+    """cache_usage for each of the given tenants in one query; a tenant without live caches gets zeros."""
+    tenant_ids = list(tenant_ids)
+    rows = (
+        Cache.objects.filter(tenant_id__in=tenant_ids)
+        .exclude(state=CacheState.DETACHED)
+        .values("tenant_id")
+        .annotate(num_caches=Count("id"), **{tier: Sum(f"{tier}_capacity_bytes") for tier in TIERS})
+        .order_by()
+    )
+    found = {
+        row["tenant_id"]: CacheUsage(
+            num_caches=row["num_caches"], capacity_bytes={tier: int(row[tier] or 0) for tier in TIERS}
+        )
+        for row in rows
+    }
+    empty = CacheUsage(num_caches=0, capacity_bytes=dict.fromkeys(TIERS, 0))
+    return {tenant_id: found.get(tenant_id, empty) for tenant_id in tenant_ids}
+
+
 def cache_resident_bytes(*, tenant_id: uuid.UUID) -> dict[str, int]:
     """Bytes per tier the nodes last reported resident (heartbeat snapshots) for the tenant's non-detached caches
     on their current node (two queries). A cache its node has not reported counts 0; never more than reported."""

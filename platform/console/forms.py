@@ -1,0 +1,107 @@
+"""Console forms: validation of what an operator types, before any service is called.
+
+A form that is not valid changes nothing (its view answers 400 with the errors next to the fields). The bounds are
+the services' own (tenants.services.QUOTA_BOUNDS), so a value this form accepts is one the service accepts.
+"""
+
+from __future__ import annotations
+
+import re
+
+from django import forms
+
+from console.charts import human_bytes
+from tenants.services import QUOTA_BOUNDS
+
+BYTE_FIELDS = ("max_device_bytes", "max_dram_bytes", "max_ssd_bytes")
+BYTE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50}
+QUOTA_LABELS = {
+    "max_caches": "Caches",
+    "max_device_bytes": "Device bytes",
+    "max_dram_bytes": "DRAM bytes",
+    "max_ssd_bytes": "SSD bytes",
+    "max_requests_per_second": "Requests per second",
+    "max_data_tokens_outstanding": "Data tokens outstanding",
+}
+_WHOLE_NUMBER = re.compile(r"^([0-9]{1,40})$")
+_BYTES = re.compile(r"^([0-9]{1,40}) ?([a-z]*)$")
+
+
+class TenantSearchForm(forms.Form):
+    """?q= on the tenants list: part of a name, or a tenant id. NUL and over-long input are refused (400)."""
+
+    q = forms.CharField(required=False, max_length=100, label="Name or id")
+
+
+def bytes_text(count: int) -> str:
+    """The exact form of a byte count an operator would type: "16 GiB" when a whole number of a binary unit, else
+    the plain integer (parses back to the same number)."""
+    for unit in ("PiB", "TiB", "GiB", "MiB"):
+        size = BYTE_UNITS[unit.lower()]
+        if count and count % size == 0:
+            return f"{count // size} {unit}"
+    return str(count)
+
+
+def parse_limit(field: str, text: str) -> int | None:
+    """A quota limit as typed: blank -> None (the default); a whole number (bytes fields: optionally followed by
+    KiB, MiB, GiB, TiB or PiB) within QUOTA_BOUNDS[field]. Anything else raises forms.ValidationError."""
+    text = (text or "").strip()
+    if not text:
+        return None
+    low, high = QUOTA_BOUNDS[field]
+    if field in BYTE_FIELDS:
+        match = _BYTES.match(text.lower())
+        if match is None or match.group(2) not in BYTE_UNITS:
+            raise forms.ValidationError(
+                "A whole number of bytes, optionally with a unit (KiB, MiB, GiB, TiB, PiB), or blank for the default."
+            )
+        value = int(match.group(1)) * BYTE_UNITS[match.group(2)]
+    else:
+        match = _WHOLE_NUMBER.match(text)
+        if match is None:
+            raise forms.ValidationError("A whole number, or blank for the default.")
+        value = int(match.group(1))
+    if not low <= value <= high:
+        shown = f"{low} and {high}" if field not in BYTE_FIELDS else f"{low} and {high} ({human_bytes(high)})"
+        raise forms.ValidationError(f"Between {shown}.")
+    return value
+
+
+class QuotaForm(forms.Form):
+    """The six quota limits, each blank (the default) or a bounded integer. cleaned_data maps field -> int | None."""
+
+    def __init__(self, *args, defaults: dict[str, int] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        defaults = defaults or {}
+        for field in QUOTA_BOUNDS:
+            default = defaults.get(field)
+            shown = "" if default is None else (bytes_text(default) if field in BYTE_FIELDS else str(default))
+            hint = f"Blank: the default ({shown})." if shown else "Blank: the default."
+            if field in BYTE_FIELDS:
+                hint += " Bytes, or a number with KiB, MiB, GiB, TiB or PiB."
+            self.fields[field] = forms.CharField(
+                required=False, max_length=64, label=QUOTA_LABELS[field], help_text=hint, strip=True
+            )
+
+    @staticmethod
+    def initial_from(overrides: dict[str, int | None]) -> dict[str, str]:
+        """What the form shows for the stored overrides (None: blank)."""
+        initial = {}
+        for field, value in overrides.items():
+            if value is None:
+                initial[field] = ""
+            else:
+                initial[field] = bytes_text(value) if field in BYTE_FIELDS else str(value)
+        return initial
+
+    def clean(self):
+        cleaned = super().clean()
+        for field in QUOTA_BOUNDS:
+            if field in self._errors:
+                continue
+            try:
+                cleaned[field] = parse_limit(field, cleaned.get(field, ""))
+            except forms.ValidationError as error:
+                self.add_error(field, error)
+        return cleaned
