@@ -202,7 +202,7 @@ def caches_hosted_on(*, node: Node) -> list[HostedCache]:
 def migrations_of_node(*, node_id: uuid.UUID, limit: int = 50) -> dict[str, list[Migration]]:
     """{"incoming": [...], "outgoing": [...]}: the node's latest migrations each way (cache and the other node
     loaded), active ones first, then newest first."""
-    base = Migration.objects.select_related("cache", "source", "target").order_by(
+    base = Migration.objects.select_related("cache__tenant", "source", "target").order_by(
         Case(When(state__in=ACTIVE_MIGRATION_STATES, then=0), default=1), "-created_at", "id"
     )
     return {
