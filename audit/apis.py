@@ -9,11 +9,6 @@ Every export records an AUDIT_EXPORTED event (format, range, filter) in its own 
 
 from __future__ import annotations
 
-from datetime import datetime, timezone as dt_timezone
-
-from django.db import transaction
-from django.http import StreamingHttpResponse
-from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_serializer
 from rest_framework import serializers
@@ -27,10 +22,9 @@ from audit import exports, queries
 from audit.actions import AuditAction
 from audit.context import ACTOR_KINDS
 from audit.keys import platform_public_jwk
-from audit.services import audit_record
 from controlplane.errors import ApplicationError, NotFoundError
 
-EPOCH = datetime(1970, 1, 1, tzinfo=dt_timezone.utc)
+EPOCH = exports.EPOCH
 ACTOR_PATTERN = r"^(" + "|".join(ACTOR_KINDS) + r")(:[!-~]{1,200})?$"
 _ERROR_SCHEMA = {
     "type": "object",
@@ -243,24 +237,9 @@ class AuditExportApi(APIView):
     )
     def get(self, request):
         filters = _validated(self.FilterSerializer, request.query_params)
-        start, end = filters.get("from", EPOCH), filters.get("to") or timezone.now()
-        if start >= end:
-            raise ApplicationError("`from` must be before `to`.", code="invalid_range")
-        tenant_id = tenant_scope(request, filters.get("tenant_id"))
-        fmt = filters["format"]
-        plan = exports.export_plan(start=start, end=end, tenant_id=tenant_id)
-        with transaction.atomic():
-            audit_record(action=AuditAction.AUDIT_EXPORTED, target_type="audit_export", tenant_id=tenant_id,
-                         new={"format": fmt, "from": start, "to": end, "tenant_id": tenant_id,
-                              "first_seq": plan.lo, "last_seq": plan.hi})  # fmt: skip
-        response = StreamingHttpResponse(exports.export_lines(plan, fmt), content_type=_content_type(fmt))
-        stamp = end.strftime("%Y%m%dT%H%M%SZ")
-        response["Content-Disposition"] = f'attachment; filename="kcaas-audit-{stamp}.{fmt}"'
-        return response
-
-
-def _content_type(fmt: str) -> str:
-    return exports.FORMATS[fmt] + "; charset=utf-8"
+        download = exports.audit_export_begin(fmt=filters["format"], start=filters.get("from"), end=filters.get("to"),
+                                              tenant_id=tenant_scope(request, filters.get("tenant_id")))  # fmt: skip
+        return exports.export_response(download)
 
 
 # ---- digests ---------------------------------------------------------------------------------------------------------

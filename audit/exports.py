@@ -11,6 +11,10 @@ order, then the digests anchoring it (audit.chain documents the record layouts a
   counts and the platform's public key (JWK).
 The segment is fixed before the first line is written (the chain is append-only), so an export streams in chunks
 and never includes events appended while it streams.
+
+`audit_export_begin` is the one way an export is served (the REST API and the console both call it, then
+`export_response`): it validates the range, fixes the plan, then records AUDIT_EXPORTED in its own transaction, so
+every export that is served has been recorded and the export never holds its own event.
 """
 
 from __future__ import annotations
@@ -20,18 +24,23 @@ import dataclasses
 import io
 import uuid
 from collections.abc import Iterator
-from datetime import datetime
+from datetime import datetime, timezone as dt_timezone
 
+from django.db import transaction
 from django.db.models import Max, Min
+from django.http import StreamingHttpResponse
 from django.utils import timezone
 
 from audit import chain
 from audit.actions import AuditAction
 from audit.keys import platform_public_jwk
 from audit.models import AuditDigest, AuditEvent
+from audit.services import audit_record
+from controlplane.errors import ApplicationError
 
 FORMATS = {"jsonl": "application/x-ndjson", "csv": "text/csv"}
 CHUNK = 1000
+EPOCH = datetime(1970, 1, 1, tzinfo=dt_timezone.utc)  # an export's default start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +156,53 @@ def _csv_line(cells) -> str:
     buffer = io.StringIO()
     csv.writer(buffer, lineterminator="\n").writerow(cells)
     return buffer.getvalue()
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportDownload:
+    """An export that has been recorded (AUDIT_EXPORTED) and is ready to stream: its plan, format and file name."""
+
+    plan: ExportPlan
+    fmt: str
+
+    @property
+    def content_type(self) -> str:
+        return FORMATS[self.fmt] + "; charset=utf-8"
+
+    @property
+    def filename(self) -> str:
+        return f"kcaas-audit-{self.plan.end.strftime('%Y%m%dT%H%M%SZ')}.{self.fmt}"
+
+    def lines(self) -> Iterator[str]:
+        return export_lines(self.plan, self.fmt)
+
+
+def audit_export_begin(*, fmt: str = "jsonl", start: datetime | None = None, end: datetime | None = None,
+                       tenant_id: uuid.UUID | None = None) -> ExportDownload:  # fmt: skip
+    """Start an export of [start, end) (default: EPOCH until now), optionally confined to one tenant.
+
+    Raises ApplicationError `invalid_range` unless start < end (nothing recorded then). The plan is fixed first,
+    then AUDIT_EXPORTED (format, range, filter, segment) is committed in its own transaction by the current actor
+    (audit.context), so the export never holds its own event and nothing streams unless it was recorded
+    (AuditWriteError propagates)."""
+    if fmt not in FORMATS:
+        raise ApplicationError(f"Unknown export format {fmt!r}.", code="validation_error")
+    start, end = start or EPOCH, end or timezone.now()
+    if start >= end:
+        raise ApplicationError("`from` must be before `to`.", code="invalid_range")
+    plan = export_plan(start=start, end=end, tenant_id=tenant_id)
+    with transaction.atomic():
+        audit_record(action=AuditAction.AUDIT_EXPORTED, target_type="audit_export", tenant_id=tenant_id,
+                     new={"format": fmt, "from": start, "to": end, "tenant_id": tenant_id,
+                          "first_seq": plan.lo, "last_seq": plan.hi})  # fmt: skip
+    return ExportDownload(plan, fmt)
+
+
+def export_response(download: ExportDownload) -> StreamingHttpResponse:
+    """The recorded export as a streamed attachment."""
+    response = StreamingHttpResponse(download.lines(), content_type=download.content_type)
+    response["Content-Disposition"] = f'attachment; filename="{download.filename}"'
+    return response
 
 
 def write_export(path, *, start: datetime, end: datetime, tenant_id=None, fmt: str = "jsonl") -> ExportPlan:
