@@ -165,9 +165,11 @@ def test_drain_confirmation_lists_the_caches_that_will_move(operator_client, pla
     attach(placed["tenant"], "warming")  # provisioning on small: stays until it is ready
     confirm = operator_client.get(f"/console/nodes/{small.pk}/drain")
     assert confirm.status_code == 200
-    assert b"Will move: acme / kv" in confirm.content and b"Stays for now (provisioning): acme / warming" in confirm.content
+    assert b"Will move: acme / kv" in confirm.content
+    assert b"Stays for now (provisioning): acme / warming" in confirm.content
     assert _state(small) == "ready" and not Migration.objects.exists() and not _events(AuditAction.NODE_DRAINING)
-    assert cache.pk  # untouched
+    cache.refresh_from_db()
+    assert (cache.state, cache.node_id) == ("ready", small.pk)
 
 
 def test_drain_starts_a_migration_for_the_ready_cache_and_audits(operator_client, placed):
@@ -198,7 +200,8 @@ def test_drain_of_an_empty_node(operator_client, placed):
 def test_only_operators_may_act(request, placed, action, role_client):
     client = request.getfixturevalue(role_client)
     small = placed["small"]
-    fleet_services.node_cordon(node_id=small.pk) if action == "uncordon" else None
+    if action == "uncordon":
+        fleet_services.node_cordon(node_id=small.pk)
     before, events = _state(small), AuditEvent.objects.count()
     assert client.get(f"/console/nodes/{small.pk}/{action}").status_code == 403
     refused = client.post(f"/console/nodes/{small.pk}/{action}")
