@@ -67,3 +67,47 @@ def test_start_and_cancel_an_erasure(signed_in, shots):
     assert "cancelled" in page.get_by_role("row").filter(has_text="acme-robotics").inner_text()
     assert Tenant.objects.get(pk=tenant.pk).status == "active"
     assert not page.js_errors
+
+
+def test_change_a_quota_and_the_api_enforces_it(signed_in, shots):
+    page, user = signed_in(roles.OPERATOR)
+    tenant, issued = tenant_with_key("quota-co")
+    attach = {"name": "c1", "spec": SPEC, "capacity": {"device": 1 << 20}}
+    status, body = api(page.base, "POST", "/api/v1/caches", issued.raw_key, attach)
+    assert body["error"]["code"] != "quota_exceeded"  # no node takes it yet, but the quota lets it through
+
+    page.goto(page.base + "/console/tenants/")
+    page.get_by_label("Name or id").fill("quota")
+    page.keyboard.press("Enter")
+    page.get_by_role("link", name="quota-co").click()
+    page.get_by_label("Device bytes").fill("-1")
+    page.get_by_role("button", name="Save quota").click()
+    assert "The quota was not changed" in page.get_by_role("alert").filter(has_text="quota").first.inner_text()
+    page.get_by_label("Device bytes").fill("lots")
+    page.get_by_role("button", name="Save quota").click()
+    assert page.locator(".field-error").count() >= 1
+    status, body = api(page.base, "POST", "/api/v1/caches", issued.raw_key, attach)
+    assert body["error"]["code"] != "quota_exceeded"  # refused input changed nothing
+
+    page.get_by_label("Device bytes").fill("64 KiB")
+    page.get_by_role("button", name="Save quota").click()
+    assert "64 KiB" in page.locator(".messages").inner_text() or "65536" in page.locator(".messages").inner_text()
+    status, body = api(page.base, "POST", "/api/v1/caches", issued.raw_key, attach)
+    assert (status, body["error"]["code"]) == (403, "quota_exceeded")
+    assert not page.js_errors
+
+
+def test_revoke_a_key_and_the_api_refuses_it(signed_in):
+    page, user = signed_in(roles.OPERATOR)
+    tenant, issued = tenant_with_key("revoke-co")
+    assert api(page.base, "GET", "/api/v1/keys", issued.raw_key)[0] == 200
+    page.goto(page.base + f"/console/tenants/{tenant.pk}/")
+    assert issued.raw_key not in page.content()
+    page.get_by_role("link", name=f"Revoke key {issued.api_key.public_id}").click()
+    assert api(page.base, "GET", "/api/v1/keys", issued.raw_key)[0] == 200  # the confirmation step changed nothing
+    page.get_by_role("button", name="Revoke key").click()
+    page.wait_for_url(f"**/console/tenants/{tenant.pk}/#keys")
+    assert "revoked" in page.get_by_role("row").filter(has_text=issued.api_key.public_id).inner_text()
+    status, body = api(page.base, "GET", "/api/v1/keys", issued.raw_key)
+    assert status == 401
+    assert not page.js_errors
