@@ -111,3 +111,27 @@ def test_revoke_a_key_and_the_api_refuses_it(signed_in):
     status, body = api(page.base, "GET", "/api/v1/keys", issued.raw_key)
     assert status == 401
     assert not page.js_errors
+
+
+def test_cordon_a_node_and_placement_skips_it(signed_in, shots):
+    from tests.console.nodes_fixtures import make_node
+
+    page, user = signed_in(roles.OPERATOR)
+    node = make_node("gpu-a1")
+    tenant, issued = tenant_with_key("placement-co")
+    page.goto(page.base + "/console/nodes/")
+    page.get_by_role("link", name="gpu-a1").click()
+    page.get_by_role("link", name="Cordon").click()
+    node.refresh_from_db()
+    assert node.state == "ready"  # the confirmation page changed nothing
+    page.get_by_role("button", name="Cordon").click()
+    assert "ready -> cordoned" in page.locator(".messages").inner_text()
+    node.refresh_from_db()
+    assert node.state == "cordoned"
+    status, body = api(page.base, "POST", "/api/v1/caches", issued.raw_key,
+                       {"name": "c1", "spec": SPEC, "capacity": {"device": 1 << 20}})
+    assert (status, body["error"]["code"]) == (503, "no_capacity")  # the only node is cordoned
+    page.get_by_role("link", name="Uncordon").click()
+    page.get_by_role("button", name="Uncordon").click()
+    assert "cordoned -> ready" in page.locator(".messages").inner_text()
+    assert not page.js_errors
