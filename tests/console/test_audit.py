@@ -145,6 +145,8 @@ def test_bad_filters_are_a_400_with_the_form_errors(readonly_client, trail, quer
     body = text(page)
     assert "The filters are not valid" in body and message in body
     assert ROW_SEQ.findall(body) == []  # no rows under a refused filter
+    field = list(query)[-1]  # the field the error belongs to
+    assert f'aria-invalid="true" aria-describedby="id_{field}_error"' in body and f'id="id_{field}_error"' in body
 
 
 # ---- roles -----------------------------------------------------------------------------------------------------------
@@ -177,6 +179,7 @@ def test_the_export_form_is_prefilled_from_the_events_filters(compliance_client,
     form = compliance_client.get(EXPORT, {"tenant": "acme", "from": "2026-01-02T03:04"})
     assert form.status_code == 200
     assert 'value="acme"' in text(form) and 'value="2026-01-02T03:04"' in text(form)
+    assert compliance_client.head(EXPORT).status_code == 200
     assert exported_events() == []  # showing the form records nothing
 
 

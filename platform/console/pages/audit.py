@@ -186,7 +186,7 @@ def _json(values) -> str:
 @console_view("audit.export", methods=("GET", "POST"))
 def export(request):
     """GET: the form (prefilled from the events page's range and tenant). POST: the recorded, streamed export."""
-    if request.method == "GET":
+    if request.method != "POST":  # GET or HEAD
         initial = {key: request.GET[key] for key in ("from", "to", "tenant") if request.GET.get(key)}
         return _export_form(request, ExportForm(initial={"format": "jsonl", **initial}))
     form = ExportForm(request.POST)
@@ -232,7 +232,7 @@ class UploadLimit(FileUploadHandler):
 @console_view("audit.export", methods=("GET", "POST"))
 def verify(request):
     """GET: the upload form. POST: the verification of the uploaded export against the platform key."""
-    if request.method == "GET":
+    if request.method != "POST":  # GET or HEAD
         return _verify_page(request, VerifyForm())
     limit = verify_max_bytes()
     declared = _content_length(request)
