@@ -64,7 +64,8 @@ def _shoot(page, shots, name: str, path: str, *, expect: str) -> None:
         page.goto(page.base + path)
         assert expect in page.locator("main").inner_text(), f"{path} lacks {expect!r}"
         assert accessibility_problems(page) == [], (path, width_name)
-        page.screenshot(path=str(shots / f"{name}-{width_name}.png"), full_page=True)
+        # The laptop shot is the whole page; the phone shot is what a phone shows first (one screen).
+        page.screenshot(path=str(shots / f"{name}-{width_name}.png"), full_page=size is LAPTOP)
         assert (shots / f"{name}-{width_name}.png").stat().st_size > 10_000
 
 
