@@ -27,7 +27,7 @@ from tests.console.conftest import csrf_token
 
 pytestmark = pytest.mark.django_db
 EVENTS, EXPORT, VERIFY = "/console/audit/", "/console/audit/export", "/console/audit/verify"
-ROW_SEQ = re.compile(r'<tr>\s*<td class="num">(\d+)</td>')
+ROW_SEQ = re.compile(r'<tr>\s*<td class="num"[^>]*>(\d+)</td>')
 
 
 @pytest.fixture
