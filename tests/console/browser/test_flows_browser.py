@@ -135,3 +135,36 @@ def test_cordon_a_node_and_placement_skips_it(signed_in, shots):
     page.get_by_role("button", name="Uncordon").click()
     assert "cordoned -> ready" in page.locator(".messages").inner_text()
     assert not page.js_errors
+
+
+def test_export_an_audit_trail_and_verify_it_then_a_tampered_copy(signed_in, shots, tmp_path):
+    page, user = signed_in(roles.COMPLIANCE)
+    for name in ("alpha-co", "beta-co"):
+        tenant_with_key(name)
+    page.goto(page.base + "/console/audit/")
+    page.get_by_role("link", name="Export these events").click()
+    page.get_by_label("Format").select_option("jsonl")
+    with page.expect_download() as download_info:
+        page.get_by_role("button", name="Download the export").click()
+    exported = tmp_path / download_info.value.suggested_filename
+    download_info.value.save_as(exported)
+    lines = exported.read_text().splitlines()
+    assert json.loads(lines[0])["record_type"] == "header" and len(lines) > 5
+
+    page.goto(page.base + "/console/audit/verify")
+    page.get_by_label("Export file (JSONL or CSV)").set_input_files(str(exported))
+    page.get_by_role("button", name="Verify").click()
+    assert "OK: the export verifies." in page.locator("main").inner_text()
+    page.screenshot(path=str(shots / "audit-verify-ok.png"), full_page=True)
+
+    records = [json.loads(line) for line in lines]
+    victim = next(r for r in records if r.get("record_type") == "event" and r.get("action") == 1001)  # tenant.created
+    victim["target_id"] = "00000000-0000-0000-0000-000000000000"
+    tampered = tmp_path / "tampered.jsonl"
+    tampered.write_text("".join(json.dumps(r) + "\n" for r in records))
+    page.get_by_label("Export file (JSONL or CSV)").set_input_files(str(tampered))
+    page.get_by_role("button", name="Verify").click()
+    verdict = page.get_by_role("alert").filter(has_text="The chain breaks at event seq").inner_text()
+    assert f"The chain breaks at event seq {victim['seq']}:" in verdict
+    page.screenshot(path=str(shots / "audit-verify-broken.png"), full_page=True)
+    assert not page.js_errors
