@@ -168,6 +168,7 @@ def test_request_flow_confirms_the_typed_name(console_client, make_tenant):
         done.content.decode())  # fmt: skip
     [event] = events(AuditAction.ERASURE_REQUESTED, job)
     assert (event.actor_kind, event.actor_id, event.tenant_id) == ("user", str(client.user.pk), tenant.pk)
+    assert f"{client.user.username} (user:{client.user.pk})" in client.get(PAGE).content.decode()
 
     again = client.post(request_url(tenant.pk), {"confirm": tenant.name, **token}, follow=True)
     assert "already has this erasure job (scheduled" in again.content.decode()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from django import forms
 from django.contrib import messages
+from django.contrib.auth import get_user_model
 from django.core.paginator import Paginator
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import transaction
@@ -55,6 +56,7 @@ class JobRow:
     job: ErasureJob
     tenant: str  # the tenant's label (its pseudonymous name once erased)
     receipt_verifies: bool | None  # None: no receipt yet
+    requested_by: str  # "alice (user:7)" for a console or staff user; the stored actor otherwise
 
     @property
     def cancellable(self) -> bool:
@@ -70,12 +72,26 @@ def _requested_by(request) -> str:
 def _jobs_context(request) -> dict:
     page = Paginator(selectors.erasure_job_list(), PAGE_SIZE).get_page(request.GET.get("page"))
     labels = selectors.erasure_tenant_labels(tenant_ids=[job.tenant_id for job in page])
+    requesters = _requester_labels([job.requested_by for job in page])
     rows = [
-        JobRow(job=job, tenant=labels.get(job.tenant_id, ""),
+        JobRow(job=job, tenant=labels.get(job.tenant_id, ""), requested_by=requesters[job.requested_by],
                receipt_verifies=selectors.erasure_receipt_verifies(job=job) if job.receipt is not None else None)
         for job in page
     ]  # fmt: skip
     return {"page": page, "rows": rows, "query": ""}
+
+
+def _requester_labels(actors: list[str]) -> dict[str, str]:
+    """Staff actors ("user:<pk>") named by their username next to the id; anything else as stored."""
+    pks = {int(actor[5:]) for actor in actors if actor.startswith("user:") and actor[5:].isdigit()}
+    names = dict(get_user_model().objects.filter(pk__in=pks).values_list("pk", "username"))
+
+    def label(actor: str) -> str:
+        kind, _, ident = actor.partition(":")
+        known = kind == "user" and ident.isdigit() and int(ident) in names
+        return f"{names[int(ident)]} ({actor})" if known else actor
+
+    return {actor: label(actor) for actor in actors}
 
 
 def _label(tenant_id) -> str:
