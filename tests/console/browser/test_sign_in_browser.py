@@ -96,3 +96,26 @@ def test_wrong_codes_are_throttled_in_the_page(page):
     assert "Too many wrong codes" in page.locator("#login-error").inner_text()
     page.wait_for_timeout(2100)  # two wrong codes: django-otp waits 2 s before the next try
     browser_sign_in(page, user, device)  # then the right code still works
+
+
+def test_live_regions_refresh_by_htmx_polling_under_the_csp(signed_in):
+    """htmx is served as a static file and runs under the strict CSP: the overview's live part shows a node that
+    was cordoned after the page loaded, without a reload, and its polls do not count as activity."""
+    from playwright.sync_api import expect
+
+    from fleet import services as fleet_services
+    from tests.console.nodes_fixtures import make_node
+
+    node = make_node("gpu-live")
+    page, _ = signed_in(roles.READ_ONLY)
+    page.goto(page.base + "/console/")
+    cordoned = page.locator('[data-node-state="cordoned"]')
+    assert cordoned.inner_text() == "0"
+    polls = []
+    page.on("request", lambda request: polls.append(request.headers.get("x-console-poll"))
+            if "/console/overview/live" in request.url else None)
+    fleet_services.node_cordon(node_id=node.pk)
+    expect(page.locator('[data-node-state="cordoned"]')).to_have_text("1", timeout=12_000)
+    assert polls and all(header == "1" for header in polls)
+    assert page.url.rstrip("/").endswith("/console")  # updated in place
+    assert not page.js_errors
