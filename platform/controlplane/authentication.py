@@ -8,6 +8,7 @@ administrators without a console role authenticate as before.
 
 from __future__ import annotations
 
+from drf_spectacular.authentication import BasicScheme, SessionScheme
 from rest_framework.authentication import BasicAuthentication, SessionAuthentication
 from rest_framework.exceptions import AuthenticationFailed
 
@@ -30,3 +31,13 @@ class NonConsoleBasicAuthentication(BasicAuthentication):
         if roles.has_console_role(user) and not user.is_superuser:
             raise AuthenticationFailed("Console users sign in to the console, not the API.")
         return user, auth
+
+
+class NonConsoleSessionScheme(SessionScheme):
+    """The published schema keeps naming these as the cookie and basic schemes they narrow."""
+
+    target_class = "controlplane.authentication.NonConsoleSessionAuthentication"
+
+
+class NonConsoleBasicScheme(BasicScheme):
+    target_class = "controlplane.authentication.NonConsoleBasicAuthentication"

@@ -40,3 +40,12 @@ def test_the_docs_page_is_served_without_a_cdn(client):
     assert response.status_code == 200
     page = response.content.decode()
     assert "redoc" in page.lower() and "cdn.jsdelivr" not in page
+
+
+def test_staff_operations_still_publish_the_session_and_basic_schemes(client):
+    """The REST API's staff authentication classes narrow DRF's (console users refused); the schema must keep
+    naming them as the cookie and basic schemes, or clients and the schema fuzzers lose the staff way in."""
+    schema = client.get("/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json").json()
+    assert {"cookieAuth", "basicAuth"} <= set(schema["components"]["securitySchemes"])
+    staff_list = schema["paths"]["/api/v1/admin/tenants"]["get"]["security"]
+    assert {"cookieAuth": []} in staff_list and {"basicAuth": []} in staff_list
