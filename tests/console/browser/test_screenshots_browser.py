@@ -20,7 +20,7 @@ from tests.console.nodes_fixtures import GIB, attach, heartbeat, make_node, make
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def _fleet():
+def _fleet(*, requested_by: str):
     """Three nodes (one cordoned), four tenants with caches, 30 days of usage for one, an erasure scheduled."""
     nodes = [make_node("gpu-a1", device=80 * GIB, dram=512 * GIB, ssd=2048 * GIB),
              make_node("gpu-a2", device=80 * GIB, dram=512 * GIB, ssd=2048 * GIB),
@@ -40,7 +40,7 @@ def _fleet():
     for node in nodes:
         heartbeat(node, resident.get(node.pk, []))
     fleet_services.node_cordon(node_id=nodes[2].pk)
-    privacy_services.erasure_request(tenant_id=tenants["umbrella-labs"].pk, requested_by="user:1")
+    privacy_services.erasure_request(tenant_id=tenants["umbrella-labs"].pk, requested_by=requested_by)
     return tenants
 
 
@@ -70,8 +70,8 @@ def _shoot(page, shots, name: str, path: str, *, expect: str) -> None:
 
 
 def test_screenshots_of_the_main_pages(signed_in, shots):
-    tenants = _fleet()
-    page, _ = signed_in(roles.OPERATOR, roles.COMPLIANCE)
+    page, user = signed_in(roles.OPERATOR, roles.COMPLIANCE)
+    tenants = _fleet(requested_by=f"user:{user.pk}")
     acme = tenants["acme-robotics"]
     _shoot(page, shots, "overview", "/console/", expect="acme-robotics")
     _shoot(page, shots, "tenants", "/console/tenants/", expect="globex-research")
@@ -80,5 +80,5 @@ def test_screenshots_of_the_main_pages(signed_in, shots):
     node_id = acme.caches.get().node_id
     _shoot(page, shots, "node-detail", f"/console/nodes/{node_id}/", expect="acme-robotics")
     _shoot(page, shots, "audit", "/console/audit/", expect="tenant.created")
-    _shoot(page, shots, "gdpr", "/console/gdpr/", expect="umbrella-labs")
+    _shoot(page, shots, "gdpr", "/console/gdpr/", expect=f"{user.username} (user:{user.pk})")
     assert not page.js_errors
