@@ -71,6 +71,7 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
     "console.middleware.ConsoleSessionMiddleware",  # console idle/absolute expiry, CSP
+    "controlplane.query_parameters.RejectUndocumentedQueryParameters",  # /api/v1/: the schema's query parameters only
 ]
 
 ROOT_URLCONF = "controlplane.urls"
