@@ -24,7 +24,6 @@ from audit.context import ACTOR_KINDS
 from audit.keys import platform_public_jwk
 from controlplane.errors import ApplicationError, NotFoundError
 
-EPOCH = exports.EPOCH
 ACTOR_PATTERN = r"^(" + "|".join(ACTOR_KINDS) + r")(:[!-~]{1,200})?$"
 _ERROR_SCHEMA = {
     "type": "object",

@@ -68,6 +68,14 @@ def tenant_search(*, query: str = "") -> QuerySet[Tenant]:
     return tenants.filter(matches)
 
 
+def tenant_by_name_or_id(*, text: str) -> Tenant | None:
+    """The tenant whose id (a UUID in any spelling) or exact name is `text`; None when there is none."""
+    text = (text or "").strip()
+    wanted = as_uuid(text)
+    tenant = Tenant.objects.filter(pk=wanted).first() if wanted else None
+    return tenant or (Tenant.objects.filter(name=text).first() if text else None)
+
+
 def active_key_counts(*, tenant_ids, now=None) -> dict:
     """{tenant id: number of its keys neither revoked nor expired at ``now``} for the given tenants (one query);
     a tenant without active keys is absent."""

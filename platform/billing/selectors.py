@@ -68,16 +68,17 @@ def usage_series(*, tenant_id: uuid.UUID, start: datetime, end: datetime, granul
     ]
 
 
+def _byte_seconds_by_tenant(hours: QuerySet[LedgerHour]) -> QuerySet:
+    """Rows {tenant_id, tenant__name, total}: the device+dram+ssd byte-seconds of `hours` per tenant, unordered."""
+    total = Sum(F("device_byte_seconds") + F("dram_byte_seconds") + F("ssd_byte_seconds"))
+    return hours.values("tenant_id", "tenant__name").annotate(total=total).order_by()
+
+
 def gb_hours_by_tenant(*, tenant_ids, start: datetime, end: datetime) -> dict[uuid.UUID, Decimal]:
     """{tenant id: GB-hours of every tier together in the ledger hours [start, end)} for the given tenants (one
     query; exact Decimal); a tenant without ledger hours there is absent."""
-    rows = (
-        LedgerHour.objects.filter(tenant_id__in=list(tenant_ids), hour__gte=start, hour__lt=end)
-        .values("tenant_id")
-        .annotate(**{tier: Sum(f"{tier}_byte_seconds") for tier in TIERS})
-        .order_by()
-    )
-    return {row["tenant_id"]: money.gb_hours(sum(int(row[tier] or 0) for tier in TIERS)) for row in rows}
+    hours = LedgerHour.objects.filter(tenant_id__in=list(tenant_ids), hour__gte=start, hour__lt=end)
+    return {row["tenant_id"]: money.gb_hours(int(row["total"] or 0)) for row in _byte_seconds_by_tenant(hours)}
 
 
 def invoices_for_tenant(*, tenant_id: uuid.UUID | None) -> QuerySet[Invoice]:
@@ -118,9 +119,7 @@ def top_tenants_by_gb_hours(*, since: datetime, limit: int = 10) -> list[TenantG
     first (ties by tenant name); tenants with no such hours are left out. Reads the ledger as the last rollup
     left it."""
     rows = (
-        LedgerHour.objects.filter(hour__gte=since)
-        .values("tenant_id", "tenant__name")
-        .annotate(total=Sum(F("device_byte_seconds") + F("dram_byte_seconds") + F("ssd_byte_seconds")))
+        _byte_seconds_by_tenant(LedgerHour.objects.filter(hour__gte=since))
         .filter(total__gt=0)
         .order_by("-total", "tenant__name", "tenant_id")[:limit]
     )

@@ -3,7 +3,7 @@
 import uuid
 from dataclasses import dataclass
 
-from django.db.models import Case, Count, Q, QuerySet, Sum, When
+from django.db.models import Case, Count, QuerySet, Sum, When
 from django.utils import timezone
 
 from caches.models import ACTIVE_MIGRATION_STATES, RESERVING_STATES, TIERS, Cache, CacheState, DataToken, Migration
@@ -43,16 +43,12 @@ def cache_get(*, cache_id, tenant_id: uuid.UUID | None) -> Cache:
 
 def cache_usage(*, tenant_id: uuid.UUID) -> CacheUsage:
     """Count and bytes per tier of the tenant's non-detached caches (one query)."""
-    totals = Cache.objects.filter(tenant_id=tenant_id).exclude(state=CacheState.DETACHED).aggregate(
-        num_caches=Count("id"), **{tier: Sum(f"{tier}_capacity_bytes") for tier in TIERS}
-    )
-    return CacheUsage(
-        num_caches=totals["num_caches"], capacity_bytes={tier: int(totals[tier] or 0) for tier in TIERS}
-    )
+    return cache_usage_by_tenant(tenant_ids=[tenant_id])[tenant_id]
 
 
 def cache_usage_by_tenant(*, tenant_ids) -> dict[uuid.UUID, CacheUsage]:
-    """cache_usage for each of the given tenants in one query; a tenant without live caches gets zeros."""
+    """Count and bytes per tier of each given tenant's non-detached caches, in one query; a tenant without live
+    caches gets zeros."""
     tenant_ids = list(tenant_ids)
     rows = (
         Cache.objects.filter(tenant_id__in=tenant_ids)
@@ -121,9 +117,7 @@ def data_tokens_outstanding(*, tenant_id: uuid.UUID, now=None) -> int:
 
 def caches_on_node(*, node_id: uuid.UUID) -> list[dict]:
     """What the control plane believes a node hosts (for its register response): id, epoch, state, capacity."""
-    caches = Cache.objects.filter(node_id=node_id).filter(
-        Q(state__in=[CacheState.PENDING, CacheState.PROVISIONING, CacheState.READY, CacheState.DETACHING])
-    )
+    caches = Cache.objects.filter(node_id=node_id, state__in=RESERVING_STATES)
     return [
         {"cache_id": str(c.id), "epoch": c.epoch, "state": c.state, "capacity": c.capacity()}
         for c in caches.order_by("id")

@@ -43,6 +43,11 @@ def bytes_text(count: int) -> str:
     return str(count)
 
 
+def limit_text(field: str, value: int) -> str:
+    """A limit as an operator would type it: bytes fields by bytes_text, the others as plain integers."""
+    return bytes_text(value) if field in BYTE_FIELDS else str(value)
+
+
 def parse_limit(field: str, text: str) -> int | None:
     """A quota limit as typed: blank -> None (the default); a whole number (bytes fields: optionally followed by
     KiB, MiB, GiB, TiB or PiB) within QUOTA_BOUNDS[field]. Anything else raises forms.ValidationError."""
@@ -76,7 +81,7 @@ class QuotaForm(forms.Form):
         defaults = defaults or {}
         for field in QUOTA_BOUNDS:
             default = defaults.get(field)
-            shown = "" if default is None else (bytes_text(default) if field in BYTE_FIELDS else str(default))
+            shown = "" if default is None else limit_text(field, default)
             hint = f"Blank: the default ({shown})." if shown else "Blank: the default."
             if field in BYTE_FIELDS:
                 hint += " Bytes, or a number with KiB, MiB, GiB, TiB or PiB."
@@ -87,13 +92,7 @@ class QuotaForm(forms.Form):
     @staticmethod
     def initial_from(overrides: dict[str, int | None]) -> dict[str, str]:
         """What the form shows for the stored overrides (None: blank)."""
-        initial = {}
-        for field, value in overrides.items():
-            if value is None:
-                initial[field] = ""
-            else:
-                initial[field] = bytes_text(value) if field in BYTE_FIELDS else str(value)
-        return initial
+        return {field: "" if value is None else limit_text(field, value) for field, value in overrides.items()}
 
     def clean(self):
         cleaned = super().clean()

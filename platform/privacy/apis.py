@@ -15,7 +15,6 @@ from rest_framework.permissions import BasePermission
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from audit.context import actor_of
 from controlplane.errors import ApplicationError
 from privacy import export, receipt, selectors, services
 from privacy.models import ErasureState
@@ -59,11 +58,6 @@ class _StaffApi(APIView):
     parser_classes = [JSONParser]
 
 
-def _requested_by(request) -> str:
-    actor = actor_of(request.user)
-    return f"{actor.kind}:{actor.id}" if actor is not None else "system:"
-
-
 class ErasureApi(_StaffApi):
     @extend_schema(
         operation_id="admin_tenant_erasure_request",
@@ -73,7 +67,7 @@ class ErasureApi(_StaffApi):
         summary="Request the tenant's erasure (staff; idempotent: a second request returns the same job)",
     )
     def post(self, request, tenant_id):
-        job, created = services.erasure_request(tenant_id=tenant_id, requested_by=_requested_by(request))
+        job, created = services.erasure_request(tenant_id=tenant_id, requested_by=services.erasure_requester(request.user))
         job = selectors.erasure_job_for_tenant(tenant_id=job.tenant_id)
         return Response(ErasureJobSerializer(job).data, status=status.HTTP_201_CREATED if created else 200)
 

@@ -60,10 +60,3 @@ def erasure_receipt_verifies(*, job: ErasureJob) -> bool:
         return False
     return True
 
-
-def tenant_by_name_or_id(*, text: str) -> Tenant | None:
-    """The tenant whose id (a UUID in any spelling) or exact name is `text`; None when there is none."""
-    text = (text or "").strip()
-    wanted = as_uuid(text)
-    tenant = Tenant.objects.filter(pk=wanted).first() if wanted else None
-    return tenant or (Tenant.objects.filter(name=text).first() if text else None)

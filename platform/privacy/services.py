@@ -27,6 +27,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from audit.actions import AuditAction
+from audit.context import SYSTEM, actor_of
 from audit.services import audit_record, tenant_pseudonym
 from caches.services import caches_detach_tenant
 from controlplane.celery import app as celery_app, node_queue
@@ -61,6 +62,12 @@ def _lock_job(job_id) -> ErasureJob | None:
 
 
 # ---- request / cancel -----------------------------------------------------------------------------------------------
+
+
+def erasure_requester(user) -> str:
+    """How a job records who asked for it: the caller's audit actor as `kind:id` ("system:" for nobody)."""
+    actor = actor_of(user) or SYSTEM
+    return f"{actor.kind}:{actor.id}"
 
 
 @transaction.atomic

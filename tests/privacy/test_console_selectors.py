@@ -10,7 +10,6 @@ from django.utils import timezone
 from audit.services import tenant_pseudonym
 from privacy import selectors, services
 from privacy.models import ErasureJob
-from tenants import services as tenant_services
 
 pytestmark = pytest.mark.django_db
 PAST = timedelta(days=2)
@@ -54,13 +53,3 @@ def test_receipt_verifies_only_while_untouched(make_tenant, no_grace):
     job.receipt_signature = "AAAA"
     assert selectors.erasure_receipt_verifies(job=job) is False
 
-
-def test_tenant_by_name_or_id(make_tenant):
-    tenant = make_tenant().tenant
-    other = tenant_services.tenant_create(name=str(uuid.uuid4()))  # a name that spells a UUID of no tenant
-    assert selectors.tenant_by_name_or_id(text=tenant.name) == tenant
-    assert selectors.tenant_by_name_or_id(text=f"  {tenant.name} ") == tenant
-    assert selectors.tenant_by_name_or_id(text=str(tenant.pk).upper()) == tenant
-    assert selectors.tenant_by_name_or_id(text=other.name) == other
-    for nothing in ("", "   ", "nobody", str(uuid.uuid4()), "x" * 500):
-        assert selectors.tenant_by_name_or_id(text=nothing) is None

@@ -33,3 +33,14 @@ def test_active_key_counts_leave_out_revoked_and_expired_keys(make_tenant, make_
     later = now + timedelta(minutes=10)
     assert selectors.active_key_counts(tenant_ids=[mine.pk], now=later) == {mine.pk: 2}
     assert ApiKey.objects.get(pk=expiring.pk).state_at(later) == "expired"
+
+
+def test_tenant_by_name_or_id(make_tenant):
+    tenant = make_tenant("by-name-co")
+    other = services.tenant_create(name=str(uuid.uuid4()))  # a name that spells a UUID of no tenant
+    assert selectors.tenant_by_name_or_id(text=tenant.name) == tenant
+    assert selectors.tenant_by_name_or_id(text=f"  {tenant.name} ") == tenant
+    assert selectors.tenant_by_name_or_id(text=str(tenant.pk).upper()) == tenant
+    assert selectors.tenant_by_name_or_id(text=other.name) == other
+    for nothing in ("", "   ", "nobody", str(uuid.uuid4()), "x" * 500):
+        assert selectors.tenant_by_name_or_id(text=nothing) is None

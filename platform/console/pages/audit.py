@@ -33,7 +33,7 @@ from audit.context import ACTOR_KINDS
 from audit.keys import platform_public_jwk
 from console.access import console_view, error_page, page_context
 from tenants.ids import as_uuid
-from tenants.selectors import tenant_list
+from tenants.selectors import tenant_by_name_or_id, tenant_list
 
 PAGE_SIZE = 50
 DEFAULT_VERIFY_MAX_BYTES = 64 * 1024 * 1024
@@ -69,7 +69,7 @@ class TenantField(forms.CharField):
         wanted = as_uuid(text)
         if wanted is not None:
             return wanted
-        tenant = tenant_list().filter(name=text).first()
+        tenant = tenant_by_name_or_id(text=text)
         if tenant is None:
             raise forms.ValidationError("No such tenant: give a tenant id (UUID) or an existing tenant's exact name.")
         return tenant.pk

@@ -27,13 +27,12 @@ from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.text import slugify
 
-from audit.context import actor_of
 from console.access import console_view, page_context
 from controlplane.errors import NotFoundError
 from privacy import export, receipt, selectors, services
 from privacy.models import CANCELLABLE_STATES, ErasureJob, ErasureState
 from tenants.models import Tenant
-from tenants.selectors import tenant_get
+from tenants.selectors import tenant_by_name_or_id, tenant_get
 
 PAGE_SIZE = 25
 SECTION = {"section": "gdpr"}
@@ -45,7 +44,7 @@ class TenantChoiceForm(forms.Form):
     tenant = forms.CharField(label="Tenant name or id", max_length=200, strip=True)
 
     def clean_tenant(self) -> Tenant:
-        tenant = selectors.tenant_by_name_or_id(text=self.cleaned_data["tenant"])
+        tenant = tenant_by_name_or_id(text=self.cleaned_data["tenant"])
         if tenant is None:
             raise forms.ValidationError("No tenant has this name or id.")
         return tenant
@@ -61,12 +60,6 @@ class JobRow:
     @property
     def cancellable(self) -> bool:
         return self.job.state in CANCELLABLE_STATES
-
-
-def _requested_by(request) -> str:
-    """As privacy.apis._requested_by writes it for a staff user: "user:<pk>"."""
-    actor = actor_of(request.user)
-    return f"{actor.kind}:{actor.id}" if actor is not None else "system:"
 
 
 def _jobs_context(request) -> dict:
@@ -169,7 +162,7 @@ def erasure_request(request, tenant_id):
         return _request_confirmation(request, tenant, error="The name you typed is not the tenant's name. "
                                                             "Nothing was requested.", status=400)  # fmt: skip
     before = _existing_job(tenant.pk)
-    job, created = services.erasure_request(tenant_id=tenant.pk, requested_by=_requested_by(request))
+    job, created = services.erasure_request(tenant_id=tenant.pk, requested_by=services.erasure_requester(request.user))
     if created:
         messages.success(request, f"Erasure of {tenant.name} requested: scheduled to start at "
                                   f"{_when(job.scheduled_for)} (cancellable until then).")  # fmt: skip

@@ -24,7 +24,7 @@ from caches import selectors as cache_selectors
 from caches.models import TIERS, CacheState
 from console.access import console_view, error_page, page_context
 from console.charts import daily_bars, human_bytes, stacked_bar_chart
-from console.forms import BYTE_FIELDS, QUOTA_LABELS, QuotaForm, TenantSearchForm, bytes_text
+from console.forms import BYTE_FIELDS, QUOTA_LABELS, QuotaForm, TenantSearchForm, limit_text
 from tenants import selectors as tenant_selectors, services as tenant_services
 from tenants.models import Tenant
 
@@ -180,9 +180,8 @@ def usage(request, tenant_id):
 
 def _limit_text(field: str, value: int | None) -> str:
     if value is None:
-        default = settings.KCAAS_QUOTA_DEFAULTS[field]
-        return f"default ({bytes_text(default) if field in BYTE_FIELDS else default})"
-    return bytes_text(value) if field in BYTE_FIELDS else str(value)
+        return f"default ({limit_text(field, settings.KCAAS_QUOTA_DEFAULTS[field])})"
+    return limit_text(field, value)
 
 
 @console_view("tenants.edit", methods=("POST",))
