@@ -80,7 +80,7 @@ def measure_ssd_store(directory: str, blocks) -> dict:
     store = SsdStore(store_dir, KEY, 2 * total)
     started = time.perf_counter()
     for block_hash, payload in blocks:
-        store.write_async(block_hash, payload, block_checksum(payload))
+        store.write_async(block_hash, payload, block_checksum(payload), owned=False)  # compared after
     store.flush()
     write_s = time.perf_counter() - started
     drop_page_cache(store_dir)

@@ -91,6 +91,52 @@ class BlockHasher:
         """h_1 .. h_n of the full blocks of `tokens` (int32), concatenated: HASH_NUM_BYTES bytes each."""
         return chain_hashes(self._key, self.root, tokens.view(np.uint8), self.block_size * 4, HASH_NUM_BYTES)
 
+    def block_chain(self, tokens: np.ndarray) -> BlockChain:
+        """The chain of `tokens` (int32) as a BlockChain: computed once, then indexed (never sliced by hand)."""
+        return BlockChain(self.root, self.chain(tokens))
+
+    def chained_hash(self, parent: bytes, tokens: np.ndarray) -> BlockHash:
+        """h = BLAKE2b_key(parent || the block_size tokens of one full block): one link of a chain."""
+        data = np.ascontiguousarray(tokens, dtype="<i4").view(np.uint8)
+        return BlockHash(chain_hashes(self._key, bytes(parent), data.tobytes(), self.block_size * 4, HASH_NUM_BYTES))
+
     def block_hashes(self, tokens: np.ndarray) -> list[BlockHash]:
         chain = self.chain(tokens)
         return [BlockHash(chain[i : i + HASH_NUM_BYTES]) for i in range(0, len(chain), HASH_NUM_BYTES)]
+
+
+class BlockChain:
+    """The chained hashes h_1 .. h_n of one token sequence's full blocks, under one cache's key.
+
+    Built once per engine call (BlockHasher.block_chain) and passed down, so no caller hashes a sequence twice or
+    slices the concatenated digests by hand. Position i (0-based) names block i, whose parent is position i-1 (the
+    root for block 0). Immutable.
+    """
+
+    __slots__ = ("root", "_digests", "_num_blocks")
+
+    def __init__(self, root: bytes, digests: bytes):
+        assert len(digests) % HASH_NUM_BYTES == 0, "a chain is whole digests"
+        self.root = BlockHash(bytes(root))
+        self._digests = digests
+        self._num_blocks = len(digests) // HASH_NUM_BYTES
+
+    def __len__(self) -> int:
+        return self._num_blocks
+
+    def __getitem__(self, position: int) -> BlockHash:
+        if not 0 <= position < self._num_blocks:
+            raise IndexError(f"block {position} of a chain of {self._num_blocks}")
+        return BlockHash(self._digests[position * HASH_NUM_BYTES : (position + 1) * HASH_NUM_BYTES])
+
+    def parent(self, position: int) -> BlockHash:
+        """The hash block `position` continues: the root for block 0."""
+        return self[position - 1] if position else self.root
+
+    def last(self) -> BlockHash | None:
+        return self[self._num_blocks - 1] if self._num_blocks else None
+
+    def hashes(self, start: int = 0, stop: int | None = None) -> list[BlockHash]:
+        """Hashes of blocks [start, stop) in order."""
+        stop = self._num_blocks if stop is None else min(stop, self._num_blocks)
+        return [self[i] for i in range(start, stop)]

@@ -57,11 +57,7 @@ class BlockPool:
         self._free_stack: list[int] = list(range(num_blocks - 1, -1, -1))
         # Cached blocks nobody holds, least recently used first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
-        self.num_evictions = 0
-        # When lower tiers are attached: (block id, hash, parent hash) of full blocks evicted by allocate (cascaded
-        # descendants included) whose bytes and block_tokens row are still intact; the cache copies them out
-        # (tiers.demote_evicted) before the blocks are written. None: drop them.
-        self.evicted: list[tuple[int, BlockHash, BlockHash]] | None = None
+        self.num_evictions = 0  # cached blocks removed by allocate: evicted ones and everything cascaded with them
 
     # ---- counts -------------------------------------------------------------------------------------------------
     @property
@@ -91,15 +87,17 @@ class BlockPool:
         return self.block_parent[block_id] is not None
 
     # ---- allocation and holding ---------------------------------------------------------------------------------
-    def allocate(self, num_wanted: int) -> list[int]:
+    def allocate(self, num_wanted: int, evicted: list | None = None) -> list[int]:
         """Up to `num_wanted` blocks for a writer (fewer only when free + evictable run out), each with ref_cnt 1.
 
-        Takes free blocks first and evicts only under pressure, LRU first.
+        Takes free blocks first and evicts only under pressure, LRU first. `evicted`, when given, receives
+        (block id, hash, parent hash) of every full block the evictions remove (cascaded descendants included),
+        whose bytes and block_tokens row stay intact until the caller writes the blocks: so it can demote them.
         """
         free_stack = self._free_stack
         taken = free_stack[: -num_wanted - 1 : -1] if num_wanted else []  # top of the stack first
         del free_stack[len(free_stack) - len(taken) :]
-        evictable, uncache, evicted = self._evictable, self._uncache, self.evicted
+        evictable, uncache = self._evictable, self._uncache
         while len(taken) < num_wanted:
             if free_stack:  # an eviction's cascade may have freed descendants
                 taken.append(free_stack.pop())
@@ -107,8 +105,7 @@ class BlockPool:
                 block_id = evictable.popitem(last=False)[0]
                 if evicted is not None:
                     self._note_evicted(block_id, evicted)
-                uncache(block_id)
-                self.num_evictions += 1
+                self.num_evictions += uncache(block_id)  # the block and every block cascaded with it
                 taken.append(block_id)
             else:
                 break
@@ -234,43 +231,47 @@ class BlockPool:
         best = int(common.argmax())
         return int(ids[best]), int(common[best])
 
-    def uncache(self, block_ids: list[int]) -> int:
+    def uncache(self, block_ids: list[int], removed_hashes: list[BlockHash] | None = None) -> int:
         """Remove blocks and everything stored under them from the index; returns how many blocks that removed.
 
         Unheld ones are freed now; held ones are doomed: readers keep their bytes until they release them.
+        `removed_hashes`, when given, receives the hash of every full block removed (so lower tiers can follow).
         """
         num_removed = 0
         for block_id in block_ids:
             if self.block_parent[block_id] is None:
                 continue
-            num_removed += self._uncache(block_id)
+            num_removed += self._uncache(block_id, removed_hashes)
             if self.ref_cnt[block_id] == 0:
                 del self._evictable[block_id]
                 self._free(block_id)
         return num_removed
 
-    def _uncache(self, block_id: int) -> int:
-        """Unlink one cached block and, depth first, its descendants (freeing unheld descendants)."""
-        block_parent, hash_to_children = self.block_parent, self.hash_to_children
+    def _uncache(self, block_id: int, removed_hashes: list[BlockHash] | None = None) -> int:
+        """Unlink one cached block and everything cached under it, freeing unheld descendants (the block itself is
+        left to the caller). Iterative: a chain may be 100,000 blocks deep."""
+        block_parent, hash_to_children, index = self.block_parent, self.hash_to_children, self.cached_hash_to_block
         parent = block_parent[block_id]
         siblings = hash_to_children[parent]
         if len(siblings) == 1:
             del hash_to_children[parent]  # the common case: the only child (siblings == [block_id])
         else:
             siblings.remove(block_id)
-        block_parent[block_id] = None
-        num_removed = 1
-        block_hash = self.block_hash[block_id]
-        if block_hash is not None:
-            self.block_hash[block_id] = None
-            del self.cached_hash_to_block[block_hash]
-            children = hash_to_children.get(block_hash)
-            if children:
-                for child in list(children):
-                    num_removed += self._uncache(child)
-                    if self.ref_cnt[child] == 0:
-                        del self._evictable[child]
-                        self._free(child)
+        num_removed, stack = 0, [block_id]
+        while stack:
+            current = stack.pop()
+            block_parent[current] = None
+            num_removed += 1
+            block_hash = self.block_hash[current]
+            if block_hash is not None:
+                self.block_hash[current] = None
+                del index[block_hash]
+                if removed_hashes is not None:
+                    removed_hashes.append(block_hash)
+                stack.extend(hash_to_children.pop(block_hash, ()))
+            if current != block_id and self.ref_cnt[current] == 0:
+                del self._evictable[current]
+                self._free(current)
         return num_removed
 
     def _free(self, block_id: int) -> None:

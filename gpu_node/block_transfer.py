@@ -31,8 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu_node import tiers
-from gpu_node.block_hash import HASH_NUM_BYTES, chain_hashes
+from gpu_node.block_hash import HASH_NUM_BYTES
 from gpu_node.checksum import block_checksum
 from gpu_node.paged_cache import PagedKVCache
 
@@ -56,8 +55,7 @@ def partial_key(parent: bytes, tokens: np.ndarray) -> bytes:
 
 def chained_hash(engine: PagedKVCache, parent: bytes, tokens: np.ndarray) -> bytes:
     """h = BLAKE2b_key(parent || tokens of one full block): the name the target checks a full block against."""
-    data = np.ascontiguousarray(tokens, dtype="<i4").view(np.uint8)
-    return chain_hashes(engine._hasher._key, bytes(parent), data.tobytes(), engine.block_size * 4, HASH_NUM_BYTES)
+    return bytes(engine._hasher.chained_hash(parent, tokens))
 
 
 def root_of(engine: PagedKVCache) -> bytes:
@@ -217,7 +215,7 @@ def _promote_parent(engine: PagedKVCache, parent: bytes) -> None:
             return
         tokens = _chain_tokens(engine, parent)
     if tokens is not None:
-        tiers.promote(engine, tokens)
+        engine._promote(tokens, engine._hasher.block_chain(tokens))
 
 
 def _chain_tokens(engine: PagedKVCache, key: bytes) -> np.ndarray | None:
@@ -238,10 +236,7 @@ def _chain_tokens(engine: PagedKVCache, key: bytes) -> np.ndarray | None:
 
 def _allocate_one(engine: PagedKVCache) -> list[int]:
     """Under the engine lock: one block for a received block; what the allocation evicts is demoted (as in put)."""
-    ids = engine._blocks.allocate(1)
-    if engine._tiers is not None:
-        tiers.demote_evicted(engine)
-    return ids
+    return engine._allocate_device(1)
 
 
 def _demote_received(engine: PagedKVCache, parent: bytes, key: bytes, tokens: np.ndarray, data) -> str:

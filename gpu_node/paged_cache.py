@@ -16,6 +16,15 @@ Concurrency and visibility: metadata changes happen under one lock; bytes move o
 lock (which blocks it reuses, extends in place, copies on write, or allocates), holds every block it touches, writes
 without the lock, then publishes under the lock. Blocks enter the index only at publish and a partial block's
 `num_filled` grows only at publish, so readers never see a block (or a slot) before its bytes are fully written.
+
+The facade owns every tier: lower tiers (gpu_node/tiers.py, attached with attach_tiers) are reached only through
+the tier operations of gpu_node/engine_tiers.py, so lookup, get/acquire, put, delete, clear and wipe each reach
+device, DRAM and SSD alike. delete and clear forget a prefix and everything chained under it in every tier, durably.
+
+Purge (wipe) is a fence: once it starts, every operation raises CachePurged; bytes in motion are waited for — a
+put's write (then discarded, never published), a read section (read(), or a handle whose kv_views are being sent,
+until it is released) — and only then is every byte zeroed, so no reader is ever handed zeros as a hit and nothing
+lands in the pool after it was wiped.
 """
 
 from __future__ import annotations
@@ -27,9 +36,9 @@ import numpy as np
 import torch
 
 import kernels
-from gpu_node import tiers
-from gpu_node.block_hash import HASH_NUM_BYTES, BlockHasher, tokens_as_int32
+from gpu_node.block_hash import BlockChain, BlockHasher, tokens_as_int32
 from gpu_node.block_pool import BlockPool
+from gpu_node.engine_tiers import CachePurged, TierOperations
 from gpu_node.put_plan import COW, EXTEND, PutPlan, plan_put
 from kcaas.spec import KVCacheSpec
 
@@ -85,14 +94,16 @@ class PrefixHandle:
     num_tokens: int
     block_ids: list[int]
     released: bool = field(default=False)
+    reading: bool = field(default=False)  # inside a read section (kv_views handed out): a purge waits for release
 
     def slot_mapping(self) -> torch.Tensor:
+        self.cache._check_not_purged()
         return self.cache._slots_for(self.block_ids, self.num_tokens)
 
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.cache._release(self.block_ids)
+            self.cache._release(self.block_ids, end_read=self.reading)
 
     def __enter__(self) -> PrefixHandle:
         return self
@@ -101,7 +112,7 @@ class PrefixHandle:
         self.release()
 
 
-class PagedKVCache:
+class PagedKVCache(TierOperations):
     def __init__(
         self,
         spec: KVCacheSpec,
@@ -130,16 +141,10 @@ class PagedKVCache:
         self._num_hit_tokens = self._num_miss_tokens = self._num_cow_copies = self._num_stored_tokens = 0
         self._num_served_tokens = 0
         self._tiers = None  # LowerTiers (gpu_node/tiers.py) once attached: evicted full blocks are demoted there
-
-    def attach_tiers(self, tiers) -> None:
-        """Demote evicted full blocks into `tiers` (a gpu_node.tiers.LowerTiers) and promote them back on reads."""
-        with self._lock:
-            self._tiers = tiers
-            self._blocks.evicted = []
-
-    @property
-    def tiers(self):
-        return self._tiers
+        self._purged = False  # set once by wipe: every operation then raises CachePurged
+        self._active_io = 0  # puts moving bytes + open read sections: a purge waits for them (under the lock)
+        self._io_idle = threading.Condition(self._lock)
+        self._removals = 0  # bumped by delete/clear/wipe: a promotion in flight across one re-checks its blocks
 
     def _allocate_storage(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         spec = self.spec
@@ -167,61 +172,70 @@ class PagedKVCache:
             raise ValueError(f"kv has dtype {kv.dtype}, this cache's engine dtype is {self.kv_dtype}")
 
     # ---- reads --------------------------------------------------------------------------------------------------
-    def _num_cached_full_blocks(self, chain: bytes) -> int:
-        """How many leading hashes of `chain` are cached, in O(log n) index probes.
+    def _num_cached_full_blocks(self, chain: BlockChain) -> int:
+        """How many leading hashes of `chain` are cached on the device, in O(log n) index probes.
 
         Cached chains are prefix closed (a cached full block's parent is cached: BlockPool.check_invariants), so
         presence along a chain is monotone and a binary search finds its end; a full hit costs one probe.
         """
         index = self._blocks.cached_hash_to_block
-        num_hashes = len(chain) // HASH_NUM_BYTES
-        if num_hashes == 0 or chain[-HASH_NUM_BYTES:] in index:
+        num_hashes = len(chain)
+        if num_hashes == 0 or chain[num_hashes - 1] in index:
             return num_hashes
         low, high = 0, num_hashes - 1  # the first `low` are cached; hash number `high` (0-based) is not
         while low < high:
             middle = (low + high + 1) // 2
-            if chain[(middle - 1) * HASH_NUM_BYTES : middle * HASH_NUM_BYTES] in index:
+            if chain[middle - 1] in index:
                 low = middle
             else:
                 high = middle - 1
         return low
 
-    def _match(self, tokens: np.ndarray, *, want_ids: bool) -> tuple[int, list[int]]:
+    def _match(self, tokens: np.ndarray, chain: BlockChain, *, want_ids: bool) -> tuple[int, list[int]]:
         """Longest cached prefix: (num_tokens, block ids in chain order if want_ids). Call under the lock."""
         blocks = self._blocks
-        chain = self._hasher.chain(tokens)
         num_full = self._num_cached_full_blocks(chain)
-        hashes = [chain[i * HASH_NUM_BYTES : (i + 1) * HASH_NUM_BYTES] for i in range(num_full)] if want_ids else []
-        block_ids = [blocks.cached_hash_to_block[h] for h in hashes]
-        parent = chain[(num_full - 1) * HASH_NUM_BYTES : num_full * HASH_NUM_BYTES] if num_full else self._hasher.root
+        index = blocks.cached_hash_to_block
+        block_ids = [index[h] for h in chain.hashes(0, num_full)] if want_ids else []
         num_tokens = num_full * self.block_size
-        tail_id, tail_len = blocks.best_child(parent, tokens[num_tokens : num_tokens + self.block_size])
+        tail_id, tail_len = blocks.best_child(chain.parent(num_full), tokens[num_tokens : num_tokens + self.block_size])
         if tail_len:
             block_ids.append(tail_id)
             num_tokens += tail_len
         return num_tokens, block_ids
 
+    def _check_not_purged(self) -> None:
+        if self._purged:
+            raise CachePurged("this cache was purged: its KV is gone")
+
     def lookup(self, tokens, *, identity: KVCacheSpec | None = None) -> int:
-        """How many leading tokens of `tokens` are cached (whole blocks, then the longest matching partial tail).
+        """How many leading tokens of `tokens` are cached (whole blocks, then the longest matching partial tail;
+        with lower tiers, the device's full blocks followed by the lower tiers' run when that is longer).
 
         A pure query: it neither holds nor touches blocks (get/acquire do).
         """
         self._check_identity(identity)
         tokens = tokens_as_int32(tokens)
+        chain = self._hasher.block_chain(tokens)
         with self._lock:
-            num_tokens = self._match(tokens, want_ids=False)[0]
-        if self._tiers is not None:
-            return tiers.lookup_beyond_device(self, tokens, num_tokens)
+            self._check_not_purged()
+            num_tokens = self._match(tokens, chain, want_ids=False)[0]
+            num_full = self._num_cached_full_blocks(chain)
+            if self._tiers is not None:
+                num_tokens = max(num_tokens, self._lower_run_end(chain, num_full))
         return num_tokens
 
     def acquire(self, tokens, *, identity: KVCacheSpec | None = None) -> PrefixHandle:
-        """Hold the longest cached prefix of `tokens` (for reading in place, e.g. paged attention)."""
+        """Hold the longest cached prefix of `tokens` (for reading in place, e.g. paged attention); a prefix that
+        continues into lower tiers is promoted to the device first."""
         self._check_identity(identity)
         tokens = tokens_as_int32(tokens)
+        chain = self._hasher.block_chain(tokens)
         if self._tiers is not None:
-            tiers.promote(self, tokens)
+            self._promote(tokens, chain)
         with self._lock:
-            num_tokens, block_ids = self._match(tokens, want_ids=True)
+            self._check_not_purged()
+            num_tokens, block_ids = self._match(tokens, chain, want_ids=True)
             self._blocks.hold(block_ids)
             self._num_hit_tokens += num_tokens
             self._num_miss_tokens += len(tokens) - num_tokens
@@ -237,6 +251,7 @@ class PagedKVCache:
         if self.pool.device.type != "cpu" or spec.is_quantized or spec.storage_dtype != spec.kv_dtype:
             return None
         assert 0 <= start <= end <= handle.num_tokens and not handle.released, "a range of a held prefix"
+        self._begin_read(handle)  # ends when the handle is released: a purge waits for the views to be sent
         if self._pool_bytes is None:
             self._pool_bytes = memoryview(self.pool.view(-1).view(torch.uint8).numpy())
         token_bytes = spec.num_kv_heads * spec.head_dim * self.pool.element_size()
@@ -281,7 +296,36 @@ class PagedKVCache:
             self._check_staging(out, n)
             view = out.view(-1)[: n * self.spec.elements_per_token].view(self._kv_shape(n))
         slots = self._slots_for(handle.block_ids, n)
-        return kernels.read_kv(self.pool, self.scales, slots, out_dtype=self.kv_dtype, out=view)
+        section = not handle.reading
+        if section:
+            self._begin_io()
+        try:
+            return kernels.read_kv(self.pool, self.scales, slots, out_dtype=self.kv_dtype, out=view)
+        finally:
+            if section:
+                self._end_io()
+
+    # ---- the purge fence ----------------------------------------------------------------------------------------
+    def _begin_io(self) -> None:
+        """Enter a section that moves bytes of the pool (a purge waits for it); refused once purged."""
+        with self._lock:
+            self._check_not_purged()
+            self._active_io += 1
+
+    def _end_io(self) -> None:
+        with self._lock:
+            self._end_io_locked()
+
+    def _end_io_locked(self) -> None:
+        assert self._active_io > 0, "ended a section nobody began"
+        self._active_io -= 1
+        if not self._active_io:
+            self._io_idle.notify_all()
+
+    def _begin_read(self, handle: PrefixHandle) -> None:
+        if not handle.reading:
+            self._begin_io()
+            handle.reading = True
 
     def _kv_shape(self, num_tokens: int) -> tuple[int, ...]:
         spec = self.spec
@@ -298,9 +342,11 @@ class PagedKVCache:
         slots = (ids[:, None] * self.block_size + torch.arange(self.block_size)).reshape(-1)[:num_tokens]
         return slots.to(self.device)
 
-    def _release(self, block_ids: list[int]) -> None:
+    def _release(self, block_ids: list[int], *, end_read: bool = False) -> None:
         with self._lock:
             self._blocks.release(block_ids[::-1])
+            if end_read:
+                self._end_io_locked()
 
     # ---- writes -------------------------------------------------------------------------------------------------
     def put(self, tokens, kv: torch.Tensor, *, identity: KVCacheSpec | None = None) -> PutResult:
@@ -308,22 +354,27 @@ class PagedKVCache:
         self._check_identity(identity)
         tokens = tokens_as_int32(tokens)
         self._check_kv(kv, len(tokens))
-        hashes = self._hasher.block_hashes(tokens)
+        hashes = self._hasher.block_chain(tokens).hashes()
         with self._lock:
-            plan = plan_put(self._blocks, hashes, self._hasher.root, tokens, self._extending)
-            if self._tiers is not None:
-                tiers.demote_evicted(self)
+            self._check_not_purged()
+            evicted = [] if self._tiers is not None else None
+            plan = plan_put(self._blocks, hashes, self._hasher.root, tokens, self._extending, evicted=evicted)
+            self._active_io += 1  # the write below: a purge waits for it, then this put is discarded
+            self._demote_evicted(evicted)
         try:
             self._write(plan, kv)
         except BaseException:
             with self._lock:
                 self._release_plan(plan)
+                self._end_io_locked()
             raise
         with self._lock:
             try:
+                self._check_not_purged()  # purged while the bytes moved: discarded, never published
                 num_cached = self._publish(plan, tokens)
             finally:
                 self._release_plan(plan)
+                self._end_io_locked()
             self._num_cow_copies += plan.num_cow_copies
             self._num_stored_tokens += plan.num_written_tokens
         return PutResult(
@@ -379,33 +430,53 @@ class PagedKVCache:
 
     # ---- removal ------------------------------------------------------------------------------------------------
     def delete(self, tokens, *, identity: KVCacheSpec | None = None) -> int:
-        """Forget the cached prefix of `tokens` and everything stored under it; returns the blocks removed.
+        """Forget the cached prefix of `tokens` and everything stored under it, in every tier and durably (a warm
+        restart does not bring it back); returns the blocks removed.
 
-        Readers holding a removed block keep reading it; its memory is reused after they release it.
+        The prefix starts at the sequence's first block (on the device: its first full block, or the partial tail
+        it matches). Readers holding a removed block keep reading it; its memory is reused after they release it.
         """
         self._check_identity(identity)
         tokens = tokens_as_int32(tokens)
+        chain = self._hasher.block_chain(tokens)
         with self._lock:
-            _, block_ids = self._match(tokens, want_ids=True)
-            return self._blocks.uncache(block_ids[:1])
+            self._check_not_purged()
+            _, block_ids = self._match(tokens, chain, want_ids=True)
+            removed_hashes: list = []
+            num_removed = self._blocks.uncache(block_ids[:1], removed_hashes)
+            num_removed += self._forget_lower(chain.hashes(0, 1) + removed_hashes, set(removed_hashes))
+        self._sync_lower()
+        return num_removed
 
     def clear(self) -> int:
-        """Forget every cached block; returns how many were removed."""
+        """Forget every cached block in every tier, durably; returns how many were removed."""
         with self._lock:
-            return self._blocks.uncache(list(self._blocks.children(self._hasher.root)))
+            self._check_not_purged()
+            removed_hashes: list = []
+            num_removed = self._blocks.uncache(list(self._blocks.children(self._hasher.root)), removed_hashes)
+            num_removed += self._clear_lower(set(removed_hashes))
+        self._sync_lower()
+        return num_removed
 
-    def wipe(self) -> int:
-        """Forget every block and overwrite the whole pool (and scales) with zeros: nothing of the cache's KV stays
-        in this memory once it is handed back (erasure). Returns the bytes that were resident."""
+    def wipe(self, *, wait_seconds: float = 60.0) -> int:
+        """Purge (erasure): fence the cache, forget every block, wait for bytes in motion (puts writing, read
+        sections), then overwrite the whole pool (and scales) with zeros and erase every lower tier (DRAM zeroed,
+        the SSD directory deleted). Afterwards every operation raises CachePurged. Returns the bytes that were
+        resident. Idempotent (a second call returns 0). A read section still open after `wait_seconds` (a peer
+        that stopped reading) does not hold erasure up: the bytes are zeroed under it."""
         with self._lock:
+            if self._purged:
+                return 0
+            self._purged = True
+            self._removals += 1
             resident = self._blocks.num_used_blocks * self.spec.block_bytes
             self._blocks.uncache(list(self._blocks.children(self._hasher.root)))
+            self._io_idle.wait_for(lambda: not self._active_io, timeout=wait_seconds)
             self.pool.zero_()
             if self.scales is not None:
                 self.scales.zero_()
-        if self._tiers is not None:
-            resident += self._tiers.wipe()
-        return resident
+            self._pool_bytes = None
+        return resident + self._wipe_lower()
 
     # ---- accounting ---------------------------------------------------------------------------------------------
     def count_served(self, num_tokens: int) -> None:
@@ -438,4 +509,7 @@ class PagedKVCache:
         with self._lock:
             self._blocks.check_invariants(self._hasher.root)
             assert all(self._blocks.ref_cnt[b] > 0 for b in self._extending)
+            assert self._active_io >= 0
+        if self._tiers is not None and not self._purged:
+            self._tiers.check_invariants()
 

@@ -70,10 +70,11 @@ class PutPlan:
         return int(self.head is not None and self.head.kind == COW)
 
     def held_ids(self) -> list[int]:
-        """Every block the plan holds, tail of the chain first (the order release makes them evictable in)."""
+        """Every block the plan holds, tail of the chain first (the order release makes them evictable in): the
+        copy-on-write source is a leaf under the last reused block, so it goes before the reused prefix."""
         head = [] if self.head is None or self.head.block_id < 0 else [self.head.block_id]
         source = [self.head.cow_source] if self.head is not None and self.head.kind == COW else []
-        return self.tail_ids[::-1] + head + self.reused_ids[::-1] + source
+        return self.tail_ids[::-1] + head + source + self.reused_ids[::-1]
 
     def slot_mapping(self) -> tuple[int, np.ndarray]:
         """(first token written, int64 slots of tokens [first, end)); call only when num_written_tokens > 0."""
@@ -96,8 +97,10 @@ class PutPlan:
         return self.hashes[position - 1] if position else self.parent
 
 
-def plan_put(blocks: BlockPool, hashes: list[BlockHash], root: BlockHash, tokens: np.ndarray, extending: set[int]):
-    """Plan (and hold the blocks of) a put of `tokens`; call under the cache lock. `extending` is updated."""
+def plan_put(blocks: BlockPool, hashes: list[BlockHash], root: BlockHash, tokens: np.ndarray, extending: set[int],
+             evicted: list | None = None):  # fmt: skip
+    """Plan (and hold the blocks of) a put of `tokens`; call under the cache lock. `extending` is updated;
+    `evicted` receives what the allocation evicts (BlockPool.allocate)."""
     plan = PutPlan(len(tokens), blocks.block_size, root, hashes)
     num_positions = -(-len(tokens) // blocks.block_size)
     position = 0
@@ -116,7 +119,7 @@ def plan_put(blocks: BlockPool, hashes: list[BlockHash], root: BlockHash, tokens
         else:
             plan.head = _head_write(blocks, position, segment, child, common, extending)
     blocks.hold(plan.held_ids())
-    _allocate(blocks, plan, num_positions, extending)
+    _allocate(blocks, plan, num_positions, evicted)
     return plan
 
 
@@ -130,12 +133,12 @@ def _head_write(blocks, position, segment, child, common, extending) -> HeadWrit
     return HeadWrite(COW, position, -1, start + common, cow_source=child)
 
 
-def _allocate(blocks: BlockPool, plan: PutPlan, num_positions: int, extending: set[int]) -> None:
+def _allocate(blocks: BlockPool, plan: PutPlan, num_positions: int, evicted: list | None) -> None:
     head = plan.head
     if head is None:
         return
     num_wanted = (head.kind != EXTEND) + num_positions - head.position - 1
-    allocated = blocks.allocate(num_wanted)
+    allocated = blocks.allocate(num_wanted, evicted)
     plan.num_new_blocks = len(allocated)
     if head.kind != EXTEND:
         if not allocated:  # not even the head fits: drop it and what it held

@@ -1,22 +1,20 @@
-"""Lower tiers of one cache: host DRAM, then encrypted SSD segments (gpu_node/ssd_store.py).
+"""Lower tiers of one cache: host DRAM, then encrypted SSD segments (gpu_node/ssd_store.py) — storage only.
+
+The engine facade (PagedKVCache, with its tier operations in gpu_node/engine_tiers.py) decides what moves when; this
+module stores and forgets blocks by hash and never touches the cache's own state. Each tier implements `Tier`.
 
 A cold, unheld, *full* block the device pool evicts is demoted (its bytes copied out under the cache lock, before
 the evicting writer overwrites them) into DRAM; DRAM overflow (LRU) goes to the SSD store's writer thread. Partial
-tails stay on the device only. A get/acquire whose prefix continues past the device tier into lower tiers promotes
-that run of blocks back into the device pool (checksum verified; a mismatch drops the block, counts a failure and
-ends the run: a miss, never wrong KV), so readers always read the device pool as before.
-
-Blocks are named by their chained keyed hash (gpu_node/block_hash.py): equal hash, equal prefix, so a lower-tier
-block is installed under the request's own chain (its tokens are the request's tokens). A block's *payload* is its
-pool bytes followed by its scales bytes (quantized storage), exactly what gpu_node/checksum.py sums.
+tails stay on the device only. A block's *payload* is its pool bytes followed by its scales bytes (quantized
+storage), exactly what gpu_node/checksum.py sums; every read is verified (a mismatch is a miss and a counter).
 
 Tiering: DRAM is exclusive (a promoted block leaves DRAM), SSD is inclusive (a block stays on SSD after promotion,
 so a later demotion of the same hash costs no write, and a restart finds it: warm restart).
 
-Lineage: every demotion also records the block's (parent hash, tokens) in `LowerTiers.lineage`, in memory only, so
-a migration (gpu_node/block_transfer.py) can send lower-tier blocks with the names the target checks. Entries of
-blocks that left every tier are pruned lazily (`present_lineage`, and when the map outgrows the tiers). Blocks found by
-an SSD rescan (warm restart) have no lineage: they are served by hash but not migrated.
+Lineage: every lower-tier block has its (parent hash, tokens) in `LowerTiers.lineage` (a `Lineage`: also indexed
+parent -> children). It is what delete/clear follow to remove a prefix and everything chained under it from every
+tier, and what a migration sends. It is durable where the block is: SSD records carry it (encrypted), so a warm
+restart rebuilds it.
 
 Lock order: cache lock -> DRAM lock -> SSD index lock. No lock of this module is held during SSD I/O, and no lock
 is shared between caches.
@@ -29,11 +27,11 @@ import re
 import shutil
 import threading
 from collections import OrderedDict
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from gpu_node.block_hash import HASH_NUM_BYTES
 from gpu_node.checksum import block_checksum, verify_block
 
 
@@ -73,11 +71,47 @@ def _bytes_of(block: torch.Tensor) -> torch.Tensor:
     return block.view(-1).view(torch.uint8)
 
 
+class Tier(Protocol):
+    """One lower tier of one cache (DramTier, SsdStore): blocks named by their chained keyed hash.
+
+    Invariants every tier keeps:
+    - what `read`/`take` return is verified against the checksum given at `store` (a mismatch: None, the entry is
+      dropped and counted in num_checksum_failures) — never wrong bytes;
+    - `discard`/`clear` make blocks unreadable at once (no I/O: callable under the cache lock) and `sync` makes that
+      durable (a restart does not bring them back); payload copies the tier owns are zeroed when forgotten;
+    - after `wipe` no byte of any block stays in the tier's memory or files, and the tier stores nothing more;
+    - bytes_resident == the payload bytes of the blocks it holds <= its capacity (check_invariants).
+    """
+
+    bytes_resident: int
+    num_checksum_failures: int
+
+    def contains(self, block_hash: bytes) -> bool: ...
+
+    def hashes(self) -> list[bytes]: ...
+
+    def read(self, block_hash: bytes) -> bytearray | None: ...
+
+    def store(self, block_hash: bytes, payload: bytearray, checksum: int, lineage: tuple | None) -> list: ...
+
+    def discard(self, hashes) -> int: ...
+
+    def clear(self) -> int: ...
+
+    def sync(self) -> None: ...
+
+    def wipe(self) -> int: ...
+
+    def check_invariants(self) -> None: ...
+
+    def __len__(self) -> int: ...
+
+
 class DramTier:
     """Host-memory blocks of one cache, LRU, keyed by block hash: hash -> (payload, xxh3 checksum of payload).
 
     Invariant: bytes_resident == sum of len(payload) over entries <= capacity_bytes (checked by check_invariants).
-    Payloads are bytearrays owned here, so wipe() can overwrite them with zeros.
+    Payloads are bytearrays owned here, so they are zeroed when forgotten (discard, clear, wipe).
     """
 
     def __init__(self, capacity_bytes: int):
@@ -90,9 +124,20 @@ class DramTier:
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self._entries
 
-    def put(self, block_hash: bytes, payload: bytearray, checksum: int) -> list[tuple[bytes, bytearray, int]]:
-        """Insert (most recently used); returns the LRU entries pushed out to stay within capacity."""
-        assert len(payload) <= self.capacity_bytes
+    contains = __contains__
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def hashes(self) -> list[bytes]:
+        with self._lock:
+            return list(self._entries)
+
+    def store(self, block_hash: bytes, payload: bytearray, checksum: int, lineage=None) -> list:
+        """Insert (most recently used); returns the LRU entries pushed out to stay within capacity, as
+        (hash, payload, checksum) for the next tier."""
+        if len(payload) > self.capacity_bytes:
+            return [(block_hash, payload, checksum)]
         pushed_out = []
         with self._lock:
             previous = self._entries.pop(block_hash, None)
@@ -106,7 +151,7 @@ class DramTier:
             self.bytes_resident += len(payload)
         return pushed_out
 
-    def peek(self, block_hash: bytes) -> bytearray | None:
+    def read(self, block_hash: bytes) -> bytearray | None:
         """A verified copy of a block's payload, leaving it in place (LRU order unchanged); None if absent or
         corrupt (a corrupt entry is dropped and counted)."""
         with self._lock:
@@ -121,11 +166,11 @@ class DramTier:
             self.num_checksum_failures += 1
         return None
 
-    def __len__(self) -> int:
-        return len(self._entries)
+    peek = read
 
     def take(self, block_hash: bytes) -> bytearray | None:
-        """Remove and return a block's payload if present and intact; a corrupt one is dropped and counted."""
+        """Remove and return a block's payload if present and intact (the caller owns it now); a corrupt one is
+        dropped, zeroed and counted."""
         with self._lock:
             entry = self._entries.pop(block_hash, None)
             if entry is None:
@@ -133,19 +178,45 @@ class DramTier:
             self.bytes_resident -= len(entry[0])
         payload, checksum = entry
         if not verify_block(checksum, payload):
+            zero(payload)
             with self._lock:
                 self.num_checksum_failures += 1
             return None
         return payload
 
+    def discard(self, hashes) -> int:
+        """Forget these blocks (their payloads zeroed); returns how many were here."""
+        removed = 0
+        with self._lock:
+            for block_hash in hashes:
+                entry = self._entries.pop(block_hash, None)
+                if entry is not None:
+                    self.bytes_resident -= len(entry[0])
+                    zero(entry[0])
+                    removed += 1
+        return removed
+
+    def clear(self) -> int:
+        """Forget every block (payloads zeroed); returns how many there were."""
+        with self._lock:
+            return self._clear_locked()
+
+    def _clear_locked(self) -> int:
+        removed = len(self._entries)
+        for payload, _ in self._entries.values():
+            zero(payload)
+        self._entries.clear()
+        self.bytes_resident = 0
+        return removed
+
+    def sync(self) -> None:
+        """Nothing to make durable: DRAM does not outlive the process."""
+
     def wipe(self) -> int:
         """Zero every payload's bytes and forget them (erasure); returns the bytes that were resident."""
         with self._lock:
             resident = self.bytes_resident
-            for payload, _ in self._entries.values():
-                payload[:] = bytes(len(payload))
-            self._entries.clear()
-            self.bytes_resident = 0
+            self._clear_locked()
         return resident
 
     def check_invariants(self) -> None:
@@ -153,51 +224,131 @@ class DramTier:
             assert self.bytes_resident == sum(len(p) for p, _ in self._entries.values()) <= self.capacity_bytes
 
 
+def zero(buffer: bytearray) -> None:
+    """Overwrite a payload copy with zeros before it is let go (no KV left in freed heap memory)."""
+    if buffer:
+        torch.frombuffer(buffer, dtype=torch.uint8).zero_()
+
+
+class Lineage:
+    """hash -> (parent hash, tokens) of lower-tier blocks, with the inverse parent -> child hashes.
+
+    Entries may outlive their block in every tier (pruned lazily by `prune`), which is harmless: walks through them
+    only find more blocks to forget. `descendants` is iterative (chains may be 100,000 blocks deep).
+    """
+
+    def __init__(self):
+        self._of: dict[bytes, tuple[bytes, np.ndarray]] = {}
+        self._children: dict[bytes, set[bytes]] = {}
+
+    def __len__(self) -> int:
+        return len(self._of)
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._of
+
+    def get(self, block_hash: bytes):
+        return self._of.get(block_hash)
+
+    def __getitem__(self, block_hash: bytes):
+        return self._of[block_hash]
+
+    def items(self):
+        return self._of.items()
+
+    def add(self, block_hash: bytes, parent: bytes, tokens) -> None:
+        block_hash, parent = bytes(block_hash), bytes(parent)
+        previous = self._of.get(block_hash)
+        if previous is not None and previous[0] != parent:
+            self._unlink(block_hash, previous[0])
+        self._of[block_hash] = (parent, np.array(tokens, dtype=np.int32))
+        self._children.setdefault(parent, set()).add(block_hash)
+
+    def remove(self, block_hash: bytes) -> None:
+        entry = self._of.pop(block_hash, None)
+        if entry is not None:
+            self._unlink(block_hash, entry[0])
+
+    def _unlink(self, block_hash: bytes, parent: bytes) -> None:
+        siblings = self._children.get(parent)
+        if siblings is not None:
+            siblings.discard(block_hash)
+            if not siblings:
+                del self._children[parent]
+
+    def descendants(self, roots) -> list[bytes]:
+        """Every hash chained under `roots` (the roots themselves included when known here), depth first."""
+        out, seen, stack = [], set(), [bytes(r) for r in roots]
+        while stack:
+            current = stack.pop()
+            if current in seen:
+                continue
+            seen.add(current)
+            out.append(current)
+            stack.extend(self._children.get(current, ()))
+        return out
+
+    def clear(self) -> None:
+        self._of.clear()
+        self._children.clear()
+
+    def prune(self, present) -> None:
+        for block_hash in [h for h in self._of if not present(h)]:
+            self.remove(block_hash)
+
+
 class LowerTiers:
-    """The tiers below one cache's device pool: DRAM (capacity may be 0) and an optional SsdStore."""
+    """The tiers below one cache's device pool, in order: DRAM (capacity may be 0), then an optional SsdStore.
+
+    Every method is callable under the cache lock except `sync`, `wipe` and `close` (they may do SSD I/O).
+    """
 
     def __init__(self, dram_bytes: int, ssd=None):
         self.dram = DramTier(dram_bytes)
         self.ssd = ssd
-        self.lineage: dict[bytes, tuple[bytes, np.ndarray]] = {}  # hash -> (parent hash, tokens): see module doc
+        self.lineage = Lineage()
+        if ssd is not None:
+            for block_hash, (parent, tokens) in ssd.lineages().items():  # durable lineage: a warm restart's
+                self.lineage.add(block_hash, parent, tokens)
 
-    def demote(self, block_hash: bytes, payload: bytearray, lineage: tuple[bytes, np.ndarray] | None = None) -> None:
+    @property
+    def tiers(self) -> list[Tier]:
+        return [self.dram] + ([self.ssd] if self.ssd is not None else [])
+
+    def demote(self, block_hash: bytes, payload: bytearray, lineage: tuple[bytes, np.ndarray]) -> None:
         """Keep an evicted full block: DRAM when it fits, its overflow (or the block itself) to SSD, else drop.
-        `lineage` (parent hash, tokens) is recorded first, so a block in a tier always has it when one was given."""
-        if lineage is not None:
-            self.lineage[block_hash] = (bytes(lineage[0]), np.array(lineage[1], dtype=np.int32))
-            if len(self.lineage) > 2 * self._num_blocks() + 1024:
-                self.present_lineage()
-        checksum = block_checksum(payload)
-        if len(payload) <= self.dram.capacity_bytes:
-            for pushed in self.dram.put(block_hash, payload, checksum):
-                self._to_ssd(*pushed)
-        else:
-            self._to_ssd(block_hash, payload, checksum)
+        Its lineage (parent hash, tokens) is recorded first, so a block in a tier always has it."""
+        self.lineage.add(block_hash, lineage[0], lineage[1])
+        if len(self.lineage) > 2 * self._num_blocks() + 1024:
+            self.lineage.prune(self.has)
+        for pushed in self.dram.store(block_hash, payload, block_checksum(payload)):
+            self._to_ssd(*pushed)
 
     def _to_ssd(self, block_hash: bytes, payload: bytearray, checksum: int) -> None:
-        if self.ssd is not None:
-            self.ssd.write_async(block_hash, payload, checksum)
+        lineage = self.lineage.get(block_hash)
+        if self.ssd is None or lineage is None:
+            zero(payload)  # dropped: no tier keeps it
+            return
+        self.ssd.store(block_hash, payload, checksum, lineage)
 
     def _num_blocks(self) -> int:
-        ssd = self.ssd
-        return len(self.dram) + (len(ssd._index) + len(ssd._pending) if ssd is not None else 0)
+        return sum(len(tier) for tier in self.tiers)
 
     def present_lineage(self) -> dict[bytes, tuple[bytes, np.ndarray]]:
         """Lineage of the blocks some tier holds now (entries of blocks gone from every tier are pruned)."""
-        for block_hash in [h for h in self.lineage if not self.has(h)]:
-            self.lineage.pop(block_hash, None)
-        return dict(self.lineage)
+        self.lineage.prune(self.has)
+        return dict(self.lineage.items())
 
     def peek(self, block_hash: bytes) -> bytearray | None:
         """A verified copy of a block's payload read straight from DRAM or SSD: nothing is promoted or moved."""
-        payload = self.dram.peek(block_hash)
-        if payload is None and self.ssd is not None:
-            payload = self.ssd.read(block_hash)
-        return payload
+        for tier in self.tiers:
+            payload = tier.read(block_hash)
+            if payload is not None:
+                return payload
+        return None
 
     def has(self, block_hash: bytes) -> bool:
-        return block_hash in self.dram or (self.ssd is not None and self.ssd.contains(block_hash))
+        return any(tier.contains(block_hash) for tier in self.tiers)
 
     def count_run(self, hashes: list[bytes]) -> int:
         """How many leading hashes are held by some lower tier (no verification: a pure query)."""
@@ -209,7 +360,8 @@ class LowerTiers:
         return count
 
     def fetch_run(self, hashes: list[bytes]) -> list[bytearray]:
-        """Verified payloads of the leading run of `hashes` found in lower tiers (DRAM entries are taken out)."""
+        """Verified payloads of the leading run of `hashes` found in lower tiers (DRAM entries are taken out: the
+        caller owns every payload returned and zeroes it when done)."""
         payloads = []
         for block_hash in hashes:
             payload = self.dram.take(block_hash)
@@ -220,6 +372,30 @@ class LowerTiers:
             payloads.append(payload)
         return payloads
 
+    def discard_subtrees(self, roots) -> list[bytes]:
+        """Forget `roots` and every block chained under them from every tier (in memory at once; `sync` makes it
+        durable); returns the hashes some tier held."""
+        hashes = self.lineage.descendants(roots)
+        removed = [h for h in hashes if self.has(h)]
+        for tier in self.tiers:
+            tier.discard(hashes)
+        for block_hash in hashes:
+            self.lineage.remove(block_hash)
+        return removed
+
+    def clear(self) -> set[bytes]:
+        """Forget every block of every tier (in memory; `sync` makes it durable); returns the hashes removed."""
+        removed = {h for tier in self.tiers for h in tier.hashes()}
+        for tier in self.tiers:
+            tier.clear()
+        self.lineage.clear()
+        return removed
+
+    def sync(self) -> None:
+        """Make discards durable (SSD index commit): never under the cache lock."""
+        for tier in self.tiers:
+            tier.sync()
+
     def resident_bytes(self) -> dict[str, int]:
         return {"dram": self.dram.bytes_resident, "ssd": self.ssd.bytes_resident if self.ssd is not None else 0}
 
@@ -229,87 +405,17 @@ class LowerTiers:
 
     def wipe(self) -> int:
         """Erasure: zero DRAM, delete the SSD directory; returns the bytes that were resident in both."""
-        resident = self.dram.wipe()
-        if self.ssd is not None:
-            resident += self.ssd.destroy()
+        resident = sum(tier.wipe() for tier in self.tiers)
+        self.lineage.clear()
         return resident
+
+    def check_invariants(self) -> None:
+        for tier in self.tiers:
+            tier.check_invariants()
 
     def close(self) -> None:
         if self.ssd is not None:
             self.ssd.close()
-
-
-# ---- the hooks PagedKVCache calls (under its lock where said) -------------------------------------------------------
-def demote_evicted(cache) -> None:
-    """Copy out and demote the full blocks the last allocation evicted. Call under the cache lock, right after the
-    allocation and before anything writes the blocks it handed out."""
-    evicted = cache._blocks.evicted
-    if not evicted:
-        return
-    block_ids = [block_id for block_id, _, _ in evicted]
-    lineages = [(parent, cache._blocks.block_tokens[block_id].copy()) for block_id, _, parent in evicted]
-    hashes = [block_hash for _, block_hash, _ in evicted]
-    evicted.clear()
-    for block_hash, payload, lineage in zip(hashes, block_payloads(cache.pool, cache.scales, block_ids), lineages):
-        cache._tiers.demote(block_hash, payload, lineage)
-
-
-def _split(chain: bytes, start: int) -> list[bytes]:
-    return [chain[i : i + HASH_NUM_BYTES] for i in range(start * HASH_NUM_BYTES, len(chain), HASH_NUM_BYTES)]
-
-
-def lookup_beyond_device(cache, tokens: np.ndarray, device_tokens: int) -> int:
-    """lookup() with lower tiers: the device match, or its full blocks followed by the lower tiers' run if longer."""
-    chain = cache._hasher.chain(tokens)
-    with cache._lock:
-        num_full = cache._num_cached_full_blocks(chain)
-    num_lower = cache._tiers.count_run(_split(chain, num_full))
-    return max(device_tokens, (num_full + num_lower) * cache.block_size)
-
-
-def promote(cache, tokens: np.ndarray) -> int:
-    """Bring the run of lower-tier blocks continuing the device prefix of `tokens` into the device pool; returns
-    how many blocks were installed. Lower-tier I/O happens without the cache lock."""
-    chain = cache._hasher.chain(tokens)
-    with cache._lock:
-        num_full = cache._num_cached_full_blocks(chain)
-    wanted = _split(chain, num_full)
-    if not wanted or not cache._tiers.has(wanted[0]):
-        return 0
-    payloads = cache._tiers.fetch_run(wanted)
-    if not payloads:
-        return 0
-    with cache._lock:
-        return _install(cache, chain, num_full, tokens, wanted[: len(payloads)], payloads)
-
-
-def _install(cache, chain: bytes, num_full: int, tokens: np.ndarray, hashes: list[bytes], payloads) -> int:
-    """Under the cache lock: allocate device blocks after the (held) device prefix, write the payloads, publish."""
-    blocks, block_size = cache._blocks, cache.block_size
-    if cache._num_cached_full_blocks(chain) != num_full:  # the device prefix changed meanwhile: keep the blocks
-        _demote_back(cache, chain, tokens, num_full, hashes, payloads)
-        return 0
-    prefix_ids = [blocks.cached_hash_to_block[h] for h in _split(chain[: num_full * HASH_NUM_BYTES], 0)]
-    blocks.hold(prefix_ids)  # so the allocation cannot evict the prefix the new blocks hang off
-    block_ids = blocks.allocate(len(payloads))
-    demote_evicted(cache)
-    installed = len(block_ids)
-    if installed:
-        write_payloads(cache.pool, cache.scales, block_ids, payloads[:installed])
-        parent = chain[(num_full - 1) * HASH_NUM_BYTES : num_full * HASH_NUM_BYTES] if num_full else cache._hasher.root
-        segment = tokens[num_full * block_size : (num_full + installed) * block_size]
-        blocks.publish_chain(block_ids, parent, segment, hashes[:installed])
-    blocks.release(block_ids[::-1] + prefix_ids[::-1])
-    _demote_back(cache, chain, tokens, num_full + installed, hashes[installed:], payloads[installed:])
-    return installed
-
-
-def _demote_back(cache, chain: bytes, tokens: np.ndarray, first: int, hashes: list[bytes], payloads) -> None:
-    """Demote blocks first, first+1, ... of `chain` again, with their lineage."""
-    size = cache.block_size
-    for i, (block_hash, payload) in enumerate(zip(hashes, payloads), start=first):
-        parent = chain[(i - 1) * HASH_NUM_BYTES : i * HASH_NUM_BYTES] if i else cache._hasher.root
-        cache._tiers.demote(block_hash, payload, (bytes(parent), tokens[i * size : (i + 1) * size]))
 
 
 # ---- setting tiers up for a hosted cache (the registry calls these) -------------------------------------------------

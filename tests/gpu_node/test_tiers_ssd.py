@@ -8,7 +8,8 @@ import torch
 
 from gpu_node.block_hash import tokens_as_int32
 from gpu_node.checksum import block_checksum
-from gpu_node.ssd_store import HEADER, SsdStore, segment_name
+from gpu_node.engine_tiers import CachePurged
+from gpu_node.ssd_store import HEADER, MAGIC, NO_PARENT, SsdStore, segment_name
 from gpu_node.tiers import LowerTiers
 
 from .kv_fixtures import prefix_kv, tiny_cache
@@ -106,7 +107,8 @@ def test_a_torn_write_at_a_segment_end_is_dropped_at_rescan(tmp_path):
     store.close()
     last = tmp_path / segment_files(tmp_path)[-1]
     payload = bytearray(os.urandom(cache.spec.block_bytes))
-    record = HEADER.pack(b"KCB1", len(payload) + 16, b"h" * 16, b"n" * 12, block_checksum(payload)) + payload
+    record = HEADER.pack(MAGIC, len(payload) + 16, b"h" * 16, b"n" * 12, block_checksum(payload), NO_PARENT, 0)
+    record += payload
     with open(last, "ab") as file:
         file.write(record[: len(record) // 2])
     reopened = SsdStore(str(tmp_path), KEY_A, 1 << 20)
@@ -137,7 +139,8 @@ def test_destroy_deletes_the_directory(tmp_path):
     put_all(cache, [100, 200])
     resident = cache.wipe()
     assert resident > 0 and not (tmp_path / "c").exists()
-    assert cache.lookup(seq(16, 100)) == 0
+    with pytest.raises(CachePurged):  # a purged cache serves nothing more: an error, never a hit
+        cache.lookup(seq(16, 100))
 
 
 @pytest.mark.parametrize("storage", ["float32", "int8"])

@@ -1,0 +1,147 @@
+"""The engine facade's tier operations: how PagedKVCache moves blocks between its device pool and its lower tiers.
+
+PagedKVCache inherits these methods; they are the facade's own code (its lock, its block pool, its hasher), kept in
+this file so gpu_node/paged_cache.py stays about the device pool. Lower tiers (gpu_node/tiers.py) are storage only:
+they never see the cache. Every tier operation takes the request's BlockChain, computed once by the caller.
+
+- demotion: the blocks an allocation evicted are copied out (under the cache lock, before the allocating writer
+  overwrites them) and handed to the tiers with their lineage;
+- lookup: the device's full blocks, then the lower tiers' run of the same chain;
+- promotion (get/acquire): the lower-tier run continuing the device prefix is fetched without the cache lock, then
+  installed under it — unless the cache was purged or a delete/clear ran meanwhile (then only blocks not forgotten
+  are kept, demoted back; the rest are zeroed and dropped: a deleted prefix never comes back);
+- forgetting (delete, clear, wipe): device removals and the lower tiers' subtrees happen under the cache lock, so
+  no promotion can interleave; the SSD makes them durable afterwards (`_sync_lower`, without the lock).
+
+Every payload copy this module owns (fetched for promotion, copied out for demotion) is handed to a tier or zeroed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gpu_node.block_hash import BlockChain
+from gpu_node.tiers import block_payloads, write_payloads, zero
+
+
+class CachePurged(RuntimeError):
+    """The cache was purged (wipe): its KV is gone and it serves nothing more."""
+
+
+class TierOperations:
+    """Mixin of PagedKVCache: the methods through which the facade owns its lower tiers."""
+
+    def attach_tiers(self, tiers) -> None:
+        """Demote evicted full blocks into `tiers` (a gpu_node.tiers.LowerTiers) and promote them back on reads."""
+        with self._lock:
+            self._tiers = tiers
+
+    @property
+    def tiers(self):
+        return self._tiers
+
+    # ---- demotion (under the cache lock) --------------------------------------------------------------------------
+    def _demote_evicted(self, evicted: list | None) -> None:
+        """Copy out and demote the full blocks an allocation evicted (BlockPool.allocate's `evicted`). Call under
+        the cache lock, right after the allocation and before anything writes the blocks it handed out."""
+        if not evicted:
+            return
+        block_ids = [block_id for block_id, _, _ in evicted]
+        tokens = self._blocks.block_tokens
+        lineages = [(parent, tokens[block_id].copy()) for block_id, _, parent in evicted]
+        payloads = block_payloads(self.pool, self.scales, block_ids)
+        for (_, block_hash, _), payload, lineage in zip(evicted, payloads, lineages):
+            self._tiers.demote(block_hash, payload, lineage)
+        evicted.clear()
+
+    def _allocate_device(self, num_blocks: int) -> list[int]:
+        """Under the cache lock: device blocks for a writer; what the allocation evicts is demoted (as a put does)."""
+        evicted = [] if self._tiers is not None else None
+        block_ids = self._blocks.allocate(num_blocks, evicted)
+        self._demote_evicted(evicted)
+        return block_ids
+
+    # ---- reads ----------------------------------------------------------------------------------------------------
+    def _lower_run_end(self, chain: BlockChain, num_full: int) -> int:
+        """Under the cache lock: tokens covered by the device's `num_full` blocks and the lower tiers' run after."""
+        return (num_full + self._tiers.count_run(chain.hashes(num_full))) * self.block_size
+
+    def _promote(self, tokens: np.ndarray, chain: BlockChain) -> int:
+        """Bring the run of lower-tier blocks continuing the device prefix into the device pool; returns how many
+        blocks were installed. Lower-tier I/O happens without the cache lock."""
+        with self._lock:
+            self._check_not_purged()
+            num_full = self._num_cached_full_blocks(chain)
+            wanted = chain.hashes(num_full)
+            if not wanted or not self._tiers.has(wanted[0]):
+                return 0
+            removals = self._removals
+        payloads = self._tiers.fetch_run(wanted)
+        if not payloads:
+            return 0
+        with self._lock:
+            hashes = wanted[: len(payloads)]
+            if self._purged or self._removals != removals:
+                return self._keep_unforgotten(chain, tokens, num_full, hashes, payloads)
+            if self._num_cached_full_blocks(chain) != num_full:  # the device prefix changed meanwhile: keep them
+                self._demote_back(chain, tokens, num_full, hashes, payloads)
+                return 0
+            return self._install(chain, tokens, num_full, hashes, payloads)
+
+    def _install(self, chain: BlockChain, tokens: np.ndarray, num_full: int, hashes: list, payloads: list) -> int:
+        """Under the cache lock: allocate device blocks after the (held) device prefix, write the payloads, publish."""
+        blocks, block_size = self._blocks, self.block_size
+        prefix_ids = [blocks.cached_hash_to_block[h] for h in chain.hashes(0, num_full)]
+        blocks.hold(prefix_ids)  # so the allocation cannot evict the prefix the new blocks hang off
+        block_ids = self._allocate_device(len(payloads))
+        installed = len(block_ids)
+        if installed:
+            write_payloads(self.pool, self.scales, block_ids, payloads[:installed])
+            segment = tokens[num_full * block_size : (num_full + installed) * block_size]
+            blocks.publish_chain(block_ids, chain.parent(num_full), segment, hashes[:installed])
+            for payload in payloads[:installed]:
+                zero(payload)
+        blocks.release(block_ids[::-1] + prefix_ids[::-1])
+        self._demote_back(chain, tokens, num_full + installed, hashes[installed:], payloads[installed:])
+        return installed
+
+    def _demote_back(self, chain: BlockChain, tokens: np.ndarray, first: int, hashes: list, payloads: list) -> None:
+        """Under the cache lock: demote blocks first, first+1, ... of `chain` again, with their lineage."""
+        size = self.block_size
+        for i, (block_hash, payload) in enumerate(zip(hashes, payloads), start=first):
+            self._tiers.demote(block_hash, payload, (chain.parent(i), tokens[i * size : (i + 1) * size]))
+
+    def _keep_unforgotten(self, chain, tokens, num_full: int, hashes: list, payloads: list) -> int:
+        """Under the cache lock, after a purge or a delete/clear raced a promotion: the fetched blocks that were
+        forgotten meanwhile (no lineage left, or purged) are zeroed and dropped; the others go back to the tiers."""
+        for i, (block_hash, payload) in enumerate(zip(hashes, payloads), start=num_full):
+            if self._purged or block_hash not in self._tiers.lineage:
+                zero(payload)
+            else:
+                self._demote_back(chain, tokens, i, [block_hash], [payload])
+        return 0
+
+    # ---- forgetting -----------------------------------------------------------------------------------------------
+    def _forget_lower(self, roots: list, on_device: set) -> int:
+        """Under the cache lock: forget `roots` and everything chained under them in the lower tiers; returns how
+        many blocks that removed that were not also on the device (`on_device`: hashes already counted there)."""
+        self._removals += 1
+        if self._tiers is None:
+            return 0
+        return sum(h not in on_device for h in self._tiers.discard_subtrees(roots))
+
+    def _clear_lower(self, on_device: set) -> int:
+        """Under the cache lock: forget every lower-tier block; returns how many were not also on the device."""
+        self._removals += 1
+        if self._tiers is None:
+            return 0
+        return len(self._tiers.clear() - on_device)
+
+    def _sync_lower(self) -> None:
+        """Without the cache lock: make the lower tiers' forgetting durable (SSD index commit)."""
+        if self._tiers is not None:
+            self._tiers.sync()
+
+    def _wipe_lower(self) -> int:
+        """Without the cache lock, after the device pool was fenced and zeroed: erase every lower tier."""
+        return self._tiers.wipe() if self._tiers is not None else 0
