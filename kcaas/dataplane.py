@@ -24,6 +24,8 @@ torch is imported lazily, inside the methods that take or return tensors: `impor
 
 from __future__ import annotations
 
+import base64
+import json
 import random
 import socket
 import ssl
@@ -103,6 +105,16 @@ class DataPlaneClient:
     def __repr__(self) -> str:
         where = self.endpoint or self.uds_path
         return f"DataPlaneClient({where!r}, cache_id={self.cache_id!r})"
+
+    @property
+    def read_only(self) -> bool:
+        """True when this client's data token grants reads only (the node refuses its puts and deletes): what a
+        connector checks to run decode-only. From the TokenSource's or DataToken's access, or a raw token's claim."""
+        source = self._token_source
+        access = getattr(source, "access", None)
+        if access is None and isinstance(source, str):
+            access = _unverified_claims(source).get("access")
+        return access is not None and access != "readwrite"
 
     # ---- public operations ------------------------------------------------------------------------------------------
     def lookup(self, tokens) -> int:
@@ -416,3 +428,12 @@ def _as_int32(tokens):
         return memoryview(array("i", list(tokens)))
     except (OverflowError, TypeError, ValueError):
         raise ValueError("token ids must be int32 integers") from None
+
+
+def _unverified_claims(token: str) -> dict:
+    """The claims of a JWT read without verifying it (the node verifies; this only tells the client what it holds)."""
+    try:
+        body = token.split(".")[1]
+        return json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
+    except (IndexError, ValueError):
+        return {}

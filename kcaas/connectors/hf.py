@@ -7,10 +7,24 @@ with the data-plane client, a remote cache.
     connector.last_reuse                                                        # tokens served from the cache
 
 How it works: `store.get(prompt)` returns the longest cached prefix's KV; it becomes the DynamicCache passed to
-`model.generate(cache=...)`, so the model prefills only the rest; afterwards the KV of the whole sequence (prompt and
-generated tokens, as the model's cache holds them) is `store.put` — the store deduplicates what it had. At least one
-prompt token is always run, so the model has logits to start generating from. Batch size 1 (a cache entry is one
-token sequence); the model's dtype must be the store's kv dtype.
+`model.generate(cache=...)`, so the model prefills only the rest; afterwards the KV of the whole sequence (the prompt
+and every generated token but the last, which was sampled and never run) is `store.put` — the store deduplicates
+what it had. At least one prompt token is always run, so the model has logits to start generating from. Batch size 1
+(a cache entry is one token sequence, so generate runs with an all-ones attention_mask: a prompt id equal to the pad
+token is a token, not padding, and a mask that masks anything is refused); the model's dtype must be the store's kv
+dtype, and the store's head_dim the model's (config.head_dim where the config has one, as Gemma's does, else
+hidden_size // num_attention_heads).
+
+Sliding-window models (Mistral, Qwen2 with use_sliding_window, Gemma 2/3 mixing sliding and full layers): the cache a
+model builds for itself keeps only the last sliding_window - 1 tokens of a sliding layer. The connector always runs
+the model with a full-length cache (`full_length_cache`: every layer keeps every token; the attention mask still
+applies the window, so the logits are the model's own), and stores exactly the KV of the tokens it names: KV whose
+length is not the token count raises ValueError before anything reaches the store. The price is memory: while it
+runs, a sliding layer holds the whole sequence's KV, as a full layer does.
+
+Read-only (`HFConnector(model, store, read_only=True)`, or a store whose `read_only` attribute is true): the connector
+gets cached prefixes and never puts, so a decoder over a read-only data token (the node refuses its puts) returns
+its output. With the default, a store that refuses puts makes generate/forward raise after the model has run.
 
 A vLLM KV connector maps onto the same two calls: `get_num_new_matched_tokens` -> lookup, the worker's
 `start_load_kv` -> get into the paged buffer (or attention in place on the same GPU), `save_kv_layer`/request
@@ -24,10 +38,14 @@ from typing import Protocol
 
 import torch
 
-from kcaas.transformers_kv import dynamic_cache_from_kv, kv_from_dynamic_cache
+from kcaas.transformers_kv import full_length_cache, kv_from_dynamic_cache
 
 
 class KVStore(Protocol):
+    """get/put as PagedKVCache and kcaas.DataPlaneClient have them. A store may also have a `read_only` attribute:
+    true means its puts are refused (e.g. a data-plane client over a read token), and a connector over it never puts
+    unless told otherwise."""
+
     def get(self, tokens) -> tuple[int, torch.Tensor]: ...
 
     def put(self, tokens, kv: torch.Tensor) -> object: ...
@@ -40,43 +58,67 @@ class PrefixReuse:
 
 
 class HFConnector:
-    def __init__(self, model, store: KVStore):
+    def __init__(self, model, store: KVStore, *, read_only: bool | None = None):
+        """`read_only`: never put (default: the store's `read_only` attribute, False if it has none)."""
         self.model = model
         self.store = store
+        self.read_only = bool(getattr(store, "read_only", False)) if read_only is None else bool(read_only)
         self.last_reuse: PrefixReuse | None = None
 
     def cached_prefix(self, input_ids: torch.Tensor):
-        """(n, DynamicCache of the first n prompt tokens or None); n <= len(prompt) - 1."""
+        """(n, a full-length DynamicCache holding the KV of the first n prompt tokens, empty when n is 0);
+        n <= len(prompt) - 1."""
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"input_ids must be [1, seq_len] (one sequence), got {tuple(input_ids.shape)}")
         tokens = input_ids[0].cpu()
         num_cached, kv = self.store.get(tokens)
-        num_cached = min(num_cached, len(tokens) - 1)
-        self.last_reuse = PrefixReuse(len(tokens), max(num_cached, 0))
-        if num_cached <= 0:
-            return 0, None
+        num_cached = max(min(num_cached, len(tokens) - 1), 0)
+        self.last_reuse = PrefixReuse(len(tokens), num_cached)
+        if num_cached == 0:
+            return 0, full_length_cache()
+        if kv.shape[2] < num_cached:
+            raise ValueError(f"the store answered {num_cached} cached tokens with the KV of {kv.shape[2]}")
         kv = kv[:, :, :num_cached].to(device=self.model.device, dtype=self.model.dtype)
-        return num_cached, dynamic_cache_from_kv(kv)
+        return num_cached, full_length_cache(kv)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, **generate_kwargs):
-        """model.generate with the cached prefix reused and the new KV stored; returns the generate output
-        (return_dict_in_generate is forced on: the output's cache is what gets stored)."""
+        """model.generate with the cached prefix reused and the new KV stored (unless read-only); returns the
+        generate output (return_dict_in_generate is forced on: the output's cache is what gets stored)."""
+        if "cache" in generate_kwargs or "past_key_values" in generate_kwargs:
+            raise ValueError("the connector gives the model its cache: do not pass one")
+        mask = generate_kwargs.get("attention_mask")
+        if mask is None:
+            # without a mask, generate takes every prompt id equal to the pad token for padding (and shifts the
+            # positions after it): the KV would not be that of the tokens at their positions, which is what is stored
+            generate_kwargs["attention_mask"] = torch.ones_like(input_ids)
+        elif not bool(mask.all()):
+            raise ValueError("attention_mask masks some tokens: a cache entry is one unpadded token sequence")
         _, cache = self.cached_prefix(input_ids)
         generate_kwargs["return_dict_in_generate"] = True
         output = self.model.generate(input_ids, cache=cache, **generate_kwargs)
-        self.store_sequence(output.sequences[0], output.cache)
+        if not self.read_only:
+            # the cache holds every token but the last generated one, which was sampled and never run
+            self.store_sequence(output.sequences[0, :-1], output.cache)
         return output
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor):
         """One forward pass over the prompt with the cached prefix reused: the logits of the tokens actually run
-        (the last len(prompt) - n), and the full cache, which is stored."""
+        (the last len(prompt) - n), and the full cache, which is stored (unless read-only)."""
         num_cached, cache = self.cached_prefix(input_ids)
         output = self.model(input_ids[:, num_cached:], cache=cache, use_cache=True)
-        self.store_sequence(input_ids[0], output.cache)
+        if not self.read_only:
+            self.store_sequence(input_ids[0], output.cache)
         return output
 
-    def store_sequence(self, sequence: torch.Tensor, cache) -> None:
+    def store_sequence(self, tokens: torch.Tensor, cache) -> None:
+        """Put the KV `cache` holds under `tokens`: exactly the tokens it holds KV for, from the first, no more, no
+        fewer. A cache that does not hold every token's KV (a sliding-window layer's) or holds the KV of another
+        number of tokens raises ValueError, and nothing is stored."""
+        if self.read_only:
+            raise ValueError("this connector is read-only: it never puts")
         kv = kv_from_dynamic_cache(cache)
-        self.store.put(sequence[: kv.shape[2]].cpu(), kv.cpu())
+        if kv.shape[2] != len(tokens):
+            raise ValueError(f"the cache holds the KV of {kv.shape[2]} tokens, not of the {len(tokens)} tokens given")
+        self.store.put(tokens.cpu(), kv.cpu())
