@@ -1,6 +1,7 @@
 """delete and clear reach every tier, durably: a forgotten prefix is a miss from device, DRAM and SSD, and a warm
 restart does not bring it back (real tiers on a temp dir)."""
 
+import numpy as np
 import torch
 
 from gpu_node.ssd_store import SsdStore
@@ -138,3 +139,22 @@ def test_eviction_counts_every_block_an_evicted_subtree_takes():
     assert cache.stats().num_evictions == 1
     cache.delete(seq(4, 900))
     cache.check_invariants()
+
+
+def test_rescanned_ssd_blocks_keep_their_lineage_so_a_migration_lists_them(tmp_path):
+    from gpu_node.block_transfer import snapshot
+
+    cache = tiered(tmp_path, dram_blocks=0)
+    first = seq(16, 100)
+    put(cache, first)
+    push_out(cache)
+    cache.tiers.ssd.flush()
+    cache = restart(cache, tmp_path)
+    listed = [meta for meta in snapshot(cache) if meta.lower]
+    assert len(listed) >= 4  # the four blocks of `first` (and the pushed-out ones' demotions, if any)
+    by_key = {meta.key: meta for meta in listed}
+    chain = cache._hasher.block_chain(np.asarray(first, dtype=np.int32))
+    for position in range(4):
+        meta = by_key[bytes(chain[position])]
+        assert meta.parent == bytes(chain.parent(position))
+        assert meta.tokens.tolist() == first[position * 4 : (position + 1) * 4]
