@@ -40,3 +40,12 @@ def prefix_kv(spec: KVCacheSpec, tokens) -> torch.Tensor:
     pos = torch.as_tensor(rolling, dtype=torch.float64).reshape(1, 1, -1, 1, 1)
     kv = torch.sin(pos * 0.001 + lane * 0.37) * (1 + (lane % 3))
     return kv.to(TORCH_DTYPES[spec.kv_dtype])
+
+
+def check_consistent(cache: PagedKVCache, *, holding: bool) -> None:
+    """The cache's own invariants, block counts that add up, and (when nobody holds a block) no leaked block."""
+    cache.check_invariants()
+    stats = cache.stats()
+    assert stats.num_used_blocks + stats.num_free_blocks == stats.num_blocks
+    if not holding:
+        assert stats.num_used_blocks == stats.num_cached_blocks  # nothing leaked

@@ -20,7 +20,7 @@ from gpu_node.engine_tiers import CachePurged
 from gpu_node.ssd_store import SsdStore
 from gpu_node.tiers import LowerTiers
 
-from .kv_fixtures import prefix_kv, tiny_cache
+from .kv_fixtures import check_consistent, prefix_kv, tiny_cache
 
 sequences = st.lists(st.integers(0, 2), min_size=0, max_size=14)
 HASH_KEY, DATA_KEY = b"p" * 32, b"d" * 32
@@ -139,13 +139,8 @@ class TieredCacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def consistent(self):
-        if self.cache is None:
-            return
-        self.cache.check_invariants()
-        stats = self.cache.stats()
-        assert stats.num_used_blocks + stats.num_free_blocks == stats.num_blocks
-        if not self.open_handles:
-            assert stats.num_used_blocks == stats.num_cached_blocks  # nothing leaked
+        if self.cache is not None:
+            check_consistent(self.cache, holding=bool(self.open_handles))
 
     def teardown(self):
         for handle, _ in self.open_handles:
