@@ -39,6 +39,7 @@ import kernels
 from gpu_node.block_hash import BlockChain, BlockHasher, tokens_as_int32
 from gpu_node.block_pool import BlockPool
 from gpu_node.engine_tiers import CachePurged, TierOperations
+from gpu_node.kv_input import check_storable
 from gpu_node.put_plan import COW, EXTEND, PutPlan, plan_put
 from kcaas.spec import KVCacheSpec
 
@@ -160,6 +161,11 @@ class PagedKVCache(TierOperations):
             self.spec.check_matches(identity)
 
     def _check_kv(self, kv: torch.Tensor, num_tokens: int) -> None:
+        """A put's KV: any strides and device; shape and engine dtype must match; the values must be storable in
+        this cache's storage dtype (gpu_node/kv_input.py: no NaN/inf into int8/fp8, no finite value beyond a
+        narrower float storage's range), else KVNotStorable (a ValueError) before anything is stored. KV that
+        requires grad is taken: storing detaches it (the same values, stored exactly; the pool never requires grad).
+        """
         expected = self._kv_shape(num_tokens)
         if not isinstance(kv, torch.Tensor):
             raise TypeError("kv must be a torch.Tensor [num_layers, 2, num_tokens, num_kv_heads, head_dim]")
@@ -170,6 +176,7 @@ class PagedKVCache(TierOperations):
             )
         if kv.dtype != self.kv_dtype:
             raise ValueError(f"kv has dtype {kv.dtype}, this cache's engine dtype is {self.kv_dtype}")
+        check_storable(kv, self.pool.dtype)
 
     # ---- reads --------------------------------------------------------------------------------------------------
     def _num_cached_full_blocks(self, chain: BlockChain) -> int:
@@ -350,7 +357,11 @@ class PagedKVCache(TierOperations):
 
     # ---- writes -------------------------------------------------------------------------------------------------
     def put(self, tokens, kv: torch.Tensor, *, identity: KVCacheSpec | None = None) -> PutResult:
-        """Store the KV of `tokens` (kv covers every token); blocks already cached are deduplicated, not rewritten."""
+        """Store the KV of `tokens` (kv covers every token); blocks already cached are deduplicated, not rewritten.
+
+        kv may require grad: it is stored detached (the same values). KV the storage cannot hold exactly (non-finite
+        values into int8/fp8, values beyond a narrower storage dtype's range) raises KVNotStorable (a ValueError)
+        before anything is stored."""
         self._check_identity(identity)
         tokens = tokens_as_int32(tokens)
         self._check_kv(kv, len(tokens))

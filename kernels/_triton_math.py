@@ -19,6 +19,7 @@ from kernels._common import tl, triton
 
 INT8_QMAX = tl.constexpr(127.0)
 FP8_E4M3_QMAX = tl.constexpr(448.0)
+SCALE_FLOOR = tl.constexpr(2.0**-126)  # kernels.quant.SCALE_FLOOR: the smallest normal fp32
 
 
 @triton.jit
@@ -70,7 +71,8 @@ def _quantize_rows(x, QDTYPE: tl.constexpr, AXIS: tl.constexpr):
     else:
         qmax = FP8_E4M3_QMAX
     amax = tl.max(tl.abs(x), axis=AXIS)
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, qmax, tl.float32)), 1.0)
+    scale = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, qmax, tl.float32)), SCALE_FLOOR)
+    scale = tl.where(amax > 0, scale, 1.0)
     y = tl.math.div_rn(x, tl.expand_dims(scale, AXIS))
     if QDTYPE == tl.int8:
         q = tl.minimum(tl.maximum(_rint(y), -INT8_QMAX), INT8_QMAX).to(tl.int8)

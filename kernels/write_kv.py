@@ -123,9 +123,13 @@ def write_kv(
 
     Quantizes (scheme in kernels/quant.py) when the pool is int8/fp8; ``scales`` is required then and must be
     None otherwise. Valid slots must be distinct (which of two writes to one slot wins is unspecified).
+    Storing is not differentiable: a ``kv`` that requires grad is read as ``kv.detach()`` (the same values), so the
+    pool never joins an autograd graph. For int8/fp8 pools the values must be finite with |x| <= QUANT_MAX_ABS_INPUT
+    (not checked here: the engine refuses other KV first, gpu_node/kv_input.py).
     """
     check_pool(pool, scales)
     check_engine_kv(kv, pool)
+    kv = kv.detach()
     check_same_device(pool, kv=kv)
     check_slot_mapping(slot_mapping, kv.shape[2], pool.shape[0] * pool.shape[3])
     check_same_device(pool, slot_mapping=slot_mapping)

@@ -1,5 +1,6 @@
 """Builders shared by the kernel tests: garbage-filled pools, shuffled block tables, naive per-token oracles."""
 
+import math
 import os
 
 import pytest
@@ -96,3 +97,55 @@ def naive_read(pool, scales, slot_mapping, out_dtype):
             rows = rows * scales[block, :, :, offset].unsqueeze(-1)
         out[:, :, token] = rows.to(out_dtype)
     return out
+
+
+def _fit(values, head_dim: int) -> torch.Tensor:
+    """``values`` (float64) repeated or cut to head_dim elements."""
+    values = torch.as_tensor(values, dtype=torch.float64).flatten()
+    return values.repeat(-(-head_dim // values.numel()))[:head_dim]
+
+
+def adversarial_rows(dtype: torch.dtype, head_dim: int, seed: int = 0) -> torch.Tensor:
+    """Rows [R, head_dim] of ``dtype`` at the quantizer's edges: zeros, the dtype's smallest subnormal alone,
+    all-subnormal rows, amax at the smallest normal, amax at the scale floor's boundaries (127 and 448 times
+    2**-126), mixed magnitudes from the dtype's top down to its subnormals, amax at the top (fp16: 65504; fp32 and
+    bf16: the bf16 maximum, the largest value int8/fp8 storage takes), a negative amax, exact int8 and e4m3 ties,
+    e4m3-subnormal quotients, random and heavy-tailed rows. Every value is finite and representable in ``dtype``."""
+    info = torch.finfo(dtype)
+    tiny, sub = info.tiny, info.tiny * info.eps  # smallest normal, smallest subnormal
+    top = min(info.max, torch.finfo(torch.bfloat16).max)
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn():
+        return torch.randn(head_dim, generator=gen, dtype=torch.float64)
+
+    def with_amax(amax, row=None):
+        row = randn() if row is None else row
+        row = row / row.abs().max() * amax
+        row[0] = amax
+        return row
+
+    log_top, log_sub = math.log2(top), math.log2(sub)
+    mixed = torch.exp2(log_top + torch.linspace(0, 1, head_dim, dtype=torch.float64) * (log_sub - log_top))
+    signs = torch.where(torch.arange(head_dim) % 2 == 0, 1.0, -1.0).to(torch.float64)
+    rows = [
+        torch.zeros(head_dim, dtype=torch.float64),
+        _fit([sub] + [0.0] * (head_dim - 1), head_dim),
+        _fit([-sub, sub, 3 * sub, 0.0], head_dim),
+        randn() * tiny / 4,  # all subnormal (rounded onto the subnormal grid)
+        with_amax(tiny, randn() * tiny / 8),
+        with_amax(127 * 2.0**-126),
+        with_amax(448 * 2.0**-126),
+        with_amax(100 * 2.0**-126),
+        mixed * signs,  # top ... 1 ... smallest subnormal in one row
+        with_amax(top),
+        -with_amax(top),  # amax from a negative element
+        with_amax(top, torch.full((head_dim,), top / 3, dtype=torch.float64)),
+        _fit([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, 126.5, -125.5], head_dim),  # int8 ties at scale 1
+        _fit([448.0, 1.0625, 1.1875, -1.3125, 3 * 2.0**-10, -5 * 2.0**-10, 2.0**-9, 2.0**-7], head_dim),  # e4m3 ties
+        with_amax(448.0, randn() * 2.0**-7),  # e4m3-subnormal quotients
+        _fit([-3.0] + [0.0] * (head_dim - 1), head_dim),
+        randn() * 4,
+        randn() ** 3 * 100,
+    ]
+    return torch.stack(rows).to(dtype)
