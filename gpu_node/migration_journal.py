@@ -28,7 +28,6 @@ import numpy as np
 
 from gpu_node import block_transfer as bt
 from gpu_node.checksum import block_checksum
-from gpu_node.tiers import block_payloads
 
 JOURNAL_NAME = "migration-in.journal"
 MAGIC = b"KMJ1"
@@ -95,11 +94,7 @@ class IncomingJournal:
         """Queue a just-stored full block for the SSD and journal it (durable at the next sync()). The bytes come
         from the device pool, or from the lower tier a tiered target kept the block in; False when neither holds it
         any more (it is then simply not journaled: sent again after a restart)."""
-        with engine._lock:
-            block_id = engine._blocks.cached_hash_to_block.get(bytes(key))
-            payload = block_payloads(engine.pool, engine.scales, [block_id])[0] if block_id is not None else None
-        if payload is None and engine.tiers is not None:
-            payload = engine.tiers.peek(bytes(key))
+        payload = engine.block_payload(bytes(key))
         if payload is None:
             return False
         self.ssd.write_async(bytes(key), payload, int(checksum))

@@ -19,7 +19,7 @@ without the lock, then publishes under the lock. Blocks enter the index only at 
 
 The facade owns every tier: lower tiers (gpu_node/tiers.py, attached with attach_tiers) are reached only through
 the tier operations of gpu_node/engine_tiers.py, so lookup, get/acquire, put, delete, clear and wipe each reach
-device, DRAM and SSD alike. delete and clear forget a prefix and everything chained under it in every tier, durably.
+device, DRAM and SSD alike; migration reaches blocks only through the block exchange of gpu_node/engine_blocks.py. delete and clear forget a prefix and everything chained under it in every tier, durably.
 
 Purge (wipe) is a fence: once it starts, every operation raises CachePurged; bytes in motion are waited for — a
 put's write (then discarded, never published), a read section (read(), or a handle whose kv_views are being sent,
@@ -38,7 +38,9 @@ import torch
 import kernels
 from gpu_node.block_hash import BlockChain, BlockHasher, tokens_as_int32
 from gpu_node.block_pool import BlockPool
-from gpu_node.engine_tiers import CachePurged, TierOperations
+from gpu_node.engine_blocks import BlockExchange
+from gpu_node.engine_fence import PurgeFence
+from gpu_node.engine_tiers import TierOperations
 from gpu_node.kv_input import check_storable
 from gpu_node.put_plan import COW, EXTEND, PutPlan, plan_put
 from kcaas.spec import KVCacheSpec
@@ -113,7 +115,7 @@ class PrefixHandle:
         self.release()
 
 
-class PagedKVCache(TierOperations):
+class PagedKVCache(PurgeFence, TierOperations, BlockExchange):
     def __init__(
         self,
         spec: KVCacheSpec,
@@ -211,10 +213,6 @@ class PagedKVCache(TierOperations):
             num_tokens += tail_len
         return num_tokens, block_ids
 
-    def _check_not_purged(self) -> None:
-        if self._purged:
-            raise CachePurged("this cache was purged: its KV is gone")
-
     def lookup(self, tokens, *, identity: KVCacheSpec | None = None) -> int:
         """How many leading tokens of `tokens` are cached (whole blocks, then the longest matching partial tail;
         with lower tiers, the device's full blocks followed by the lower tiers' run when that is longer).
@@ -311,28 +309,6 @@ class PagedKVCache(TierOperations):
         finally:
             if section:
                 self._end_io()
-
-    # ---- the purge fence ----------------------------------------------------------------------------------------
-    def _begin_io(self) -> None:
-        """Enter a section that moves bytes of the pool (a purge waits for it); refused once purged."""
-        with self._lock:
-            self._check_not_purged()
-            self._active_io += 1
-
-    def _end_io(self) -> None:
-        with self._lock:
-            self._end_io_locked()
-
-    def _end_io_locked(self) -> None:
-        assert self._active_io > 0, "ended a section nobody began"
-        self._active_io -= 1
-        if not self._active_io:
-            self._io_idle.notify_all()
-
-    def _begin_read(self, handle: PrefixHandle) -> None:
-        if not handle.reading:
-            self._begin_io()
-            handle.reading = True
 
     def _kv_shape(self, num_tokens: int) -> tuple[int, ...]:
         spec = self.spec
@@ -468,26 +444,6 @@ class PagedKVCache(TierOperations):
             num_removed += self._clear_lower(set(removed_hashes))
         self._sync_lower()
         return num_removed
-
-    def wipe(self, *, wait_seconds: float = 60.0) -> int:
-        """Purge (erasure): fence the cache, forget every block, wait for bytes in motion (puts writing, read
-        sections), then overwrite the whole pool (and scales) with zeros and erase every lower tier (DRAM zeroed,
-        the SSD directory deleted). Afterwards every operation raises CachePurged. Returns the bytes that were
-        resident. Idempotent (a second call returns 0). A read section still open after `wait_seconds` (a peer
-        that stopped reading) does not hold erasure up: the bytes are zeroed under it."""
-        with self._lock:
-            if self._purged:
-                return 0
-            self._purged = True
-            self._removals += 1
-            resident = self._blocks.num_used_blocks * self.spec.block_bytes
-            self._blocks.uncache(list(self._blocks.children(self._hasher.root)))
-            self._io_idle.wait_for(lambda: not self._active_io, timeout=wait_seconds)
-            self.pool.zero_()
-            if self.scales is not None:
-                self.scales.zero_()
-            self._pool_bytes = None
-        return resident + self._wipe_lower()
 
     # ---- accounting ---------------------------------------------------------------------------------------------
     def count_served(self, num_tokens: int) -> None:
