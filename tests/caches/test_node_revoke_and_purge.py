@@ -15,6 +15,7 @@ from controlplane.celery import app as control_app, node_queue
 from fleet.models import Node
 from fleet.credentials import credential_new
 from gpu_node.block_hash import tokens_as_int32
+from gpu_node.engine_tiers import CachePurged
 from gpu_node.node_tasks import build_node_app
 from gpu_node.registry import CacheRegistry
 from gpu_node.tokens import RevocationList
@@ -114,6 +115,7 @@ def test_purge_tenant_drops_and_zeroes_only_that_tenants_caches(tenant_a, tenant
     assert eventually(lambda: registry.get(a1) is None and registry.get(a2) is None)
     for cache_id in (a1, a2):
         assert not engines[cache_id].pool.any()  # nothing of A's KV left in that memory
-        assert engines[cache_id].lookup(tokens) == 0
+        with pytest.raises(CachePurged):  # a purged engine serves nothing more: an error, never a hit
+            engines[cache_id].lookup(tokens)
     assert registry.get(b1) is not None and registry.get(b1).engine.lookup(tokens) == 20  # B untouched
     assert registry.purge_tenant(tenant_id) == []  # a second purge finds nothing

@@ -23,6 +23,7 @@ from controlplane.celery import app as control_app, node_queue
 from fleet import services as fleet_services
 from fleet.models import Node
 from gpu_node.block_hash import tokens_as_int32
+from gpu_node.engine_tiers import CachePurged
 from gpu_node.node_tasks import build_node_app
 from gpu_node.registry import CacheRegistry
 from gpu_node.tokens import RevocationList
@@ -112,7 +113,8 @@ def start_erasure(staff_client, tenant_id) -> None:
 def assert_purged(host: FakeHost, engine, cache_id: str) -> None:
     assert host.registry.get(cache_id) is None
     assert not engine.pool.any()  # zeroed: nothing of the tenant's KV left in that memory
-    assert engine.lookup(TOKENS) == 0
+    with pytest.raises(CachePurged):  # a purged engine serves nothing more: an error, never a hit
+        engine.lookup(TOKENS)
 
 
 def test_erasure_purges_every_node_and_leaves_other_tenants_alone(staff_client, tenant_a, tenant_b, hosts,
