@@ -20,23 +20,38 @@ Revoked data tokens: one RevocationList per agent, read by the data plane's Toke
 
 from __future__ import annotations
 
-import faulthandler
-import json
-import logging
 import os
-import signal
-import threading
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
+import sys
 
-from gpu_node.admission import TenantLimits
-from gpu_node.metrics import NodeMetrics
-from gpu_node.node_tasks import build_node_app
-from gpu_node.registry import CacheRegistry
-from gpu_node.tokens import RevocationList
-from gpu_node.usage_report import UsageReporter, UsageReportLoop
-from kcaas.node_messages import node_queue
+
+def _bind_symbols_now() -> None:
+    """Run as the agent program, re-execute once with LD_BIND_NOW=1 (Linux; at once, before torch and OpenSSL are
+    loaded, so it costs one interpreter start). Lazy symbol binding saves every vector register on the calling
+    thread's stack (_dl_runtime_resolve_xsave) the first time a library function is called, and registers still
+    hold the last bytes a copy or a cipher moved: a tenant's KV would stay in that stack after its erasure."""
+    if sys.platform.startswith("linux") and not os.environ.get("LD_BIND_NOW"):
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, "LD_BIND_NOW": "1"})
+
+
+if __name__ == "__main__":
+    _bind_symbols_now()
+
+import faulthandler  # noqa: E402 - after the re-execution above, which must come before any library loads
+import json  # noqa: E402
+import logging  # noqa: E402
+import signal  # noqa: E402
+import threading  # noqa: E402
+import urllib.error  # noqa: E402
+import urllib.request  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+from gpu_node.admission import TenantLimits  # noqa: E402
+from gpu_node.metrics import NodeMetrics  # noqa: E402
+from gpu_node.node_tasks import build_node_app  # noqa: E402
+from gpu_node.registry import CacheRegistry  # noqa: E402
+from gpu_node.tokens import RevocationList  # noqa: E402
+from gpu_node.usage_report import UsageReporter, UsageReportLoop  # noqa: E402
+from kcaas.node_messages import node_queue  # noqa: E402
 
 logger = logging.getLogger("kcaas.node.agent")
 WORKER_STOP_SECONDS = 5.0
@@ -263,7 +278,9 @@ class NodeAgent:
 
     # ---- control plane --------------------------------------------------------------------------------------------
     def register(self) -> dict:
-        # What this process still holds (nothing after a restart: the control plane provisions those again).
+        """(Re-)register with what this process still holds (nothing after a restart: the control plane provisions
+        those again). The answer names the caches whose blocks the node may keep (`stored_caches`): the SSD
+        directories of all others are deleted (a cache detached, failed or moved away while the node was down)."""
         registration = self.control.register(
             endpoint=self.config.endpoint, capacity=self.config.capacity, caches=self.registry.cache_ids(),
             csr=self._register_csr(),
@@ -271,6 +288,10 @@ class NodeAgent:
         self.node_id = registration["node"]["id"]
         self._install_certificate(registration)
         self.revocations.update(registration.get("revoked_tokens"))
+        if registration.get("stored_caches") is not None:  # an older control plane does not say: keep everything
+            removed = self.registry.remove_unplaced_directories(registration["stored_caches"])
+            if removed:
+                logger.info("deleted the SSD directories of %d caches no longer placed here", len(removed))
         return registration
 
     def send_heartbeat(self) -> dict:

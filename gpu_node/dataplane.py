@@ -19,6 +19,11 @@ One thread per connection (plus one accept thread per listener). Per connection:
 
 The engine writes a put's blocks and publishes them only when complete (PagedKVCache), so a connection that dies
 mid-payload leaves nothing visible: the put never reaches the engine.
+
+Plaintext hygiene (gpu_node/dataplane_conn.py): every buffer a request's or an answer's bytes passed through is
+zeroed after its use or when its connection closes, TLS record buffers are cleansed by OpenSSL
+(dataplane_io.cleanse_plaintext), and purging a tenant from the registry closes the connections that served it and
+zeroes their buffers before the purge answers (`purge_tenant`): an erased tenant's KV is left in no freed buffer.
 """
 
 from __future__ import annotations
@@ -29,21 +34,25 @@ import socket
 import ssl
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from gpu_node.admission import Hold, TenantAdmission, TenantLimits
+from gpu_node.dataplane_conn import Conn as _Conn, Session as _Session
 from gpu_node.dataplane_io import (  # noqa: F401 - server_tls_context is part of this module's API
+    cleanse_plaintext,
     close_quietly,
     hard_shutdown,
     recv_into,
     send_buffers,
     server_tls_context,
     tensor_bytes,
+    zero,
 )
+from gpu_node.engine_tiers import CachePurged
+from gpu_node.kv_input import KVNotStorable
 from gpu_node.paged_cache import TORCH_DTYPES
 from gpu_node.registry import CacheRegistry, HostedCache
 from gpu_node.migration_fence import MovedError, fences_for
@@ -60,33 +69,10 @@ WRITE_OPS = frozenset({"put", "delete"})
 AUTH_FAILURE_CODES = frozenset({ErrorCode.UNAUTHENTICATED, ErrorCode.TOKEN_EXPIRED, ErrorCode.FORBIDDEN,
                                 ErrorCode.NOT_FOUND})  # fmt: skip
 MAX_FAILED_HELLOS = 8  # per connection: then it is closed (token guessing costs a reconnect + handshake)
+PURGE_CLOSE_SECONDS = 5.0  # a purge waits this long for each closed connection's thread to zero its buffers
 
 
 # ---- server -------------------------------------------------------------------------------------------------------
-@dataclass
-class _Session:
-    hosted: HostedCache
-    claims: dict
-
-
-@dataclass(eq=False)
-class _Conn:
-    sock: socket.socket
-    peer: str
-    thread: threading.Thread | None = None
-    sessions: dict[str, _Session] = field(default_factory=dict)
-    failed_hellos: int = 0
-    put_staging: bytearray = field(default_factory=bytearray)
-    put_staging_owner: int | None = None  # id(meta) of the frame whose payload is in put_staging, until handled
-    get_staging: torch.Tensor | None = None
-    tenants: set[str] = field(default_factory=set)  # tenants with a session here (each counted once by admission)
-    holds: dict[int, Hold] = field(default_factory=dict)  # id(frame meta) -> the admission of a request read ahead
-    held_prefixes: list = field(default_factory=list)  # a GET's PrefixHandles, held until its answer is sent
-    served: tuple | None = None  # (engine, tokens of KV) of the GET answer being sent: counted once it is sent
-    busy: bool = False  # a frame has started arriving or is being handled (drain waits for it)
-    closing: bool = False  # drain chose to close this idle connection
-
-
 class DataPlaneServer:
     def __init__(
         self,
@@ -114,6 +100,8 @@ class DataPlaneServer:
             raise ValueError("a TCP listener needs a TLS context (plain TCP is never served)")
         if tls_context is not None and tls_context.minimum_version < ssl.TLSVersion.TLSv1_3:
             tls_context.minimum_version = ssl.TLSVersion.TLSv1_3  # TLS 1.3 only, whatever the caller built
+        if tls_context is not None:
+            cleanse_plaintext(tls_context)  # whoever built it: no decrypted record left in OpenSSL's buffers
         self.registry = registry
         self.node_id = str(node_id)
         self.verifier = verifier
@@ -141,6 +129,7 @@ class DataPlaneServer:
         self._stopping.clear()
         self._accepting.set()
         self._draining = False
+        self.registry.add_purge_listener(self.purge_tenant)
         if self.host is not None:
             tcp = socket.create_server((self.host, self.port), backlog=128, reuse_port=False)
             self.address = tcp.getsockname()[:2]
@@ -211,6 +200,7 @@ class DataPlaneServer:
         for conn in conns:
             if conn.thread is not None:
                 conn.thread.join(timeout)
+        self.registry.remove_purge_listener(self.purge_tenant)
         self._listeners.clear()
         self._accept_threads.clear()
         if self.uds_path:
@@ -232,6 +222,25 @@ class DataPlaneServer:
     def connection_count(self) -> int:
         with self._lock:
             return len(self._conns)
+
+    def purge_tenant(self, tenant_id: str, timeout: float = PURGE_CLOSE_SECONDS) -> int:
+        """Erasure (called by CacheRegistry.purge_tenant once the tenant's caches are no longer hosted): close every
+        connection that served the tenant and wait until each has zeroed its buffers (its thread does, on the way
+        out); one still running after `timeout` is zeroed from here. Returns how many connections were closed."""
+        with self._lock:
+            conns = [conn for conn in self._conns if conn.serves_tenant(tenant_id)]
+            for conn in conns:
+                conn.closing = True
+        for conn in conns:
+            hard_shutdown(conn.sock)
+        deadline = time.monotonic() + timeout
+        for conn in conns:
+            if conn.thread is not None and conn.thread is not threading.current_thread():
+                conn.thread.join(max(deadline - time.monotonic(), 0.0))
+            if conn.thread is None or conn.thread.is_alive():
+                log.warning("a purged tenant's connection did not close in %s s: zeroing its buffers anyway", timeout)
+                conn.scrub()
+        return len(conns)
 
     def _accept_loop(self, listener: socket.socket, tls: bool) -> None:
         while self._accepting.is_set():
@@ -282,6 +291,7 @@ class DataPlaneServer:
             conn.holds.clear()
             conn.tenants.clear()
             close_quietly(conn.sock)
+            conn.scrub()  # last: nothing of what this connection carried stays in its buffers
 
     def _count_refusal(self, limit: str) -> None:
         if self.metrics is not None:
@@ -294,6 +304,7 @@ class DataPlaneServer:
     def _loop(self, conn: _Conn) -> None:
         decoder = wire.FrameDecoder(max_frame_bytes=self.max_frame_bytes, max_metadata_bytes=self.max_metadata_bytes,
                                     payload_sink=lambda head: self._sink(conn, head))  # fmt: skip
+        conn.scratch = decoder.get_buffer()  # outside a payload: the decoder's one read buffer, zeroed at close
         sock = conn.sock
         frame_started: float | None = None
         while not self._stopping.is_set():
@@ -335,6 +346,8 @@ class DataPlaneServer:
                 except MovedError as exc:  # the cache is leaving or has left this node (gpu_node/migration_fence.py)
                     response = wire.encode_moved(frame.request_id, cache_id=exc.cache_id, endpoint=exc.endpoint,
                                                  epoch=exc.epoch)  # fmt: skip
+                except CachePurged:  # purged (erasure) while this request was being served: gone, never zeros
+                    response = wire.encode_error(frame.request_id, ErrorCode.NOT_FOUND, NOT_FOUND_MESSAGE)
                 except ProtocolError as exc:
                     if exc.code in AUTH_FAILURE_CODES and self.metrics is not None:
                         self.metrics.auth_failures.labels(reason=exc.code).inc()
@@ -380,25 +393,20 @@ class DataPlaneServer:
         conn.holds[id(head.meta)] = self.admission.admit(self._tenant_of(conn, request), kv_total)
         if not request.carries_kv:
             return None  # token ids only: small, the decoder buffers them
-        if conn.put_staging_owner is not None:  # a pipelined put read ahead of the one still using the staging
-            return [bytearray(request.token_bytes), bytearray(kv_total)]
-        if len(conn.put_staging) < kv_total:
-            conn.put_staging = bytearray(kv_total)  # bounded by max_frame_bytes; reused by later puts
-        conn.put_staging_owner = id(head.meta)
-        return [bytearray(request.token_bytes), memoryview(conn.put_staging)[:kv_total]]
+        return conn.put_buffers(id(head.meta), request.token_bytes, kv_total)  # the staging, or fresh when held
 
     def _tenant_of(self, conn: _Conn, request: wire.RequestHead) -> str:
         return str(conn.sessions[request.cache_id].claims["sub"])
 
     def _frame_done(self, conn: _Conn, frame: wire.Frame) -> None:
-        """The frame is answered: give back its admission and, if it was the one using it, the put staging."""
+        """The frame is answered: give back its admission and, if it was the one using it, the put staging; zero
+        the buffers its request and answer went through (Conn.frame_done)."""
         hold = conn.holds.pop(id(frame.meta), None)
         if hold is not None:
             hold.release()
         _release_prefixes(conn)
         conn.served = None
-        if conn.put_staging_owner == id(frame.meta):
-            conn.put_staging_owner = None
+        conn.frame_done(id(frame.meta), frame.payload)
 
     def _authorize(self, conn: _Conn, request: wire.RequestHead) -> _Session:
         session = conn.sessions.get(request.cache_id)
@@ -483,14 +491,17 @@ class DataPlaneServer:
             n = len(toks)
             shape = (spec.num_layers, 2, n - start, spec.num_kv_heads, spec.head_dim)
             kv = torch.frombuffer(kv_bytes, dtype=dtype).view(shape) if kv_bytes.nbytes else None
-            if start > 0:
-                # the frame carries the KV of tokens[start:] only: the prefix must be cached (read it back to put)
-                have, prefix = engine.get(toks[:start])
-                if have < start:
-                    raise ProtocolError(ErrorCode.PREFIX_NOT_CACHED, f"tokens[:{start}] are not cached",
-                                        details={"num_cached": have, "sequence": seq})  # fmt: skip
-                kv = prefix if kv is None else torch.cat([prefix, kv], dim=2)
-            result = engine.put(toks, kv)
+            temporaries = []  # tensors made for this put alone: zeroed once the engine has copied them
+            try:
+                if start > 0:
+                    kv = _with_cached_prefix(engine, toks, start, kv, seq, temporaries)
+                result = engine.put(toks, kv)
+            except KVNotStorable as exc:  # the values, not the node: the client's to fix (sequences before were put)
+                raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc),
+                                    details={"reason": "kv_not_storable", "sequence": seq}) from None  # fmt: skip
+            finally:
+                for tensor in temporaries:
+                    zero(tensor)
             num_cached.append(result.num_cached_tokens)
             num_written.append(result.num_written_tokens)
             out_of_space.append(result.out_of_space)
@@ -523,17 +534,25 @@ class DataPlaneServer:
         return answer
 
     def _read_staged(self, conn: _Conn, engine, reads: list, kv_out: list) -> None:
-        """Copy path of _get (device or quantized pools): read each held prefix up to its end into staging."""
+        """Copy path of _get (device or quantized pools): read each held prefix up to its end into staging. A copy
+        made on the way (a range of it, device KV brought to host) is kept in conn.temporaries: zeroed once sent."""
         spec, dtype = engine.spec, TORCH_DTYPES[engine.spec.kv_dtype]
         need = sum(end for _, _, _, end in reads) * spec.elements_per_token
-        if conn.get_staging is None or conn.get_staging.dtype != dtype or conn.get_staging.numel() < need:
-            conn.get_staging = torch.empty(max(need, 1), dtype=dtype, device=engine.device)
+        staging = conn.staging_for_get(need, dtype, engine.device)
         offset = 0
         for index, handle, start, end in reads:
-            out = conn.get_staging[offset : offset + end * spec.elements_per_token]
+            out = staging[offset : offset + end * spec.elements_per_token]
             offset += end * spec.elements_per_token
             kv = engine.read(handle, end, out=out)
-            kv_out[index] = tensor_bytes(kv if start == 0 else kv[:, :, start:end].contiguous())
+            made = [kv] if kv.data_ptr() != out.data_ptr() else []  # read elsewhere than into the staging
+            sent = kv if start == 0 else kv[:, :, start:end].contiguous()
+            if sent is not kv:
+                made.append(sent)
+            if sent.device.type != "cpu":
+                sent = sent.cpu()
+                made.append(sent)
+            conn.temporaries += made
+            kv_out[index] = tensor_bytes(sent)
 
     # ---- sending ------------------------------------------------------------------------------------------------
     def _send_quietly(self, sock, buffers: list) -> None:
@@ -549,6 +568,25 @@ def _count_served(conn: _Conn) -> None:
     served, conn.served = conn.served, None
     if served is not None and served[1]:
         served[0].count_served(served[1])
+
+
+def _with_cached_prefix(engine, toks: np.ndarray, start: int, kv: torch.Tensor | None, seq: int,
+                        temporaries: list) -> torch.Tensor:  # fmt: skip
+    """The KV of all of `toks` when the frame carried only tokens[start:]: the cached prefix read back and joined
+    (each tensor made here goes into `temporaries`). PREFIX_NOT_CACHED when the prefix is not all cached."""
+    have, prefix = engine.get(toks[:start])
+    temporaries.append(prefix)  # a fresh read of the pool, not a view of it
+    if have < start:
+        raise ProtocolError(ErrorCode.PREFIX_NOT_CACHED, f"tokens[:{start}] are not cached",
+                            details={"num_cached": have, "sequence": seq})  # fmt: skip
+    if kv is None:
+        return prefix
+    if kv.device != prefix.device:  # a device pool: the suffix joins the prefix there
+        kv = kv.to(prefix.device)
+        temporaries.append(kv)
+    joined = torch.cat([prefix, kv], dim=2)
+    temporaries.append(joined)
+    return joined
 
 
 def _release_prefixes(conn: _Conn) -> None:

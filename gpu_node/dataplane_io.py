@@ -1,13 +1,20 @@
 """Socket plumbing of the data-plane server: reads that fill a payload's own memory, sends of many buffers
-without joining them (sendmsg on a Unix socket, per-view writes under TLS), shutdown helpers, and the TLS 1.3
-server context."""
+without joining them (sendmsg on a Unix socket, per-view writes under TLS), shutdown helpers, zeroing of buffers
+that held a tenant's bytes, and the TLS 1.3 server context.
+
+Plaintext hygiene: a buffer this module fills with a request's or an answer's bytes (the join of small views) is
+zeroed before it is released; TLS contexts get OpenSSL's SSL_OP_CLEANSE_PLAINTEXT, so the record buffer a
+received record was decrypted in is cleansed once its bytes are handed over (and when the connection is freed)."""
 
 from __future__ import annotations
 
 import socket
 import ssl
 
+import numpy as np
 import torch
+
+OP_CLEANSE_PLAINTEXT = 0x2  # SSL_OP_CLEANSE_PLAINTEXT (OpenSSL >= 3.0); the ssl module has no name for it
 
 _FILL_BYTES = 4 << 20  # a payload read goes on for up to this much before the decoder is told
 
@@ -31,6 +38,16 @@ def recv_into(sock, buf: memoryview, *, fill: bool) -> int:
     return n
 
 
+def zero(buf) -> None:
+    """Overwrite a buffer with zeros in place: a tensor (any device), or a writable bytes-like object."""
+    if isinstance(buf, torch.Tensor):
+        buf.zero_()
+        return
+    view = memoryview(buf)
+    if view.nbytes:
+        np.frombuffer(view.cast("B") if view.format != "B" or view.ndim != 1 else view, dtype=np.uint8).fill(0)
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.device.type != "cpu":
@@ -48,7 +65,7 @@ def send_buffers(sock, buffers: list) -> None:
     views = [memoryview(b).cast("B") if memoryview(b).format != "B" else memoryview(b) for b in buffers]
     total = sum(v.nbytes for v in views)
     if total <= _COALESCE_BYTES:
-        sock.sendall(b"".join(views))
+        _send_joined(sock, views)
         return
     if not isinstance(sock, ssl.SSLSocket) and hasattr(sock, "sendmsg"):
         first = 0  # views[:first] are sent
@@ -68,17 +85,26 @@ def send_buffers(sock, buffers: list) -> None:
     for view in views:
         if view.nbytes >= _DIRECT_MIN_BYTES:
             if pending:
-                sock.sendall(b"".join(pending))
+                _send_joined(sock, pending)
                 pending, pending_bytes = [], 0
             sock.sendall(view)
             continue
         pending.append(view)
         pending_bytes += view.nbytes
         if pending_bytes >= _COALESCE_BYTES:
-            sock.sendall(b"".join(pending))
+            _send_joined(sock, pending)
             pending, pending_bytes = [], 0
     if pending:
-        sock.sendall(b"".join(pending))
+        _send_joined(sock, pending)
+
+
+def _send_joined(sock, views: list[memoryview]) -> None:
+    """One write of small views joined (at most _COALESCE_BYTES): the join may hold KV, so it is zeroed after."""
+    joined = bytearray().join(views)
+    try:
+        sock.sendall(joined)
+    finally:
+        zero(joined)
 
 
 def hard_shutdown(sock: socket.socket) -> None:
@@ -101,9 +127,17 @@ def server_tls_context(certfile: str, keyfile: str, *, cafile: str | None = None
     """A TLS 1.3-only server context (optionally mutual TLS with the platform CA)."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    cleanse_plaintext(ctx)
     ctx.load_cert_chain(certfile, keyfile)
     if cafile:
         ctx.load_verify_locations(cafile)
     if require_client_cert:
         ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def cleanse_plaintext(ctx: ssl.SSLContext) -> ssl.SSLContext:
+    """OpenSSL cleanses each decrypted record once its bytes are read, and a connection's buffers when it is freed:
+    no plaintext of a tenant's KV stays in a record buffer or in the freed heap after it."""
+    ctx.options |= OP_CLEANSE_PLAINTEXT
     return ctx

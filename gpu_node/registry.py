@@ -13,8 +13,13 @@ requests to the others.
 Lower tiers (gpu_node/tiers.py): a capacity with `dram` bytes gets a DRAM tier; one with `ssd` bytes and a data key
 (`ssd_key`, from provision_cache) gets an SSD store under `<ssd_dir>/<cache id>/`, which is rescanned when it exists
 (warm restart: same id, epoch and keys after an agent restart). Only one store is open per directory: a newer
-epoch closes the old one first. Detach deletes the cache's directory; purge_tenant zeroes DRAM and deletes the
-tenant's directories, hosted or left over from an earlier run.
+epoch closes the old one first. Detach deletes the cache's directory, hosted or not (gpu_node/cache_dirs.py: not
+when a newer epoch wrote it, nor while a provisioning of it is in flight); purge_tenant zeroes DRAM and deletes the
+tenant's directories, hosted or left over from an earlier run; remove_unplaced_directories (at registration)
+deletes those of every cache the control plane no longer places here, never one hosted or being provisioned.
+
+Purge listeners (the data plane) run inside purge_tenant after the tenant's caches stop being hosted and before
+their pools are wiped: they close the tenant's connections and zero their buffers.
 
 Usage counters (`usage_snapshot`, billing): per cache id, bytes written and tokens served since this process
 started, monotonic: an engine that goes away (detach, purge, a newer epoch) leaves its counts to the cache id, and
@@ -23,16 +28,18 @@ a cache that stopped being hosted is reported once more with 0 resident bytes, c
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 
 import torch
 
-from gpu_node import tiers
+from gpu_node import cache_dirs, tiers
 from gpu_node.paged_cache import PagedKVCache
 from kcaas.spec import KVCacheSpec
 
 TIERS = ("device", "dram", "ssd")
+log = logging.getLogger(__name__)
 
 
 class ProvisionError(Exception):
@@ -65,6 +72,8 @@ class CacheRegistry:
         # cache id -> (bytes written, tokens served) by its engines that are gone
         self._retired_counts: dict[str, tuple[int, int]] = {}
         self._unreported_gone: set[str] = set()  # no longer hosted, not yet reported with 0 resident bytes
+        self._purge_listeners: list = []  # callables(tenant_id) told of a purge before its pools are wiped
+        self._provisioning: dict[str, int] = {}  # cache id -> provisionings in flight (their directory is in use)
 
     def provision(
         self, *, cache_id: str, spec: KVCacheSpec, capacity: dict[str, int], hash_key: bytes, epoch: int,
@@ -81,6 +90,7 @@ class CacheRegistry:
             if self._used_locked() - replaced_bytes + device_bytes > self.device_capacity_bytes:
                 raise ProvisionError("insufficient_capacity", "not enough device memory on this node")
             self._reserved_in_flight += device_bytes
+            self._provisioning[cache_id] = self._provisioning.get(cache_id, 0) + 1
         if hosted is not None and hosted.engine.tiers is not None:
             hosted.engine.tiers.close()  # one open store per directory: the newer epoch rescans it
         try:
@@ -88,12 +98,15 @@ class CacheRegistry:
             lower = tiers.open_tiers(self.ssd_dir, cache_id, str(tenant_id or ""), capacity, spec.block_bytes, ssd_key)
             if lower is not None:
                 engine.attach_tiers(lower)
-        finally:
+            cache_dirs.record_epoch(self.ssd_dir, cache_id, epoch)
+        except BaseException:
             with self._lock:
-                self._reserved_in_flight -= device_bytes
+                self._end_provisioning_locked(cache_id, device_bytes)
+            raise
         hosted = HostedCache(cache_id, epoch, spec, {t: int(capacity.get(t, 0)) for t in TIERS}, engine,
                              str(tenant_id or ""))
         with self._lock:
+            self._end_provisioning_locked(cache_id, device_bytes)
             current = self._caches.get(cache_id)
             if current is not None and current.epoch >= epoch:
                 if engine.tiers is not None:
@@ -105,21 +118,57 @@ class CacheRegistry:
             self._unreported_gone.discard(cache_id)
         return hosted
 
+    def _end_provisioning_locked(self, cache_id: str, device_bytes: int) -> None:
+        self._reserved_in_flight -= device_bytes
+        left = self._provisioning.pop(cache_id) - 1
+        if left:
+            self._provisioning[cache_id] = left
+
     def detach(self, *, cache_id: str, epoch: int) -> bool:
-        """Stop hosting a cache (readers holding its blocks keep them until they let go); False if not hosted."""
+        """Stop hosting a cache (readers holding its blocks keep them until they let go); False if not hosted.
+
+        Its SSD directory goes either way: wiped with the hosted cache, or, for a cache not hosted (it failed with
+        its node lost, the agent restarted since), deleted from disk, unless a newer epoch than `epoch` wrote it or
+        a provisioning of it is in flight."""
         with self._lock:
             hosted = self._caches.get(cache_id)
-            if hosted is None or hosted.epoch > epoch:
-                return False
-            del self._caches[cache_id]
-            self._retire_locked(hosted, gone=True)
+            if hosted is None:
+                in_use = cache_id in self._provisioning
+                taken = None if in_use else cache_dirs.take(self.ssd_dir, cache_id, epoch=epoch)
+            elif hosted.epoch <= epoch:
+                del self._caches[cache_id]
+                self._retire_locked(hosted, gone=True)
+        if hosted is None:
+            cache_dirs.delete(taken)  # renamed away under the lock: a later provisioning starts a fresh one
+            return False
+        if hosted.epoch > epoch:
+            return False
         if hosted.engine.tiers is not None:
             hosted.engine.tiers.wipe()  # its blocks are no longer this node's to keep
         return True
 
+    def remove_unplaced_directories(self, stored: list[str]) -> list[str]:
+        """Delete the SSD directories of the caches that are none of: `stored` (what the control plane places on
+        this node or migrates to it, from its register answer), hosted here, being provisioned here. A warm restart
+        keeps its directories: the control plane places those caches here still and provisions them again (same
+        id and epoch: the store rescans the directory). Returns the cache ids whose directory was deleted."""
+        keep = {str(cache_id) for cache_id in stored}
+        with self._lock:
+            keep |= set(self._caches) | set(self._provisioning)
+            gone = [name for name in cache_dirs.names(self.ssd_dir) if name not in keep]
+            taken = [cache_dirs.take(self.ssd_dir, name) for name in gone]
+        for path in taken:
+            cache_dirs.delete(path)
+        cache_dirs.delete_leftovers(self.ssd_dir)
+        return gone
+
     def purge_tenant(self, tenant_id: str) -> list[dict]:
         """Stop hosting every cache of the tenant, whatever its epoch, and wipe its pool (zeros): erasure.
-        Returns [{"cache_id", "freed_bytes"}] (the bytes that were resident). Idempotent: a second call frees 0."""
+        Returns [{"cache_id", "freed_bytes"}] (the bytes that were resident). Idempotent: a second call frees 0.
+
+        Order: the caches stop being hosted (no new request reaches them), then the purge listeners run (the data
+        plane closes the tenant's connections and zeroes their buffers, so no request is still writing), then the
+        pools are wiped and the tenant's SSD directories deleted."""
         if not tenant_id:
             return []
         with self._lock:
@@ -127,9 +176,27 @@ class CacheRegistry:
             for hosted in purged:
                 del self._caches[hosted.cache_id]
                 self._retire_locked(hosted, gone=True)
+            listeners = list(self._purge_listeners)
+        for listener in listeners:
+            try:
+                listener(str(tenant_id))
+            except Exception:  # noqa: BLE001 - the purge itself must go on
+                log.exception("a purge listener failed")
         freed = [{"cache_id": h.cache_id, "freed_bytes": h.engine.wipe()} for h in sorted(purged, key=lambda h: h.cache_id)]
         tiers.purge_tenant_directories(self.ssd_dir, str(tenant_id))  # leftovers of caches not hosted now
         return freed
+
+    def add_purge_listener(self, listener) -> None:
+        """`listener(tenant_id)` is called by every purge_tenant, after the tenant's caches stop being hosted and
+        before their pools are wiped (the data plane: close the tenant's connections, zero their buffers)."""
+        with self._lock:
+            if listener not in self._purge_listeners:
+                self._purge_listeners.append(listener)
+
+    def remove_purge_listener(self, listener) -> None:
+        with self._lock:
+            if listener in self._purge_listeners:
+                self._purge_listeners.remove(listener)
 
     def get(self, cache_id: str) -> HostedCache | None:
         with self._lock:

@@ -124,6 +124,17 @@ def caches_on_node(*, node_id: uuid.UUID) -> list[dict]:
     ]
 
 
+def cache_ids_stored_on_node(*, node_id: uuid.UUID) -> list[str]:
+    """The caches whose blocks a node may keep (for its register response): those placed on it that still hold a
+    reservation there, and those an active migration is copying to it. A (re-)registering node deletes the SSD
+    directories of every other cache (detached, failed, moved away while it was down). Sorted ids."""
+    placed = Cache.objects.filter(node_id=node_id, state__in=RESERVING_STATES).values_list("id", flat=True)
+    incoming = Migration.objects.filter(target_id=node_id, state__in=ACTIVE_MIGRATION_STATES).values_list(
+        "cache_id", flat=True
+    )
+    return sorted({str(cache_id) for cache_id in [*placed, *incoming]})
+
+
 MAX_REVOKED_LISTED = 100_000  # per node answer; bounded anyway by the outstanding-token quotas of its tenants
 
 

@@ -221,6 +221,9 @@ KCAAS_NODE_REGISTER_RECONCILER = "caches.services.caches_reconcile_node"
 # The unexpired revoked data tokens of a node's caches, answered to its register and heartbeat calls (fleet cannot
 # import caches: the hook names the selector).
 KCAAS_NODE_REVOKED_TOKENS = "caches.selectors.data_tokens_revoked_on_node"
+# The caches whose blocks a (re-)registering node may keep on disk (placed on it or migrating to it), answered to its
+# register call: it deletes the SSD directories of any other cache (the hook names the selector, as above).
+KCAAS_NODE_STORED_CACHES = "caches.selectors.cache_ids_stored_on_node"
 # Called (node_id=...) after a node (re-)registers, after the reconciler; e.g. privacy resends the purges of running
 # erasures to a node that was lost while they started.
 KCAAS_NODE_REGISTER_HOOKS = ["privacy.services.erasure_node_registered", "caches.migration.migrations_redrive_node"]

@@ -90,6 +90,11 @@ class NodeRegisterApi(_NodeApi):
             "the agent no longer holds are being provisioned again (state provisioning)",
         )
         revoked_tokens = RevokedTokenSerializer(many=True)
+        stored_caches = serializers.ListField(
+            child=serializers.CharField(),
+            help_text="ids of the caches whose blocks this node may keep on disk (placed on it, or being migrated to "
+            "it); the agent deletes the SSD directories of every other cache",
+        )
         certificate = serializers.CharField(
             required=False, help_text="PEM node certificate (spiffe://kcaas/node/<id>); only when a csr was sent"
         )
@@ -116,6 +121,7 @@ class NodeRegisterApi(_NodeApi):
                 node_id=registration.node.pk, held_cache_ids=data.get("caches", [])
             ),
             "revoked_tokens": _revoked_tokens(registration.node.pk),
+            "stored_caches": import_string(settings.KCAAS_NODE_STORED_CACHES)(node_id=registration.node.pk),
         }
         if registration.certificate is not None:
             body.update(certificate=registration.certificate, ca_certificate=registration.ca_certificate)

@@ -37,3 +37,30 @@ def test_a_restarted_node_gets_its_lost_caches_provisioned_again(tenant_a, djang
     assert Cache.objects.get(pk=cache_id).state == "provisioning"
     make_ready(cache_id)
     assert Cache.objects.get(pk=cache_id).state == "ready"
+
+
+def test_the_register_answer_names_the_caches_whose_blocks_the_node_may_store(tenant_a, make_node):
+    from caches import services
+    from caches.migration import migration_start
+
+    issued = fleet_services.node_create(name="storing-node")
+    agent = APIClient()
+    agent.credentials(HTTP_AUTHORIZATION=f"Bearer {issued.credential}")
+    assert register(agent, []).json()["stored_caches"] == []
+
+    def attach(name: str) -> str:
+        return tenant_a.client.post("/api/v1/caches", attach_body(name), format="json").json()["id"]
+
+    placed, failed = attach("placed"), attach("failed")
+    make_ready(placed)
+    services.cache_provision_result(cache_id=failed, node_id=issued.node.pk, ok=False, reason="allocation_failed")
+    fleet_services.node_cordon(node_id=issued.node.pk)
+    other = make_node()
+    moving = attach("moving")  # placed on the other node (this one is cordoned), then moved here
+    assert str(Cache.objects.get(pk=moving).node_id) == str(other.pk)
+    make_ready(moving)
+    fleet_services.node_uncordon(node_id=issued.node.pk)
+    migration_start(cache_id=moving, target_node_id=issued.node.pk)
+
+    stored = register(agent, [placed]).json()["stored_caches"]
+    assert stored == sorted([placed, moving])  # not the failed one: its blocks are nobody's to keep

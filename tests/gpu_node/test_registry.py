@@ -105,3 +105,41 @@ def test_bad_provisioning_requests_are_answered_with_a_reason_not_an_exception(s
     reg = registry()
     assert provision(reg, "c1", spec, capacity, key_b64, 1) == (False, reason)
     assert reg.cache_ids() == []
+
+
+# ---- SSD directories of caches no longer hosted ------------------------------------------------------------------
+SSD_KEY = b"s" * 32
+
+
+def ssd_registry(root) -> CacheRegistry:
+    """A registry over one SSD root: a second one over the same root is the agent after a restart."""
+    return CacheRegistry(device_capacity_bytes=64 * BLOCK, device="cpu", ssd_dir=str(root))
+
+
+def provision_on_ssd(reg, cache_id="c1", *, epoch=1):
+    return reg.provision(cache_id=cache_id, spec=SPEC, capacity={"device": 4 * BLOCK, "ssd": 64 * BLOCK},
+                         hash_key=KEY, epoch=epoch, tenant_id="t1", ssd_key=SSD_KEY)  # fmt: skip
+
+
+def test_detaching_a_cache_not_hosted_deletes_its_ssd_directory(tmp_path):
+    provision_on_ssd(ssd_registry(tmp_path), epoch=3).engine.tiers.close()
+    assert (tmp_path / "c1").is_dir()
+    restarted = ssd_registry(tmp_path)  # the agent restarted; the cache failed (node lost) meanwhile
+    assert restarted.detach(cache_id="c1", epoch=2) is False
+    assert (tmp_path / "c1").is_dir()  # a stale detach: epoch 3 wrote the directory
+    assert restarted.detach(cache_id="c1", epoch=3) is False  # not hosted, but its blocks are gone from disk
+    assert not (tmp_path / "c1").exists() and list(tmp_path.iterdir()) == []
+    assert restarted.detach(cache_id="c1", epoch=3) is False  # idempotent
+
+
+def test_a_registering_node_deletes_only_the_directories_of_caches_it_no_longer_stores(tmp_path):
+    first = ssd_registry(tmp_path)
+    for cache_id in ("kept", "gone", "hosted"):
+        provision_on_ssd(first, cache_id).engine.tiers.close()
+    (tmp_path / "not-a-cache").mkdir()  # no owner file: never touched
+    restarted = ssd_registry(tmp_path)
+    provision_on_ssd(restarted, "hosted")  # hosted again already (not listed: an older answer)
+    assert restarted.remove_unplaced_directories(["kept"]) == ["gone"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hosted", "kept", "not-a-cache"]
+    warm = provision_on_ssd(restarted, "kept")  # its warm restart reopens the same directory
+    assert warm.engine.tiers is not None and (tmp_path / "kept" / "epoch").read_text() == "1"
