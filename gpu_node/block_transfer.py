@@ -82,6 +82,9 @@ class HeldBlock:
 
     def release(self) -> None:
         self.engine.release_block(self.meta)
+        if self.meta.lower or not self.meta.full:  # private copies of KV: zeroed before they are freed
+            for part in self.parts:
+                part[:] = bytes(len(part))
 
 
 def read_block(engine: PagedKVCache, meta: BlockMeta) -> HeldBlock | None:

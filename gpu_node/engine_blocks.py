@@ -9,7 +9,8 @@ Interface (each method takes and releases the cache lock itself; none is called 
 - `list_blocks()`: every cached block, device then lower tiers, as BlockMeta (children of one parent contiguous,
   each key once: a block on the device and on SSD is listed as the device's);
 - `hold_block(meta)` -> the block's stored bytes, held until `release_block(meta)`; None when the block changed or
-  left the index since it was listed. Lower-tier blocks are a verified private copy (nothing promoted, nothing held);
+  left the index since it was listed. Lower-tier blocks and partial tails are private (writable) copies, which the
+  caller zeroes when done (nothing promoted, nothing held);
 - `block_payload(key)`: a private copy of a full block's stored bytes from the device or a lower tier;
 - `admit_block(...)`: may a verified block be published now ("ok", "lower", "have", "orphan");
 - `store_block(...)`: publish a verified block's bytes (the device, or the lower tiers when its parent lives only
@@ -111,7 +112,7 @@ class BlockExchange:
             self._blocks.hold([meta.block_id])
         parts = [self.pool[meta.block_id]] + ([self.scales[meta.block_id]] if self.scales is not None else [])
         parts = [memoryview(p.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy()) for p in parts]
-        return parts if meta.full else [memoryview(bytes(p)) for p in parts]
+        return parts if meta.full else [memoryview(bytearray(p)) for p in parts]
 
     def release_block(self, meta: BlockMeta) -> None:
         if not meta.lower:

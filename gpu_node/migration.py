@@ -244,16 +244,19 @@ class MigrationListener:
         journal = self._journal_for(incoming, hosted)
         _send_msg(sock, b"K", b"".join(bt.held_keys(engine)))
         staging = bytearray(bt.block_nbytes(engine))
-        while True:
-            kind, body, length = _recv_msg(sock)
-            if kind == b"Y":
-                if journal is not None:
-                    journal.sync()  # what K lists survives a SIGKILL of this process
-                _send_msg(sock, b"K", b"".join(bt.held_keys(engine)))
-            elif kind == b"B" and length == len(staging):
-                self._block(sock, engine, body, staging, journal)
-            else:
-                return
+        try:
+            while True:
+                kind, body, length = _recv_msg(sock)
+                if kind == b"Y":
+                    if journal is not None:
+                        journal.sync()  # what K lists survives a SIGKILL of this process
+                    _send_msg(sock, b"K", b"".join(bt.held_keys(engine)))
+                elif kind == b"B" and length == len(staging):
+                    self._block(sock, engine, body, staging, journal)
+                else:
+                    return
+        finally:
+            staging[:] = bytes(len(staging))  # it held KV: zeroed before it is freed
 
     def _block(self, sock, engine, head: bytearray, staging: bytearray, journal=None) -> None:
         parent, key, full, num_tokens, checksum = BLOCK_HEAD.unpack(head)

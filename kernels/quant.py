@@ -108,8 +108,11 @@ def _quantize_chunk(x: torch.Tensor, dtype: torch.dtype, qmax: float) -> tuple[t
     scale = torch.where(amax > 0, scale, torch.ones_like(amax))
     y = x.div_(scale.unsqueeze(-1))
     if dtype == torch.int8:
-        return y.round_().clamp_(-INT8_QMAX, INT8_QMAX).to(torch.int8), scale
-    return y.clamp_(-FP8_E4M3_QMAX, FP8_E4M3_QMAX).to(torch.float8_e4m3fn), scale
+        q = y.round_().clamp_(-INT8_QMAX, INT8_QMAX).to(torch.int8)
+    else:
+        q = y.clamp_(-FP8_E4M3_QMAX, FP8_E4M3_QMAX).to(torch.float8_e4m3fn)
+    x.zero_()  # the private copy held KV: zeroed before it is freed
+    return q, scale
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,7 +122,9 @@ def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
     q = torch.empty(rows.shape, dtype=dtype, device=x.device)
     scale = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
     for part in _row_chunks(rows.shape[0], rows.shape[1], x.device):
-        q[part], scale[part] = _quantize_chunk(rows[part], dtype, qmax)
+        chunk_q, scale[part] = _quantize_chunk(rows[part], dtype, qmax)
+        q[part] = chunk_q
+        chunk_q.view(torch.uint8).zero_()  # temporaries that held KV are zeroed before they are freed
     return q.view(x.shape), scale.view(x.shape[:-1])
 
 
@@ -134,7 +139,9 @@ def dequantize(
     q_rows, out_rows = q.reshape(-1, q.shape[-1]), out.view(-1, q.shape[-1])
     scale_rows = scale.reshape(-1, 1)
     for part in _row_chunks(q_rows.shape[0], q_rows.shape[1], q.device):
-        out_rows[part] = q_rows[part].to(torch.float32, copy=True).mul_(scale_rows[part])
+        chunk = q_rows[part].to(torch.float32, copy=True).mul_(scale_rows[part])
+        out_rows[part] = chunk
+        chunk.zero_()  # held KV: zeroed before it is freed
     return out
 
 

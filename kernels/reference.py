@@ -31,6 +31,15 @@ from kernels.quant import dequantize, quantize
 LOOP_MIN_BLOCK_BYTES = 256 << 10
 
 
+def scrub(*temporaries: torch.Tensor, keep: tuple = ()) -> None:
+    """Zero temporaries that held KV before they are freed (no plaintext KV left in freed heap memory after an
+    erasure), except those sharing storage with a tensor in `keep` (the caller's input or the pool itself)."""
+    kept = {t.untyped_storage().data_ptr() for t in keep}
+    for t in temporaries:
+        if t.numel() and t.untyped_storage().data_ptr() not in kept:
+            t.zero_()
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """Same bytes, a dtype every indexing op supports (CPU ``index_copy_`` has no float8)."""
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
@@ -64,7 +73,9 @@ def _row_ids(slots: torch.Tensor, num_layers: int, block_size: int, granule: int
 def _scatter_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor, granule: int) -> None:
     """dst viewed as rows of granule slots (pool: granule*H*D elements, scales: granule*H) <- src's rows."""
     row_len = granule * math.prod(dst.shape[4:])
-    _bits(dst).view(-1, row_len).index_copy_(0, rows, _bits(src).reshape(-1, row_len))
+    flat = _bits(src).reshape(-1, row_len)  # a copy when src is a strided slice
+    _bits(dst).view(-1, row_len).index_copy_(0, rows, flat)
+    scrub(flat, keep=(src,))
 
 
 def _consecutive_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
@@ -91,8 +102,7 @@ def write_kv_reference(
     kv: torch.Tensor, pool: torch.Tensor, scales: torch.Tensor | None, slot_mapping: torch.Tensor
 ) -> None:
     """pool[slot] = kv[:, :, token] for every token with slot >= 0 (quantized when the pool is int8/fp8)."""
-    num_layers = kv.shape[0]
-    block_size = pool.shape[3]
+    given = kv
     valid = slot_mapping >= 0
     slots = slot_mapping
     if not bool(valid.all()):
@@ -104,6 +114,14 @@ def write_kv_reference(
         targets = [(pool, values), (scales, row_scales)]
     else:
         targets = [(pool, kv.to(pool.dtype))]
+    try:
+        _write_targets(targets, slots, kv.shape[0], pool.shape[3])
+    finally:
+        scrub(kv, *(src for _, src in targets), keep=(given,))
+
+
+def _write_targets(targets: list, slots: torch.Tensor, num_layers: int, block_size: int) -> None:
+    pool = targets[0][0]
     granule = _rows_per_slot_run(slots, block_size)
     if granule == block_size and pool[0].numel() * pool.element_size() >= LOOP_MIN_BLOCK_BYTES:
         block_ids = (slots[::block_size] // block_size).tolist()
@@ -142,10 +160,13 @@ def read_kv_reference(
         q = _bits(pool).view(-1, row_len).index_select(0, rows).view(pool.dtype).view(out_shape)
         row_scales = scales.view(-1, granule * num_heads).index_select(0, rows).view(out_shape[:-1])
         dequantize(q, row_scales, out=out)
+        scrub(q, row_scales)
     elif out_dtype == pool.dtype:
         torch.index_select(pool.view(-1, row_len), 0, rows, out=out.view(-1, row_len))
     else:
-        out.copy_(pool.view(-1, row_len).index_select(0, rows).view(out_shape))
+        gathered = pool.view(-1, row_len).index_select(0, rows)
+        out.copy_(gathered.view(out_shape))
+        scrub(gathered)
     if not all_valid:
         out[:, :, ~valid] = 0
     return out
@@ -165,8 +186,10 @@ def _copy_rows(src_rows: torch.Tensor, dst_rows: torch.Tensor, src_ids: torch.Te
     src_ids, dst_ids = src_ids.to(src_rows.device), dst_ids.to(dst_rows.device)
     step = max(1, COPY_CHUNK_BYTES // row_bytes)  # a bounded staging buffer, recycled by the allocator
     for start in range(0, src_ids.shape[0], step):
-        moved = src_rows.index_select(0, src_ids[start : start + step]).to(dst_rows.device)
+        gathered = src_rows.index_select(0, src_ids[start : start + step])
+        moved = gathered.to(dst_rows.device)
         dst_rows.index_copy_(0, dst_ids[start : start + step], moved)
+        scrub(gathered, moved)
 
 
 def copy_blocks_reference(
