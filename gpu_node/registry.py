@@ -125,7 +125,8 @@ class CacheRegistry:
             self._provisioning[cache_id] = left
 
     def detach(self, *, cache_id: str, epoch: int) -> bool:
-        """Stop hosting a cache (readers holding its blocks keep them until they let go); False if not hosted.
+        """Stop hosting a cache and purge its engine (a reader sending its blocks finishes first; holders that have
+        not started reading get CachePurged); False if not hosted.
 
         Its SSD directory goes either way: wiped with the hosted cache, or, for a cache not hosted (it failed with
         its node lost, the agent restarted since), deleted from disk, unless a newer epoch than `epoch` wrote it or
@@ -143,8 +144,7 @@ class CacheRegistry:
             return False
         if hosted.epoch > epoch:
             return False
-        if hosted.engine.tiers is not None:
-            hosted.engine.tiers.wipe()  # its blocks are no longer this node's to keep
+        hosted.engine.wipe()  # its blocks are no longer this node's to keep: pool zeroed, DRAM zeroed, SSD deleted
         return True
 
     def remove_unplaced_directories(self, stored: list[str]) -> list[str]:
