@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from gpu_node.checksum import block_checksum
-from gpu_node.engine_blocks import BlockMeta, partial_key  # noqa: F401 - part of this module's API
+from gpu_node.engine_blocks import BlockMeta, partial_key  # noqa: F401 - partial_key is part of this module's API
 from gpu_node.paged_cache import PagedKVCache
 
 

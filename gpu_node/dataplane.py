@@ -37,9 +37,8 @@ import time
 from typing import Any
 
 import numpy as np
-import torch
 
-from gpu_node.admission import Hold, TenantAdmission, TenantLimits
+from gpu_node.admission import TenantAdmission, TenantLimits
 from gpu_node.dataplane_conn import Conn as _Conn, Session as _Session
 from gpu_node.dataplane_io import (  # noqa: F401 - server_tls_context is part of this module's API
     cleanse_plaintext,
@@ -48,13 +47,10 @@ from gpu_node.dataplane_io import (  # noqa: F401 - server_tls_context is part o
     recv_into,
     send_buffers,
     server_tls_context,
-    tensor_bytes,
-    zero,
 )
 from gpu_node.engine_tiers import CachePurged
-from gpu_node.kv_input import KVNotStorable
-from gpu_node.paged_cache import TORCH_DTYPES
-from gpu_node.registry import CacheRegistry, HostedCache
+from gpu_node.dataplane_ops import answer_get, answer_put, count_served, release_prefixes
+from gpu_node.registry import CacheRegistry
 from gpu_node.migration_fence import MovedError, fences_for
 from gpu_node.tokens import TokenVerifier
 from kcaas import wire
@@ -285,7 +281,7 @@ class DataPlaneServer:
                 self._conns.discard(conn)
             for hold in conn.holds.values():
                 hold.release()
-            _release_prefixes(conn)
+            release_prefixes(conn)
             for tenant in conn.tenants:
                 self.admission.disconnect(tenant)
             conn.holds.clear()
@@ -357,7 +353,7 @@ class DataPlaneServer:
                     response = wire.encode_error(frame.request_id, ErrorCode.INTERNAL, "internal error")
                 try:
                     send_buffers(sock, response)
-                    _count_served(conn)
+                    count_served(conn)
                 except (OSError, ssl.SSLError):
                     return
                 finally:
@@ -404,7 +400,7 @@ class DataPlaneServer:
         hold = conn.holds.pop(id(frame.meta), None)
         if hold is not None:
             hold.release()
-        _release_prefixes(conn)
+        release_prefixes(conn)
         conn.served = None
         conn.frame_done(id(frame.meta), frame.payload)
 
@@ -450,8 +446,8 @@ class DataPlaneServer:
             with fences_for(self.registry).writing(request_head.cache_id):
                 if op == "delete":
                     return wire.encode_delete_ok(rid, [engine.delete(t) for t in tokens])
-                return self._put(session.hosted, request, tokens)
-        return self._get(conn, session.hosted, request, tokens, conn.holds[id(frame.meta)])
+                return answer_put(session.hosted, request, tokens)
+        return answer_get(conn, session.hosted, request, tokens, conn.holds[id(frame.meta)], self.max_frame_bytes)
 
     def _hello(self, conn: _Conn, frame: wire.Frame) -> list:
         hello = wire.parse_hello(frame)
@@ -483,77 +479,6 @@ class DataPlaneServer:
                                     epoch=hosted.epoch, node_id=self.node_id, max_frame_bytes=self.max_frame_bytes,
                                     max_metadata_bytes=self.max_metadata_bytes)  # fmt: skip
 
-    def _put(self, hosted: HostedCache, request: wire.DataRequest, tokens: list[np.ndarray]) -> list:
-        engine, spec = hosted.engine, hosted.spec
-        dtype = TORCH_DTYPES[spec.kv_dtype]
-        num_cached, num_written, out_of_space = [], [], []
-        for seq, (toks, kv_bytes, start) in enumerate(zip(tokens, request.kv, request.head.kv_start)):
-            n = len(toks)
-            shape = (spec.num_layers, 2, n - start, spec.num_kv_heads, spec.head_dim)
-            kv = torch.frombuffer(kv_bytes, dtype=dtype).view(shape) if kv_bytes.nbytes else None
-            temporaries = []  # tensors made for this put alone: zeroed once the engine has copied them
-            try:
-                if start > 0:
-                    kv = _with_cached_prefix(engine, toks, start, kv, seq, temporaries)
-                result = engine.put(toks, kv)
-            except KVNotStorable as exc:  # the values, not the node: the client's to fix (sequences before were put)
-                raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc),
-                                    details={"reason": "kv_not_storable", "sequence": seq}) from None  # fmt: skip
-            finally:
-                for tensor in temporaries:
-                    zero(tensor)
-            num_cached.append(result.num_cached_tokens)
-            num_written.append(result.num_written_tokens)
-            out_of_space.append(result.out_of_space)
-        return wire.encode_put_ok(request.head.request_id, num_cached=num_cached, num_written=num_written,
-                                  out_of_space=out_of_space)  # fmt: skip
-
-    def _get(self, conn: _Conn, hosted: HostedCache, request: wire.DataRequest, tokens: list[np.ndarray],
-             hold: Hold) -> list:  # fmt: skip
-        """Each sequence's cached prefix is held (acquire) until the answer is sent (`_frame_done`), and its KV goes
-        out straight from the pool's memory (`kv_views`: no copy) when the pool is host memory in the engine dtype;
-        otherwise it is read into the connection's staging buffer first."""
-        engine, spec = hosted.engine, hosted.spec
-        starts = request.head.kv_start
-        conn.held_prefixes = handles = [engine.acquire(t) for t in tokens]
-        cached = [handle.num_tokens for handle in handles]
-        ends = wire.get_kv_end(spec, cached, starts, max_frame_bytes=self.max_frame_bytes,
-                              metadata_allowance=256 + 72 * len(tokens))  # 3 ints of <= 20 digits per sequence
-        hold.grow(sum(max(e - s, 0) for s, e in zip(starts, ends)) * spec.kv_bytes_per_token)  # the tenant's budget
-        kv_out, staged = [], []
-        for index, (handle, start, end) in enumerate(zip(handles, starts, ends)):
-            views = engine.kv_views(handle, start, end) if end > start else []
-            if views is None:
-                staged.append(index)
-            kv_out.append(views)
-        if staged:
-            self._read_staged(conn, engine, [(i, handles[i], starts[i], ends[i]) for i in staged], kv_out)
-        answer = wire.encode_get_ok(request.head.request_id, spec=spec, num_cached=cached, kv_start=list(starts),
-                                    kv_end=list(ends), kv=kv_out, max_frame_bytes=self.max_frame_bytes)  # fmt: skip
-        conn.served = (engine, sum(max(end - start, 0) for start, end in zip(starts, ends)))
-        return answer
-
-    def _read_staged(self, conn: _Conn, engine, reads: list, kv_out: list) -> None:
-        """Copy path of _get (device or quantized pools): read each held prefix up to its end into staging. A copy
-        made on the way (a range of it, device KV brought to host) is kept in conn.temporaries: zeroed once sent."""
-        spec, dtype = engine.spec, TORCH_DTYPES[engine.spec.kv_dtype]
-        need = sum(end for _, _, _, end in reads) * spec.elements_per_token
-        staging = conn.staging_for_get(need, dtype, engine.device)
-        offset = 0
-        for index, handle, start, end in reads:
-            out = staging[offset : offset + end * spec.elements_per_token]
-            offset += end * spec.elements_per_token
-            kv = engine.read(handle, end, out=out)
-            made = [kv] if kv.data_ptr() != out.data_ptr() else []  # read elsewhere than into the staging
-            sent = kv if start == 0 else kv[:, :, start:end].contiguous()
-            if sent is not kv:
-                made.append(sent)
-            if sent.device.type != "cpu":
-                sent = sent.cpu()
-                made.append(sent)
-            conn.temporaries += made
-            kv_out[index] = tensor_bytes(sent)
-
     # ---- sending ------------------------------------------------------------------------------------------------
     def _send_quietly(self, sock, buffers: list) -> None:
         try:
@@ -561,35 +486,3 @@ class DataPlaneServer:
             send_buffers(sock, buffers)
         except (OSError, ssl.SSLError):
             pass
-
-
-def _count_served(conn: _Conn) -> None:
-    """A GET answer went out whole: its tokens of KV count as served (billing's read meter)."""
-    served, conn.served = conn.served, None
-    if served is not None and served[1]:
-        served[0].count_served(served[1])
-
-
-def _with_cached_prefix(engine, toks: np.ndarray, start: int, kv: torch.Tensor | None, seq: int,
-                        temporaries: list) -> torch.Tensor:  # fmt: skip
-    """The KV of all of `toks` when the frame carried only tokens[start:]: the cached prefix read back and joined
-    (each tensor made here goes into `temporaries`). PREFIX_NOT_CACHED when the prefix is not all cached."""
-    have, prefix = engine.get(toks[:start])
-    temporaries.append(prefix)  # a fresh read of the pool, not a view of it
-    if have < start:
-        raise ProtocolError(ErrorCode.PREFIX_NOT_CACHED, f"tokens[:{start}] are not cached",
-                            details={"num_cached": have, "sequence": seq})  # fmt: skip
-    if kv is None:
-        return prefix
-    if kv.device != prefix.device:  # a device pool: the suffix joins the prefix there
-        kv = kv.to(prefix.device)
-        temporaries.append(kv)
-    joined = torch.cat([prefix, kv], dim=2)
-    temporaries.append(joined)
-    return joined
-
-
-def _release_prefixes(conn: _Conn) -> None:
-    handles, conn.held_prefixes = conn.held_prefixes, []
-    for handle in handles:
-        handle.release()

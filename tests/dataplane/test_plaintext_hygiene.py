@@ -18,7 +18,6 @@ from gpu_node.dataplane_conn import Conn
 from gpu_node.dataplane_io import OP_CLEANSE_PLAINTEXT, send_buffers
 from gpu_node.registry import CacheRegistry
 from kcaas import wire
-from kcaas.dataplane import DataPlaneClient
 from kcaas.wire import Opcode
 from tests.dataplane.conftest import CACHE_A, CACHE_B, EPOCH, NODE_ID, RawConn
 from tests.gpu_node.kv_fixtures import prefix_kv, tiny_spec
@@ -108,7 +107,7 @@ def test_a_puts_buffers_are_zeroed_after_its_answer_or_at_close(node, connect, m
 def test_a_gets_staging_and_copies_are_zeroed(verifier, pki, client_ctx, make_token, monkeypatch):
     """A quantized pool is read into the connection's GET staging (no zero-copy views); a range of it that does
     not start at 0 is copied before it is sent."""
-    import gpu_node.dataplane as dataplane
+    import gpu_node.dataplane_ops as dataplane  # where GET answers are built
 
     spec = tiny_spec(storage_dtype="int8")
     registry = CacheRegistry(device_capacity_bytes=64 << 20, device="cpu")
