@@ -120,9 +120,7 @@ def test_a_gets_staging_and_copies_are_zeroed(verifier, pki, client_ctx, make_to
     srv = DataPlaneServer(registry, NODE_ID, verifier, server_tls_context(pki["cert"], pki["key"]), "127.0.0.1",
                           0).start()  # fmt: skip
     try:
-        sock = client_ctx.wrap_socket(socket.create_connection(srv.address, timeout=5), server_hostname="127.0.0.1")
-        conn = RawConn(sock)
-        assert conn.hello(make_token()).opcode == Opcode.OK
+        conn = connected(srv, client_ctx, make_token())
         for rid, start in ((5, 0), (6, BLOCK)):
             conn.send(wire.encode_request(Opcode.GET, rid, cache_id=CACHE_A, identity=spec, token_ids=[tokens],
                                           kv_start=[start]))  # fmt: skip
@@ -135,6 +133,14 @@ def test_a_gets_staging_and_copies_are_zeroed(verifier, pki, client_ctx, make_to
         assert is_zero(whole)  # a view of the staging, zeroed at close
     finally:
         srv.stop()
+
+
+def connected(srv, client_ctx, token) -> RawConn:
+    """A TLS connection to `srv` that said HELLO with `token`."""
+    sock = client_ctx.wrap_socket(socket.create_connection(srv.address, timeout=5), server_hostname="127.0.0.1")
+    conn = RawConn(sock)
+    assert conn.hello(token).opcode == Opcode.OK
+    return conn
 
 
 def dataplane_io_tensor_bytes(t):
@@ -228,9 +234,7 @@ def test_a_device_pool_joins_a_suffix_put_and_sends_a_range_through_host_copies(
     srv = DataPlaneServer(registry, NODE_ID, verifier, server_tls_context(pki["cert"], pki["key"]), "127.0.0.1",
                           0).start()  # fmt: skip
     try:
-        sock = client_ctx.wrap_socket(socket.create_connection(srv.address, timeout=5), server_hostname="127.0.0.1")
-        conn = RawConn(sock)
-        assert conn.hello(make_token()).opcode == Opcode.OK
+        conn = connected(srv, client_ctx, make_token())
         tokens = np.arange(3 * BLOCK, dtype=np.int32)
         conn.sock.sendall(put_frame(1, tokens[: 2 * BLOCK]) + put_frame(2, tokens, start=2 * BLOCK))
         assert [conn.read().opcode, conn.read().opcode] == [Opcode.OK, Opcode.OK]
