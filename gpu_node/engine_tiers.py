@@ -38,7 +38,15 @@ class TierOperations:
 
     @property
     def tiers(self):
+        """The attached LowerTiers, for reading their figures (resident bytes, failures); moving blocks between
+        tiers is the facade's alone."""
         return self._tiers
+
+    def close(self) -> None:
+        """Let go of the lower tiers' files without erasing them (the SSD store is closed: a later provisioning of
+        the same cache rescans its directory: warm restart)."""
+        if self._tiers is not None:
+            self._tiers.close()
 
     # ---- demotion (under the cache lock) --------------------------------------------------------------------------
     def _demote_evicted(self, evicted: list | None) -> None:
@@ -60,6 +68,23 @@ class TierOperations:
         block_ids = self._blocks.allocate(num_blocks, evicted)
         self._demote_evicted(evicted)
         return block_ids
+
+    def write_through(self, parent: bytes, key: bytes, tokens: np.ndarray) -> bool:
+        """Queue a copy of full block `key` (from the device or a lower tier) for the SSD now, with its lineage, not
+        only when it is evicted (a migration target's journal: durable at the store's next flush). False without an
+        SSD tier, or when the block is gone (deleted or evicted out of every tier meanwhile)."""
+        if self._tiers is None or self._tiers.ssd is None:
+            return False
+        payload = self.block_payload(key)
+        if payload is None:
+            return False
+        with self._lock:
+            self._check_not_purged()
+            if key not in self._blocks.cached_hash_to_block and not self._tiers.has(key):
+                zero(payload)  # forgotten while it was copied
+                return False
+            self._tiers.write_through(key, payload, (parent, tokens))
+        return True
 
     # ---- reads ----------------------------------------------------------------------------------------------------
     def _lower_run_end(self, chain: BlockChain, num_full: int) -> int:

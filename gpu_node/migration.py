@@ -267,7 +267,7 @@ class MigrationListener:
         verdict = bt.receive_block(engine, parent, key, full, tokens, checksum, lambda view: _recv_exact(sock, view),
                                    staging)  # fmt: skip
         if verdict == "stored" and full and journal is not None:
-            journal.write_through(engine, parent, key, tokens, checksum)
+            journal.write_through(engine, parent, key, tokens)
             if journal.unsynced >= self.durable_every:
                 journal.sync()
         with self._lock:

@@ -90,14 +90,13 @@ class IncomingJournal:
         return restored
 
     # ---- writing --------------------------------------------------------------------------------------------------
-    def write_through(self, engine, parent: bytes, key: bytes, tokens: np.ndarray, checksum: int) -> bool:
-        """Queue a just-stored full block for the SSD and journal it (durable at the next sync()). The bytes come
-        from the device pool, or from the lower tier a tiered target kept the block in; False when neither holds it
-        any more (it is then simply not journaled: sent again after a restart)."""
-        payload = engine.block_payload(bytes(key))
-        if payload is None:
+    def write_through(self, engine, parent: bytes, key: bytes, tokens: np.ndarray) -> bool:
+        """Queue a just-stored full block for the SSD (through the engine, with its lineage, so a delete finds it)
+        and journal it (durable at the next sync()). The bytes come from the device pool, or from the lower tier a
+        tiered target kept the block in; False when neither holds it any more (it is then simply not journaled: sent
+        again after a restart)."""
+        if not engine.write_through(bytes(parent), bytes(key), np.asarray(tokens, dtype=np.int32)):
             return False
-        self.ssd.write_async(bytes(key), payload, int(checksum))
         record = RECORD.pack(bytes(parent), bytes(key), len(tokens)) + np.ascontiguousarray(tokens, "<i4").tobytes()
         with self._lock:
             os.write(self._fd, record)

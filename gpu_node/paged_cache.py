@@ -431,7 +431,8 @@ class PagedKVCache(PurgeFence, TierOperations, BlockExchange):
             _, block_ids = self._match(tokens, chain, want_ids=True)
             removed_hashes: list = []
             num_removed = self._blocks.uncache(block_ids[:1], removed_hashes)
-            num_removed += self._forget_lower(chain.hashes(0, 1) + removed_hashes, set(removed_hashes))
+            # the sequence's own chain too: a lower-tier block there is forgotten even if it lacks its lineage
+            num_removed += self._forget_lower(chain.hashes() + removed_hashes, set(removed_hashes))
         self._sync_lower()
         return num_removed
 

@@ -91,8 +91,8 @@ class CacheRegistry:
                 raise ProvisionError("insufficient_capacity", "not enough device memory on this node")
             self._reserved_in_flight += device_bytes
             self._provisioning[cache_id] = self._provisioning.get(cache_id, 0) + 1
-        if hosted is not None and hosted.engine.tiers is not None:
-            hosted.engine.tiers.close()  # one open store per directory: the newer epoch rescans it
+        if hosted is not None:
+            hosted.engine.close()  # one open store per directory: the newer epoch rescans it
         try:
             engine = PagedKVCache(spec, hash_key=hash_key, capacity_bytes=device_bytes, device=self.device)
             lower = tiers.open_tiers(self.ssd_dir, cache_id, str(tenant_id or ""), capacity, spec.block_bytes, ssd_key)
@@ -109,8 +109,7 @@ class CacheRegistry:
             self._end_provisioning_locked(cache_id, device_bytes)
             current = self._caches.get(cache_id)
             if current is not None and current.epoch >= epoch:
-                if engine.tiers is not None:
-                    engine.tiers.close()
+                engine.close()
                 return current  # a concurrent delivery of the same provisioning won
             if current is not None:
                 self._retire_locked(current)

@@ -324,6 +324,11 @@ class LowerTiers:
         for pushed in self.dram.store(block_hash, payload, block_checksum(payload)):
             self._to_ssd(*pushed)
 
+    def write_through(self, block_hash: bytes, payload: bytearray, lineage: tuple[bytes, np.ndarray]) -> None:
+        """Queue a block that stays on the device for the SSD too (inclusive), with its lineage."""
+        self.lineage.add(block_hash, lineage[0], lineage[1])
+        self._to_ssd(block_hash, payload, block_checksum(payload))
+
     def _to_ssd(self, block_hash: bytes, payload: bytearray, checksum: int) -> None:
         lineage = self.lineage.get(block_hash)
         if self.ssd is None or lineage is None:

@@ -158,3 +158,31 @@ def test_rescanned_ssd_blocks_keep_their_lineage_so_a_migration_lists_them(tmp_p
         meta = by_key[bytes(chain[position])]
         assert meta.parent == bytes(chain.parent(position))
         assert meta.tokens.tolist() == first[position * 4 : (position + 1) * 4]
+
+
+def test_a_block_written_through_to_ssd_is_forgotten_by_delete_before_and_after_a_restart(tmp_path):
+    cache = tiered(tmp_path, dram_blocks=0, num_blocks=8)
+    first = seq(16, 100)
+    put(cache, first)
+    chain = cache._hasher.block_chain(np.asarray(first, dtype=np.int32))
+    for position in range(4):  # as a migration target's journal does for each block it stores
+        tokens = np.asarray(first[position * 4 : (position + 1) * 4], dtype=np.int32)
+        assert cache.write_through(chain.parent(position), chain[position], tokens)
+    cache.tiers.ssd.flush()
+    assert cache.tiers.resident_bytes()["ssd"] == 4 * cache.spec.block_bytes  # inclusive: device and SSD
+    cache.delete(first)
+    assert misses(cache, first) and cache.tiers.resident_bytes()["ssd"] == 0
+    assert misses(restart(cache, tmp_path), first)
+
+
+def test_delete_forgets_a_lower_tier_block_on_its_own_chain_even_without_lineage(tmp_path):
+    cache = tiered(tmp_path, dram_blocks=0)
+    first = seq(16, 100)
+    put(cache, first)
+    push_out(cache)
+    cache.tiers.ssd.flush()
+    chain = cache._hasher.block_chain(np.asarray(first, dtype=np.int32))
+    cache.tiers.lineage.remove(chain[2])  # as a record of the first SSD format would be: no lineage
+    cache.delete(first)
+    assert misses(cache, first)
+    assert not cache.tiers.has(chain[2])
