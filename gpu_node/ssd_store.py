@@ -5,12 +5,13 @@ Directory `<root>/<cache id>/` (root: KCAAS_NODE_SSD_DIR):
     seg-000001.log ...   records, appended by this store's writer thread only, fsync'd per batch
     index.json           the live entries as of the last commit: written to index.json.tmp, fsync, rename, fsync dir
 
-Record = HEADER (magic, ciphertext length, block hash, nonce, xxh3-64 of the plaintext payload, parent hash, number
-of tokens) + ciphertext, where ciphertext = AES-GCM(data key, nonce, payload || int32 tokens, aad = AAD_PREFIX + block
-hash + parent hash + number of tokens): 16 bytes longer than payload and tokens. The associated data binds a record
-to its name and lineage, so records cannot be swapped; the lineage (parent, tokens) is what lets a warm-restarted
-cache forget a prefix and everything chained under it, and migrate rescanned blocks. A record without lineage has
-0 tokens and a zero parent. The data key (32 bytes) comes
+Record = HEADER (magic, payload ciphertext length, block hash, nonce, xxh3-64 of the plaintext payload, parent hash,
+number of tokens, tokens nonce) + AES-GCM(data key, nonce, payload, aad = AAD_PREFIX + "kv" + block hash + parent
+hash + number of tokens) + AES-GCM(data key, tokens nonce, int32 tokens, aad = the same with "tk"), each 16 bytes
+longer than its plaintext (no tokens part without lineage: 0 tokens, a zero parent). Two messages, so the payload is
+encrypted straight from its buffer (no copy to join it with the tokens). The associated data binds a record to its
+name and lineage, so records cannot be swapped; the lineage (parent, tokens) is what lets a warm-restarted cache
+forget a prefix and everything chained under it, and migrate rescanned blocks. The data key (32 bytes) comes
 from the control plane in provision_cache and lives in this process's memory only: without it the files are noise.
 
 Crash safety: a record becomes visible to readers only after its batch is fsync'd (until then it is served from
@@ -33,6 +34,7 @@ names a record fully written and fsync'd; no lock is held during file I/O, and n
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import queue
@@ -48,7 +50,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from gpu_node.checksum import verify_block
 
-HEADER = struct.Struct("<4sI16s12sQ16sI")  # magic, ciphertext length, hash, nonce, xxh3, parent, num tokens
+HEADER = struct.Struct("<4sI16s12sQ16sI12s")  # magic, payload ct length, hash, nonce, xxh3, parent, n tokens, nonce
 MAGIC = b"KCB2"
 NO_PARENT = bytes(16)
 AAD_PREFIX = b"kcaas/ssd/v1/"
@@ -131,7 +133,7 @@ class SsdStore:
             return copy
         if entry is None:
             return None
-        parsed = self._read_record(entry, block_hash)
+        parsed = self._read_record(entry, block_hash)  # the payload only: lineage is read at rescan
         if parsed is None:
             with self._lock:
                 self.num_checksum_failures += 1
@@ -140,7 +142,8 @@ class SsdStore:
             return None
         return parsed[0]
 
-    def _read_record(self, entry: Entry, block_hash: bytes) -> tuple[bytearray, tuple | None] | None:
+    def _read_record(self, entry: Entry, block_hash: bytes, *, want_lineage: bool = False
+                     ) -> tuple[bytearray, tuple | None] | None:  # fmt: skip
         """(payload, lineage) of the record an entry names, verified; None when unreadable."""
         record = bytearray(entry.record_length)
         try:
@@ -148,31 +151,33 @@ class SsdStore:
                 num_read = os.preadv(file.fileno(), [record], entry.offset)
         except OSError:
             return None
-        parsed = self._parse(memoryview(record)[:num_read], 0)
+        parsed = self._parse(memoryview(record)[:num_read], 0, want_lineage=want_lineage)
         if parsed is None or parsed[0] != block_hash or len(parsed[1]) != entry.length or parsed[2] != num_read:
             return None
         return parsed[1], parsed[3]
 
-    def _parse(self, data, at: int) -> tuple[bytes, bytearray, int, tuple | None] | None:
+    def _parse(self, data, at: int, *, want_lineage: bool = True) -> tuple[bytes, bytearray, int, tuple | None] | None:
         """(block hash, verified payload, record length, lineage) of the record at `at`, or None if torn/corrupt."""
         if len(data) - at < HEADER.size:
             return None
-        magic, cipher_len, block_hash, nonce, checksum, parent, num_tokens = HEADER.unpack_from(data, at)
-        end = at + HEADER.size + cipher_len
-        token_bytes = 4 * num_tokens
-        if magic != MAGIC or cipher_len < TAG_BYTES + token_bytes or end > len(data):
+        magic, cipher_len, block_hash, nonce, checksum, parent, num_tokens, token_nonce = HEADER.unpack_from(data, at)
+        payload_end = at + HEADER.size + cipher_len
+        end = payload_end + (4 * num_tokens + TAG_BYTES if num_tokens else 0)
+        if magic != MAGIC or cipher_len < TAG_BYTES or end > len(data):
             return None
-        plain = bytearray(cipher_len - TAG_BYTES)
+        payload = bytearray(cipher_len - TAG_BYTES)
+        lineage = None
         try:
-            self._aead.decrypt_into(nonce, data[at + HEADER.size : end], _aad(block_hash, parent, num_tokens), plain)
+            aad = _aad(block_hash, parent, num_tokens)
+            self._aead.decrypt_into(nonce, data[at + HEADER.size : payload_end], b"kv" + aad, payload)
+            if num_tokens and want_lineage:
+                tokens = self._aead.decrypt(token_nonce, bytes(data[payload_end:end]), b"tk" + aad)
+                lineage = (parent, np.frombuffer(tokens, dtype="<i4").copy())
         except InvalidTag:
             return None
-        payload_len = len(plain) - token_bytes
-        lineage = (parent, np.frombuffer(plain, dtype="<i4", offset=payload_len).copy()) if num_tokens else None
-        del plain[payload_len:]
-        if not verify_block(checksum, plain):
+        if not verify_block(checksum, payload):
             return None
-        return block_hash, plain, end - at, lineage
+        return block_hash, payload, end - at, lineage
 
     # ---- writes ---------------------------------------------------------------------------------------------------
     def store(self, block_hash: bytes, payload: bytearray, checksum: int, lineage: tuple | None = None, *,
@@ -263,16 +268,15 @@ class SsdStore:
             self._open_next_segment()
         parent, tokens = pending.lineage if pending.lineage is not None else (NO_PARENT, np.zeros(0, np.int32))
         token_bytes = np.ascontiguousarray(tokens, dtype="<i4").tobytes()
-        plain = bytearray(len(payload) + len(token_bytes))
-        plain[: len(payload)] = payload
-        plain[len(payload) :] = token_bytes
-        nonce = os.urandom(12)
-        record = bytearray(HEADER.size + len(plain) + TAG_BYTES)
-        HEADER.pack_into(record, 0, MAGIC, len(plain) + TAG_BYTES, block_hash, nonce, pending.checksum, bytes(parent),
-                         len(tokens))  # fmt: skip
+        nonce, token_nonce = os.urandom(12), os.urandom(12)
+        payload_end = HEADER.size + len(payload) + TAG_BYTES
+        record = bytearray(payload_end + (len(token_bytes) + TAG_BYTES if len(tokens) else 0))
+        HEADER.pack_into(record, 0, MAGIC, len(payload) + TAG_BYTES, block_hash, nonce, pending.checksum, bytes(parent),
+                         len(tokens), token_nonce)  # fmt: skip
         aad = _aad(block_hash, bytes(parent), len(tokens))
-        self._aead.encrypt_into(nonce, plain, aad, memoryview(record)[HEADER.size :])
-        _zero(plain)
+        self._aead.encrypt_into(nonce, payload, b"kv" + aad, memoryview(record)[HEADER.size : payload_end])
+        if len(tokens):
+            self._aead.encrypt_into(token_nonce, token_bytes, b"tk" + aad, memoryview(record)[payload_end:])
         offset = os.fstat(self._segment_fd).st_size
         _write_all(self._segment_fd, record)
         return Entry(self._segment, offset, len(payload), len(record))
@@ -353,7 +357,7 @@ class SsdStore:
         """Rebuild the index from disk, verifying every block (warm restart); drops torn and corrupt records."""
         indexed, committed_end = self._load_index()
         for block_hash, entry in indexed:
-            parsed = self._read_record(entry, block_hash)
+            parsed = self._read_record(entry, block_hash, want_lineage=True)
             self._admit(block_hash, entry, *(parsed if parsed is not None else (None, None)))
         for segment in self._segments_on_disk():
             self._scan_tail(segment, committed_end.get(segment, 0))
@@ -460,8 +464,9 @@ def _aad(block_hash: bytes, parent: bytes, num_tokens: int) -> bytes:
 
 
 def _zero(buffer) -> None:
+    """memset a bytearray to zeros in place (no zero-filled source object to allocate and copy from)."""
     if isinstance(buffer, bytearray) and buffer:
-        buffer[:] = bytes(len(buffer))
+        ctypes.memset((ctypes.c_char * len(buffer)).from_buffer(buffer), 0, len(buffer))
 
 
 def _write_all(fd: int, data: bytearray) -> None:

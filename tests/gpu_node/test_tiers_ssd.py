@@ -107,7 +107,7 @@ def test_a_torn_write_at_a_segment_end_is_dropped_at_rescan(tmp_path):
     store.close()
     last = tmp_path / segment_files(tmp_path)[-1]
     payload = bytearray(os.urandom(cache.spec.block_bytes))
-    record = HEADER.pack(MAGIC, len(payload) + 16, b"h" * 16, b"n" * 12, block_checksum(payload), NO_PARENT, 0)
+    record = HEADER.pack(MAGIC, len(payload) + 16, b"h" * 16, b"n" * 12, block_checksum(payload), NO_PARENT, 0, b"t" * 12)
     record += payload
     with open(last, "ab") as file:
         file.write(record[: len(record) // 2])
