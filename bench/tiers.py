@@ -80,7 +80,7 @@ def measure_ssd_store(directory: str, blocks) -> dict:
     store = SsdStore(store_dir, KEY, 2 * total)
     started = time.perf_counter()
     for block_hash, payload in blocks:
-        store.write_async(block_hash, payload, block_checksum(payload), owned=False)  # compared after
+        store.store(block_hash, payload, block_checksum(payload), owned=False)  # compared after
     store.flush()
     write_s = time.perf_counter() - started
     drop_page_cache(store_dir)
@@ -97,7 +97,7 @@ def measure_ssd_store(directory: str, blocks) -> dict:
     reopened = SsdStore(store_dir, KEY, 2 * total)
     rescan_s = time.perf_counter() - started
     assert reopened.num_rescanned_blocks == len(blocks) and reopened.num_checksum_failures == 0
-    reopened.destroy()
+    reopened.wipe()
     return {
         "ssd_write_gbps": total / write_s / 1e9,
         "ssd_read_gbps": total / read_s / 1e9,
@@ -137,7 +137,7 @@ def measure_hit_latency(directory: str, *, tier: str, rounds: int, device_blocks
         if step >= len(sequences):  # the first round trip only fills the lower tier
             samples.append(elapsed * 1e6)
     if store is not None:
-        store.destroy()
+        store.wipe()
     return samples
 
 

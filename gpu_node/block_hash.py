@@ -101,8 +101,7 @@ class BlockHasher:
         return BlockHash(chain_hashes(self._key, bytes(parent), data.tobytes(), self.block_size * 4, HASH_NUM_BYTES))
 
     def block_hashes(self, tokens: np.ndarray) -> list[BlockHash]:
-        chain = self.chain(tokens)
-        return [BlockHash(chain[i : i + HASH_NUM_BYTES]) for i in range(0, len(chain), HASH_NUM_BYTES)]
+        return self.block_chain(tokens).hashes()
 
 
 class BlockChain:

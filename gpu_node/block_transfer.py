@@ -34,6 +34,7 @@ import numpy as np
 from gpu_node.checksum import block_checksum
 from gpu_node.engine_blocks import BlockMeta, partial_key  # noqa: F401 - partial_key is part of this module's API
 from gpu_node.paged_cache import PagedKVCache
+from gpu_node.zeroing import zero
 
 
 def chained_hash(engine: PagedKVCache, parent: bytes, tokens: np.ndarray) -> bytes:
@@ -84,7 +85,7 @@ class HeldBlock:
         self.engine.release_block(self.meta)
         if self.meta.lower or not self.meta.full:  # private copies of KV: zeroed before they are freed
             for part in self.parts:
-                part[:] = bytes(len(part))
+                zero(part)
 
 
 def read_block(engine: PagedKVCache, meta: BlockMeta) -> HeldBlock | None:

@@ -1,9 +1,11 @@
-"""The caches' SSD directories under a node's SSD root, as the registry manages them (gpu_node/registry.py):
-which exist, which epoch of a cache wrote one, and their removal.
+"""The caches' SSD directories under a node's SSD root (KCAAS_NODE_SSD_DIR), as the tiers open them and the registry
+manages them (gpu_node/registry.py): where they are, whose they are, which exist, which epoch of a cache wrote one,
+and their removal.
 
-A cache directory is `<root>/<cache id>/` holding the tiers' owner file (gpu_node.tiers.OWNER_FILE); nothing else
-under the root is ever touched. Next to it the registry records the epoch that last provisioned it (EPOCH_FILE),
-so a stale detach (an older epoch) never deletes the directory of a newer incarnation.
+A cache directory is `<root>/<cache id>/` holding its owner file (OWNER_FILE: the tenant id, so purge_tenant finds
+directories of caches not hosted now); nothing else under the root is ever touched. Next to it the registry records
+the epoch that last provisioned it (EPOCH_FILE), so a stale detach (an older epoch) never deletes the directory of a
+newer incarnation.
 
 Removal is two steps: `take` renames the directory out of the way (atomic, quick: the registry does it under its
 lock, so no provisioning can open the directory meanwhile), `delete` removes the renamed tree afterwards (slow:
@@ -13,13 +15,47 @@ outside the lock). A crash between them leaves a `.removed-*` entry, which the n
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import uuid
 
-from gpu_node import tiers
-
+SSD_DIR_ENV = "KCAAS_NODE_SSD_DIR"
+OWNER_FILE = "tenant"
 EPOCH_FILE = "epoch"
 REMOVED_PREFIX = ".removed-"
+_SAFE_CACHE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def default_ssd_root(environ=os.environ) -> str:
+    """KCAAS_NODE_SSD_DIR, else var/kcaas-ssd under the agent's working directory."""
+    return environ.get(SSD_DIR_ENV) or os.path.join(os.getcwd(), "var", "kcaas-ssd")
+
+
+def cache_directory(ssd_root: str, cache_id: str) -> str:
+    if not _SAFE_CACHE_ID.fullmatch(cache_id):
+        raise ValueError("a cache id must be a plain file name to name its SSD directory")
+    return os.path.join(ssd_root, cache_id)
+
+
+def _write_atomically(path: str, text: str) -> None:
+    """temp file, fsync, rename: a crash leaves the old content or the new."""
+    with open(path + ".tmp", "w") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def write_owner(directory: str, tenant_id: str) -> None:
+    _write_atomically(os.path.join(directory, OWNER_FILE), tenant_id)
+
+
+def _owner(root: str, name: str) -> str | None:
+    try:
+        with open(os.path.join(root, name, OWNER_FILE)) as file:
+            return file.read()
+    except OSError:
+        return None
 
 
 def names(root: str) -> list[str]:
@@ -28,14 +64,14 @@ def names(root: str) -> list[str]:
         entries = os.listdir(root)
     except OSError:
         return []
-    owned = (n for n in entries if os.path.isfile(os.path.join(root, n, tiers.OWNER_FILE)))
+    owned = (n for n in entries if os.path.isfile(os.path.join(root, n, OWNER_FILE)))
     return sorted(n for n in owned if not n.startswith("."))
 
 
 def directory(root: str, cache_id: str) -> str | None:
     """The cache's directory path, or None for an id that cannot name one."""
     try:
-        return tiers.cache_directory(root, cache_id)
+        return cache_directory(root, cache_id)
     except ValueError:
         return None
 
@@ -45,10 +81,7 @@ def record_epoch(root: str, cache_id: str, epoch: int) -> None:
     path = directory(root, cache_id)
     if path is None or not os.path.isdir(path):
         return
-    target = os.path.join(path, EPOCH_FILE)
-    with open(target + ".tmp", "w") as file:
-        file.write(str(int(epoch)))
-    os.replace(target + ".tmp", target)
+    _write_atomically(os.path.join(path, EPOCH_FILE), str(int(epoch)))
 
 
 def recorded_epoch(root: str, cache_id: str) -> int | None:
@@ -90,3 +123,13 @@ def delete_leftovers(root: str) -> None:
     for name in entries:
         if name.startswith(REMOVED_PREFIX):
             delete(os.path.join(root, name))
+
+
+def purge_tenant_directories(root: str, tenant_id: str) -> list[str]:
+    """Delete every cache directory under `root` owned by the tenant (hosted or left from an earlier run)."""
+    if not tenant_id:
+        return []
+    removed = [name for name in names(root) if _owner(root, name) == tenant_id]
+    for name in removed:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return removed

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gpu_node.admission import Hold
-from gpu_node.dataplane_io import zero
+from gpu_node.zeroing import zero
 from gpu_node.registry import HostedCache
 
 

@@ -1,6 +1,6 @@
 """Socket plumbing of the data-plane server: reads that fill a payload's own memory, sends of many buffers
-without joining them (sendmsg on a Unix socket, per-view writes under TLS), shutdown helpers, zeroing of buffers
-that held a tenant's bytes, and the TLS 1.3 server context.
+without joining them (sendmsg on a Unix socket, per-view writes under TLS), shutdown helpers, and the TLS 1.3
+server context.
 
 Plaintext hygiene: a buffer this module fills with a request's or an answer's bytes (the join of small views) is
 zeroed before it is released; TLS contexts get OpenSSL's SSL_OP_CLEANSE_PLAINTEXT, so the record buffer a
@@ -11,8 +11,9 @@ from __future__ import annotations
 import socket
 import ssl
 
-import numpy as np
 import torch
+
+from gpu_node.zeroing import zero
 
 OP_CLEANSE_PLAINTEXT = 0x2  # SSL_OP_CLEANSE_PLAINTEXT (OpenSSL >= 3.0); the ssl module has no name for it
 
@@ -36,16 +37,6 @@ def recv_into(sock, buf: memoryview, *, fill: bool) -> int:
             break
         n += got
     return n
-
-
-def zero(buf) -> None:
-    """Overwrite a buffer with zeros in place: a tensor (any device), or a writable bytes-like object."""
-    if isinstance(buf, torch.Tensor):
-        buf.zero_()
-        return
-    view = memoryview(buf)
-    if view.nbytes:
-        np.frombuffer(view.cast("B") if view.format != "B" or view.ndim != 1 else view, dtype=np.uint8).fill(0)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

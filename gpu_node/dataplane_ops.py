@@ -13,7 +13,8 @@ import torch
 
 from gpu_node.admission import Hold
 from gpu_node.dataplane_conn import Conn
-from gpu_node.dataplane_io import tensor_bytes, zero
+from gpu_node.dataplane_io import tensor_bytes
+from gpu_node.zeroing import zero
 from gpu_node.kv_input import KVNotStorable
 from gpu_node.paged_cache import TORCH_DTYPES
 from gpu_node.registry import HostedCache

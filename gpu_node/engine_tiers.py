@@ -21,7 +21,8 @@ from __future__ import annotations
 import numpy as np
 
 from gpu_node.block_hash import BlockChain
-from gpu_node.tiers import block_payloads, write_payloads, zero
+from gpu_node.tiers import block_payloads, write_payloads
+from gpu_node.zeroing import zero
 
 
 class CachePurged(RuntimeError):
@@ -147,13 +148,15 @@ class TierOperations:
         return 0
 
     # ---- forgetting -----------------------------------------------------------------------------------------------
-    def _forget_lower(self, roots: list, on_device: set) -> int:
-        """Under the cache lock: forget `roots` and everything chained under them in the lower tiers; returns how
-        many blocks that removed that were not also on the device (`on_device`: hashes already counted there)."""
+    def _forget_lower(self, chain: BlockChain, removed_on_device: list) -> int:
+        """Under the cache lock, for delete: forget the sequence's chain (its own blocks too, so one lacking its
+        lineage goes as well), the full blocks the device removed, and everything chained under them in the lower
+        tiers; returns how many blocks that removed that the device had not already counted."""
         self._removals += 1
         if self._tiers is None:
             return 0
-        return sum(h not in on_device for h in self._tiers.discard_subtrees(roots))
+        on_device = set(removed_on_device)
+        return sum(h not in on_device for h in self._tiers.discard_subtrees(chain.hashes() + removed_on_device))
 
     def _clear_lower(self, on_device: set) -> int:
         """Under the cache lock: forget every lower-tier block; returns how many were not also on the device."""

@@ -33,6 +33,7 @@ import numpy as np
 from gpu_node import block_transfer as bt, identity
 from gpu_node.block_hash import HASH_NUM_BYTES
 from gpu_node.migration_journal import IncomingJournal
+from gpu_node.zeroing import zero
 
 log = logging.getLogger("kcaas.node.migration")
 MSG_HEAD = struct.Struct("<cI")
@@ -256,7 +257,7 @@ class MigrationListener:
                 else:
                     return
         finally:
-            staging[:] = bytes(len(staging))  # it held KV: zeroed before it is freed
+            zero(staging)  # it held KV: zeroed before it is freed
 
     def _block(self, sock, engine, head: bytearray, staging: bytearray, journal=None) -> None:
         parent, key, full, num_tokens, checksum = BLOCK_HEAD.unpack(head)

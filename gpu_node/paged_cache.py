@@ -225,9 +225,8 @@ class PagedKVCache(PurgeFence, TierOperations, BlockExchange):
         with self._lock:
             self._check_not_purged()
             num_tokens = self._match(tokens, chain, want_ids=False)[0]
-            num_full = self._num_cached_full_blocks(chain)
-            if self._tiers is not None:
-                num_tokens = max(num_tokens, self._lower_run_end(chain, num_full))
+            if self._tiers is not None:  # a partial tail never holds a whole block: the full blocks are num // size
+                num_tokens = max(num_tokens, self._lower_run_end(chain, num_tokens // self.block_size))
         return num_tokens
 
     def acquire(self, tokens, *, identity: KVCacheSpec | None = None) -> PrefixHandle:
@@ -341,7 +340,7 @@ class PagedKVCache(PurgeFence, TierOperations, BlockExchange):
         self._check_identity(identity)
         tokens = tokens_as_int32(tokens)
         self._check_kv(kv, len(tokens))
-        hashes = self._hasher.block_chain(tokens).hashes()
+        hashes = self._hasher.block_hashes(tokens)
         with self._lock:
             self._check_not_purged()
             evicted = [] if self._tiers is not None else None
@@ -431,8 +430,7 @@ class PagedKVCache(PurgeFence, TierOperations, BlockExchange):
             _, block_ids = self._match(tokens, chain, want_ids=True)
             removed_hashes: list = []
             num_removed = self._blocks.uncache(block_ids[:1], removed_hashes)
-            # the sequence's own chain too: a lower-tier block there is forgotten even if it lacks its lineage
-            num_removed += self._forget_lower(chain.hashes() + removed_hashes, set(removed_hashes))
+            num_removed += self._forget_lower(chain, removed_hashes)
         self._sync_lower()
         return num_removed
 

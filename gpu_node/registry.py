@@ -65,7 +65,7 @@ class CacheRegistry:
                  ssd_dir: str | None = None):  # fmt: skip
         self.device_capacity_bytes = device_capacity_bytes
         self.device = device
-        self.ssd_dir = ssd_dir or tiers.default_ssd_root()
+        self.ssd_dir = ssd_dir or cache_dirs.default_ssd_root()
         self._lock = threading.Lock()
         self._caches: dict[str, HostedCache] = {}
         self._reserved_in_flight = 0
@@ -182,7 +182,7 @@ class CacheRegistry:
             except Exception:  # noqa: BLE001 - the purge itself must go on
                 log.exception("a purge listener failed")
         freed = [{"cache_id": h.cache_id, "freed_bytes": h.engine.wipe()} for h in sorted(purged, key=lambda h: h.cache_id)]
-        tiers.purge_tenant_directories(self.ssd_dir, str(tenant_id))  # leftovers of caches not hosted now
+        cache_dirs.purge_tenant_directories(self.ssd_dir, str(tenant_id))  # leftovers of caches not hosted now
         return freed
 
     def add_purge_listener(self, listener) -> None:

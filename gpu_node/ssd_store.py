@@ -34,7 +34,6 @@ names a record fully written and fsync'd; no lock is held during file I/O, and n
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import queue
@@ -49,6 +48,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from gpu_node.checksum import verify_block
+from gpu_node.zeroing import zero
 
 HEADER = struct.Struct("<4sI16s12sQ16sI12s")  # magic, payload ct length, hash, nonce, xxh3, parent, n tokens, nonce
 MAGIC = b"KCB2"
@@ -197,14 +197,10 @@ class SsdStore:
         self._queue.put(block_hash)
         return []
 
-    def write_async(self, block_hash: bytes, payload: bytearray, checksum: int, lineage: tuple | None = None, *,
-                    owned: bool = True) -> None:  # fmt: skip
-        self.store(block_hash, payload, checksum, lineage, owned=owned)
-
     @staticmethod
     def _let_go(payloads) -> list:
         for payload in payloads:
-            _zero(payload)
+            zero(payload)
         return []
 
     def flush(self) -> None:
@@ -247,7 +243,7 @@ class SsdStore:
                     if entry is not None:
                         self._index_locked(block_hash, entry)
                 if pending.owned:
-                    _zero(pending.payload)
+                    zero(pending.payload)
             while self.bytes_resident > self.capacity_bytes:
                 self._drop_locked(next(iter(self._index)))
             if self._segment_fd is not None:
@@ -317,7 +313,7 @@ class SsdStore:
     def _forget_locked(self, block_hash: bytes) -> int:
         pending = self._pending.pop(block_hash, None)
         if pending is not None and pending.owned and block_hash not in self._in_write:
-            _zero(pending.payload)  # the writer zeroes what it is appending right now
+            zero(pending.payload)  # the writer zeroes what it is appending right now
         if block_hash in self._index:
             self._drop_locked(block_hash)
             return 1
@@ -377,7 +373,7 @@ class SsdStore:
             if payload is None or len(payload) != entry.length:
                 self.num_checksum_failures += 1
                 return
-            _zero(payload)  # only its validity mattered
+            zero(payload)  # only its validity mattered
             if block_hash in self._index:
                 return
             self._index_locked(block_hash, entry)
@@ -424,7 +420,7 @@ class SsdStore:
             os.close(self._segment_fd)
             self._segment_fd = None
 
-    def destroy(self) -> int:
+    def wipe(self) -> int:
         """Stop writing and delete the directory (erasure); returns the bytes that were resident."""
         self._closed = True
         self._queue.put(None)
@@ -436,15 +432,13 @@ class SsdStore:
             resident = self.bytes_resident
             for pending in self._pending.values():
                 if pending.owned:
-                    _zero(pending.payload)
+                    zero(pending.payload)
             self._index.clear()
             self._pending.clear()
             self._lineage.clear()
             self.bytes_resident = 0
         shutil.rmtree(self.directory, ignore_errors=True)
         return resident
-
-    wipe = destroy
 
     def check_invariants(self) -> None:
         with self._lock:
@@ -461,12 +455,6 @@ class _Pending:
 
 def _aad(block_hash: bytes, parent: bytes, num_tokens: int) -> bytes:
     return AAD_PREFIX + bytes(block_hash) + bytes(parent) + struct.pack("<I", num_tokens)
-
-
-def _zero(buffer) -> None:
-    """memset a bytearray to zeros in place (no zero-filled source object to allocate and copy from)."""
-    if isinstance(buffer, bytearray) and buffer:
-        ctypes.memset((ctypes.c_char * len(buffer)).from_buffer(buffer), 0, len(buffer))
 
 
 def _write_all(fd: int, data: bytearray) -> None:

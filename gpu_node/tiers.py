@@ -22,9 +22,6 @@ is shared between caches.
 
 from __future__ import annotations
 
-import os
-import re
-import shutil
 import threading
 from collections import OrderedDict
 from typing import Protocol
@@ -32,7 +29,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from gpu_node import cache_dirs
 from gpu_node.checksum import block_checksum, verify_block
+from gpu_node.zeroing import zero
 
 
 def block_payloads(pool: torch.Tensor, scales: torch.Tensor | None, block_ids: list[int]) -> list[bytearray]:
@@ -166,8 +165,6 @@ class DramTier:
             self.num_checksum_failures += 1
         return None
 
-    peek = read
-
     def take(self, block_hash: bytes) -> bytearray | None:
         """Remove and return a block's payload if present and intact (the caller owns it now); a corrupt one is
         dropped, zeroed and counted."""
@@ -222,12 +219,6 @@ class DramTier:
     def check_invariants(self) -> None:
         with self._lock:
             assert self.bytes_resident == sum(len(p) for p, _ in self._entries.values()) <= self.capacity_bytes
-
-
-def zero(buffer: bytearray) -> None:
-    """Overwrite a payload copy with zeros before it is let go (no KV left in freed heap memory)."""
-    if buffer:
-        torch.frombuffer(buffer, dtype=torch.uint8).zero_()
 
 
 class Lineage:
@@ -423,23 +414,7 @@ class LowerTiers:
             self.ssd.close()
 
 
-# ---- setting tiers up for a hosted cache (the registry calls these) -------------------------------------------------
-SSD_DIR_ENV = "KCAAS_NODE_SSD_DIR"
-OWNER_FILE = "tenant"  # the tenant id of the cache a directory belongs to: purge_tenant finds unhosted leftovers by it
-_SAFE_CACHE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-
-
-def default_ssd_root(environ=os.environ) -> str:
-    """KCAAS_NODE_SSD_DIR, else var/kcaas-ssd under the agent's working directory."""
-    return environ.get(SSD_DIR_ENV) or os.path.join(os.getcwd(), "var", "kcaas-ssd")
-
-
-def cache_directory(ssd_root: str, cache_id: str) -> str:
-    if not _SAFE_CACHE_ID.fullmatch(cache_id):
-        raise ValueError("a cache id must be a plain file name to name its SSD directory")
-    return os.path.join(ssd_root, cache_id)
-
-
+# ---- setting tiers up for a hosted cache (the registry calls this) --------------------------------------------------
 def open_tiers(ssd_root: str, cache_id: str, tenant_id: str, capacity: dict, block_bytes: int,
                ssd_key: bytes | None) -> LowerTiers | None:  # fmt: skip
     """The lower tiers a capacity asks for (None when it asks for none that can hold a block). The SSD tier needs
@@ -450,36 +425,9 @@ def open_tiers(ssd_root: str, cache_id: str, tenant_id: str, capacity: dict, blo
     ssd_bytes = int(capacity.get("ssd", 0))
     store = None
     if ssd_key is not None and ssd_bytes >= block_bytes:
-        directory = cache_directory(ssd_root, cache_id)
+        directory = cache_dirs.cache_directory(ssd_root, cache_id)
         store = SsdStore(directory, ssd_key, ssd_bytes)
-        _write_owner(directory, tenant_id)
+        cache_dirs.write_owner(directory, tenant_id)
     if not dram_bytes and store is None:
         return None
     return LowerTiers(dram_bytes, store)
-
-
-def _write_owner(directory: str, tenant_id: str) -> None:
-    path = os.path.join(directory, OWNER_FILE)
-    with open(path + ".tmp", "w") as file:
-        file.write(tenant_id)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(path + ".tmp", path)
-
-
-def purge_tenant_directories(ssd_root: str, tenant_id: str) -> list[str]:
-    """Delete every cache directory under `ssd_root` owned by the tenant (hosted or left from an earlier run)."""
-    removed = []
-    if not tenant_id or not os.path.isdir(ssd_root):
-        return removed
-    for name in sorted(os.listdir(ssd_root)):
-        directory = os.path.join(ssd_root, name)
-        try:
-            with open(os.path.join(directory, OWNER_FILE)) as file:
-                owner = file.read()
-        except OSError:
-            continue
-        if owner == tenant_id:
-            shutil.rmtree(directory, ignore_errors=True)
-            removed.append(name)
-    return removed

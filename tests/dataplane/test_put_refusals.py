@@ -26,14 +26,19 @@ def int8_cache(registry):
     return "c_int8", spec, registry.get("c_int8").engine
 
 
+def said_hello(raw, make_token, cache_id):
+    conn = raw()
+    assert conn.hello(make_token(cache_id), cache_id=cache_id).opcode == Opcode.OK
+    return conn
+
+
 def _bytes(kv: torch.Tensor) -> memoryview:
     return memoryview(kv.contiguous().numpy()).cast("B")
 
 
 def test_non_finite_kv_put_is_a_bad_request_and_the_connection_keeps_working(server, make_token, raw, int8_cache):
     cache_id, spec, engine = int8_cache
-    conn = raw()
-    assert conn.hello(make_token(cache_id), cache_id=cache_id).opcode == Opcode.OK
+    conn = said_hello(raw, make_token, cache_id)
     kv = prefix_kv(spec, TOKENS)
     kv[1, 0, 7, 1, 2] = float("nan")
     reply = conn.request(Opcode.PUT, TOKENS, cache_id=cache_id, identity=spec, kv=_bytes(kv))
@@ -51,8 +56,7 @@ def test_non_finite_kv_put_is_a_bad_request_and_the_connection_keeps_working(ser
 
 def test_batch_put_names_the_refused_sequence(server, make_token, raw, int8_cache):
     cache_id, spec, engine = int8_cache
-    conn = raw()
-    assert conn.hello(make_token(cache_id), cache_id=cache_id).opcode == Opcode.OK
+    conn = said_hello(raw, make_token, cache_id)
     bad = prefix_kv(spec, TOKENS)
     bad[0, 1, 0, 0, 0] = float("-inf")
     conn.rid += 1

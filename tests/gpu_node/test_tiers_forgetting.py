@@ -39,6 +39,20 @@ def restart(cache, directory):
     return tiered(directory, num_blocks=cache.stats().num_blocks, dram_blocks=0)
 
 
+def first_on_ssd(directory):
+    """A cache whose 16-token sequence `first` was pushed out of the device onto the SSD (DRAM holds nothing)."""
+    cache = tiered(directory, dram_blocks=0)
+    first = seq(16, 100)
+    put(cache, first)
+    push_out(cache)
+    cache.tiers.ssd.flush()
+    return cache, first
+
+
+def chain_of(cache, tokens):
+    return cache._hasher.block_chain(np.asarray(tokens, dtype=np.int32))
+
+
 def misses(cache, tokens):
     n, kv = cache.get(tokens)
     return cache.lookup(tokens) == 0 and n == 0 and kv.shape[2] == 0
@@ -71,11 +85,7 @@ def test_delete_of_a_prefix_removes_what_is_chained_under_it_in_lower_tiers():
 
 
 def test_delete_after_promotion_also_forgets_the_ssd_copy_and_survives_a_restart(tmp_path):
-    cache = tiered(tmp_path, dram_blocks=0)
-    first = seq(16, 100)
-    put(cache, first)
-    push_out(cache)
-    cache.tiers.ssd.flush()
+    cache, first = first_on_ssd(tmp_path)
     n, kv = cache.get(first)  # promoted back to the device; the SSD keeps its copy (inclusive)
     assert n == 16 and torch.equal(kv, prefix_kv(cache.spec, first))
     cache.delete(first)
@@ -144,16 +154,12 @@ def test_eviction_counts_every_block_an_evicted_subtree_takes():
 def test_rescanned_ssd_blocks_keep_their_lineage_so_a_migration_lists_them(tmp_path):
     from gpu_node.block_transfer import snapshot
 
-    cache = tiered(tmp_path, dram_blocks=0)
-    first = seq(16, 100)
-    put(cache, first)
-    push_out(cache)
-    cache.tiers.ssd.flush()
+    cache, first = first_on_ssd(tmp_path)
     cache = restart(cache, tmp_path)
     listed = [meta for meta in snapshot(cache) if meta.lower]
     assert len(listed) >= 4  # the four blocks of `first` (and the pushed-out ones' demotions, if any)
     by_key = {meta.key: meta for meta in listed}
-    chain = cache._hasher.block_chain(np.asarray(first, dtype=np.int32))
+    chain = chain_of(cache, first)
     for position in range(4):
         meta = by_key[bytes(chain[position])]
         assert meta.parent == bytes(chain.parent(position))
@@ -164,7 +170,7 @@ def test_a_block_written_through_to_ssd_is_forgotten_by_delete_before_and_after_
     cache = tiered(tmp_path, dram_blocks=0, num_blocks=8)
     first = seq(16, 100)
     put(cache, first)
-    chain = cache._hasher.block_chain(np.asarray(first, dtype=np.int32))
+    chain = chain_of(cache, first)
     for position in range(4):  # as a migration target's journal does for each block it stores
         tokens = np.asarray(first[position * 4 : (position + 1) * 4], dtype=np.int32)
         assert cache.write_through(chain.parent(position), chain[position], tokens)
@@ -176,12 +182,8 @@ def test_a_block_written_through_to_ssd_is_forgotten_by_delete_before_and_after_
 
 
 def test_delete_forgets_a_lower_tier_block_on_its_own_chain_even_without_lineage(tmp_path):
-    cache = tiered(tmp_path, dram_blocks=0)
-    first = seq(16, 100)
-    put(cache, first)
-    push_out(cache)
-    cache.tiers.ssd.flush()
-    chain = cache._hasher.block_chain(np.asarray(first, dtype=np.int32))
+    cache, first = first_on_ssd(tmp_path)
+    chain = chain_of(cache, first)
     cache.tiers.lineage.remove(chain[2])  # as a record of the first SSD format would be: no lineage
     cache.delete(first)
     assert misses(cache, first)

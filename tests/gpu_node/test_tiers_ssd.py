@@ -201,7 +201,7 @@ def test_the_writer_queue_is_bounded_and_drops_are_counted(tmp_path, monkeypatch
     store._writer.join()
     payloads = [bytearray(os.urandom(64)) for _ in range(40)]
     for number, payload in enumerate(payloads):
-        store.write_async(bytes([number]) * 16, payload, block_checksum(payload))
+        store.store(bytes([number]) * 16, payload, block_checksum(payload))
     assert len(store._pending) == 2 and store.num_dropped_writes == 38
     assert store.read(bytes([1]) * 16) == payloads[1]  # pending blocks are served from memory
-    store.destroy()
+    store.wipe()
