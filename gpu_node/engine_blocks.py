@@ -181,16 +181,22 @@ class BlockExchange:
         except BaseException:
             self._release([block_id])
             raise
+        return self._publish_received(block_id, parent, key, full, tokens, data)
+
+    def _publish_received(self, block_id: int, parent, key, full: bool, tokens: np.ndarray, data) -> str:
+        """A held block whose bytes are written and verified: published if it may be now (a full block whose
+        parent was demoted meanwhile is demoted too), and released either way (published: evictable; otherwise
+        freed, never seen). Returns "stored" or admit_block's verdict."""
         with self._lock:
             try:
                 self._check_not_purged()
                 verdict = self._admit_locked(parent, key, full, tokens)
                 if verdict == "ok":
                     self._blocks.publish_chain([block_id], parent, tokens, [key if full else None])
-                elif verdict == "lower":  # the parent was demoted meanwhile: so is this block
+                elif verdict == "lower":
                     verdict = "ok" if self._demote_received(parent, key, tokens, data) == "stored" else verdict
             finally:
-                self._blocks.release([block_id])  # published: evictable; otherwise freed, never seen
+                self._blocks.release([block_id])
         return "stored" if verdict == "ok" else verdict
 
     def can_receive_in_place(self) -> bool:
@@ -213,19 +219,14 @@ class BlockExchange:
         try:
             view = memoryview(self.pool[block_id].view(-1).view(torch.uint8).numpy())
             fill(view)
-            verdict = "ok" if block_checksum(view) == int(checksum) else "checksum"
+            matches = block_checksum(view) == int(checksum)
         except BaseException:
             self._release(ids)
             raise
-        with self._lock:
-            try:
-                self._check_not_purged()
-                verdict = self._admit_locked(parent, key, full, tokens) if verdict == "ok" else verdict
-                if verdict == "ok":
-                    self._blocks.publish_chain([block_id], parent, tokens, [key if full else None])
-            finally:
-                self._blocks.release([block_id])
-        return ("stored" if verdict == "ok" else verdict), True
+        if not matches:
+            self._release(ids)  # freed unseen
+            return "checksum", True
+        return self._publish_received(block_id, parent, key, full, tokens, view), True
 
     def _promote_parent(self, parent: bytes) -> None:
         """A partial tail lives on the device only: bring its parent's chain up from the lower tiers if needed."""
