@@ -63,7 +63,7 @@ def audit_digest_sign(now: datetime | None = None) -> list[AuditDigest]:
 
 def _lock_chain_head() -> None:
     AuditChainHead.objects.bulk_create([AuditChainHead(id=1, seq=0, hash=chain.GENESIS_HASH)], ignore_conflicts=True)
-    AuditChainHead.objects.select_for_update().get(pk=1)
+    AuditChainHead.objects.select_for_update(no_key=True).get(pk=1)
 
 
 def _first_period_start(closed_until: datetime, seconds: int) -> datetime:

@@ -69,7 +69,7 @@ def _lock_head() -> AuditChainHead:
         with connection.cursor() as cursor:
             cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")
     AuditChainHead.objects.bulk_create([AuditChainHead(id=1, seq=0, hash=chain.GENESIS_HASH)], ignore_conflicts=True)
-    return AuditChainHead.objects.select_for_update().get(pk=1)
+    return AuditChainHead.objects.select_for_update(no_key=True).get(pk=1)
 
 
 def audit_record(
@@ -142,7 +142,7 @@ def audit_pseudonymise_tenant(*, tenant_id: Any, actor_ids: frozenset[str] | set
         with connection.cursor() as cursor:
             if connection.vendor == "postgresql":
                 cursor.execute("SET LOCAL kcaas.audit_pseudonymise = 'on'")
-        events = AuditEvent.objects.select_for_update().filter(pseudonymised_at__isnull=True)
+        events = AuditEvent.objects.select_for_update(no_key=True).filter(pseudonymised_at__isnull=True)
         events = events.filter(_about_tenant(wanted, actor_ids))
         for event in events.order_by("seq"):
             event.tenant_id = pseudonym if event.tenant_id == wanted else event.tenant_id

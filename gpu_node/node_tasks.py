@@ -37,6 +37,8 @@ HASH_KEY_BYTES = 32
 # lost until some other consumer swept it). Visible again after 15 minutes: longer than any one node task runs.
 REDIS_REDELIVERY = {"visibility_timeout": 900, "polling_interval": 5, "unacked_restore_throttle": 1}
 SSD_KEY_BYTES = 32
+# How long an answer waits for the broker: about three minutes of reconnecting, at most 5 s apart.
+ANSWER_RETRY_POLICY = {"max_retries": 40, "interval_start": 0.5, "interval_step": 0.5, "interval_max": 5}
 
 
 def provision(registry: CacheRegistry, cache_id: str, spec: dict, capacity: dict, hash_key_b64: str, epoch: int,
@@ -86,7 +88,9 @@ def build_node_app(
                                          **(transport_options or {})}  # fmt: skip
 
     def answer(task_name: str, args: list) -> None:
-        app.send_task(task_name, args=args, queue=CONTROL_QUEUE)
+        """Publish an answer, riding out a broker outage of a few minutes (ANSWER_RETRY_POLICY). An answer that is
+        lost anyway is not lost work: the control plane sends the order again until it is answered."""
+        app.send_task(task_name, args=args, queue=CONTROL_QUEUE, retry=True, retry_policy=ANSWER_RETRY_POLICY)
 
     @app.task(name=PROVISION_TASK, shared=False)  # tasks of this app only (several agents may share a process in tests)
     def provision_cache(cache_id: str, spec: dict, capacity: dict, hash_key_b64: str, epoch: int,

@@ -92,10 +92,11 @@ def tenant_create(*, name: str) -> Tenant:
 
 
 def tenant_lock(*, tenant_id) -> Tenant:
-    """The tenant row locked FOR UPDATE until the caller's transaction ends (must be called inside one)."""
+    """The tenant row locked (FOR NO KEY UPDATE: foreign-key checks never wait on it) until the caller's transaction
+    ends (must be called inside one)."""
     if not connection.in_atomic_block:
         raise RuntimeError("tenant_lock must be called inside transaction.atomic()")
-    tenant = Tenant.objects.select_for_update().filter(pk=tenant_id).first()
+    tenant = Tenant.objects.select_for_update(no_key=True).filter(pk=tenant_id).first()
     if tenant is None:
         raise NotFoundError("No such tenant.")
     return tenant
@@ -158,7 +159,7 @@ def api_key_issue(
 
 
 def _lock_key(api_key: ApiKey) -> ApiKey:
-    return ApiKey.objects.select_for_update().select_related("tenant").get(pk=api_key.pk)
+    return ApiKey.objects.select_for_update(no_key=True).select_related("tenant").get(pk=api_key.pk)
 
 
 @transaction.atomic
@@ -246,7 +247,7 @@ def quota_update(*, tenant: Tenant, **limits) -> Quota:
     """
     cleaned = _validate_limits(limits)
     tenant_lock(tenant_id=tenant.pk)
-    quota, _ = Quota.objects.select_for_update().get_or_create(tenant_id=tenant.pk)
+    quota, _ = Quota.objects.select_for_update(no_key=True).get_or_create(tenant_id=tenant.pk)
     old = {field: getattr(quota, field) for field, value in cleaned.items() if getattr(quota, field) != value}
     for field, value in cleaned.items():
         setattr(quota, field, value)

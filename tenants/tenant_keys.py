@@ -136,7 +136,7 @@ def tenant_key_destroy(*, tenant_id) -> TenantKey:
     """Crypto-shred: erase the tenant's wrapped data key (creating the row first if it never had one, so no key can
     be made for the tenant afterwards). Idempotent: a second call keeps the first destruction time."""
     tenant_key_ensure(tenant_id=tenant_id)
-    row = TenantKey.objects.select_for_update().get(tenant_id=tenant_id)
+    row = TenantKey.objects.select_for_update(no_key=True).get(tenant_id=tenant_id)
     if row.wrapped_key is not None:
         row.wrapped_key = None
         row.destroyed_at = timezone.now()

@@ -87,7 +87,7 @@ def _line_order(key: tuple) -> tuple:
 
 
 def _lock_or_create(tenant_id, month: datetime, now: datetime) -> Invoice:
-    found = Invoice.objects.select_for_update().filter(tenant_id=tenant_id, month=month.date()).first()
+    found = Invoice.objects.select_for_update(no_key=True).filter(tenant_id=tenant_id, month=month.date()).first()
     if found is not None:
         return found
     try:
@@ -95,7 +95,7 @@ def _lock_or_create(tenant_id, month: datetime, now: datetime) -> Invoice:
             return Invoice.objects.create(tenant_id=tenant_id, month=month.date(), generated_at=now,
                                           currency=settings.KCAAS_BILLING_CURRENCY)  # fmt: skip
     except IntegrityError:  # a concurrent generation created it: wait for its lock
-        return Invoice.objects.select_for_update().get(tenant_id=tenant_id, month=month.date())
+        return Invoice.objects.select_for_update(no_key=True).get(tenant_id=tenant_id, month=month.date())
 
 
 @transaction.atomic

@@ -11,7 +11,10 @@
 
 Invariants: the cache has exactly one serving placement at every instant (tokens are issued for cache.node at
 cache.epoch; the flip is one row update); every answer is status-guarded (a duplicate, stale or foreign answer is
-a no-op), so Celery redelivery is harmless; orders leave only after their transaction commits.
+a no-op), so Celery redelivery is harmless; orders go through the outbox (fleet.outbox): written with the change,
+published after commit, and migrate_in / migrate_out sent again until the node answers them (migrate_in until the
+target's "ready" or refusal, migrate_out until the source's result: a re-sent migrate_out while its sender runs only
+points the sender at the target again, after a lost result it copies what is missing and answers again).
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ from audit.actions import AuditAction
 from audit.services import audit_record
 from caches.models import Cache, CacheState, Migration, MigrationState
 from caches.sealing import hash_key_unseal, ssd_key_unseal
-from caches.services import _lock_cache, _send_to_node
+from caches.services import _lock_cache, cache_key
 from controlplane.errors import ConflictError, NotFoundError
 from fleet.errors import NoCapacity
 from fleet.models import Node, NodeState
+from fleet.outbox import order_enqueue, orders_acknowledge, orders_close
 from fleet.services import node_drain, node_place, node_unreserve
 from kcaas.node_messages import DETACH_TASK, MIGRATE_CUTOVER_TASK, MIGRATE_IN_TASK, MIGRATE_OUT_TASK
 
@@ -47,7 +51,7 @@ class MigrationConflict(ConflictError):
 
 def _reserve_on(node_id, capacity: dict[str, int]) -> Node:
     """Reserve `capacity` on one named node (ready, live lease, room on every tier), row-locked."""
-    node = Node.objects.select_for_update().filter(pk=node_id).first()
+    node = Node.objects.select_for_update(no_key=True).filter(pk=node_id).first()
     if node is None:
         raise NotFoundError("No such node.")
     fits = all(getattr(node, f"{t}_capacity_bytes") - getattr(node, f"{t}_reserved_bytes") >= n
@@ -80,8 +84,25 @@ def migration_start(*, cache_id, target_node_id=None, reason: str = "rebalance")
                                                  epoch_from=cache.epoch, epoch_to=cache.epoch + 1)  # fmt: skip
     except IntegrityError:
         raise MigrationConflict("The cache is already being migrated.") from None
-    _send_to_node(MIGRATE_IN_TASK, target.pk, _migrate_in_args(migration, cache))
+    _order_migrate_in(migration)
     return migration
+
+
+def _key(migration: Migration, leg: str) -> str:
+    """The outbox key of one of a migration's orders: "in" (target), "out" and "cutover" (source)."""
+    return f"migration:{migration.pk}:{leg}"
+
+
+def _order_migrate_in(migration: Migration) -> None:
+    order_enqueue(node_id=migration.target_id, task=MIGRATE_IN_TASK, args=[str(migration.pk)],
+                  key=_key(migration, "in"), builder="caches.migration.migrate_in_order_args")  # fmt: skip
+
+
+def migrate_in_order_args(migration_id: str) -> list | None:
+    """The outbox builder of migrate_in (it carries the cache's keys, unsealed only into the message): None once
+    the migration is no longer pending."""
+    migration = Migration.objects.select_related("cache").filter(pk=migration_id, state=MigrationState.PENDING).first()
+    return None if migration is None else _migrate_in_args(migration, migration.cache)
 
 
 def _migrate_in_args(migration: Migration, cache: Cache) -> list:
@@ -101,7 +122,7 @@ def _lock_migration(migration_id, node_id, *, role: str, states) -> Migration | 
         wanted = uuid.UUID(str(migration_id))
     except ValueError:
         return None
-    migration = Migration.objects.select_for_update().filter(pk=wanted).first()
+    migration = Migration.objects.select_for_update(no_key=True).filter(pk=wanted).first()
     if migration is None or str(getattr(migration, f"{role}_id")) != str(node_id) or migration.state not in states:
         logger.info("ignored migration answer %s from node %s", migration_id, node_id)
         return None
@@ -115,9 +136,10 @@ def migration_progress(*, migration_id, node_id, phase: str, info: dict) -> Migr
     if phase == "ready":
         migration = _lock_migration(migration_id, node_id, role="target", states=(MigrationState.PENDING,))
         if migration is not None:
+            orders_acknowledge(node_id=migration.target_id, key=_key(migration, "in"), tasks=(MIGRATE_IN_TASK,))
             migration.state = MigrationState.COPYING
             migration.save(update_fields=["state", "updated_at"])
-            _send_to_node(MIGRATE_OUT_TASK, migration.source_id, [
+            order_enqueue(node_id=migration.source_id, task=MIGRATE_OUT_TASK, key=_key(migration, "out"), args=[
                 str(migration.pk), str(migration.cache_id), migration.epoch_from, migration.epoch_to,
                 str(migration.target_id), str(info.get("migration_endpoint", "")),
                 str(info.get("endpoint") or migration.target.endpoint)])  # fmt: skip
@@ -135,13 +157,15 @@ def migration_progress(*, migration_id, node_id, phase: str, info: dict) -> Migr
 
 @transaction.atomic
 def migration_result(*, migration_id, node_id, ok: bool, reason: str = "", info: dict | None = None):
-    """The source's last word: every block verified on the target (cutover) or a failure (roll back)."""
+    """The source's last word: every block verified on the target (cutover) or a failure (roll back). The cache row
+    is locked before the migration's (the cache -> migration lock order of migration_start)."""
     active = (MigrationState.PENDING, MigrationState.COPYING, MigrationState.CUTOVER)
+    row = Migration.objects.filter(pk=migration_id).values("cache_id").first() if _is_uuid(migration_id) else None
+    cache = _lock_cache(row["cache_id"]) if row is not None else None
     migration = _lock_migration(migration_id, node_id, role="source" if ok else _failing_role(migration_id, node_id),
                                 states=active)  # fmt: skip
     if migration is None:
         return None
-    cache = _lock_cache(migration.cache_id)
     if ok and cache is not None and cache.state == CacheState.READY and cache.epoch == migration.epoch_from:
         return _cutover(migration, cache, info or {})
     return _fail(migration, reason or "cache_changed")
@@ -171,8 +195,11 @@ def _cutover(migration: Migration, cache: Cache, info: dict) -> Migration:
     migration.blocks_copied = max(migration.blocks_copied, int(info.get("blocks", 0)))
     migration.bytes_copied = max(migration.bytes_copied, int(info.get("bytes_sent", 0)))
     migration.save(update_fields=["state", "blocks_copied", "bytes_copied", "updated_at"])
-    _send_to_node(MIGRATE_CUTOVER_TASK, migration.source_id, [str(migration.pk), str(cache.pk), migration.epoch_from,
-                                                              cache.endpoint, migration.epoch_to])  # fmt: skip
+    _close_orders(migration, "complete")
+    # no answer to wait for: the source answers MOVED from then on, and detaches its copy
+    order_enqueue(node_id=migration.source_id, task=MIGRATE_CUTOVER_TASK, key=_key(migration, "cutover"),
+                  args=[str(migration.pk), str(cache.pk), migration.epoch_from, cache.endpoint, migration.epoch_to],
+                  expects_answer=False)  # fmt: skip
     new = {"node": str(cache.node_id), "endpoint": cache.endpoint, "epoch": cache.epoch}
     audit_record(action=AuditAction.CACHE_MIGRATED, target_type="cache", target_id=cache.pk, tenant_id=cache.tenant_id,
                  old=old, new={**new, "migration": str(migration.pk), "reason": migration.reason})  # fmt: skip
@@ -184,8 +211,17 @@ def _fail(migration: Migration, reason: str) -> Migration:
     migration.failure_reason = str(reason)[:300]
     migration.save(update_fields=["state", "failure_reason", "updated_at"])
     node_unreserve(node_id=migration.target_id, capacity=migration.cache.capacity())
-    _send_to_node(DETACH_TASK, migration.target_id, [str(migration.cache_id), migration.epoch_to])
+    _close_orders(migration, "failed")
+    cache = migration.cache  # the target's copy goes, at the target's epoch (the cache row keeps its own)
+    order_enqueue(node_id=migration.target_id, task=DETACH_TASK, args=[str(cache.pk), migration.epoch_to],
+                  key=cache_key(cache.pk))  # fmt: skip
     return migration
+
+
+def _close_orders(migration: Migration, reason: str) -> None:
+    """The migration ended: its migrate_in / migrate_out are sent no more."""
+    orders_close(node_id=migration.target_id, key=_key(migration, "in"), reason=reason)
+    orders_close(node_id=migration.source_id, key=_key(migration, "out"), reason=reason)
 
 
 @transaction.atomic
@@ -195,7 +231,7 @@ def migrations_expire(*, now=None) -> list[uuid.UUID]:
     Each gives the target's reservation back and drops the target's partial copy (as any failure does); the cache
     stays where it is, and a new migration may start. Returns the ids failed."""
     cutoff = (now or timezone.now()) - timedelta(seconds=settings.KCAAS_MIGRATION_STALL_SECONDS)
-    stalled = Migration.objects.select_for_update().filter(
+    stalled = Migration.objects.select_for_update(no_key=True).filter(
         state__in=[MigrationState.PENDING, MigrationState.COPYING], updated_at__lt=cutoff
     )
     failed = []
@@ -213,7 +249,7 @@ def migrations_redrive_node(*, node_id) -> list[uuid.UUID]:
     whose running sender (if it survived) only reconnects. A pending migration whose source restarted needs
     nothing: the target's "ready" will reach the source. Returns the ids re-driven."""
     redriven = []
-    active = Migration.objects.select_for_update().filter(
+    active = Migration.objects.select_for_update(no_key=True).filter(
         Q(target_id=node_id, state__in=[MigrationState.PENDING, MigrationState.COPYING, MigrationState.CUTOVER])
         | Q(source_id=node_id, state__in=[MigrationState.COPYING, MigrationState.CUTOVER])
     )
@@ -224,7 +260,7 @@ def migrations_redrive_node(*, node_id) -> list[uuid.UUID]:
             continue  # the cache is going away: migration_result will fail the move
         migration.state = MigrationState.PENDING
         migration.save(update_fields=["state", "updated_at"])
-        _send_to_node(MIGRATE_IN_TASK, migration.target_id, _migrate_in_args(migration, cache))
+        _order_migrate_in(migration)
         logger.info("migration %s re-driven: node %s registered again", migration.pk, node_id)
         redriven.append(migration.pk)
     return redriven

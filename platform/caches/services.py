@@ -7,9 +7,16 @@ Every function is keyword-only and transactional. Invariants kept here (see cach
   transition releases its node reservation (`node_unreserve`) in the same transaction;
 - node answers are status-guarded: only a `provisioning` cache becomes ready/failed, only a `detaching` one becomes
   detached, and only on a message from the node it is placed on; duplicates and stale deliveries change nothing;
-- messages to a node are sent on commit (a rolled-back attach sends nothing), to the node's own queue.
+- orders to a node go through the outbox (fleet.outbox): written in the transaction of the change, published
+  after commit, sent again until the node answers (a rolled-back attach sends nothing; a broker outage delays an
+  order, never loses it);
+- every reserving state ends in bounded time: `caches_reconcile_stuck` fails a provisioning that outlived
+  KCAAS_PROVISION_DEADLINE_SECONDS and detaches a detach the node never confirmed within
+  KCAAS_DETACH_DEADLINE_SECONDS, releasing the reservation either way.
 
-Lock order: tenant -> nodes (node_place) for attach; cache -> node everywhere else, caches in id order.
+Lock order (docs/controlplane.md): tenant -> caches (id order) -> migration -> nodes (id order) -> node orders ->
+the audit chain head. Row locks are FOR NO KEY UPDATE, which never conflict with the key-share locks that foreign-key
+checks take, so inserting a row that references a locked tenant, cache or node never waits for it.
 """
 
 import base64
@@ -30,11 +37,11 @@ from audit.services import audit_record
 from caches import selectors
 from caches.errors import CacheNameTaken, CacheNotReady, InvalidCapacity
 from caches.models import RESERVING_STATES, TIERS, Cache, CacheState, DataToken
-from caches.sealing import hash_key_new_sealed, hash_key_unseal, ssd_key_new_sealed, ssd_key_unseal
+from caches.sealing import SealError, hash_key_new_sealed, hash_key_unseal, ssd_key_new_sealed, ssd_key_unseal
 from caches.signing import token_sign
-from controlplane.celery import app as celery_app, node_queue
 from controlplane.errors import ConflictError, NotFoundError, QuotaExceeded
 from fleet.models import NodeState
+from fleet.outbox import order_enqueue, orders_acknowledge, orders_close
 from fleet.services import node_place, node_unreserve, nodes_expire_unrecorded, nodes_lost_record
 from kcaas.spec import KVCacheSpec
 from tenants.models import Tenant
@@ -48,21 +55,21 @@ logger = logging.getLogger("kcaas.caches")
 MAX_TIER_BYTES = 2**50  # 1 PiB per tier per cache: far above any node, far below integer overflow
 MAX_REASON_LENGTH = 300
 NODE_LOST = "node_lost"
+PROVISIONING_TIMEOUT = "provisioning_timeout"
+DETACH_UNCONFIRMED = "detach_unconfirmed"
 ACCESS_LEVELS = ("read", "readwrite")
 MIN_TOKEN_TTL_SECONDS = 60
 
 
-def _send_to_node(task_name: str, node_id: uuid.UUID, args: list) -> None:
-    """Send `task_name(*args)` to the node's own queue once the current transaction commits.
+def cache_key(cache_id) -> str:
+    """The outbox key of a cache's provisioning and detach orders on a node: a detach supersedes a provisioning."""
+    return f"cache:{cache_id}"
 
-    robust=True: the change is committed whatever the broker does; a failed send is logged, and the cache stays in
-    its state for an operator (or a retried request) to see.
-    """
 
-    def send() -> None:
-        celery_app.send_task(task_name, args=args, queue=node_queue(node_id))
-
-    transaction.on_commit(send, robust=True)
+def _order_detach(cache: Cache, node_id=None) -> None:
+    """Tell the node (default: the cache's) to drop the cache's pool at its epoch, until it confirms."""
+    order_enqueue(node_id=node_id or cache.node_id, task=DETACH_TASK, args=[str(cache.pk), cache.epoch],
+                  key=cache_key(cache.pk))  # fmt: skip
 
 
 # ---- attach ---------------------------------------------------------------------------------------------------------
@@ -159,16 +166,32 @@ def _audit(action: AuditAction, cache: Cache, *, old: dict | None = None, new: d
 
 
 def _provision(cache: Cache) -> None:
-    """Send the cache's provisioning to its node on commit (its sealed key unsealed only into that message) and mark
-    it provisioning until the node answers."""
-    hash_key = hash_key_unseal(cache_id=cache.pk, sealed=cache.hash_key_sealed)
-    args = [str(cache.pk), cache.spec_dict(), cache.capacity(), base64.b64encode(hash_key).decode(), cache.epoch,
-            str(cache.tenant_id)]  # fmt: skip
-    if cache.ssd_key_sealed:  # the trailing ssd_key_b64: only caches with an SSD tier send it
-        args.append(base64.b64encode(ssd_key_unseal(cache_id=cache.pk, sealed=cache.ssd_key_sealed)).decode())
-    _send_to_node(PROVISION_TASK, cache.node_id, args)
+    """Order the cache's provisioning from its node (through the outbox) and mark it provisioning until the node
+    answers. The order row holds only the cache id and epoch: the keys are unsealed into the message at send time
+    (provision_order_args), so no secret is ever stored in the outbox."""
+    order_enqueue(node_id=cache.node_id, task=PROVISION_TASK, args=[str(cache.pk), cache.epoch],
+                  key=cache_key(cache.pk), builder="caches.services.provision_order_args")  # fmt: skip
     cache.state = CacheState.PROVISIONING
     cache.save(update_fields=["state", "updated_at"])
+
+
+def provision_order_args(cache_id: str, epoch: int) -> list | None:
+    """The provisioning message for the outbox, made at send time: None once it is moot (the cache is no longer
+    provisioning at that epoch, or its keys were shredded by an erasure)."""
+    cache = Cache.objects.filter(pk=cache_id, epoch=epoch, state=CacheState.PROVISIONING).first()
+    if cache is None:
+        return None
+    try:
+        hash_key = hash_key_unseal(cache_id=cache.pk, sealed=cache.hash_key_sealed)
+        ssd_key = ssd_key_unseal(cache_id=cache.pk, sealed=cache.ssd_key_sealed) if cache.ssd_key_sealed else None
+    except SealError:
+        logger.warning("cache %s: its keys do not open; provisioning not sent", cache.pk)
+        return None
+    args = [str(cache.pk), cache.spec_dict(), cache.capacity(), base64.b64encode(hash_key).decode(), cache.epoch,
+            str(cache.tenant_id)]  # fmt: skip
+    if ssd_key is not None:  # the trailing ssd_key_b64: only caches with an SSD tier send it
+        args.append(base64.b64encode(ssd_key).decode())
+    return args
 
 
 @transaction.atomic
@@ -179,7 +202,7 @@ def caches_reconcile_node(*, node_id: uuid.UUID, held_cache_ids: list) -> list[d
     node answers. Returns what the control plane now believes the node hosts."""
     held = {str(cache_id) for cache_id in held_cache_ids}
     lost = (
-        Cache.objects.select_for_update()
+        Cache.objects.select_for_update(no_key=True)
         .filter(node_id=node_id, state__in=[CacheState.READY, CacheState.PROVISIONING])
         .exclude(id__in=[as_uuid(c) for c in held if as_uuid(c) is not None])
         .order_by("id")
@@ -201,7 +224,7 @@ def _lock_cache(cache_id, *, tenant_id: uuid.UUID | None = None) -> Cache | None
     wanted = as_uuid(cache_id)
     if wanted is None:
         return None
-    caches = Cache.objects.select_for_update(of=("self",))
+    caches = Cache.objects.select_for_update(of=("self",), no_key=True)
     if tenant_id is not None:
         caches = caches.filter(tenant_id=tenant_id)
     return caches.filter(pk=wanted).first()
@@ -225,7 +248,9 @@ def _revoke_tokens(cache: Cache, now: datetime, *, jti: uuid.UUID | None = None)
     DataToken.objects.filter(jti__in=[j for j, _ in revoked]).update(revoked_at=now)
     if cache.node_id is not None:
         entries = [{"jti": str(j), "exp": int(expires_at.timestamp())} for j, expires_at in revoked]
-        _send_to_node(REVOKE_TOKENS_TASK, cache.node_id, [entries])
+        # no answer: the node also learns them from every register/heartbeat answer
+        order_enqueue(node_id=cache.node_id, task=REVOKE_TOKENS_TASK, args=[entries], key=f"revoke:{uuid.uuid4()}",
+                      expects_answer=False)  # fmt: skip
     return len(revoked)
 
 
@@ -252,13 +277,15 @@ def data_tokens_revoke(*, cache_id, tenant_id: uuid.UUID | None, jti=None) -> in
 
 @transaction.atomic
 def cache_detach(*, cache_id: uuid.UUID, tenant_id: uuid.UUID | None) -> Cache:
-    """Detach: pending/provisioning/ready -> detaching (the node is told on commit; its answer finishes it);
+    """Detach: pending/provisioning/ready -> detaching (the node is ordered to drop it; its answer finishes it);
     failed -> detached at once (it holds no reservation; the node is still told, to drop anything left).
-    Detaching and detached caches are returned as they are. Outstanding data tokens are revoked.
-    Another tenant's cache is a 404 (tenant_id None: any tenant, for staff)."""
+    A detaching cache is returned as it is, its order sent again now; a detached one as it is.
+    Outstanding data tokens are revoked. Another tenant's cache is a 404 (tenant_id None: any tenant, for staff)."""
     cache = _lock_cache(cache_id, tenant_id=tenant_id)
     if cache is None:
         raise NotFoundError("No such cache.")
+    if cache.state == CacheState.DETACHING and cache.node_id is not None:
+        _order_detach(cache)  # the caller asks again: re-drive the order at once instead of at its next resend
     if cache.state in (CacheState.DETACHING, CacheState.DETACHED):
         return cache
     now = timezone.now()
@@ -267,7 +294,7 @@ def cache_detach(*, cache_id: uuid.UUID, tenant_id: uuid.UUID | None) -> Cache:
     cache.state = CacheState.DETACHED if cache.state == CacheState.FAILED else CacheState.DETACHING
     cache.save(update_fields=["state", "updated_at"])
     if cache.node_id is not None:
-        _send_to_node(DETACH_TASK, cache.node_id, [str(cache.pk), cache.epoch])
+        _order_detach(cache)
     _audit(AuditAction.CACHE_DETACH_REQUESTED, cache, old={"state": old_state}, new={"state": cache.state})
     return cache
 
@@ -284,8 +311,11 @@ def cache_provision_result(
     *, cache_id: uuid.UUID, node_id: uuid.UUID, ok: bool, reason: str = "", endpoint: str = ""
 ) -> Cache | None:
     """The node's answer to provisioning: provisioning -> ready (with the node's endpoint) or failed (with the
-    reason, reservation released). Anything else (unknown cache, another node, another state) is a no-op."""
+    reason, reservation released). Anything else (unknown cache, another node, another state) is a no-op; the
+    node's provisioning order is acknowledged either way (the node answered it)."""
     cache = _lock_cache(cache_id)
+    if cache is not None:
+        orders_acknowledge(node_id=as_uuid(node_id), key=cache_key(cache.pk), tasks=(PROVISION_TASK,))
     if cache is None or not _same_node(cache, node_id) or cache.state != CacheState.PROVISIONING:
         logger.info("ignored provision result for cache %s from node %s", cache_id, node_id)
         return cache
@@ -308,8 +338,11 @@ def cache_provision_result(
 
 @transaction.atomic
 def cache_detach_result(*, cache_id: uuid.UUID, node_id: uuid.UUID) -> Cache | None:
-    """The node confirms a detach: detaching -> detached, reservation released. Anything else is a no-op."""
+    """The node confirms a detach: detaching -> detached, reservation released. Anything else is a no-op; the
+    node's detach order is acknowledged either way (a migration's target confirms dropping its copy this way)."""
     cache = _lock_cache(cache_id)
+    if cache is not None:
+        orders_acknowledge(node_id=as_uuid(node_id), key=cache_key(cache.pk), tasks=(DETACH_TASK,))
     if cache is None or not _same_node(cache, node_id) or cache.state != CacheState.DETACHING:
         logger.info("ignored detach result for cache %s from node %s", cache_id, node_id)
         return cache
@@ -335,7 +368,7 @@ def caches_sweep_leases(*, now: datetime | None = None) -> list[uuid.UUID]:
         node__state__in=[NodeState.READY, NodeState.DRAINING, NodeState.CORDONED], node__lease_expires_at__lt=now
     )
     candidates = list(
-        Cache.objects.select_for_update(of=("self",)).filter(dying, state__in=RESERVING_STATES).order_by("id")
+        Cache.objects.select_for_update(of=("self",), no_key=True).filter(dying, state__in=RESERVING_STATES).order_by("id")
     )
     lost = nodes_expire_unrecorded(now=now)
     lost_nodes = set(

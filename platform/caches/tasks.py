@@ -7,10 +7,10 @@ import logging
 from celery import shared_task
 
 from audit.context import SYSTEM, Actor, acting_as
-from audit.services import AuditWriteError
-from caches import services
+from caches import reconcile, services
 from caches.idempotency import idempotency_records_purge
 from caches import migration
+from controlplane.transient import NODE_ANSWER_RETRY
 from kcaas.node_messages import (
     DETACH_RESULT_TASK,
     MIGRATION_PROGRESS_TASK,
@@ -20,12 +20,12 @@ from kcaas.node_messages import (
 
 logger = logging.getLogger("kcaas.caches")
 
-# A node's answer whose audit event cannot be written is rolled back with it; retried (on the control queue, with
-# backoff up to a minute, for about half an hour) rather than lost while the trail is unavailable.
-_AUDIT_RETRY = {"autoretry_for": (AuditWriteError,), "retry_backoff": 2, "retry_backoff_max": 60, "max_retries": 30}
+# A node's answer that meets a database outage, a deadlock or an unwritable audit trail is rolled back and retried
+# (controlplane.transient), never lost.
+_ANSWER_RETRY = NODE_ANSWER_RETRY
 
 
-@shared_task(name=PROVISION_RESULT_TASK, **_AUDIT_RETRY)
+@shared_task(name=PROVISION_RESULT_TASK, **_ANSWER_RETRY)
 def provision_result(cache_id: str, node_id: str, ok: bool, reason: str = "", endpoint: str = "") -> str | None:
     """A node's answer to `kcaas.node.provision_cache`: ready (ok, with its data-plane endpoint) or failed.
     Audited as the node's own action."""
@@ -36,7 +36,7 @@ def provision_result(cache_id: str, node_id: str, ok: bool, reason: str = "", en
     return cache.state if cache is not None else None
 
 
-@shared_task(name=DETACH_RESULT_TASK, **_AUDIT_RETRY)
+@shared_task(name=DETACH_RESULT_TASK, **_ANSWER_RETRY)
 def detach_result(cache_id: str, node_id: str) -> str | None:
     """A node confirms `kcaas.node.detach_cache`: the pool is gone. Audited as the node's own action."""
     with acting_as(Actor("node", str(node_id))):
@@ -44,7 +44,7 @@ def detach_result(cache_id: str, node_id: str) -> str | None:
     return cache.state if cache is not None else None
 
 
-@shared_task(name=MIGRATION_PROGRESS_TASK, acks_late=True, **_AUDIT_RETRY)
+@shared_task(name=MIGRATION_PROGRESS_TASK, acks_late=True, **_ANSWER_RETRY)
 def migration_progress(migration_id: str, node_id: str, phase: str, info: dict | None = None) -> str | None:
     """A node's migration progress (status-guarded in caches.migration: duplicates and strays are no-ops)."""
     with acting_as(Actor("node", str(node_id))):
@@ -53,7 +53,7 @@ def migration_progress(migration_id: str, node_id: str, phase: str, info: dict |
     return row.state if row is not None else None
 
 
-@shared_task(name=MIGRATION_RESULT_TASK, acks_late=True, **_AUDIT_RETRY)
+@shared_task(name=MIGRATION_RESULT_TASK, acks_late=True, **_ANSWER_RETRY)
 def migration_result(migration_id: str, node_id: str, ok: bool, reason: str = "", info: dict | None = None):
     """The source's last word on a migration: cutover (audited CACHE_MIGRATED as the node) or failure."""
     with acting_as(Actor("node", str(node_id))):
@@ -67,6 +67,13 @@ def sweep_leases() -> int:
     """Beat, every few seconds: expire node leases, flag the caches of lost nodes (audited as the system)."""
     with acting_as(SYSTEM):
         return len(services.caches_sweep_leases())
+
+
+@shared_task(name="caches.reconcile")
+def reconcile_stuck() -> int:
+    """Beat, every KCAAS_RECONCILE_SECONDS: end provisionings and detaches that outlived their deadline."""
+    with acting_as(SYSTEM):
+        return len(reconcile.caches_reconcile_stuck())
 
 
 @shared_task(name="caches.purge_expired")

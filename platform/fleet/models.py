@@ -91,3 +91,57 @@ class Node(models.Model):
         """Unreserved bytes per tier, never negative (a node may report less capacity than is reserved)."""
         capacity, reserved = self.capacity, self.reserved
         return {tier: max(0, capacity[tier] - reserved[tier]) for tier in TIERS}
+
+
+class OrderState(models.TextChoices):
+    PENDING = "pending"  # written with the change it carries out; not yet accepted by the broker
+    SENT = "sent"  # the broker took it; an order that expects an answer is sent again until it is acknowledged
+    DONE = "done"  # acknowledged by the node's answer, accepted by the broker (no answer expected), or moot
+    DROPPED = "dropped"  # its node was lost, or it outlived KCAAS_ORDER_MAX_AGE_SECONDS
+
+
+OPEN_ORDER_STATES = (OrderState.PENDING, OrderState.SENT)
+
+
+class NodeOrder(models.Model):
+    """The transactional outbox of orders to node agents (fleet.outbox is the only writer).
+
+    Invariants:
+    - an order row is written in the same transaction as the state change it carries out, so a committed change
+      always has its order and a rolled-back one never sends;
+    - at most one open (pending/sent) order per (node, key): a newer order with the same key supersedes the older
+      one (a cache's detach supersedes its provisioning, a re-provisioning the previous one);
+    - `args` never holds a secret: an order whose message carries keys names a `builder` (dotted path) that makes
+      the message's arguments from `args` at send time, and returns None once the order is moot;
+    - an open order is sent until it is done: the node's handlers are idempotent (by cache id and epoch, by
+      migration id), so a duplicate delivery changes nothing.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="orders")
+    task = models.CharField(max_length=100)
+    key = models.CharField(max_length=120)  # what the order is about: "cache:<id>", "migration:<id>:in", ...
+    args = models.JSONField(default=list)
+    builder = models.CharField(max_length=200, blank=True, default="")
+    expects_answer = models.BooleanField(default=True)
+    state = models.CharField(max_length=16, choices=OrderState.choices, default=OrderState.PENDING)
+    attempts = models.PositiveIntegerField(default=0)
+    next_attempt_at = models.DateTimeField()
+    last_sent_at = models.DateTimeField(null=True, blank=True)
+    last_error = models.CharField(max_length=300, blank=True, default="")
+    created_at = models.DateTimeField(auto_now_add=True)
+    closed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["state", "next_attempt_at"], name="fleet_order_due"),
+            models.Index(fields=["node", "key"], name="fleet_order_node_key"),
+        ]
+        constraints = [
+            models.CheckConstraint(condition=Q(state__in=OrderState.values), name="fleet_order_state_valid"),
+            models.UniqueConstraint(fields=["node", "key"], condition=Q(state__in=OPEN_ORDER_STATES),
+                                    name="fleet_order_one_open_per_key"),  # fmt: skip
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.task} -> {self.node_id} ({self.state})"

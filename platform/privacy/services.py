@@ -30,9 +30,10 @@ from audit.actions import AuditAction
 from audit.context import SYSTEM, actor_of
 from audit.services import audit_record, tenant_pseudonym
 from caches.services import caches_detach_tenant
-from controlplane.celery import app as celery_app, node_queue
+from controlplane.celery import app as celery_app
 from controlplane.errors import ConflictError, NotFoundError
 from fleet.models import Node, NodeState
+from fleet.outbox import order_enqueue
 from kcaas.node_messages import CONTROL_QUEUE, PURGE_TENANT_TASK
 from privacy import receipt as receipts
 from privacy.erasure import erase_tenant_data
@@ -53,12 +54,12 @@ def _audit(action: AuditAction, job: ErasureJob, *, tenant_id, old=None, new=Non
 
 def _live_job(tenant_id, *, lock: bool = False) -> ErasureJob | None:
     jobs = ErasureJob.objects.filter(tenant_id=tenant_id).exclude(state=ErasureState.CANCELLED)
-    return (jobs.select_for_update() if lock else jobs).first()
+    return (jobs.select_for_update(no_key=True) if lock else jobs).first()
 
 
 def _lock_job(job_id) -> ErasureJob | None:
     wanted = as_uuid(job_id)
-    return ErasureJob.objects.select_for_update().filter(pk=wanted).first() if wanted else None
+    return ErasureJob.objects.select_for_update(no_key=True).filter(pk=wanted).first() if wanted else None
 
 
 # ---- request / cancel -----------------------------------------------------------------------------------------------
@@ -156,7 +157,7 @@ def _plan_purges(job: ErasureJob) -> list[ErasurePurge]:
     keep their state."""
     node_ids = Node.objects.filter(registered_at__isnull=False).values_list("id", flat=True)
     ErasurePurge.objects.bulk_create([ErasurePurge(job=job, node_id=n) for n in node_ids], ignore_conflicts=True)
-    return list(ErasurePurge.objects.select_for_update().filter(job=job).order_by("node_id"))
+    return list(ErasurePurge.objects.select_for_update(no_key=True).filter(job=job).order_by("node_id"))
 
 
 def _send_purges(job: ErasureJob, purges: list[ErasurePurge], now: datetime) -> int:
@@ -167,9 +168,9 @@ def _send_purges(job: ErasureJob, purges: list[ErasurePurge], now: datetime) -> 
     for purge in purges:
         if purge.node_id in lost:
             continue
-        args, queue = [str(job.tenant_id), str(job.pk)], node_queue(purge.node_id)
-        transaction.on_commit(lambda a=args, q=queue: celery_app.send_task(PURGE_TENANT_TASK, args=a, queue=q),
-                              robust=True)  # fmt: skip
+        # through the outbox (no answer awaited there: the purge rows resend after KCAAS_ERASURE_RESEND_SECONDS)
+        order_enqueue(node_id=purge.node_id, task=PURGE_TENANT_TASK, args=[str(job.tenant_id), str(job.pk)],
+                      key=f"purge:{job.pk}", expects_answer=False)  # fmt: skip
         purge.send_count, purge.last_sent_at = purge.send_count + 1, now
         purge.save(update_fields=["send_count", "last_sent_at"])
         sent += 1
@@ -185,7 +186,7 @@ def erasure_node_registered(*, node_id, **_) -> int:
     """The fleet register hook (KCAAS_NODE_REGISTER_HOOKS): resend every pending purge of a running erasure to a
     node that (re-)registered — typically one that was lost while the erasure ran. Returns how many were sent."""
     purges = list(
-        ErasurePurge.objects.select_for_update(of=("self",)).select_related("job")
+        ErasurePurge.objects.select_for_update(of=("self",), no_key=True).select_related("job")
         .filter(node_id=node_id, state=PurgeState.PENDING, job__state=ErasureState.RUNNING).order_by("job_id")
     )  # fmt: skip
     now = timezone.now()
@@ -214,7 +215,7 @@ def erasure_purge_confirmed(*, job_id, node_id, tenant_id, purged) -> ErasurePur
     if job is None or node is None or str(job.tenant_id) != str(tenant_id):
         logger.info("ignored purge result for job %s from node %s", job_id, node_id)
         return None
-    purge = ErasurePurge.objects.select_for_update().filter(job=job, node_id=node).first()
+    purge = ErasurePurge.objects.select_for_update(no_key=True).filter(job=job, node_id=node).first()
     if purge is None or purge.state == PurgeState.CONFIRMED:
         return purge
     entries = _clean_purged(purged)
@@ -325,7 +326,7 @@ def erasures_run_due(*, now: datetime | None = None) -> list[str]:
 def _resend_stale_purges(now: datetime) -> int:
     stale_before = now - timedelta(seconds=settings.KCAAS_ERASURE_RESEND_SECONDS)
     purges = list(
-        ErasurePurge.objects.select_for_update(of=("self",), skip_locked=True).select_related("job")
+        ErasurePurge.objects.select_for_update(of=("self",), skip_locked=True, no_key=True).select_related("job")
         .filter(state=PurgeState.PENDING, job__state=ErasureState.RUNNING, last_sent_at__lt=stale_before)
     )  # fmt: skip
     return sum(_send_purges(purge.job, [purge], now) for purge in purges)

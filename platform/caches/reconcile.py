@@ -1,0 +1,78 @@
+"""The reconciler: every cache leaves `provisioning` and `detaching` in bounded time.
+
+The outbox (fleet.outbox) sends a cache's order again until its node answers, which covers a lost message or a lost
+answer. What it cannot cover is a node that never answers while its lease stays live (a wedged worker, a queue
+nobody consumes). Beat runs `caches_reconcile_stuck` every KCAAS_RECONCILE_SECONDS:
+
+    provisioning (or pending) for KCAAS_PROVISION_DEADLINE_SECONDS -> failed `provisioning_timeout`: the reservation
+        is released and the node is ordered to drop whatever it made (a detach, which supersedes the provisioning)
+    detaching for KCAAS_DETACH_DEADLINE_SECONDS -> detached, `detach_unconfirmed`: the reservation is released and
+        the detach order closed (the cache's tokens were revoked when the detach began, so nothing reaches its pool)
+
+Both are audited as the system's actions. Candidates are locked in id order before fleet locks the nodes (the
+cache -> node lock order). Status-guarded like every transition: a node answer that arrives after the deadline
+finds the cache failed or detached and changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from audit.actions import AuditAction
+from audit.context import SYSTEM
+from caches.models import Cache, CacheState
+from caches.services import (
+    DETACH_UNCONFIRMED,
+    PROVISIONING_TIMEOUT,
+    _audit,
+    _order_detach,
+    _release,
+    cache_key,
+)
+from fleet.outbox import orders_close
+
+logger = logging.getLogger("kcaas.caches")
+
+
+@transaction.atomic
+def caches_reconcile_stuck(*, now: datetime | None = None) -> list[uuid.UUID]:
+    """End the provisionings and detaches that outlived their deadline; returns the ids of the caches changed."""
+    now = now or timezone.now()
+    provisioning_before = now - timedelta(seconds=settings.KCAAS_PROVISION_DEADLINE_SECONDS)
+    detaching_before = now - timedelta(seconds=settings.KCAAS_DETACH_DEADLINE_SECONDS)
+    stuck = _lock_stuck(provisioning_before, detaching_before)
+    events = []
+    for cache in stuck:
+        old = {"state": cache.state, "failure_reason": cache.failure_reason}
+        _release(cache)
+        if cache.state == CacheState.DETACHING:
+            cache.state, cache.failure_reason = CacheState.DETACHED, DETACH_UNCONFIRMED
+            orders_close(node_id=cache.node_id, key=cache_key(cache.pk), reason=DETACH_UNCONFIRMED)
+        else:
+            cache.state, cache.failure_reason = CacheState.FAILED, PROVISIONING_TIMEOUT
+            if cache.node_id is not None:
+                _order_detach(cache)
+        cache.save(update_fields=["state", "failure_reason", "updated_at"])
+        events.append((cache, old))
+    for cache, old in events:  # audit events last: every cache, node and order lock is taken by now
+        logger.warning("cache %s: %s for too long, now %s (%s)", cache.pk, old["state"], cache.state,
+                       cache.failure_reason)  # fmt: skip
+        action = AuditAction.CACHE_DETACHED if cache.state == CacheState.DETACHED else AuditAction.CACHE_FAILED
+        _audit(action, cache, old=old, new={"state": cache.state, "failure_reason": cache.failure_reason},
+               actor=SYSTEM)  # fmt: skip
+    return [cache.pk for cache, _ in events]
+
+
+def _lock_stuck(provisioning_before: datetime, detaching_before: datetime) -> list[Cache]:
+    """The stuck caches, row-locked in id order."""
+    stuck = Q(state__in=[CacheState.PENDING, CacheState.PROVISIONING], updated_at__lt=provisioning_before) | Q(
+        state=CacheState.DETACHING, updated_at__lt=detaching_before
+    )
+    return list(Cache.objects.select_for_update(of=("self",), no_key=True).filter(stuck).order_by("id"))

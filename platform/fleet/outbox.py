@@ -1,0 +1,164 @@
+"""Orders to node agents through a transactional outbox: they survive a broker outage.
+
+    order_enqueue(...)        in the caller's transaction: one NodeOrder row (superseding the open order with the
+                              same node and key); after commit it is published at once (the fast path)
+    orders_dispatch()         beat, every KCAAS_ORDER_DISPATCH_SECONDS: publishes every due open order — the ones
+                              whose first publish failed (the broker was down) and, for orders that expect an
+                              answer, the ones not acknowledged since their last send (backoff up to
+                              KCAAS_ORDER_RESEND_MAX_SECONDS)
+    orders_acknowledge(...)   the node's answer arrived: the order is done (called in the answer's transaction)
+    orders_close(...)         the owner moved on (a cache that failed, a migration that ended): no more sends
+
+A published message whose answer is lost (the node's broker connection died, the control worker failed on a
+database error) is therefore sent again until the answer arrives; the node's handlers are idempotent (cache id and
+epoch, migration id). Orders to a lost node are dropped: a node that registers again is reconciled from the
+caches' own states (caches_reconcile_node, migrations_redrive_node), not from stale orders.
+
+Lock order: order rows are the last rows a transaction locks (after tenant, cache, migration and node rows), and the
+dispatcher locks nothing else while it holds them (skip-locked, so two dispatchers never send one order together).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import DatabaseError, transaction
+from django.utils import timezone
+from django.utils.module_loading import import_string
+
+from controlplane.celery import app as celery_app, node_queue
+from fleet.models import OPEN_ORDER_STATES, Node, NodeOrder, NodeState, OrderState
+
+logger = logging.getLogger("kcaas.fleet.outbox")
+MAX_ERROR_LENGTH = 300
+# Connection attempts before a publish gives up: the request path's fast path never waits on a down broker (the
+# dispatcher sends the order later), the dispatcher tries twice per run.
+FAST_PATH_CONNECT_RETRIES = 0
+DISPATCH_CONNECT_RETRIES = 1
+
+
+def order_enqueue(*, node_id, task: str, args: list, key: str, expects_answer: bool = True,
+                  builder: str = "") -> NodeOrder:  # fmt: skip
+    """Write the order in the current transaction (it must be one: the order commits with the change it carries
+    out) and publish it right after commit. `builder`: see NodeOrder (orders whose message carries secrets)."""
+    assert transaction.get_connection().in_atomic_block, "an order is written in the transaction of its change"
+    now = timezone.now()
+    NodeOrder.objects.filter(node_id=node_id, key=key, state__in=OPEN_ORDER_STATES).update(
+        state=OrderState.DONE, closed_at=now, last_error="superseded"
+    )
+    order = NodeOrder.objects.create(node_id=node_id, task=task, key=key, args=args, builder=builder,
+                                     expects_answer=expects_answer, next_attempt_at=now)  # fmt: skip
+    transaction.on_commit(lambda: _publish_after_commit(order.pk), robust=True)
+    return order
+
+
+def orders_acknowledge(*, node_id, key: str, tasks: tuple[str, ...]) -> int:
+    """The node answered the open order `key` (one of `tasks`): it is done. Returns how many orders closed."""
+    return _close(node_id=node_id, key=key, tasks=tasks, reason="")
+
+
+def orders_close(*, node_id, key: str, reason: str) -> int:
+    """No more sends of the open order `key` on that node (its owner moved on). Returns how many closed."""
+    return _close(node_id=node_id, key=key, tasks=None, reason=reason)
+
+
+def _close(*, node_id, key: str, tasks, reason: str) -> int:
+    if node_id is None:
+        return 0
+    orders = NodeOrder.objects.filter(node_id=node_id, key=key, state__in=OPEN_ORDER_STATES)
+    if tasks is not None:
+        orders = orders.filter(task__in=tasks)
+    return orders.update(state=OrderState.DONE, closed_at=timezone.now(), last_error=reason[:MAX_ERROR_LENGTH])
+
+
+def _publish_after_commit(order_id: int) -> None:
+    """The fast path: publish a just-committed order once, without waiting on a down broker. Whatever fails here
+    (the broker, the database) leaves the order due for the dispatcher."""
+    try:
+        with transaction.atomic():
+            order = (NodeOrder.objects.select_for_update(skip_locked=True, no_key=True)
+                     .filter(pk=order_id, state=OrderState.PENDING, attempts=0).first())  # fmt: skip
+            if order is not None:
+                with _broker(FAST_PATH_CONNECT_RETRIES) as connection:
+                    _send(order, timezone.now(), connection)
+    except DatabaseError as error:
+        logger.warning("order %s: left for the dispatcher: %s", order_id, error)
+
+
+@transaction.atomic
+def orders_dispatch(*, now: datetime | None = None, limit: int = 500) -> dict[str, int]:
+    """Publish every due open order (oldest due first, at most `limit`); stops at the first broker failure (the
+    rest stay due). Returns counts by outcome."""
+    now = now or timezone.now()
+    due = list(NodeOrder.objects.select_for_update(skip_locked=True, no_key=True)
+               .filter(state__in=OPEN_ORDER_STATES, next_attempt_at__lte=now).order_by("next_attempt_at", "id")[:limit])  # fmt: skip
+    counts = {"sent": 0, "failed": 0, "dropped": 0, "moot": 0}
+    lost = set(Node.objects.filter(pk__in={o.node_id for o in due}, state=NodeState.LOST).values_list("id", flat=True))
+    max_age = timedelta(seconds=settings.KCAAS_ORDER_MAX_AGE_SECONDS)
+    with _broker(DISPATCH_CONNECT_RETRIES) as connection:
+        for order in due:
+            if order.node_id in lost or now - order.created_at > max_age:
+                _finish(order, OrderState.DROPPED, now, "node_lost" if order.node_id in lost else "expired")
+                counts["dropped"] += 1
+                continue
+            outcome = _send(order, now, connection)
+            counts[outcome] += 1
+            if outcome == "failed":
+                break  # the broker is down: the other due orders wait for the next run
+    return counts
+
+
+def _broker(connect_retries: int):
+    """A connection of its own to the broker that gives up after `connect_retries` attempts (kombu's default keeps
+    reconnecting for seconds, and the pool's connections are shared with the rest of the process)."""
+    return celery_app.connection_for_write(transport_options={"max_retries": connect_retries})
+
+
+def _send(order: NodeOrder, now: datetime, connection) -> str:
+    """Publish one locked order; "sent", "moot" (its builder found nothing left to do) or "failed"."""
+    args = order.args
+    if order.builder:
+        args = import_string(order.builder)(*order.args)
+        if args is None:
+            _finish(order, OrderState.DONE, now, "moot")
+            return "moot"
+    try:
+        celery_app.send_task(order.task, args=args, queue=node_queue(order.node_id), connection=connection,
+                             retry=False)  # fmt: skip
+    except Exception as error:  # noqa: BLE001 - kombu/redis raise many types for a broker that is not there
+        order.attempts += 1
+        order.last_error = f"{type(error).__name__}: {error}"[:MAX_ERROR_LENGTH]
+        order.next_attempt_at = now  # due again at the dispatcher's next run (it stops at the first failure)
+        order.save(update_fields=["attempts", "last_error", "next_attempt_at"])
+        logger.warning("order %s (%s to node %s) not sent: %s", order.pk, order.task, order.node_id, order.last_error)
+        return "failed"
+    order.attempts += 1
+    order.last_sent_at, order.last_error = now, ""
+    if not order.expects_answer:
+        _finish(order, OrderState.DONE, now, "")
+        return "sent"
+    order.state = OrderState.SENT
+    order.next_attempt_at = now + timedelta(seconds=_backoff(order.attempts, settings.KCAAS_ORDER_RESEND_SECONDS))
+    order.save(update_fields=["attempts", "last_sent_at", "last_error", "state", "next_attempt_at"])
+    return "sent"
+
+
+def _backoff(attempts: int, base: float) -> float:
+    """base, 2*base, 4*base, ... capped at KCAAS_ORDER_RESEND_MAX_SECONDS."""
+    return min(settings.KCAAS_ORDER_RESEND_MAX_SECONDS, base * 2 ** max(0, attempts - 1))
+
+
+def _finish(order: NodeOrder, state: str, now: datetime, reason: str) -> None:
+    order.state, order.closed_at, order.last_error = state, now, reason[:MAX_ERROR_LENGTH]
+    order.save(update_fields=["state", "closed_at", "last_error", "attempts", "last_sent_at"])
+
+
+def open_orders(*, node_id: uuid.UUID | None = None) -> list[NodeOrder]:
+    """The open orders (of one node), oldest first: for operators and tests."""
+    orders = NodeOrder.objects.filter(state__in=OPEN_ORDER_STATES)
+    if node_id is not None:
+        orders = orders.filter(node_id=node_id)
+    return list(orders.order_by("id"))

@@ -1,0 +1,69 @@
+"""The reconciler ends every provisioning and detach in bounded time (caches.reconcile): a cache whose node never
+answers is failed (`provisioning_timeout`) or detached (`detach_unconfirmed`) after its deadline, its reservation
+released; younger ones are left alone, and a node answer that arrives afterwards changes nothing."""
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from audit.actions import AuditAction
+from audit.models import AuditEvent
+from caches import services
+from caches.models import Cache, CacheState
+from caches.reconcile import caches_reconcile_stuck
+from fleet.models import NodeOrder, OrderState
+from kcaas.node_messages import DETACH_TASK
+from tests.caches.conftest import attach_body, make_node, make_tenant, node, reserved, tenant_a  # noqa: F401
+
+pytestmark = pytest.mark.django_db(transaction=True)
+NOTHING = {"device": 0, "dram": 0, "ssd": 0}
+
+
+def attach(tenant, name: str) -> Cache:
+    response = tenant.client.post("/api/v1/caches", attach_body(name), format="json")
+    assert response.status_code == 201, response.content
+    return Cache.objects.get(pk=response.json()["id"])
+
+
+def later(seconds: float):
+    return timezone.now() + timedelta(seconds=seconds)
+
+
+def test_a_provisioning_the_node_never_answers_fails_after_its_deadline(tenant_a, node, settings):
+    cache = attach(tenant_a, "silent")
+    assert caches_reconcile_stuck(now=later(settings.KCAAS_PROVISION_DEADLINE_SECONDS - 5)) == []
+    assert caches_reconcile_stuck(now=later(settings.KCAAS_PROVISION_DEADLINE_SECONDS + 5)) == [cache.pk]
+    cache.refresh_from_db()
+    assert (cache.state, cache.failure_reason) == (CacheState.FAILED, "provisioning_timeout")
+    assert reserved(node) == NOTHING
+    detach = NodeOrder.objects.get(node=node, state__in=[OrderState.PENDING, OrderState.SENT])
+    assert detach.task == DETACH_TASK  # the node is told to drop whatever it made; the provisioning is superseded
+    event = AuditEvent.objects.filter(target_id=str(cache.pk)).order_by("-id").first()
+    assert event.action == AuditAction.CACHE_FAILED and event.actor_kind == "system"
+    services.cache_provision_result(cache_id=cache.pk, node_id=node.pk, ok=True, endpoint="10.0.0.1:1")
+    cache.refresh_from_db()
+    assert cache.state == CacheState.FAILED  # a late answer changes nothing
+
+
+def test_a_detach_the_node_never_confirms_ends_detached_after_its_deadline(tenant_a, node, settings):
+    cache = attach(tenant_a, "gone")
+    services.cache_provision_result(cache_id=cache.pk, node_id=node.pk, ok=True, endpoint="10.0.0.1:1")
+    assert tenant_a.client.delete(f"/api/v1/caches/{cache.pk}").status_code == 202
+    assert caches_reconcile_stuck(now=later(settings.KCAAS_DETACH_DEADLINE_SECONDS - 5)) == []
+    assert caches_reconcile_stuck(now=later(settings.KCAAS_DETACH_DEADLINE_SECONDS + 5)) == [cache.pk]
+    cache.refresh_from_db()
+    assert (cache.state, cache.failure_reason) == (CacheState.DETACHED, "detach_unconfirmed")
+    assert reserved(node) == NOTHING
+    assert not NodeOrder.objects.filter(node=node, state__in=[OrderState.PENDING, OrderState.SENT]).exists()
+    assert tenant_a.client.post("/api/v1/caches", attach_body("gone"), format="json").status_code == 201  # name free
+
+
+def test_ready_failed_and_detached_caches_are_never_touched(tenant_a, node):
+    ready = attach(tenant_a, "ready")
+    services.cache_provision_result(cache_id=ready.pk, node_id=node.pk, ok=True, endpoint="10.0.0.1:1")
+    failed = attach(tenant_a, "failed")
+    services.cache_provision_result(cache_id=failed.pk, node_id=node.pk, ok=False, reason="allocation_failed")
+    assert caches_reconcile_stuck(now=later(10 * 24 * 3600)) == []
+    assert Cache.objects.get(pk=ready.pk).state == CacheState.READY
+    assert Cache.objects.get(pk=failed.pk).failure_reason == "allocation_failed"
