@@ -93,9 +93,18 @@ TEMPLATES = [
 
 DATABASES = {
     "default": dj_database_url.parse(
-        os.environ.get("DATABASE_URL", f"sqlite:///{VAR_DIR / 'kcaas.sqlite3'}"), conn_max_age=60
+        os.environ.get("DATABASE_URL", f"sqlite:///{VAR_DIR / 'kcaas.sqlite3'}"), conn_max_age=60,
+        conn_health_checks=True,  # a connection the server dropped is replaced before use, not failed on
     )
 }
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # The embedded default's concurrency (docs/operations.md): WAL (readers never wait for the writer), every
+    # transaction takes the write lock at BEGIN (no deadlocked upgrade from a read lock, which SQLite fails at
+    # once instead of waiting), and a writer waits up to 20 s for the lock before "database is locked".
+    DATABASES["default"]["OPTIONS"] = {
+        "transaction_mode": "IMMEDIATE", "timeout": 20,
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+    }  # fmt: skip
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 USE_TZ = True
 TIME_ZONE = "UTC"
@@ -106,16 +115,13 @@ WHITENOISE_USE_FINDERS = True  # serve app static files (Redoc) without a collec
 REDIS_URL = os.environ.get("REDIS_URL", "")  # empty: the embedded default (in-process rate limiter)
 
 # ---- Celery ---------------------------------------------------------------------------------------------------------
-CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL") or REDIS_URL or "filesystem://"
+from kcaas import fs_broker  # noqa: E402 - registers kcaasfs://, the embedded default's hardened file broker
+
+# Celery itself prefers the CELERY_BROKER_URL variable to this setting, so the default only applies when it is unset
+CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL") or REDIS_URL or fs_broker.URL
 CELERY_BROKER_TRANSPORT_OPTIONS = (
-    {
-        "data_folder_in": str(VAR_DIR / "celery" / "queue"),
-        "data_folder_out": str(VAR_DIR / "celery" / "queue"),
-        "processed_folder": str(VAR_DIR / "celery" / "processed"),
-        "control_folder": str(VAR_DIR / "celery" / "control"),  # exchange bindings (default: ./control)
-        "store_processed": False,
-    }
-    if CELERY_BROKER_URL == "filesystem://"
+    fs_broker.folder_options(VAR_DIR / "celery")  # the same folders as the node agents' (scripts/up.py)
+    if fs_broker.is_file_broker(CELERY_BROKER_URL)
     else {"visibility_timeout": 3600}
 )
 CELERY_TASK_SERIALIZER = "json"
@@ -130,7 +136,21 @@ KCAAS_LEASE_SWEEP_SECONDS = float(os.environ.get("KCAAS_LEASE_SWEEP_SECONDS", "1
 KCAAS_MIGRATION_STALL_SECONDS = float(os.environ.get("KCAAS_MIGRATION_STALL_SECONDS", "600"))
 # How often beat moves erasure jobs (starts those past their grace, finishes confirmed ones).
 KCAAS_ERASURE_TICK_SECONDS = float(os.environ.get("KCAAS_ERASURE_TICK_SECONDS", "10"))
+# The node-order outbox (fleet.outbox): how often beat publishes due orders; an order that expects an answer is sent
+# again after RESEND seconds, doubling up to RESEND_MAX, until the node answers; orders older than MAX_AGE are dropped.
+KCAAS_ORDER_DISPATCH_SECONDS = float(os.environ.get("KCAAS_ORDER_DISPATCH_SECONDS", "2"))
+KCAAS_ORDER_RESEND_SECONDS = float(os.environ.get("KCAAS_ORDER_RESEND_SECONDS", "10"))
+KCAAS_ORDER_RESEND_MAX_SECONDS = float(os.environ.get("KCAAS_ORDER_RESEND_MAX_SECONDS", "60"))
+KCAAS_ORDER_MAX_AGE_SECONDS = float(os.environ.get("KCAAS_ORDER_MAX_AGE_SECONDS", "3600"))
+# A cache provisioning (or detaching) for longer than this is ended by the reconciler: failed with
+# `provisioning_timeout` (its reservation released, the node told to drop it), or detached (`detach_unconfirmed`).
+KCAAS_PROVISION_DEADLINE_SECONDS = float(os.environ.get("KCAAS_PROVISION_DEADLINE_SECONDS", "300"))
+KCAAS_DETACH_DEADLINE_SECONDS = float(os.environ.get("KCAAS_DETACH_DEADLINE_SECONDS", "300"))
+KCAAS_RECONCILE_SECONDS = float(os.environ.get("KCAAS_RECONCILE_SECONDS", "30"))
 CELERY_BEAT_SCHEDULE = {
+    "fleet-dispatch-orders": {"task": "fleet.dispatch_orders", "schedule": KCAAS_ORDER_DISPATCH_SECONDS,
+                              "options": {"expires": 5 * KCAAS_ORDER_DISPATCH_SECONDS}},
+    "caches-reconcile": {"task": "caches.reconcile", "schedule": KCAAS_RECONCILE_SECONDS},
     "caches-sweep-leases": {"task": "caches.sweep_leases", "schedule": KCAAS_LEASE_SWEEP_SECONDS},
     "caches-purge-expired": {"task": "caches.purge_expired", "schedule": 3600.0},
     "caches-expire-migrations": {"task": "caches.expire_migrations", "schedule": 60.0},

@@ -59,7 +59,7 @@ class NodeCertificate:
 
 def _lock(node_id: uuid.UUID) -> Node:
     """The node's row, locked until the transaction ends; 404 not_found when there is none."""
-    node = Node.objects.select_for_update().filter(pk=node_id).first()
+    node = Node.objects.select_for_update(no_key=True).filter(pk=node_id).first()
     if node is None:
         raise NotFoundError("No such node.", details={"node_id": str(node_id)})
     return node
@@ -239,9 +239,12 @@ def node_cordon(*, node_id: uuid.UUID) -> Node:
 
 @transaction.atomic
 def node_uncordon(*, node_id: uuid.UUID) -> Node:
-    """cordoned -> ready. Idempotent on a ready node; other states are 409."""
+    """cordoned or draining -> ready: the node takes new placements again. Idempotent on a ready node; other states
+    are 409. Uncordoning a draining node (a drain finished, or stuck because its migrations failed) cancels nothing:
+    migrations of its caches still in flight go on and a completed one still moves its cache away; a failed one
+    leaves the cache here, ready; a cache the drain could not move stays. The console and REST uncordon call this."""
     return _transition(
-        node_id, allowed={NodeState.CORDONED}, target=NodeState.READY, action="uncordoned",
+        node_id, allowed={NodeState.CORDONED, NodeState.DRAINING}, target=NodeState.READY, action="uncordoned",
         audit=AuditAction.NODE_UNCORDONED,
     )  # fmt: skip
 
@@ -277,7 +280,7 @@ def nodes_expire_unrecorded(*, now: datetime | None = None) -> dict[uuid.UUID, s
     """
     now = now or timezone.now()
     live = [NodeState.READY, NodeState.DRAINING, NodeState.CORDONED]
-    expired = Node.objects.select_for_update().filter(state__in=live, lease_expires_at__lt=now).order_by("id")
+    expired = Node.objects.select_for_update(no_key=True).filter(state__in=live, lease_expires_at__lt=now).order_by("id")
     lost = dict(expired.values_list("id", "state"))
     if lost:
         Node.objects.filter(pk__in=list(lost)).update(state=NodeState.LOST, updated_at=timezone.now())
@@ -321,7 +324,7 @@ def node_place(*, capacity: dict[str, int], now: datetime | None = None) -> Node
     for tier in requested:
         fits &= Q(**{f"{tier}_capacity_bytes__gte": F(f"{tier}_reserved_bytes") + want[tier]})
     live = Node.objects.filter(state=NodeState.READY, lease_expires_at__gt=now)
-    candidates = list(live.filter(fits).select_for_update().order_by("id"))
+    candidates = list(live.filter(fits).select_for_update(no_key=True).order_by("id"))
     if not candidates:
         raise NoCapacity("No node has the requested capacity free.", details={"requested": want})
     best = min(candidates, key=lambda node: _fit_rank(node, want, requested))
