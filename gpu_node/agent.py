@@ -76,6 +76,7 @@ class AgentConfig:
     listen: str | None = None  # host:port the data plane binds (default: endpoint)
     uds_path: str | None = None  # a Unix socket for engines on this host (same token auth, no TLS)
     migration_listen: str | None = None  # KCAAS_NODE_MIGRATION_LISTEN host:port: mutual-TLS migration listener
+    migration_endpoint: str | None = None  # KCAAS_NODE_MIGRATION_ENDPOINT host:port other nodes dial (default below)
     migration_max_bytes_per_second: float | None = None  # KCAAS_NODE_MIGRATION_MAX_BYTES_PER_SECOND: sender cap
     token_issuer: str = "kcaas-control-plane"  # the `iss` of data tokens (the control plane's KCAAS_TOKEN_ISSUER)
     drain_seconds: float = 20.0  # SIGTERM: how long in-flight data-plane requests may take to finish
@@ -92,6 +93,8 @@ class AgentConfig:
             if not value:
                 raise SystemExit(f"gpu_node.agent: set {name}")
             return value
+
+        from kcaas import fs_broker  # noqa: F401 - registers kcaasfs://, make up's broker (the control plane's too)
 
         return cls(
             control_url=required("KCAAS_CONTROL_URL").rstrip("/"),
@@ -111,6 +114,7 @@ class AgentConfig:
             listen=environ.get("KCAAS_NODE_LISTEN") or None,
             uds_path=environ.get("KCAAS_NODE_UDS") or None,
             migration_listen=environ.get("KCAAS_NODE_MIGRATION_LISTEN") or None,
+            migration_endpoint=environ.get("KCAAS_NODE_MIGRATION_ENDPOINT") or None,
             migration_max_bytes_per_second=float(environ.get("KCAAS_NODE_MIGRATION_MAX_BYTES_PER_SECOND") or 0) or None,
             token_issuer=environ.get("KCAAS_TOKEN_ISSUER") or "kcaas-control-plane",
             drain_seconds=float(environ.get("KCAAS_NODE_DRAIN_SECONDS") or 20.0),
@@ -344,8 +348,12 @@ class NodeAgent:
     # ---- the in-process Celery worker -------------------------------------------------------------------------------
     def _migration(self):
         """The migration side (gpu_node/migration_tasks.py) when KCAAS_NODE_MIGRATION_LISTEN is set and the node holds
-        a platform certificate: its listener requires the platform CA's client certificates."""
+        a platform certificate: its listener requires the platform CA's client certificates. Other nodes are told
+        to dial KCAAS_NODE_MIGRATION_ENDPOINT, else the data-plane endpoint's host at the listener's bound port (port
+        0 in the listen address: any free port, still advertised right)."""
         if not self.config.migration_listen or self.identity is None or not self.identity.has_certificate:
+            logger.warning("no migration listener (KCAAS_NODE_MIGRATION_LISTEN and a node identity are needed): caches "
+                           "cannot be migrated to or from this node, so a drain of another node cannot move here")
             return None
         from gpu_node.migration import MigrationListener
         from gpu_node.migration_tasks import NodeMigration
@@ -354,7 +362,9 @@ class NodeAgent:
         listener = MigrationListener(self.registry, self.identity.server_context(), host.strip("[]") or "0.0.0.0",
                                      int(port), metrics=self.metrics).start()  # fmt: skip
         self._migration_listener = listener
-        advertise = f"{self.config.endpoint.rpartition(':')[0]}:{listener.address[1]}"  # the data plane's host
+        advertise = (self.config.migration_endpoint
+                     or f"{self.config.endpoint.rpartition(':')[0]}:{listener.address[1]}")  # the data plane's host
+        logger.info("migration listener on %s:%s, advertised as %s", *listener.address[:2], advertise)
         return NodeMigration(registry=self.registry, node_id=self.node_id, listener=listener,
                              client_context=self.identity.client_context(), advertise=advertise,
                              max_bytes_per_second=self.config.migration_max_bytes_per_second)  # fmt: skip

@@ -21,6 +21,9 @@ from kcaas.node_messages import (
     CONTROL_QUEUE,
     DETACH_RESULT_TASK,
     DETACH_TASK,
+    MIGRATE_IN_TASK,
+    MIGRATE_OUT_TASK,
+    MIGRATION_RESULT_TASK,
     PROVISION_RESULT_TASK,
     PROVISION_TASK,
     PURGE_RESULT_TASK,
@@ -37,6 +40,7 @@ HASH_KEY_BYTES = 32
 # lost until some other consumer swept it). Visible again after 15 minutes: longer than any one node task runs.
 REDIS_REDELIVERY = {"visibility_timeout": 900, "polling_interval": 5, "unacked_restore_throttle": 1}
 SSD_KEY_BYTES = 32
+MIGRATION_UNAVAILABLE = "migration_unavailable"  # the reason a node without a migration listener refuses a move
 # How long an answer waits for the broker: about three minutes of reconnecting, at most 5 s apart.
 ANSWER_RETRY_POLICY = {"max_retries": 40, "interval_start": 0.5, "interval_step": 0.5, "interval_max": 5}
 
@@ -118,4 +122,21 @@ def build_node_app(
 
     if migration is not None:  # gpu_node.migration_tasks.NodeMigration: migrate_in / migrate_out / migrate_cutover
         migration.register(app, answer)
+    else:
+        _refuse_migrations(app, answer, node_id)
     return app
+
+
+def _refuse_migrations(app: Celery, answer, node_id: str) -> None:
+    """A node without a migration listener (KCAAS_NODE_MIGRATION_LISTEN unset) answers every migration order with a
+    failure at once, so the control plane rolls the move back instead of waiting for it to stall."""
+
+    @app.task(name=MIGRATE_IN_TASK, shared=False)
+    def migrate_in(migration_id, *_args) -> bool:
+        answer(MIGRATION_RESULT_TASK, [migration_id, node_id, False, MIGRATION_UNAVAILABLE, {}])
+        return False
+
+    @app.task(name=MIGRATE_OUT_TASK, shared=False)
+    def migrate_out(migration_id, *_args) -> bool:
+        answer(MIGRATION_RESULT_TASK, [migration_id, node_id, False, MIGRATION_UNAVAILABLE, {}])
+        return False

@@ -150,16 +150,17 @@ class CacheRegistry:
         """Delete the SSD directories of the caches that are none of: `stored` (what the control plane places on
         this node or migrates to it, from its register answer), hosted here, being provisioned here. A warm restart
         keeps its directories: the control plane places those caches here still and provisions them again (same
-        id and epoch: the store rescans the directory). Returns the cache ids whose directory was deleted."""
+        id and epoch: the store rescans the directory). A directory a live store of another process holds is never
+        deleted (cache_dirs.take skips it). Returns the cache ids whose directory was deleted."""
         keep = {str(cache_id) for cache_id in stored}
         with self._lock:
             keep |= set(self._caches) | set(self._provisioning)
             gone = [name for name in cache_dirs.names(self.ssd_dir) if name not in keep]
-            taken = [cache_dirs.take(self.ssd_dir, name) for name in gone]
-        for path in taken:
+            taken = {name: cache_dirs.take(self.ssd_dir, name) for name in gone}
+        for path in taken.values():
             cache_dirs.delete(path)
         cache_dirs.delete_leftovers(self.ssd_dir)
-        return gone
+        return [name for name, path in taken.items() if path is not None]
 
     def purge_tenant(self, tenant_id: str) -> list[dict]:
         """Stop hosting every cache of the tenant, whatever its epoch, and wipe its pool (zeros): erasure.

@@ -4,15 +4,19 @@ Directory `<root>/<cache id>/` (root: KCAAS_NODE_SSD_DIR):
 
     seg-000001.log ...   records, appended by this store's writer thread only, fsync'd per batch
     index.json           the live entries as of the last commit: written to index.json.tmp, fsync, rename, fsync dir
+    lock                 flock'd by the one live store of the directory (gpu_node/cache_dirs.py `hold`)
 
-Record = HEADER (magic, payload ciphertext length, block hash, nonce, xxh3-64 of the plaintext payload, parent hash,
-number of tokens, tokens nonce) + AES-GCM(data key, nonce, payload, aad = AAD_PREFIX + "kv" + block hash + parent
-hash + number of tokens) + AES-GCM(data key, tokens nonce, int32 tokens, aad = the same with "tk"), each 16 bytes
-longer than its plaintext (no tokens part without lineage: 0 tokens, a zero parent). Two messages, so the payload is
-encrypted straight from its buffer (no copy to join it with the tokens). The associated data binds a record to its
-name and lineage, so records cannot be swapped; the lineage (parent, tokens) is what lets a warm-restarted cache
-forget a prefix and everything chained under it, and migrate rescanned blocks. The data key (32 bytes) comes
-from the control plane in provision_cache and lives in this process's memory only: without it the files are noise.
+Records: gpu_node/ssd_records.py (AES-GCM of the payload and of its lineage, bound to the block's name). The data
+key (32 bytes) comes from the control plane in provision_cache and lives in this process's memory only: without it
+the files are noise.
+
+One store per directory: the constructor takes the directory's lock (cache_dirs.DirectoryInUse when another live
+store, of this process or another, holds it); close and wipe release it, and so does the death of the process.
+
+Writer failure: an error in the writer thread (a disk error, the directory removed under it) is logged at
+CRITICAL and fails the store for good: flush and sync raise SsdWriterFailed instead of hanging or returning as if
+the blocks were durable, later `store` calls raise it (the payload is zeroed first), and blocks still queued are
+forgotten (zeroed); what the last index commit named stays readable. A new provisioning opens a fresh store.
 
 Crash safety: a record becomes visible to readers only after its batch is fsync'd (until then it is served from
 `_pending`). A crash may leave a torn record at a segment's end and records the index does not name yet; `rescan`
@@ -35,26 +39,23 @@ names a record fully written and fsync'd; no lock is held during file I/O, and n
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import shutil
-import struct
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
-from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from gpu_node import cache_dirs, ssd_records
 from gpu_node.checksum import verify_block
+from gpu_node.ssd_records import HEADER, MAGIC, NO_PARENT  # noqa: F401 - the record format, as tests name it
 from gpu_node.zeroing import zero
 
-HEADER = struct.Struct("<4sI16s12sQ16sI12s")  # magic, payload ct length, hash, nonce, xxh3, parent, n tokens, nonce
-MAGIC = b"KCB2"
-NO_PARENT = bytes(16)
-AAD_PREFIX = b"kcaas/ssd/v1/"
-TAG_BYTES = 16
+log = logging.getLogger(__name__)
 DATA_KEY_BYTES = 32
 SEGMENT_BYTES = 64 << 20
 INDEX_NAME = "index.json"
@@ -68,6 +69,10 @@ class Entry:
     offset: int  # of the record's header
     length: int  # of the plaintext payload
     record_length: int  # of the whole record (header, ciphertext of payload and tokens, tag)
+
+
+class SsdWriterFailed(RuntimeError):
+    """The store's writer thread failed: nothing more is written (flush, sync and store raise this)."""
 
 
 def segment_name(segment: int) -> str:
@@ -87,7 +92,7 @@ class SsdStore:
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, Entry] = OrderedDict()  # LRU first
         self._pending: dict[bytes, _Pending] = {}  # queued or being written: served from here
-        self._in_write: set[bytes] = set()  # pending blocks the writer is appending now (it zeroes them after)
+        self._in_write: dict[bytes, _Pending] = {}  # blocks the writer is appending now (it zeroes them after)
         self._lineage: dict[bytes, tuple[bytes, np.ndarray]] = {}  # found by rescan: hash -> (parent, tokens)
         self._segment_live: dict[int, int] = {}  # segment -> live entries
         self._committed_end: dict[int, int] = {}  # segment -> bytes fsync'd
@@ -95,8 +100,13 @@ class SsdStore:
         self.num_checksum_failures = 0
         self.num_rescanned_blocks = 0
         self.num_dropped_writes = 0
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        self.rescan()
+        self._failure: BaseException | None = None  # what stopped the writer, once it failed
+        self._lock_fd = cache_dirs.hold(directory)  # DirectoryInUse: another live store holds it
+        try:
+            self.rescan()
+        except BaseException:
+            cache_dirs.release(self._lock_fd)
+            raise
         self._segment = max(self._committed_end, default=0) + 1  # never append after a possibly torn tail
         self._segment_fd: int | None = None
         self._queue: queue.Queue = queue.Queue()
@@ -151,40 +161,21 @@ class SsdStore:
                 num_read = os.preadv(file.fileno(), [record], entry.offset)
         except OSError:
             return None
-        parsed = self._parse(memoryview(record)[:num_read], 0, want_lineage=want_lineage)
+        parsed = ssd_records.decode(self._aead, memoryview(record)[:num_read], 0, want_lineage=want_lineage)
         if parsed is None or parsed[0] != block_hash or len(parsed[1]) != entry.length or parsed[2] != num_read:
             return None
         return parsed[1], parsed[3]
-
-    def _parse(self, data, at: int, *, want_lineage: bool = True) -> tuple[bytes, bytearray, int, tuple | None] | None:
-        """(block hash, verified payload, record length, lineage) of the record at `at`, or None if torn/corrupt."""
-        if len(data) - at < HEADER.size:
-            return None
-        magic, cipher_len, block_hash, nonce, checksum, parent, num_tokens, token_nonce = HEADER.unpack_from(data, at)
-        payload_end = at + HEADER.size + cipher_len
-        end = payload_end + (4 * num_tokens + TAG_BYTES if num_tokens else 0)
-        if magic != MAGIC or cipher_len < TAG_BYTES or end > len(data):
-            return None
-        payload = bytearray(cipher_len - TAG_BYTES)
-        lineage = None
-        try:
-            aad = _aad(block_hash, parent, num_tokens)
-            self._aead.decrypt_into(nonce, data[at + HEADER.size : payload_end], b"kv" + aad, payload)
-            if num_tokens and want_lineage:
-                tokens = self._aead.decrypt(token_nonce, bytes(data[payload_end:end]), b"tk" + aad)
-                lineage = (parent, np.frombuffer(tokens, dtype="<i4").copy())
-        except InvalidTag:
-            return None
-        if not verify_block(checksum, payload):
-            return None
-        return block_hash, payload, end - at, lineage
 
     # ---- writes ---------------------------------------------------------------------------------------------------
     def store(self, block_hash: bytes, payload: bytearray, checksum: int, lineage: tuple | None = None, *,
               owned: bool = True) -> list:  # fmt: skip
         """Queue a block for the writer thread (no I/O here); readable at once from the pending set. `lineage`:
         (parent hash, tokens), kept in the record. With `owned`, the store zeroes `payload` once written or
-        forgotten (the caller lets go of it). Returns [] (the SSD is the last tier: overflow is dropped)."""
+        forgotten (the caller lets go of it). Returns [] (the SSD is the last tier: overflow is dropped). Raises
+        SsdWriterFailed (the payload zeroed when owned) once the writer failed."""
+        if self._failure is not None:
+            self._let_go([payload] if owned else [])
+            raise self._failed()
         if len(payload) > self.capacity_bytes or self._closed:
             return self._let_go([payload] if owned else [])
         with self._lock:
@@ -204,23 +195,48 @@ class SsdStore:
         return []
 
     def flush(self) -> None:
-        """Wait until every queued block is written (or dropped)."""
+        """Wait until every queued block is written (or dropped); SsdWriterFailed when the writer failed."""
         self._queue.join()
+        if self._failure is not None:
+            raise self._failed()
+
+    def _failed(self) -> SsdWriterFailed:
+        return SsdWriterFailed(f"the SSD writer of {self.directory} failed: {self._failure!r}")
 
     def _write_loop(self) -> None:
+        """Write batches until the stop sentinel. After a failure it only forgets what is queued (so nothing
+        waiting on the queue hangs); the failure is recorded before the batch is marked done, so a flush that
+        returns because of it sees it."""
         while True:
             batch = [self._queue.get()]
             while len(batch) < WRITE_BATCH and not self._queue.empty():
                 batch.append(self._queue.get())
             hashes = [h for h in batch if h is not None]
             try:
-                if hashes:
+                if hashes and self._failure is None:
                     self._write_batch(hashes)
+            except BaseException as error:  # noqa: BLE001 - reported, and it fails whoever waits on the writer
+                self._fail(error)
             finally:
+                if self._failure is not None:
+                    self._forget_unwritten(hashes)
                 for _ in batch:
                     self._queue.task_done()
             if len(hashes) < len(batch):  # the stop sentinel: everything queued before it is written
                 return
+
+    def _fail(self, error: BaseException) -> None:
+        self._failure = error
+        log.critical("the SSD writer of %s died: %r. This cache's SSD tier takes no more blocks; flush, sync and "
+                     "store raise from now on", self.directory, error, exc_info=error)  # fmt: skip
+
+    def _forget_unwritten(self, hashes: list[bytes]) -> None:
+        """After a writer failure: drop (and zero) these queued or half-written blocks; they are never indexed."""
+        with self._lock:
+            for block_hash in hashes:
+                for pending in (self._in_write.pop(block_hash, None), self._pending.pop(block_hash, None)):
+                    if pending is not None and pending.owned:
+                        zero(pending.payload)
 
     def _write_batch(self, hashes: list[bytes]) -> None:
         written: list[tuple[bytes, _Pending, Entry]] = []
@@ -228,7 +244,7 @@ class SsdStore:
             with self._lock:
                 pending = self._pending.get(block_hash)
                 if pending is not None:
-                    self._in_write.add(block_hash)
+                    self._in_write[block_hash] = pending
             if pending is not None and not self._closed:
                 written.append((block_hash, pending, self._append(block_hash, pending)))
             elif pending is not None:
@@ -237,7 +253,7 @@ class SsdStore:
             os.fsync(self._segment_fd)
         with self._lock:
             for block_hash, pending, entry in written:
-                self._in_write.discard(block_hash)
+                self._in_write.pop(block_hash, None)
                 if self._pending.get(block_hash) is pending:  # not forgotten while it was written
                     del self._pending[block_hash]
                     if entry is not None:
@@ -262,17 +278,7 @@ class SsdStore:
         assert verify_block(pending.checksum, payload), "a block corrupted in memory before it reached the SSD"
         if self._segment_fd is None or os.fstat(self._segment_fd).st_size >= self.segment_bytes:
             self._open_next_segment()
-        parent, tokens = pending.lineage if pending.lineage is not None else (NO_PARENT, np.zeros(0, np.int32))
-        token_bytes = np.ascontiguousarray(tokens, dtype="<i4").tobytes()
-        nonce, token_nonce = os.urandom(12), os.urandom(12)
-        payload_end = HEADER.size + len(payload) + TAG_BYTES
-        record = bytearray(payload_end + (len(token_bytes) + TAG_BYTES if len(tokens) else 0))
-        HEADER.pack_into(record, 0, MAGIC, len(payload) + TAG_BYTES, block_hash, nonce, pending.checksum, bytes(parent),
-                         len(tokens), token_nonce)  # fmt: skip
-        aad = _aad(block_hash, bytes(parent), len(tokens))
-        self._aead.encrypt_into(nonce, payload, b"kv" + aad, memoryview(record)[HEADER.size : payload_end])
-        if len(tokens):
-            self._aead.encrypt_into(token_nonce, token_bytes, b"tk" + aad, memoryview(record)[payload_end:])
+        record = ssd_records.encode(self._aead, block_hash, payload, pending.checksum, pending.lineage)
         offset = os.fstat(self._segment_fd).st_size
         _write_all(self._segment_fd, record)
         return Entry(self._segment, offset, len(payload), len(record))
@@ -387,7 +393,7 @@ class SsdStore:
             data = memoryview(file.read())
         at = start
         while at < len(data):
-            parsed = self._parse(data, at)
+            parsed = ssd_records.decode(self._aead, data, at)
             if parsed is None:
                 self.num_checksum_failures += 1  # a torn or corrupt record: the rest of this segment is not trusted
                 return
@@ -419,6 +425,8 @@ class SsdStore:
         if self._segment_fd is not None:
             os.close(self._segment_fd)
             self._segment_fd = None
+        cache_dirs.release(self._lock_fd)
+        self._lock_fd = None
 
     def wipe(self) -> int:
         """Stop writing and delete the directory (erasure); returns the bytes that were resident."""
@@ -437,7 +445,10 @@ class SsdStore:
             self._pending.clear()
             self._lineage.clear()
             self.bytes_resident = 0
-        shutil.rmtree(self.directory, ignore_errors=True)
+        if self._lock_fd is not None or not cache_dirs.held(self.directory):  # closed before: maybe another's now
+            shutil.rmtree(self.directory, ignore_errors=True)  # still ours: no other store opens it meanwhile
+        cache_dirs.release(self._lock_fd)
+        self._lock_fd = None
         return resident
 
     def check_invariants(self) -> None:
@@ -451,10 +462,6 @@ class _Pending:
     checksum: int
     lineage: tuple | None  # (parent hash, tokens)
     owned: bool  # zero the payload once written or forgotten
-
-
-def _aad(block_hash: bytes, parent: bytes, num_tokens: int) -> bytes:
-    return AAD_PREFIX + bytes(block_hash) + bytes(parent) + struct.pack("<I", num_tokens)
 
 
 def _write_all(fd: int, data: bytearray) -> None:

@@ -2,8 +2,10 @@
 (REDIS_URL) must answer (the Makefile starts them through scripts/services.sh); the database is created when it does
 not exist. Then scripts/up.py with `--agents 2 --require-services` (KCAAS_AGENTS changes the count): gunicorn, the
 control queue's Celery worker, Celery beat and two node agents, each with its own node credential, TLS 1.3
-data-plane port and metrics port. Its state lives under var/cluster/ (KCAAS_VAR_DIR). Extra arguments go to up.py
-(`--survive-agent-loss`: an agent that dies is reported and its node marked lost, the rest keep running).
+data-plane port, metrics port, mutual-TLS migration listener (so a drain moves caches to the other agent) and SSD
+root (var/cluster/kcaas-ssd, var/cluster/kcaas-ssd-2, ...). Its state lives under var/cluster/ (KCAAS_VAR_DIR).
+Extra arguments go to up.py (`--survive-agent-loss`: an agent that dies is reported and its node marked lost, the
+rest keep running).
 """
 
 from __future__ import annotations

@@ -44,21 +44,22 @@ DEFAULT_TLS_HOSTS = ("localhost", "127.0.0.1")
 
 
 def base_env() -> dict:
+    """The children's environment. The broker: CELERY_BROKER_URL, else REDIS_URL, else the embedded one,
+    `kcaasfs://` (kcaas.fs_broker: kombu's file-system transport hardened; `filesystem://` is read as it). A file
+    broker's folders (var/celery/...) are made here and handed to the node agents in
+    CELERY_BROKER_TRANSPORT_OPTIONS: the same folders the control plane's settings.py derives from KCAAS_VAR_DIR."""
+    from kcaas import fs_broker
+
     var_dir = Path(os.environ.get("KCAAS_VAR_DIR", REPO / "var"))
     env = {**os.environ, "KCAAS_VAR_DIR": str(var_dir), "PYTHONPATH": f"{REPO / 'platform'}:{REPO}"}
     env.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
-    if not env.get("CELERY_BROKER_URL") and not env.get("REDIS_URL"):
-        queue, processed, control = (var_dir / "celery" / name for name in ("queue", "processed", "control"))
-        for folder in (queue, processed, control):
-            folder.mkdir(parents=True, exist_ok=True)
-        env["CELERY_BROKER_URL"] = "filesystem://"
-        # the node agent's own Celery app must use the same folders as the control plane's (settings.py)
-        env["CELERY_BROKER_TRANSPORT_OPTIONS"] = json.dumps(
-            {"data_folder_in": str(queue), "data_folder_out": str(queue), "processed_folder": str(processed),
-             "control_folder": str(control), "store_processed": False}
-        )
-    elif not env.get("CELERY_BROKER_URL"):
-        env["CELERY_BROKER_URL"] = env["REDIS_URL"]
+    env["CELERY_BROKER_URL"] = fs_broker.broker_url(env.get("CELERY_BROKER_URL") or env.get("REDIS_URL")
+                                                    or fs_broker.URL)  # fmt: skip
+    if fs_broker.is_file_broker(env["CELERY_BROKER_URL"]):
+        options = fs_broker.folder_options(var_dir / "celery")
+        for folder in ("data_folder_in", "processed_folder", "control_folder", "quarantine_folder"):
+            Path(options[folder]).mkdir(parents=True, exist_ok=True)
+        env["CELERY_BROKER_TRANSPORT_OPTIONS"] = json.dumps(options)
     return env
 
 
@@ -149,10 +150,29 @@ def bootstrap(env: dict, agents: int) -> dict:
             "console_password": console_password_file.read_text().strip()}
 
 
+def agent_ssd_dir(env: dict, index: int) -> str:
+    """Agent i's own SSD root: KCAAS_NODE_SSD_DIR (default <KCAAS_VAR_DIR>/kcaas-ssd) for agent 1, the same with
+    `-<i>` for agent i. Never shared: one agent's registration clean-up and erasure purge delete the directories
+    under its root that are not its own caches'."""
+    base = os.environ.get("KCAAS_NODE_SSD_DIR") or str(Path(env["KCAAS_VAR_DIR"]) / "kcaas-ssd")
+    return base if index == 1 else f"{base.rstrip('/')}-{index}"
+
+
+def migration_listen(host: str, index: int, single: bool) -> str:
+    """Agent i's mutual-TLS migration listener: KCAAS_NODE_MIGRATION_PORT + i - 1 when that is set, else port 0 (a
+    free port the agent picks; it tells the control plane which in its migrate_in answer). With one agent,
+    KCAAS_NODE_MIGRATION_LISTEN replaces the default."""
+    if single and os.environ.get("KCAAS_NODE_MIGRATION_LISTEN"):
+        return os.environ["KCAAS_NODE_MIGRATION_LISTEN"]
+    base = os.environ.get("KCAAS_NODE_MIGRATION_PORT")
+    return f"{host}:{int(base) + index - 1 if base else 0}"
+
+
 def agent_envs(env: dict, boot: dict, agents: int, url: str, host: str, port: int) -> list[dict]:
     """One environment per agent: its credential, data-plane port (KCAAS_NODE_PORT, default the web port + 1, then
-    consecutive), metrics port (KCAAS_NODE_METRICS_PORT, default the web port + 101, then consecutive) and TLS files.
-    With one agent, KCAAS_NODE_ENDPOINT / KCAAS_NODE_TLS_CERT / KCAAS_NODE_TLS_KEY replace the defaults."""
+    consecutive), metrics port (KCAAS_NODE_METRICS_PORT, default the web port + 101, then consecutive), TLS files,
+    migration listener (`migration_listen`) and SSD root (`agent_ssd_dir`): no two agents share a port or a
+    directory. With one agent, KCAAS_NODE_ENDPOINT / KCAAS_NODE_TLS_CERT / KCAAS_NODE_TLS_KEY replace the defaults."""
     dataplane_base = int(os.environ.get("KCAAS_NODE_PORT") or port + 1)
     metrics_base = int(os.environ.get("KCAAS_NODE_METRICS_PORT") or port + 101)
     result = []
@@ -169,9 +189,13 @@ def agent_envs(env: dict, boot: dict, agents: int, url: str, host: str, port: in
             "KCAAS_NODE_TORCH_DEVICE": os.environ.get("KCAAS_NODE_TORCH_DEVICE", "cpu"),
             "KCAAS_NODE_TLS_CERT": (single and os.environ.get("KCAAS_NODE_TLS_CERT")) or str(tls["cert"]),
             "KCAAS_NODE_TLS_KEY": (single and os.environ.get("KCAAS_NODE_TLS_KEY")) or str(tls["key"]),
+            "KCAAS_NODE_MIGRATION_LISTEN": migration_listen(host, index, single),
+            "KCAAS_NODE_SSD_DIR": agent_ssd_dir(env, index),
         }
         node_env.pop("DJANGO_SETTINGS_MODULE", None)  # the node agent never loads Django
         node_env.pop("KCAAS_NODE_LISTEN", None)  # each agent binds its own endpoint
+        if not single:
+            node_env.pop("KCAAS_NODE_MIGRATION_ENDPOINT", None)  # each advertises its own listener
         result.append(node_env)
     return result
 
@@ -249,13 +273,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def node_line(name: str, env: dict) -> str:
+    """One node's line of the banner: data plane, metrics, migration listener, SSD root."""
+    migration = env["KCAAS_NODE_MIGRATION_LISTEN"]
+    if migration.endswith(":0"):
+        migration = migration[:-2] + " (a free port)"
+    return (f"  node {name:<11} {env['KCAAS_NODE_ENDPOINT']} (TLS 1.3 data plane), metrics "
+            f"http://127.0.0.1:{env['KCAAS_NODE_METRICS_PORT']}/metrics\n"
+            f"       {'':<11} migration {migration} (mutual TLS), SSD {env['KCAAS_NODE_SSD_DIR']}\n")
+
+
 def banner(url: str, boot: dict, node_envs: list[dict], processes: dict) -> str:
     key = boot["api_key"]
-    nodes = "".join(
-        f"  node {name:<11} {env['KCAAS_NODE_ENDPOINT']} (TLS 1.3 data plane), metrics "
-        f"http://127.0.0.1:{env['KCAAS_NODE_METRICS_PORT']}/metrics\n"
-        for name, env in zip((node_name(i) for i in range(1, len(node_envs) + 1)), node_envs)
-    )
+    nodes = "".join(node_line(node_name(i), env) for i, env in enumerate(node_envs, start=1))
     pids = ", ".join(f"{name}={proc.pid}" for name, proc in processes.items())
     return (
         f"\nKCaaS is up.\n"

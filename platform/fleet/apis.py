@@ -307,7 +307,7 @@ class AdminNodeUncordonApi(_AdminApi):
         tags=["admin"],
         request=None,
         responses={200: NodeSerializer, **error_responses(401, 403, 404, 409)},
-        summary="Return a cordoned node to ready (staff; idempotent)",
+        summary="Return a cordoned or draining node to ready (staff; idempotent)",
     )
     def post(self, request, node_id):
         return Response(NodeSerializer(services.node_uncordon(node_id=node_id)).data)

@@ -84,3 +84,21 @@ def test_a_cache_the_node_cannot_fit_fails_with_the_nodes_reason(tenant_a, node,
     while node_registry.cache_ids() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert node_registry.cache_ids() == []
+
+
+def test_a_move_to_a_node_without_a_migration_listener_fails_at_once(tenant_a, node, node_registry, make_node):
+    """The node app here has no migration listener: a migration whose target it is is refused with a reason right
+    away (it used to be discarded as an unregistered task, and the move waited for the stall sweep)."""
+    from caches.migration import migration_start
+    from caches.models import Migration
+
+    source = make_node(device=NODE_DEVICE_BYTES * 10)
+    response = tenant_a.client.post("/api/v1/caches", attach_body("moving", device=16 * BLOCK_BYTES), format="json")
+    cache = Cache.objects.get(pk=response.json()["id"])
+    Cache.objects.filter(pk=cache.pk).update(node=source, state="ready")  # ready on another node
+    moving = migration_start(cache_id=cache.pk, target_node_id=NODE_ID)
+    deadline = time.monotonic() + 20
+    while Migration.objects.get(pk=moving.pk).state != "failed":
+        assert time.monotonic() < deadline, "the migration was not refused"
+        time.sleep(0.05)
+    assert Migration.objects.get(pk=moving.pk).failure_reason == "migration_unavailable"

@@ -1,8 +1,9 @@
 """docker-compose.yml, docker-compose.gpu.yml, the Dockerfile and the container entry point, checked without Docker:
 the compose file parses and has the topology of `make cluster`; every variable AgentConfig.from_env requires is given
 to both agents (directly, or as NAME_FILE that the entry point turns into NAME); what the agents read is what the
-bootstrap service writes (scripts/up.py's file names); every image, build file, module and script a command names
-exists; the GPU override reserves one GPU per agent."""
+bootstrap service writes (scripts/up.py's file names); each agent has its own SSD volume and a migration listener
+the other agents can reach; every image, build file, module and script a command names exists; the GPU override
+reserves one GPU per agent."""
 
 from __future__ import annotations
 
@@ -191,3 +192,36 @@ def test_the_gpu_override_gives_each_agent_a_gpu(compose):
         assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
         device_ids.append(resolve(device["device_ids"][0]))
     assert device_ids == ["0", "1"]
+
+
+def mount_of(path: str, volumes: list[str]) -> tuple[str, str, str]:
+    """(volume, mount point, mode) of the mount `path` lies on."""
+    for volume in volumes:
+        source, target, *mode = volume.split(":")
+        if path == target or path.startswith(target.rstrip("/") + "/"):
+            return source, target, (mode or ["rw"])[0]
+    raise AssertionError(f"{path} is on no volume: it would be lost with the container")
+
+
+def test_each_agent_has_its_own_ssd_volume_and_migration_listener(compose):
+    """A drain moves caches between the agents: each listens for migrations (mutual TLS on its platform identity)
+    and advertises its service name, and keeps its SSD tier on a volume no other service mounts, writable by the
+    image's non-root user (a fresh named volume takes the owner of the image directory it is mounted on)."""
+    services, dockerfile = compose["services"], (REPO / "Dockerfile").read_text()
+    owned = re.search(r"chown kcaas:kcaas ([^&\n]+)", dockerfile).group(1).split()
+    volumes, endpoints = [], []
+    for name in AGENTS:
+        env = environment(services[name])
+        config = AgentConfig.from_env({**env, "KCAAS_NODE_CREDENTIAL": "kc_node_placeholder"})
+        assert config.identity and config.migration_listen and config.ssd_dir, name
+        listen_port = config.migration_listen.rpartition(":")[2]
+        assert config.migration_endpoint == f"{name}:{listen_port}"  # what the other agents dial on the network
+        source, target, mode = mount_of(config.ssd_dir, services[name]["volumes"])
+        assert mode != "ro", f"{name}: its SSD volume is read-only"
+        assert target in owned, f"{name}: {target} is not owned by the image's kcaas user"
+        others = [n for n, s in services.items() if n != name and any(v.startswith(f"{source}:") for v in
+                                                                       s.get("volumes") or [])]  # fmt: skip
+        assert others == [], f"{name}'s SSD volume {source} is mounted by {others} too"
+        volumes.append(source)
+        endpoints.append(config.migration_endpoint)
+    assert len(set(volumes)) == len(AGENTS) and len(set(endpoints)) == len(AGENTS)

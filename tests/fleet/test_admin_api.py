@@ -100,8 +100,15 @@ def test_cordon_and_uncordon_are_idempotent_state_changes(staff_client, make_nod
         assert response.status_code == 200 and response.json()["state"] == "ready"
 
 
+def test_a_draining_node_can_be_returned_to_service(staff_client, make_node):
+    handle = make_node("n1", device=GIB, state="draining")  # a drain that finished, or one stuck on failed moves
+    response = staff_client.post(_node_url(handle.node.pk, "uncordon"))
+    assert response.status_code == 200 and response.json()["state"] == "ready"
+    assert handle.refresh().state == "ready"
+
+
 @pytest.mark.parametrize("state, action", [("lost", "cordon"), ("registering", "cordon"), ("draining", "cordon"),
-                                           ("lost", "uncordon"), ("draining", "uncordon")])
+                                           ("lost", "uncordon"), ("registering", "uncordon")])
 def test_cordon_from_the_wrong_state_is_409(staff_client, make_node, state, action):
     handle = make_node("n1", device=GIB, state=state)
     response = staff_client.post(_node_url(handle.node.pk, action))

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import itertools
 import multiprocessing as mp
 import os
 import shutil
 import signal
-import socket
-import subprocess
 import time
 from pathlib import Path
 
@@ -27,56 +24,13 @@ from celery import Celery
 from gpu_node.node_tasks import build_node_app
 from gpu_node.registry import CacheRegistry
 from kcaas.node_messages import PROVISION_TASK, node_queue
+from tests.faults import PrivateRedis
 from tests.gpu_node.kv_fixtures import tiny_spec
 from tests.waiting import eventually
 
 NODE_ID = "node-broker-restart"
 VISIBILITY = {"visibility_timeout": 2}  # seconds, not node_tasks' 15 minutes: the rest is the node app's own
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
-
-
-_databases = itertools.count(1)
-
-
-class PrivateRedis:
-    """A redis-server of this test's own (port, data dir), restartable with its data. Each one uses another
-    database number too: a port freed by an earlier test can be handed out again, and nothing from that test
-    (a worker still reconnecting) may then see this test's keys."""
-
-    def __init__(self, directory: Path):
-        self.directory = directory
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        self.url = f"redis://127.0.0.1:{self.port}/{next(_databases) % 16}"
-        self.process: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
-             "--appendonly", "yes", "--appendfsync", "always", "--save", "", "--daemonize", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        client = redis.Redis.from_url(self.url)
-        assert eventually(lambda: _answers(client), timeout=10), "redis did not start"
-        client.close()
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.send_signal(signal.SIGTERM)  # a clean shutdown: the AOF is fsynced
-            self.process.wait(timeout=10)
-            self.process = None
-
-
-def _answers(client) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.ConnectionError:
-        return False
 
 
 @pytest.fixture
