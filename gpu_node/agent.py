@@ -94,8 +94,6 @@ class AgentConfig:
                 raise SystemExit(f"gpu_node.agent: set {name}")
             return value
 
-        from kcaas import fs_broker  # noqa: F401 - registers kcaasfs://, make up's broker (the control plane's too)
-
         return cls(
             control_url=required("KCAAS_CONTROL_URL").rstrip("/"),
             credential=required("KCAAS_NODE_CREDENTIAL"),

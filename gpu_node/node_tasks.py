@@ -16,6 +16,7 @@ import logging
 from celery import Celery
 
 from gpu_node.registry import CacheRegistry, ProvisionError
+from kcaas import fs_broker  # noqa: F401 - registers kcaasfs://, the embedded default's file broker
 from gpu_node.tokens import RevocationList
 from kcaas.node_messages import (
     CONTROL_QUEUE,

@@ -1,17 +1,18 @@
-"""KCaaS tenant SDK: the REST client (kcaas.Client), data-token refresh (kcaas.TokenSource), the shared cache
-identity (kcaas.spec) and engine connectors. The data-plane client is kcaas.DataPlaneClient (kcaas.dataplane)."""
+"""KCaaS tenant SDK: the REST client (kcaas.Client) and its response models (kcaas.resources: kcaas.Cache, ...),
+data-token refresh (kcaas.TokenSource), the shared cache identity (kcaas.spec) and engine connectors. The data-plane
+client is kcaas.DataPlaneClient (kcaas.dataplane)."""
 
 # Exported lazily (PEP 562): `import kcaas.spec` / `kcaas.wire` (the control plane, the node agent) stays free of the
 # REST client's imports (http.client, ssl) until someone asks for kcaas.Client.
 _EXPORTS = {
-    "ApiKeyInfo": "kcaas.client",
-    "Cache": "kcaas.client",
+    "ApiKeyInfo": "kcaas.resources",
+    "Cache": "kcaas.resources",
     "Client": "kcaas.client",
     "DataPlaneClient": "kcaas.dataplane",
     "DataPlaneError": "kcaas.dataplane",
-    "DataToken": "kcaas.client",
-    "IssuedKey": "kcaas.client",
-    "Principal": "kcaas.client",
+    "DataToken": "kcaas.resources",
+    "IssuedKey": "kcaas.resources",
+    "Principal": "kcaas.resources",
     "TokenSource": "kcaas.tokens",
     "Usage": "kcaas.usage",
     "__version__": "kcaas.client",

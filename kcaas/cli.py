@@ -36,6 +36,8 @@ from kcaas.spec import KVCacheSpec, SpecError
 from kcaas.usage import QUOTA_PAIRS
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+# A person waits at the prompt: the CLI rides out a blip of a few seconds, not the SDK's 30 s outage budget.
+INTERACTIVE_RETRY_BUDGET_SECONDS = 5.0
 EXIT_OK, EXIT_API, EXIT_USAGE, EXIT_CONNECTION, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(KVCacheSpec))
 SPEC_DEFAULTS = {"block_size": 16, "kv_dtype": "float16"}  # storage_dtype defaults to kv_dtype
@@ -378,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not api_key:
             raise UsageError("no API key: set KCAAS_API_KEY or pass --api-key")
         try:
-            client = Client(url, api_key)
+            client = Client(url, api_key, retry_budget=INTERACTIVE_RETRY_BUDGET_SECONDS)
         except ValueError as exc:
             raise UsageError(f"{exc} (got --url/KCAAS_URL {url!r})") from None
         with client:

@@ -11,44 +11,59 @@ Standard library only (http.client), so `pip install kcaas` stays light:
 Connections: one keep-alive HTTP/1.1 connection per thread (http.client objects are not thread-safe), reused across
 requests; a connection the server closed while idle is detected before it is reused (as urllib3 does) and reopened.
 
-Retries (at most `retries` extra attempts, exponential backoff with full jitter, Retry-After honoured up to
-`max_retry_after`): requests that are safe to repeat — GET and DELETE, POST /caches (it carries an Idempotency-Key
-generated once per call and reused by every attempt) and key revocation (idempotent on the server) — on connection
-errors, 429, 502, 503, 504 (and 409 idempotency_in_progress: the server still running our own earlier attempt).
-Any request is retried when the connection could not even be opened, and on 429 (the rate limiter refuses before
-the view runs): in both cases the server did nothing. Other POSTs (create/rotate key, issue token) are never
-repeated after a lost answer or a 5xx: the caller decides.
+Retries ride out a restart or short outage of the control plane or its database (seconds, not minutes): a repeatable
+call keeps trying while the wait before its next attempt still ends within `retry_budget` seconds (default 30) of
+the call's start, with at most `retries` (default 20) extra attempts; so it gives up after about half a minute (plus
+the last attempt's own `timeout`), and even the shortest jittered waits add up to over 10 s first. Waits are
+exponential backoff with full jitter (`backoff_base` doubling up to `backoff_max`); a Retry-After (the control
+plane's 503 `database_unavailable`/`broker_unavailable` and 429s send one) is honoured up to `max_retry_after`. What
+is retried: requests that are safe to repeat — GET and DELETE, POST /caches (it carries an Idempotency-Key generated
+once per call and reused by every attempt) and key revocation (idempotent on the server) — on connection errors,
+429, 502, 503, 504 (and 409 idempotency_in_progress: the server still running our own earlier attempt). Any request
+is retried when the connection could not even be opened, and on 429 (the rate limiter refuses before the view runs):
+in both cases the server did nothing. Other POSTs (create/rotate key, issue token) are never repeated after a lost
+answer or a 5xx: the server may have acted, so the caller decides. `retries=0` turns retrying off.
 
 Errors: every non-2xx answer raises a typed `kcaas.errors.KcaasError` subclass; the API key never appears in an
 error's message, details or repr, nor in this client's repr.
+
+Answers: the response models (Cache, DataToken, ApiKeyInfo, IssuedKey, Principal) live in kcaas.resources and are
+re-exported here; the quota view (Usage) in kcaas.usage; the transport's helpers (retry sets, backoff) in kcaas._http.
 """
 
 from __future__ import annotations
 
-import base64
-import dataclasses
 import http.client
+import itertools
 import json
 import random
 import ssl
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Callable, Iterator, Mapping
 from urllib.parse import quote, urlencode, urlsplit
 
 from kcaas import errors
-from kcaas._http import dropped as _dropped, retry_after as _retry_after
+from kcaas._http import (
+    IDEMPOTENT_METHODS,
+    REQUEST_ID_HEADERS,
+    RETRY_STATUSES,
+    ConnectFailed as _ConnectFailed,
+    Response as _Response,
+    backoff as _full_jitter,
+    dropped as _dropped,
+    parse_body as _parse_body,
+    redact_key as _redact_key,
+    retry_after as _retry_after,
+)
 from kcaas.errors import APIConnectionError, CacheFailedError, KcaasError, RateLimitedError, WaitTimeoutError
+from kcaas.resources import ApiKeyInfo, Cache, DataToken, IssuedKey, Principal
 from kcaas.spec import KVCacheSpec
 from kcaas.usage import Usage
 
 API_PREFIX = "/api/v1"
-RETRY_STATUSES = frozenset({429, 502, 503, 504})
-IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "DELETE", "PUT", "OPTIONS"})
-REQUEST_ID_HEADERS = ("x-request-id", "request-id", "x-amzn-requestid", "x-correlation-id")
 
 
 def _sdk_version() -> str:
@@ -64,172 +79,7 @@ __version__ = _sdk_version()
 USER_AGENT = f"kcaas-sdk/{__version__}"
 
 
-# ---- response models -------------------------------------------------------------------------------------------------
-
-
-def _parse_time(value: Any) -> datetime | None:
-    if value in (None, ""):
-        return None
-    if isinstance(value, datetime):
-        return value
-    return datetime.fromisoformat(str(value).replace("Z", "+00:00"))
-
-
-def _known(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
-    """The fields of `cls` present in `data`: unknown fields (newer servers) are ignored."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    return {k: v for k, v in data.items() if k in names}
-
-
-def _spec_from(data: Any) -> KVCacheSpec | None:
-    if not isinstance(data, Mapping):
-        return None
-    names = {f.name for f in dataclasses.fields(KVCacheSpec)}
-    try:
-        return KVCacheSpec(**{k: v for k, v in data.items() if k in names})
-    except (TypeError, ValueError):
-        return None  # a layout this SDK version does not understand: `raw` still has it
-
-
-@dataclass(frozen=True, kw_only=True)
-class Cache:
-    id: str
-    name: str
-    state: str
-    tenant_id: str | None = None
-    spec: KVCacheSpec | None = None
-    capacity: Mapping[str, int] = field(default_factory=dict)
-    block_bytes: int | None = None
-    failure_reason: str = ""
-    node_id: str | None = None
-    endpoint: str = ""
-    epoch: int = 0
-    created_at: datetime | None = None
-    updated_at: datetime | None = None
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Cache:
-        values = _known(cls, data)
-        values["spec"] = _spec_from(data.get("spec"))
-        values["capacity"] = dict(data.get("capacity") or {})
-        values["failure_reason"] = data.get("failure_reason") or ""
-        values["endpoint"] = data.get("endpoint") or ""
-        for name in ("created_at", "updated_at"):
-            values[name] = _parse_time(data.get(name))
-        return cls(**values)
-
-    @property
-    def is_ready(self) -> bool:
-        return self.state == "ready"
-
-
-@dataclass(frozen=True, kw_only=True)
-class DataToken:
-    token: str = field(repr=False)  # a bearer credential: kept out of reprs and logs
-    cache_id: str
-    access: str
-    expires_at: datetime
-    token_type: str = "Bearer"
-    jti: str | None = None
-    epoch: int | None = None
-    node_id: str | None = None
-    endpoint: str = ""
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> DataToken:
-        values = _known(cls, data)
-        values["expires_at"] = _parse_time(data.get("expires_at"))
-        return cls(**values)
-
-    def claims(self) -> dict[str, Any]:
-        """The token's payload, decoded WITHOUT verification (for the client's own bookkeeping: exp, iat, epoch)."""
-        try:
-            payload = self.token.split(".")[1]
-            return json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
-        except (IndexError, ValueError):
-            return {}
-
-    @property
-    def authorization(self) -> str:
-        return f"{self.token_type} {self.token}"
-
-
-@dataclass(frozen=True, kw_only=True)
-class ApiKeyInfo:
-    id: str
-    name: str = ""
-    public_id: str = ""
-    scopes: tuple[str, ...] = ()
-    state: str = "active"
-    tenant_id: str | None = None
-    created_at: datetime | None = None
-    expires_at: datetime | None = None
-    revoked_at: datetime | None = None
-    last_used_at: datetime | None = None
-    use_count: int = 0
-    rotated_from: str | None = None
-
-    @classmethod
-    def _values(cls, data: Mapping[str, Any]) -> dict[str, Any]:
-        values = _known(cls, data)
-        values["scopes"] = tuple(data.get("scopes") or ())
-        values["name"] = data.get("name") or ""
-        for name in ("created_at", "expires_at", "revoked_at", "last_used_at"):
-            values[name] = _parse_time(data.get(name))
-        return values
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> ApiKeyInfo:
-        return cls(**cls._values(data))
-
-
-@dataclass(frozen=True, kw_only=True)
-class IssuedKey(ApiKeyInfo):
-    """A newly issued (or rotated-to) key: `key` is the raw secret, shown by the server this once."""
-
-    key: str = field(repr=False)
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> IssuedKey:
-        return cls(**cls._values(data))
-
-
-@dataclass(frozen=True, kw_only=True)
-class Principal:
-    """The caller as the control plane sees it (GET /whoami)."""
-
-    kind: str
-    tenant_id: str | None = None
-    key_id: str | None = None
-    scopes: tuple[str, ...] = ()
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Principal:
-        values = _known(cls, data)
-        values["scopes"] = tuple(data.get("scopes") or ())
-        return cls(**values)
-
-
 # ---- the transport ---------------------------------------------------------------------------------------------------
-
-
-class _ConnectFailed(Exception):
-    """Opening the connection failed: nothing was sent, so any request may be retried."""
-
-
-@dataclass(frozen=True)
-class _Response:
-    status: int
-    headers: Mapping[str, str]  # lower-cased names
-    body: Any
-
-
-def _redact_key(raw: str) -> str:
-    """`kc_live_<public_id>_***`: enough to tell keys apart, nothing secret."""
-    parts = raw.split("_")
-    if len(parts) >= 4 and raw.startswith("kc_"):
-        return "_".join(parts[:3]) + "_***"
-    return "***"
 
 
 class Client:
@@ -241,7 +91,8 @@ class Client:
         api_key: str,
         *,
         timeout: float = 10.0,
-        retries: int = 3,
+        retries: int = 20,
+        retry_budget: float | None = 30.0,
         backoff_base: float = 0.2,
         backoff_max: float = 8.0,
         max_retry_after: float = 30.0,
@@ -264,6 +115,7 @@ class Client:
         self._key_hint = _redact_key(api_key)
         self.timeout = float(timeout)
         self.retries = max(0, int(retries))
+        self.retry_budget = None if retry_budget is None else max(0.0, float(retry_budget))
         self.backoff_base = backoff_base
         self.backoff_max = backoff_max
         self.max_retry_after = max_retry_after
@@ -273,6 +125,7 @@ class Client:
         self._connections_lock = threading.Lock()
         self.page_size = 100  # list pages requested (the server caps it at 500)
         self._sleep: Callable[[float], None] = time.sleep
+        self._clock: Callable[[], float] = time.monotonic  # the retry budget's clock (tests pair it with _sleep)
 
     def __repr__(self) -> str:
         return f"Client(base_url={self.base_url!r}, api_key={self._key_hint!r})"
@@ -329,13 +182,7 @@ class Client:
         if response.will_close:
             conn.close()
         names = {k.lower(): v for k, v in response.getheaders()}
-        payload: Any = None
-        if raw:
-            try:
-                payload = json.loads(raw)
-            except ValueError:
-                payload = raw.decode("utf-8", "replace")[:2000]
-        return _Response(response.status, names, payload)
+        return _Response(response.status, names, _parse_body(raw))
 
     # -- requests, retries, errors --------------------------------------------------------------------------------
 
@@ -373,46 +220,48 @@ class Client:
         if repeatable is None:
             repeatable = method in IDEMPOTENT_METHODS or idempotency_key is not None
 
-        attempt = 0
-        while True:
+        deadline = None if self.retry_budget is None else self._clock() + self.retry_budget
+        for attempt in itertools.count():
             try:
                 response = self._send_once(method, target, body, headers)
-            except _ConnectFailed as exc:
-                if attempt >= self.retries:
-                    raise APIConnectionError(self._scrub(f"Could not connect to {self.base_url}: {exc}")) from None
-                self._sleep(self._backoff(attempt))
-                attempt += 1
-                continue
-            except (OSError, http.client.HTTPException) as exc:
-                if not repeatable or attempt >= self.retries:
-                    what = "timed out" if isinstance(exc, TimeoutError) else f"failed: {type(exc).__name__}: {exc}"
-                    raise APIConnectionError(
-                        self._scrub(f"{method} {path} {what}{'' if repeatable else ' (not retried: not idempotent)'}")
-                    ) from None
-                self._sleep(self._backoff(attempt))
-                attempt += 1
-                continue
-            if 200 <= response.status < 300:
-                return response
-            error = self._error(response)
-            retry_code = response.status == 409 and error.code == "idempotency_in_progress"
-            # 429 is retried for every request: the throttle refuses before the view runs, so nothing happened
-            retry = response.status == 429 or (repeatable and (response.status in RETRY_STATUSES or retry_code))
-            if retry and attempt < self.retries:
+            except _ConnectFailed as exc:  # nothing was sent: any request may go again
+                failure: KcaasError = APIConnectionError(self._scrub(f"Could not connect to {self.base_url}: {exc}"))
                 delay = self._backoff(attempt)
-                retry_after = getattr(error, "retry_after", None) or _retry_after(response.headers)
-                if retry_after is not None:
-                    # the server's hint, plus a little jitter so throttled clients do not stampede back together
-                    delay = min(retry_after, self.max_retry_after) + random.uniform(0, 0.1)
-                self._sleep(delay)
-                attempt += 1
-                continue
-            raise error
+            except (OSError, http.client.HTTPException) as exc:  # sent: the server may have acted
+                what = "timed out" if isinstance(exc, TimeoutError) else f"failed: {type(exc).__name__}: {exc}"
+                note = "" if repeatable else " (not retried: not idempotent)"
+                failure = APIConnectionError(self._scrub(f"{method} {path} {what}{note}"))
+                delay = self._backoff(attempt) if repeatable else None
+            else:
+                if 200 <= response.status < 300:
+                    return response
+                failure = self._error(response)
+                delay = self._retry_delay(response, failure, attempt, repeatable)
+            if delay is None or not self._may_retry(attempt, delay, deadline):
+                raise failure
+            self._sleep(delay)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _retry_delay(self, response: _Response, error: KcaasError, attempt: int, repeatable: bool) -> float | None:
+        """How long to wait before trying an answered request again, or None when it must not be repeated."""
+        retry_code = response.status == 409 and error.code == "idempotency_in_progress"
+        # 429 is retried for every request: the throttle refuses before the view runs, so nothing happened
+        retry = response.status == 429 or (repeatable and (response.status in RETRY_STATUSES or retry_code))
+        if not retry:
+            return None
+        retry_after = getattr(error, "retry_after", None) or _retry_after(response.headers)
+        if retry_after is None:
+            return self._backoff(attempt)
+        # the server's hint, plus a little jitter so throttled clients do not stampede back together
+        return min(retry_after, self.max_retry_after) + random.uniform(0, 0.1)
+
+    def _may_retry(self, attempt: int, delay: float, deadline: float | None) -> bool:
+        """Another attempt is made while fewer than `retries` retries were made and waiting `delay` still ends
+        within the retry budget: a call never sleeps past its budget."""
+        return attempt < self.retries and (deadline is None or self._clock() + delay <= deadline)
 
     def _backoff(self, attempt: int) -> float:
-        """Full jitter: uniform in [0, min(max, base * 2**attempt)], never less than a tenth of that cap."""
-        cap = min(self.backoff_max, self.backoff_base * (2**attempt))
-        return random.uniform(cap / 10, cap)
+        return _full_jitter(attempt, self.backoff_base, self.backoff_max)
 
     def _scrub(self, text: str) -> str:
         key = self.__api_key

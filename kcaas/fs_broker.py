@@ -209,10 +209,22 @@ class Channel(filesystem.Channel):
             _unlink_quietly(temporary)
 
 
+_states: dict[str, virtual.BrokerState] = {}
+_states_lock = threading.Lock()
+
+
 class Transport(filesystem.Transport):
-    """The `kcaasfs://` transport: kombu's file-system transport with the Channel above."""
+    """The `kcaasfs://` transport: kombu's file-system transport with the Channel above.
+
+    Its in-memory broker state (declared exchanges and bindings, which let kombu skip re-binding) is one per control
+    folder, not one per process as kombu's: a binding this process remembers is one written in that folder."""
 
     Channel = Channel
-    global_state = virtual.BrokerState()
     driver_type = "filesystem"
     driver_name = SCHEME
+
+    def __init__(self, client, **kwargs):
+        super().__init__(client, **kwargs)
+        folder = os.path.abspath(client.transport_options.get("control_folder", "control"))
+        with _states_lock:
+            self.state = _states.setdefault(folder, virtual.BrokerState())

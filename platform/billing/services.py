@@ -31,7 +31,7 @@ from caches.models import Cache
 
 logger = logging.getLogger("kcaas.billing")
 REFUSED_NOT_PLACED = "not_placed_on_node"
-_ROLLUP_LOCK = 0x6B63_6273  # pg advisory lock key of the rollup ("kcbs"): one rollup at a time
+_ROLLUP_LOCK = 0x6B63_6273  # pg advisory lock key of the rollup ("kcbs"): one rollup at a time (PostgreSQL)
 
 
 # ---- node usage reports ---------------------------------------------------------------------------------------------
@@ -152,27 +152,27 @@ def _cache_samples(cache_id, lower: datetime, end: datetime) -> list[ledger.Samp
     """The samples `ledger.integrate` needs: those in [lower, end) plus each of their boots' last one before."""
     window = list(UsageSample.objects.filter(cache_id=cache_id, sampled_at__gte=lower, sampled_at__lt=end))
     boots = {(row.node_id, row.boot_id) for row in window}
-    baselines = (
-        UsageSample.objects.filter(cache_id=cache_id, sampled_at__lt=lower, boot_id__in={b for _, b in boots})
-        .order_by("node_id", "boot_id", "-sequence")
-        .distinct("node_id", "boot_id")
-    )
-    return [_as_sample(row) for row in [*window, *baselines]]
+    before = UsageSample.objects.filter(cache_id=cache_id, sampled_at__lt=lower).order_by("-sequence")
+    # one query per boot (a cache sees a boot per agent start): portable, where DISTINCT ON is PostgreSQL's
+    baselines = [before.filter(node_id=node_id, boot_id=boot_id).first() for node_id, boot_id in boots]
+    return [_as_sample(row) for row in [*window, *baselines] if row is not None]
 
 
 def ledger_rollup(*, start: datetime, end: datetime) -> int:
     """Recompute the ledger hours in [start, end) (hour aligned) from the samples; returns the rows written.
 
-    Replaces those hours' rows in one transaction (serialised by an advisory lock), so it is idempotent and a
-    rerun over the same samples writes the same rows."""
+    Replaces those hours' rows in one transaction, so it is idempotent and a rerun over the same samples writes
+    the same rows. Rollups are serialised: on PostgreSQL by an advisory lock, on SQLite (the embedded default) by
+    the write lock its immediate transactions take at BEGIN (settings.DATABASES)."""
     start_s, end_s = _epoch(start), _epoch(end)
     if start_s % ledger.HOUR or end_s % ledger.HOUR:
         raise ValueError("a rollup window starts and ends on whole hours")
     max_gap = settings.KCAAS_USAGE_MAX_GAP_SECONDS
     lower = _moment(ledger.window_lower(start_s, max_gap))
     with transaction.atomic():
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [_ROLLUP_LOCK])
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_advisory_xact_lock(%s)", [_ROLLUP_LOCK])
         LedgerHour.objects.filter(hour__gte=start, hour__lt=end).delete()
         caches = (UsageSample.objects.filter(sampled_at__gte=lower, sampled_at__lt=end)
                   .values_list("cache_id", "tenant_id").distinct())  # fmt: skip
@@ -211,7 +211,7 @@ def usage_samples_prune(*, now: datetime | None = None) -> int:
     cutoff = frozen_before(now) - timedelta(seconds=settings.KCAAS_USAGE_MAX_GAP_SECONDS)
     with connection.cursor() as cursor:
         cursor.execute(
-            """DELETE FROM billing_usagesample s WHERE s.sampled_at < %s AND EXISTS (
+            """DELETE FROM billing_usagesample AS s WHERE s.sampled_at < %s AND EXISTS (
                    SELECT 1 FROM billing_usagesample n WHERE n.cache_id = s.cache_id AND n.node_id = s.node_id
                    AND n.boot_id = s.boot_id AND n.sampled_at < %s AND n.sequence > s.sequence)""",
             [cutoff, cutoff],

@@ -41,7 +41,7 @@ from caches.sealing import SealError, hash_key_new_sealed, hash_key_unseal, ssd_
 from caches.signing import token_sign
 from controlplane.errors import ConflictError, NotFoundError, QuotaExceeded
 from fleet.models import NodeState
-from fleet.outbox import order_enqueue, orders_acknowledge, orders_close
+from fleet.outbox import order_enqueue, orders_acknowledge
 from fleet.services import node_place, node_unreserve, nodes_expire_unrecorded, nodes_lost_record
 from kcaas.spec import KVCacheSpec
 from tenants.models import Tenant

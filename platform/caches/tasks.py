@@ -10,7 +10,7 @@ from audit.context import SYSTEM, Actor, acting_as
 from caches import reconcile, services
 from caches.idempotency import idempotency_records_purge
 from caches import migration
-from controlplane.transient import NODE_ANSWER_RETRY
+from controlplane.transient import node_answer_retry
 from kcaas.node_messages import (
     DETACH_RESULT_TASK,
     MIGRATION_PROGRESS_TASK,
@@ -22,7 +22,7 @@ logger = logging.getLogger("kcaas.caches")
 
 # A node's answer that meets a database outage, a deadlock or an unwritable audit trail is rolled back and retried
 # (controlplane.transient), never lost.
-_ANSWER_RETRY = NODE_ANSWER_RETRY
+_ANSWER_RETRY = node_answer_retry()
 
 
 @shared_task(name=PROVISION_RESULT_TASK, **_ANSWER_RETRY)

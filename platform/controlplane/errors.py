@@ -2,14 +2,25 @@
 
 Services raise ApplicationError (or a subclass) with a machine-readable code; DRF's own exceptions are mapped to the
 same shape; anything unexpected is logged and answered as a 500 `internal_error` without internals.
+
+An outage of a backing service is not a bug: a connection-level database error (django.db OperationalError or
+InterfaceError: PostgreSQL restarting or stopped, SQLite's "database is locked") is a 503 `database_unavailable`,
+a broker or Redis connection error (kombu's OperationalError, redis' ConnectionError/TimeoutError) a 503
+`broker_unavailable`, both with `Retry-After: 2`. The same answer comes from DRF views (`exception_handler`) and
+from everything outside them, middleware included (`json_500`, Django's handler500, which inspects the exception
+being handled). Neither path touches the database. A DRF view's own atomic blocks have been rolled back (or their
+connection dropped) by the time the handler sees the exception; request-wide ones are marked for rollback.
 """
 
 import logging
+import sys
 
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.http import Http404, JsonResponse
 from rest_framework import exceptions, status
 from rest_framework.response import Response
+
+from controlplane.transient import TRANSIENT_BROKER_ERRORS, TRANSIENT_DATABASE_ERRORS
 
 logger = logging.getLogger("kcaas.errors")
 
@@ -69,6 +80,39 @@ def audit_unavailable_body() -> dict:
     return error_body(AUDIT_UNAVAILABLE, "The audit trail is unavailable; nothing was changed. Retry later.")
 
 
+RETRY_AFTER_SECONDS = 2  # what a 503 for an outage asks clients to wait: restarts take seconds
+DATABASE_UNAVAILABLE = "database_unavailable"
+BROKER_UNAVAILABLE = "broker_unavailable"
+_UNAVAILABLE_MESSAGES = {
+    DATABASE_UNAVAILABLE: "The database is unavailable; retry later.",
+    BROKER_UNAVAILABLE: "The message broker is unavailable; retry later.",
+}
+
+
+_DATABASE_ERRORS = TRANSIENT_DATABASE_ERRORS
+_BROKER_ERRORS = TRANSIENT_BROKER_ERRORS
+
+
+def unavailable_code(exc: BaseException | None) -> str | None:
+    """`database_unavailable` or `broker_unavailable` when `exc` (or an exception it was explicitly raised from)
+    is a backing service's connection-level error, else None (a bug or a refusal: answered as before)."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, _DATABASE_ERRORS):
+            return DATABASE_UNAVAILABLE
+        if isinstance(exc, _BROKER_ERRORS):
+            return BROKER_UNAVAILABLE
+        exc, seen = exc.__cause__, seen + 1
+    return None
+
+
+def _unavailable(response, code: str, exc: BaseException, where: str):
+    """Fill in a 503 for an outage; the cause goes to the log (a warning: retrying is the remedy), not the body."""
+    logger.warning("%s in %s: %s: %s", code, where, type(exc).__name__, str(exc).strip()[:500])
+    response["Retry-After"] = str(RETRY_AFTER_SECONDS)
+    return response
+
+
 def exception_handler(exc, context):
     from audit.services import AuditWriteError  # imported late: this module loads before the apps are ready
 
@@ -103,6 +147,18 @@ def exception_handler(exc, context):
         if isinstance(exc, exceptions.Throttled) and exc.wait is not None:
             response["Retry-After"] = str(max(1, int(-(-exc.wait // 1))))
         return response
+    return _unexpected(exc, context)
+
+
+def _unexpected(exc, context):
+    """What would be a 500: a backing service's outage is a 503 instead, anything else stays a 500 (logged)."""
+    from rest_framework.views import set_rollback
+
+    code = unavailable_code(exc)
+    if code is not None:
+        set_rollback()  # a request-wide atomic block (ATOMIC_REQUESTS) must not try to commit
+        response = Response(error_body(code, _UNAVAILABLE_MESSAGES[code]), status=status.HTTP_503_SERVICE_UNAVAILABLE)
+        return _unavailable(response, code, exc, context.get("view").__class__.__name__)
     logger.exception("unhandled error in %s", context.get("view"))
     return Response(error_body("internal_error", "An internal error occurred."), status=500)
 
@@ -112,6 +168,13 @@ def json_404(request, exception=None):
 
 
 def json_500(request):
+    """Django's handler500: errors outside DRF views (middleware, plain views). An outage of a backing service is
+    the same 503 as in the API; anything else a 500. Never touches the database (nor request.user/session)."""
+    exc = sys.exc_info()[1]
+    code = unavailable_code(exc)
+    if code is not None:
+        response = JsonResponse(error_body(code, _UNAVAILABLE_MESSAGES[code]), status=503)
+        return _unavailable(response, code, exc, request.path)
     return JsonResponse(error_body("internal_error", "An internal error occurred."), status=500)
 
 

@@ -2,22 +2,31 @@
 
 `TRANSIENT_DATABASE_ERRORS`: the database is unreachable, restarting, or refused the transaction for a reason of the
 moment (a deadlock victim, a serialization failure, SQLite's "database is locked"): Django raises OperationalError
-or InterfaceError for all of them. `NODE_ANSWER_RETRY`: the Celery options of every task that carries a node's
-answer: such an answer is never lost to an outage of the database or the audit trail, it is retried with
-jittered exponential backoff (2 s doubling up to a minute, for about half an hour). The handlers are status-guarded
-and idempotent, so running one again is harmless; the outbox re-sends the order behind it as a last resort.
+or InterfaceError for all of them. `TRANSIENT_BROKER_ERRORS`: the broker or Redis is unreachable. The REST error
+handler answers both with 503 (controlplane.errors); node answers retry on the first (`node_answer_retry`).
+
+Imports nothing of the rooms: controlplane.errors loads before the apps are ready.
 """
 
 from django.db import InterfaceError, OperationalError
-
-from audit.services import AuditWriteError
+from kombu.exceptions import OperationalError as KombuOperationalError
+from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
 TRANSIENT_DATABASE_ERRORS = (OperationalError, InterfaceError)
+TRANSIENT_BROKER_ERRORS = (KombuOperationalError, RedisConnectionError, RedisTimeoutError)
 
-NODE_ANSWER_RETRY = {
-    "autoretry_for": (AuditWriteError, *TRANSIENT_DATABASE_ERRORS),
-    "retry_backoff": 2,
-    "retry_backoff_max": 60,
-    "retry_jitter": True,
-    "max_retries": 30,
-}
+
+def node_answer_retry() -> dict:
+    """The Celery options of every task that carries a node's answer: such an answer is never lost to an outage of
+    the database or of the audit trail; it is retried with jittered exponential backoff (2 s doubling up to a minute,
+    for about half an hour). The handlers are status-guarded and idempotent, so running one again is harmless; the
+    outbox re-sends the order behind it as a last resort."""
+    from audit.services import AuditWriteError  # late: the audit room's models load with the apps
+
+    return {
+        "autoretry_for": (AuditWriteError, *TRANSIENT_DATABASE_ERRORS),
+        "retry_backoff": 2,
+        "retry_backoff_max": 60,
+        "retry_jitter": True,
+        "max_retries": 30,
+    }

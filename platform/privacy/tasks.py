@@ -5,12 +5,12 @@ privacy.run_erasures every KCAAS_ERASURE_TICK_SECONDS."""
 from celery import shared_task
 
 from audit.context import Actor, acting_as
-from controlplane.transient import NODE_ANSWER_RETRY
+from controlplane.transient import node_answer_retry
 from kcaas.node_messages import PURGE_RESULT_TASK
 from privacy import services
 
 
-@shared_task(name=PURGE_RESULT_TASK, **NODE_ANSWER_RETRY)
+@shared_task(name=PURGE_RESULT_TASK, **node_answer_retry())
 def purge_result(job_id: str, node_id: str, tenant_id: str, purged: list) -> str | None:
     """A node's answer to kcaas.node.purge_tenant: its pools of the tenant are gone, `purged` says which, with the
     bytes freed. Recorded as that node's act."""
