@@ -9,9 +9,18 @@ names in KCAAS_DEV_TLS_HOSTS) (var/secrets/dev-ca.pem, node-tls.pem/.key, node-2
 reused; keys 0600) for the agents' TLS 1.3 data planes, all kept under var/ across runs; then the web server
 (gunicorn on 127.0.0.1), the control queue's Celery worker, Celery beat and the node agents, each a child process.
 Prints the URLs, the login, the key, every node's endpoints, the dev CA's path (engines trust it) and the children's
-pids once every agent has registered. Ctrl-C (or SIGTERM) stops every child (SIGTERM, then SIGKILL after a grace
-period); if any child dies, the rest are stopped too (with --survive-agent-loss an agent's death is only reported:
-the control plane marks its node lost, as it would a crashed host).
+pids once every agent has registered. Ctrl-C (or SIGTERM) stops every child, restarted ones included (SIGTERM, then
+SIGKILL after a grace period).
+
+Once up, a dead child is handled by its kind (class Supervisor):
+- web (gunicorn), worker, beat: reported on stderr (`worker exited (-9): restarting in 1 s`, then `worker restarted
+  (pid N)`) and started again with the same command and environment, after a backoff of 1 s doubling to 30 s (back
+  to 1 s once a start has lived 60 s). A child that would be restarted a sixth time within 60 s is crash-looping:
+  everything is stopped, with a message saying so, and up.py exits with status 1.
+- a node agent: everything is stopped (`agent-2 stopped: stopping the rest`, status 0), as a lost node is not
+  something to paper over; with --survive-agent-loss its death is only reported and it stays dead: the control
+  plane marks its node lost, as it would a crashed host. Agents are never restarted.
+A child that dies during start-up (before the banner) stops everything: nothing is restarted then.
 
     scripts/up.py [--agents N] [--require-services] [--survive-agent-loss] [--bootstrap-only]
 
@@ -40,6 +49,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # gpu_node.dev_pki, when run as a script
 PYTHON = sys.executable
 GRACE_SECONDS = 15
+RESTART_DELAY, RESTART_MAX_DELAY = 1.0, 30.0  # a dead control-plane child's backoff: 1 s doubling to 30 s
+CRASH_RESTARTS, CRASH_WINDOW = 5, 60.0  # a sixth restart of one child within 60 s: a crash loop, stop everything
 DEFAULT_TLS_HOSTS = ("localhost", "127.0.0.1")
 
 
@@ -242,6 +253,8 @@ def wait_for_node(node: subprocess.Popen, timeout: float = 120.0) -> None:
 
 
 def stop_all(processes: dict) -> None:
+    """SIGTERM to every live child, then SIGKILL to any still running after GRACE_SECONDS; returns once all are
+    reaped (none is left a zombie or an orphan of make up)."""
     for proc in processes.values():
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -252,6 +265,100 @@ def stop_all(processes: dict) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def report(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class Child:
+    """One child process and what it takes to start it again: the same command, environment and stdout. An agent's
+    stdout is a pipe (wait_for_node reads its `ready` line); the others inherit up.py's. `delay` is the wait before
+    its next restart (RESTART_DELAY doubling to RESTART_MAX_DELAY, back to RESTART_DELAY once a start has lived
+    CRASH_WINDOW seconds); `restarts` holds the monotonic times of its restarts; `restart_at` is set only while it
+    is dead and waiting for one. (A plain class: tests load this script without registering it as a module.)"""
+
+    def __init__(self, name: str, command: list[str], env: dict, agent: bool = False):
+        self.name, self.command, self.env, self.agent = name, command, env, agent
+        self.proc: subprocess.Popen | None = None
+        self.started, self.delay = 0.0, RESTART_DELAY
+        self.restarts: list[float] = []
+        self.restart_at: float | None = None
+
+    def start(self, now: float) -> subprocess.Popen:
+        """Starts it (again); `now` is the supervisor's monotonic clock."""
+        self.proc = subprocess.Popen(self.command, env=self.env, cwd=REPO, text=True,
+                                     stdout=subprocess.PIPE if self.agent else None)  # fmt: skip
+        self.started, self.restart_at = now, None
+        return self.proc
+
+
+class GiveUp(Exception):
+    """A reason to stop everything: the message for stderr, and up.py's exit status."""
+
+    def __init__(self, message: str, status: int = 0):
+        super().__init__(message)
+        self.status = status
+
+
+class Supervisor:
+    """Watches the children once the platform is up. A control-plane child (web, worker, beat) that exits is
+    reported and started again after its backoff delay; one restarted more than CRASH_RESTARTS times within
+    CRASH_WINDOW seconds is a crash loop: everything stops (exit status 1). An agent that exits stops everything
+    (status 0), unless survive_agent_loss, where it is only reported once and left dead (its node goes lost).
+    Invariant: every process ever started is either reaped or in `processes()`, so stop_all leaves none behind; a
+    restart only happens in step(), never after a stop was requested (the caller checks between steps)."""
+
+    def __init__(self, children: list[Child], survive_agent_loss: bool):
+        self.children = children
+        self.survive_agent_loss = survive_agent_loss
+        self.lost_agents: set[str] = set()
+
+    def processes(self) -> dict[str, subprocess.Popen]:
+        return {child.name: child.proc for child in self.children if child.proc is not None}
+
+    def run(self, stop_requested) -> int:
+        """Steps every 0.2 s until stop_requested() or a reason to stop; returns up.py's exit status."""
+        try:
+            while not stop_requested():
+                self.step(time.monotonic())
+                time.sleep(0.2)
+        except GiveUp as reason:
+            report(str(reason))
+            return reason.status
+        return 0
+
+    def step(self, now: float) -> None:
+        """Starts the children whose delay is over, deals with the ones that died; raises GiveUp to stop."""
+        dead_agents = []
+        for child in self.children:
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    report(f"{child.name} restarted (pid {child.start(now).pid})")
+            elif child.proc.poll() is None or child.name in self.lost_agents:
+                continue
+            elif child.agent:
+                dead_agents.append(child)
+            else:
+                self.schedule_restart(child, now)
+        if dead_agents and not self.survive_agent_loss:
+            raise GiveUp(f"{', '.join(child.name for child in dead_agents)} stopped: stopping the rest")
+        for child in dead_agents:
+            report(f"{child.name} exited ({child.proc.returncode}): the control plane will mark its node lost")
+            self.lost_agents.add(child.name)
+
+    def schedule_restart(self, child: Child, now: float) -> None:
+        rc = child.proc.returncode
+        child.restarts = [t for t in child.restarts if now - t < CRASH_WINDOW]
+        if len(child.restarts) >= CRASH_RESTARTS:
+            raise GiveUp(f"{child.name} exited ({rc}) after {len(child.restarts)} restarts within {CRASH_WINDOW:g} s:"
+                         f" giving up, stopping the rest", status=1)  # fmt: skip
+        if now - child.started >= CRASH_WINDOW:
+            child.delay = RESTART_DELAY  # it had been running fine: a fresh crash, not a loop
+        report(f"{child.name} exited ({rc}): restarting in {child.delay:g} s")
+        child.restarts.append(now + child.delay)
+        child.restart_at = now + child.delay
+        child.delay = min(child.delay * 2, RESTART_MAX_DELAY)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -315,49 +422,37 @@ def main(argv: list[str] | None = None) -> int:
               f"dev CA {boot['tls']['ca']}", flush=True)  # fmt: skip
         return 0
     node_envs = agent_envs(env, boot, args.agents, url, host, port)
-
-    stop_requested = False
-
-    def request_stop(*_):
-        nonlocal stop_requested
-        stop_requested = True
-
-    signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGTERM, request_stop)
-    processes: dict[str, subprocess.Popen] = {}
-    agent_names = [f"agent-{i}" for i in range(1, args.agents + 1)]
+    stop_requested: list[int] = []  # appended to by the signal handler; read between supervision steps
+    signal.signal(signal.SIGINT, lambda signum, _: stop_requested.append(signum))
+    signal.signal(signal.SIGTERM, lambda signum, _: stop_requested.append(signum))
+    supervisor = Supervisor([], args.survive_agent_loss)
     try:
-        for name, command in children(env, host, port, args.agents).items():
-            is_node = name in agent_names
-            if name == agent_names[0]:  # agents register over HTTP: the web server must answer first
-                wait_until_up(url, processes)
-            processes[name] = subprocess.Popen(
-                command, env=node_envs[agent_names.index(name)] if is_node else env, cwd=REPO,
-                stdout=subprocess.PIPE if is_node else None, text=True,
-            )  # fmt: skip
-        for name in agent_names:
-            wait_for_node(processes[name])
-        print(banner(url, boot, node_envs, processes), flush=True)
-        reported: set[str] = set()
-        while not stop_requested:
-            dead = {name for name, proc in processes.items() if proc.poll() is not None}
-            if args.survive_agent_loss and dead and dead <= set(agent_names):
-                for name in sorted(dead - reported):
-                    print(f"{name} exited ({processes[name].returncode}): the control plane will mark its node lost",
-                          file=sys.stderr, flush=True)  # fmt: skip
-                reported |= dead
-                dead = set()
-            if dead:
-                print(f"{', '.join(sorted(dead))} stopped: stopping the rest", file=sys.stderr, flush=True)
-                break
-            time.sleep(0.2)
+        start_children(supervisor, env, node_envs, url, host, port)
+        print(banner(url, boot, node_envs, supervisor.processes()), flush=True)
+        status = supervisor.run(lambda: bool(stop_requested))
     except RuntimeError as error:
-        print(f"make up: {error}", file=sys.stderr, flush=True)
+        report(f"make up: {error}")
         return 1
     finally:
-        stop_all(processes)
+        stop_all(supervisor.processes())
     print("stopped", flush=True)
-    return 0
+    return status
+
+
+def start_children(supervisor: Supervisor, env: dict, node_envs: list[dict], url: str, host: str, port: int) -> None:
+    """Starts web, worker, beat, then (once the web server answers: agents register over HTTP) the agents, and
+    waits until every agent has registered. Each started child is in supervisor.children at once, so a failure
+    here (RuntimeError: a child died during start-up, no restarts yet) still stops all of them."""
+    for name, command in children(env, host, port, len(node_envs)).items():
+        agent = name.startswith("agent-")
+        if name == "agent-1":
+            wait_until_up(url, supervisor.processes())
+        child = Child(name, command, node_envs[int(name[6:]) - 1] if agent else env, agent=agent)
+        supervisor.children.append(child)
+        child.start(time.monotonic())
+    for child in supervisor.children:
+        if child.agent:
+            wait_for_node(child.proc)
 
 
 if __name__ == "__main__":
