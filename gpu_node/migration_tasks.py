@@ -27,6 +27,7 @@ from gpu_node.migration import Incoming, MigrationListener, MigrationSender
 from gpu_node.migration_fence import fences_for
 from gpu_node.node_tasks import provision
 from kcaas.node_messages import (
+    MIGRATE_ABORT_TASK,
     MIGRATE_CUTOVER_TASK,
     MIGRATE_IN_TASK,
     MIGRATE_OUT_TASK,
@@ -53,6 +54,7 @@ class NodeMigration:
         self.last_stats = {}
         self._out_lock = threading.Lock()
         self._endpoints: dict[str, str] = {}  # migration id -> the target listener the sender (re)connects to
+        self._aborted: set[str] = set()  # migrations the control plane gave up: their sender never fences again
 
     def register(self, app, answer) -> None:
         @app.task(name=MIGRATE_IN_TASK, shared=False)
@@ -75,10 +77,27 @@ class NodeMigration:
                     str(target_migration_endpoint), str(target_endpoint))  # fmt: skip
             return self.start_sender(answer, *args)
 
+        @app.task(name=MIGRATE_ABORT_TASK, shared=False)
+        def migrate_abort(migration_id, cache_id) -> None:
+            self.abort(str(migration_id), str(cache_id))
+
         @app.task(name=MIGRATE_CUTOVER_TASK, shared=False)
         def migrate_cutover(migration_id, cache_id, epoch_from, target_endpoint, epoch_to) -> bool:
             fences_for(self.registry).moved(str(cache_id), str(target_endpoint), int(epoch_to))
             return self.registry.detach(cache_id=str(cache_id), epoch=int(epoch_from))
+
+    def abort(self, migration_id: str, cache_id: str) -> None:
+        """The control plane failed this migration (it stalled, a node was lost): writes resume here (a fence before
+        cutover is lifted; a cache that moved for good stays moved) and the sender stops at its next step instead of
+        fencing. Idempotent."""
+        with self._out_lock:
+            self._aborted.add(migration_id)
+        fences_for(self.registry).lift(cache_id)
+        logger.info("migration %s of cache %s aborted: writes resume here", migration_id, cache_id)
+
+    def aborted(self, migration_id: str) -> bool:
+        with self._out_lock:
+            return migration_id in self._aborted
 
     def start_sender(self, answer, migration_id, cache_id, *rest) -> bool:
         """Start this migration's sender thread, or, while one runs, only point it at the (new) target endpoint.
@@ -115,6 +134,8 @@ class NodeMigration:
                                               "blocks_sent": totals["blocks_sent"] + live.blocks_sent}])  # fmt: skip
 
         def fence() -> None:
+            if self.aborted(migration_id):
+                raise MigrationAborted(migration_id)
             if not fences.fence(cache_id, target_endpoint, epoch_to):
                 raise TimeoutError("writes in flight did not finish")
             answer(MIGRATION_PROGRESS_TASK, [migration_id, self.node_id, "fenced", {}])
@@ -136,7 +157,8 @@ class NodeMigration:
             except Exception as exc:  # noqa: BLE001 - any failure is retried, then reported; writes resume here
                 _add_stats(totals, sender.stats)
                 fences.lift(cache_id)
-                if time.monotonic() >= deadline or self.registry.get(cache_id) is not hosted:
+                if (time.monotonic() >= deadline or self.registry.get(cache_id) is not hosted
+                        or self.aborted(migration_id)):  # fmt: skip
                     logger.warning("migration %s of cache %s failed: %s", migration_id, cache_id, exc)
                     return answer(MIGRATION_RESULT_TASK, [migration_id, self.node_id, False, type(exc).__name__,
                                                           totals])  # fmt: skip
@@ -145,6 +167,10 @@ class NodeMigration:
         info = {"blocks": totals["blocks_sent"], **totals}
         self.last_stats[migration_id] = info
         answer(MIGRATION_RESULT_TASK, [migration_id, self.node_id, True, "", info])
+
+
+class MigrationAborted(RuntimeError):
+    """The control plane aborted the migration: its sender stops before fencing."""
 
 
 def _add_stats(totals: dict, stats) -> None:

@@ -22,6 +22,7 @@ from kcaas.node_messages import (
     CONTROL_QUEUE,
     DETACH_RESULT_TASK,
     DETACH_TASK,
+    MIGRATE_ABORT_TASK,
     MIGRATE_IN_TASK,
     MIGRATE_OUT_TASK,
     MIGRATION_RESULT_TASK,
@@ -141,3 +142,7 @@ def _refuse_migrations(app: Celery, answer, node_id: str) -> None:
     def migrate_out(migration_id, *_args) -> bool:
         answer(MIGRATION_RESULT_TASK, [migration_id, node_id, False, MIGRATION_UNAVAILABLE, {}])
         return False
+
+    @app.task(name=MIGRATE_ABORT_TASK, shared=False)
+    def migrate_abort(migration_id, cache_id) -> bool:
+        return False  # nothing was fenced here: this node never sends a migration

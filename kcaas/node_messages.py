@@ -20,6 +20,8 @@ migration (platform/caches/migration.py, gpu_node/migration_tasks.py):
     control -> source  migrate_out(migration_id, cache_id, epoch_from, epoch_to, target_node_id,
                                    target_migration_endpoint, target_endpoint)
     control -> source  migrate_cutover(migration_id, cache_id, epoch_from, target_endpoint, epoch_to)
+    control -> source  migrate_abort(migration_id, cache_id)   (no answer: the control plane failed the migration;
+                       the source lifts its write fence, unless the cache moved for good, and its sender stops)
     node -> control    migration_progress(migration_id, node_id, phase: "ready"|"copying"|"fenced", info: dict)
                        migration_result(migration_id, node_id, ok: bool, reason: str, info: dict)
 """
@@ -35,6 +37,7 @@ DETACH_RESULT_TASK = "caches.detach_result"
 MIGRATE_IN_TASK = "kcaas.node.migrate_in"
 MIGRATE_OUT_TASK = "kcaas.node.migrate_out"
 MIGRATE_CUTOVER_TASK = "kcaas.node.migrate_cutover"
+MIGRATE_ABORT_TASK = "kcaas.node.migrate_abort"
 MIGRATION_PROGRESS_TASK = "caches.migration_progress"
 MIGRATION_RESULT_TASK = "caches.migration_result"
 

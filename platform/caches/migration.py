@@ -39,7 +39,13 @@ from fleet.errors import NoCapacity
 from fleet.models import Node, NodeState
 from fleet.outbox import order_enqueue, orders_acknowledge, orders_close
 from fleet.services import node_drain, node_place, node_unreserve
-from kcaas.node_messages import DETACH_TASK, MIGRATE_CUTOVER_TASK, MIGRATE_IN_TASK, MIGRATE_OUT_TASK
+from kcaas.node_messages import (
+    DETACH_TASK,
+    MIGRATE_ABORT_TASK,
+    MIGRATE_CUTOVER_TASK,
+    MIGRATE_IN_TASK,
+    MIGRATE_OUT_TASK,
+)
 
 logger = logging.getLogger("kcaas.caches.migration")
 REASONS = ("drain", "rebalance", "replica")
@@ -212,6 +218,9 @@ def _fail(migration: Migration, reason: str) -> Migration:
     migration.save(update_fields=["state", "failure_reason", "updated_at"])
     node_unreserve(node_id=migration.target_id, capacity=migration.cache.capacity())
     _close_orders(migration, "failed")
+    # the source may have fenced writes (or will, when its sender gets there): it takes them again
+    order_enqueue(node_id=migration.source_id, task=MIGRATE_ABORT_TASK, args=[str(migration.pk), str(migration.cache_id)],
+                  key=_key(migration, "abort"), expects_answer=False)  # fmt: skip
     cache = migration.cache  # the target's copy goes, at the target's epoch (the cache row keeps its own)
     order_enqueue(node_id=migration.target_id, task=DETACH_TASK, args=[str(cache.pk), migration.epoch_to],
                   key=cache_key(cache.pk))  # fmt: skip
@@ -226,17 +235,21 @@ def _close_orders(migration: Migration, reason: str) -> None:
 
 @transaction.atomic
 def migrations_expire(*, now=None) -> list[uuid.UUID]:
-    """Fail migrations that stopped moving: pending or copying with no node answer for
-    settings.KCAAS_MIGRATION_STALL_SECONDS (a target that never answered migrate_in, a source that died mid-copy).
-    Each gives the target's reservation back and drops the target's partial copy (as any failure does); the cache
+    """End every migration in bounded time: one with no node answer for settings.KCAAS_MIGRATION_STALL_SECONDS
+    (a target that never answered migrate_in, a source that died mid-copy or whose result was lost in cutover) fails
+    `stalled`, one whose source or target node is lost fails `node_lost`. Each gives the target's reservation back,
+    drops the target's partial copy and tells the source to lift its write fence (as any failure does); the cache
     stays where it is, and a new migration may start. Returns the ids failed."""
     cutoff = (now or timezone.now()) - timedelta(seconds=settings.KCAAS_MIGRATION_STALL_SECONDS)
-    stalled = Migration.objects.select_for_update(no_key=True).filter(
-        state__in=[MigrationState.PENDING, MigrationState.COPYING], updated_at__lt=cutoff
+    active = [MigrationState.PENDING, MigrationState.COPYING, MigrationState.CUTOVER]
+    lost = Q(source__state=NodeState.LOST) | Q(target__state=NodeState.LOST)
+    ending = Migration.objects.select_for_update(of=("self",), no_key=True).select_related("cache").filter(
+        Q(updated_at__lt=cutoff) | lost, state__in=active
     )
     failed = []
-    for migration in stalled.select_related("cache").order_by("id"):
-        failed.append(_fail(migration, "stalled").pk)
+    for migration in ending.order_by("id"):
+        stalled = migration.updated_at < cutoff
+        failed.append(_fail(migration, "stalled" if stalled else "node_lost").pk)
     return failed
 
 
@@ -249,7 +262,7 @@ def migrations_redrive_node(*, node_id) -> list[uuid.UUID]:
     whose running sender (if it survived) only reconnects. A pending migration whose source restarted needs
     nothing: the target's "ready" will reach the source. Returns the ids re-driven."""
     redriven = []
-    active = Migration.objects.select_for_update(no_key=True).filter(
+    active = Migration.objects.select_for_update(of=("self",), no_key=True).filter(
         Q(target_id=node_id, state__in=[MigrationState.PENDING, MigrationState.COPYING, MigrationState.CUTOVER])
         | Q(source_id=node_id, state__in=[MigrationState.COPYING, MigrationState.CUTOVER])
     )

@@ -78,3 +78,35 @@ def test_a_migration_no_node_moves_is_failed_by_the_sweep_and_releases_the_targe
     assert reserved(target)["device"] == 0
     assert Cache.objects.get(pk=cache.pk).node_id == source.pk  # the cache stays where it was
     assert migrations_expire() == []  # already failed: not again
+
+
+def test_a_migration_stuck_in_cutover_or_on_a_lost_node_ends_and_the_source_is_told_to_lift_its_fence(placed, settings):
+    """A lost result after the source fenced writes used to leave the migration in cutover for ever (and the source
+    answering writes MOVED); a lost node, its migrations active for ever. Both end, and the source gets
+    migrate_abort (through the outbox) so it takes writes again."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from caches.migration import migrations_expire
+    from fleet.models import Node, NodeOrder, NodeState
+    from kcaas.node_messages import MIGRATE_ABORT_TASK
+
+    cache, source, target = placed
+    settings.KCAAS_MIGRATION_STALL_SECONDS = 60
+    migration = migration_start(cache_id=cache.pk, target_node_id=target.pk)
+    migration_progress(migration_id=migration.pk, node_id=target.pk, phase="ready", info={})
+    migration_progress(migration_id=migration.pk, node_id=source.pk, phase="fenced", info={})
+    assert Migration.objects.get(pk=migration.pk).state == "cutover"
+    assert migrations_expire() == []
+    Migration.objects.filter(pk=migration.pk).update(updated_at=timezone.now() - timedelta(seconds=120))
+    assert migrations_expire() == [migration.pk]
+    assert Migration.objects.get(pk=migration.pk).failure_reason == "stalled"
+    abort = NodeOrder.objects.get(node=source, task=MIGRATE_ABORT_TASK)
+    assert abort.args == [str(migration.pk), str(cache.pk)]
+    assert reserved(target)["device"] == 0 and Cache.objects.get(pk=cache.pk).state == "ready"
+
+    again = migration_start(cache_id=cache.pk, target_node_id=target.pk)
+    Node.objects.filter(pk=target.pk).update(state=NodeState.LOST)
+    assert migrations_expire() == [again.pk]  # not stalled: its target is gone
+    assert Migration.objects.get(pk=again.pk).failure_reason == "node_lost"
