@@ -62,6 +62,24 @@ def model():
     return transformers.LlamaForCausalLM(config).eval()
 
 
+def model_prefix(model, donor: torch.Tensor, num_tokens: int):
+    """The cache a served run starts from, made by the model alone (no store, no service): the KV of `donor`'s first
+    `num_tokens` tokens from one forward over `donor` (as the connector stored it), in a full-length DynamicCache.
+
+    A served run is compared bit for bit with the model given this cache: the same computation, so any difference
+    is the service's. Against a run with no cache at all (one prefill over the whole prompt) it agrees only to fp32
+    rounding: a prefill of the last few rows takes other matmul kernels than one of every row, and whether those
+    round alike depends on the CPU and the BLAS build (bit-equal on some machines, ~1e-7 apart on others)."""
+    from kcaas.transformers_kv import full_length_cache, kv_from_dynamic_cache
+
+    with torch.no_grad():
+        kv = kv_from_dynamic_cache(model(donor, cache=full_length_cache(), use_cache=True).cache)
+    return full_length_cache(kv[:, :, :num_tokens].contiguous())
+
+
+FP32_ROUNDING = dict(rtol=0, atol=1e-5)  # a wrong prefix is off by about the logits themselves (~0.5)
+
+
 def spec_for(model) -> KVCacheSpec:
     c = model.config
     return KVCacheSpec("tiny-llama-random@seed0", c.num_hidden_layers, c.num_key_value_heads,

@@ -6,7 +6,7 @@ import torch
 
 from gpu_node.paged_cache import PagedKVCache
 from kcaas.connectors.hf import HFConnector
-from tests.e2e.conftest import spec_for
+from tests.e2e.conftest import FP32_ROUNDING, model_prefix, spec_for
 
 pytestmark = pytest.mark.usefixtures("deterministic_threads")  # the model fixture comes from tests/e2e/conftest.py
 
@@ -31,9 +31,12 @@ def test_second_generation_hits_and_matches_a_run_without_the_service(model):
     assert connector.last_reuse.num_cached_tokens == 40  # the shared system prompt, not recomputed
 
     with torch.no_grad():
+        local = model.generate(second, cache=model_prefix(model, first, 40), return_dict_in_generate=True, **kwargs)
         plain = model.generate(second, return_dict_in_generate=True, **kwargs)
-    assert torch.equal(served.sequences, plain.sequences)
-    assert all(torch.equal(a, b) for a, b in zip(served.logits, plain.logits))
+    assert torch.equal(served.sequences, local.sequences)  # the model given the same prefix: bit for bit
+    assert all(torch.equal(a, b) for a, b in zip(served.logits, local.logits))
+    assert torch.equal(served.sequences, plain.sequences)  # no cache at all: the same tokens, logits to fp32 rounding
+    assert all(torch.allclose(a, b, **FP32_ROUNDING) for a, b in zip(served.logits, plain.logits))
 
 
 def test_a_repeated_prompt_runs_only_its_last_token(model):

@@ -16,7 +16,7 @@ from kcaas.connectors.hf import HFConnector
 from kcaas.dataplane import DataPlaneError
 from kcaas.spec import KVCacheSpec
 from kcaas.transformers_kv import full_length_cache, kv_from_dynamic_cache
-from tests.e2e.conftest import random_tokens
+from tests.e2e.conftest import FP32_ROUNDING, model_prefix, random_tokens
 
 pytestmark = pytest.mark.usefixtures("deterministic_threads")  # from tests/e2e/conftest.py
 
@@ -90,7 +90,9 @@ def test_a_prefix_past_the_window_gives_the_logits_of_the_model_alone(model):
     connector.forward(first)
     served = connector.forward(second)
     assert connector.last_reuse.num_cached_tokens == 40
-    assert torch.equal(served.logits, model(second).logits[:, 40:])  # the model alone, no cache of any kind
+    prefix = model_prefix(model, first, 40)  # what the connector stored, made by the model alone
+    assert torch.equal(served.logits, model(second[:, 40:], cache=prefix, use_cache=True).logits)
+    assert torch.allclose(served.logits, model(second).logits[:, 40:], **FP32_ROUNDING)  # no cache of any kind
 
 
 @torch.no_grad()
@@ -104,14 +106,14 @@ def test_generation_with_reuse_matches_generation_without_the_service(model):
 
     plain = alone(model, second)  # with the model's own sliding cache
     assert torch.equal(served.sequences, plain.sequences)
-    assert torch.equal(served.logits[0], plain.logits[0])  # the prompt's last row: a prefill in both
     # NOTE: while decoding, the model's own sliding layer attends over a window-long key tensor, the connector's
     # full-length one over all keys with the window masked out: the same sum over another length, equal to fp32
     # rounding (measured <= 1.8e-7, logits of ~0.5); a wrong prefix is off by about the logits themselves.
-    assert all(torch.allclose(a, b, rtol=0, atol=1e-5) for a, b in zip(served.logits, plain.logits))
-    # and bit for bit against the model alone given a full-length cache
-    full = alone(model, second, cache=full_length_cache())
-    assert all(torch.equal(a, b) for a, b in zip(served.logits, full.logits))
+    assert all(torch.allclose(a, b, **FP32_ROUNDING) for a, b in zip(served.logits, plain.logits))
+    # and bit for bit against the model alone given the same prefix in a full-length cache
+    local = alone(model, second, cache=model_prefix(model, first, 40))
+    assert torch.equal(served.sequences, local.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(served.logits, local.logits))
 
 
 @torch.no_grad()
@@ -123,9 +125,12 @@ def test_a_prompt_id_equal_to_the_pad_token_is_a_token_not_padding():
     connector.forward(first)  # the prefill side runs the model, which knows nothing of padding
     served = connector.generate(second, **GENERATE)  # generate would infer padding from the pad id: not here
     assert connector.last_reuse.num_cached_tokens == 40
-    full = alone(model, second, cache=full_length_cache())
+    local = alone(model, second, cache=model_prefix(model, first, 40))
+    assert torch.equal(served.sequences, local.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(served.logits, local.logits))
+    full = alone(model, second, cache=full_length_cache())  # every token a token, no cache: to fp32 rounding
     assert torch.equal(served.sequences, full.sequences)
-    assert all(torch.equal(a, b) for a, b in zip(served.logits, full.logits))
+    assert all(torch.allclose(a, b, **FP32_ROUNDING) for a, b in zip(served.logits, full.logits))
     with pytest.raises(ValueError, match="mask"):
         connector.generate(second, attention_mask=(second != model.config.pad_token_id).long(), **GENERATE)
 
@@ -204,9 +209,9 @@ def test_a_read_only_connector_decodes_without_storing_and_returns_its_output():
     decoder = HFConnector(model, RefusingStore(shared), read_only=True)
     served = decoder.generate(second, **GENERATE)
     assert decoder.last_reuse.num_cached_tokens == 40
-    full = alone(model, second, cache=full_length_cache())
-    assert torch.equal(served.sequences, full.sequences)
-    assert all(torch.equal(a, b) for a, b in zip(served.logits, full.logits))
+    local = alone(model, second, cache=model_prefix(model, first, 40))
+    assert torch.equal(served.sequences, local.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(served.logits, local.logits))
     assert decoder.forward(second).logits.shape[1] == second.shape[1] - 40
     with pytest.raises(ValueError, match="read-only"):
         decoder.store_sequence(second[0], full_length_cache())

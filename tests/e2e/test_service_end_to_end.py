@@ -25,15 +25,24 @@ from kcaas.connectors.hf import HFConnector
 from kcaas.dataplane import DataPlaneClient, DataPlaneError
 from kcaas.errors import KcaasError
 from kcaas.tokens import TokenSource
-from tests.e2e.conftest import client_tls, random_tokens, spec_for, tenant_key
+from tests.e2e.conftest import FP32_ROUNDING, client_tls, model_prefix, random_tokens, spec_for, tenant_key
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("deterministic_threads")]
 GENERATE = dict(max_new_tokens=6, do_sample=False, output_logits=True)
 
 
-def plain_generate(model, input_ids):
+def plain_generate(model, input_ids, cache=None):
+    """The model alone; with `cache`, starting from it (tests.e2e.conftest.model_prefix)."""
+    extra = {} if cache is None else {"cache": cache}
     with torch.no_grad():
-        return model.generate(input_ids, return_dict_in_generate=True, **GENERATE)
+        return model.generate(input_ids, return_dict_in_generate=True, **GENERATE, **extra)
+
+
+def close_output(a, b) -> bool:
+    """The same tokens, logits equal to fp32 rounding (a run without a cache prefills every row at once)."""
+    return torch.equal(a.sequences, b.sequences) and len(a.logits) == len(b.logits) and all(
+        torch.allclose(x, y, **FP32_ROUNDING) for x, y in zip(a.logits, b.logits)
+    )
 
 
 def same_output(a, b) -> bool:
@@ -67,6 +76,7 @@ def test_attach_generate_isolate_and_hand_off_through_the_real_service(live_serv
         client_a, client_b = api(key_a), api(key_b)
 
         # 1. tenant A: attach, generate twice with a shared system prompt; the second run hits and is bit-exact
+        #    against the model given the same prefix, and equal to fp32 rounding to the model with no cache
         cache_a = client_a.attach("chat", spec, capacity, timeout=30)
         assert cache_a.is_ready and cache_a.endpoint == agent.endpoint
         dp_a = data_plane(client_a, cache_a)
@@ -80,7 +90,8 @@ def test_attach_generate_isolate_and_hand_off_through_the_real_service(live_serv
         assert same_output(served_first, plain_generate(model, first))
         served = connector.generate(second, **GENERATE)
         assert connector.last_reuse.num_cached_tokens == 40  # the shared system prompt, not recomputed
-        assert same_output(served, plain_generate(model, second))
+        assert same_output(served, plain_generate(model, second, model_prefix(model, first, 40)))  # bit for bit
+        assert close_output(served, plain_generate(model, second))
 
         # 2. isolation: B's token against A's cache answers exactly what a nonexistent cache answers
         cache_b = client_b.attach("chat", spec, capacity, timeout=30)
