@@ -95,6 +95,14 @@ def _stamp() -> str:
         return f"{_last_stamp[0]:020d}"
 
 
+def _write_json_synced(path: str, content) -> None:
+    """Create `path` (it must not exist yet) holding `content` as JSON, fsynced before this returns."""
+    with open(path, "xb") as f:
+        f.write(str_to_bytes(dumps(content)))
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
@@ -129,10 +137,7 @@ class Channel(filesystem.Channel):
         final = os.path.join(self.data_folder_out, name)
         temporary = os.path.join(self.data_folder_out, f".{name}.tmp")
         try:
-            with open(temporary, "xb") as f:
-                f.write(str_to_bytes(dumps(payload)))
-                f.flush()
-                os.fsync(f.fileno())
+            _write_json_synced(temporary, payload)
             os.rename(temporary, final)
         except OSError as exc:
             _unlink_quietly(temporary)
@@ -196,10 +201,7 @@ class Channel(filesystem.Channel):
         os.makedirs(table.parent, exist_ok=True)
         temporary = str(table.parent / f".{table.name}.{uuid.uuid4()}.tmp")
         try:
-            with open(temporary, "xb") as f:
-                f.write(str_to_bytes(dumps(entries)))
-                f.flush()
-                os.fsync(f.fileno())
+            _write_json_synced(temporary, entries)
             os.link(temporary, table)
         except FileExistsError:
             pass  # another process made it first; kombu adds our entry under its lock

@@ -5,6 +5,9 @@ by `close()` (a context manager, and at interpreter exit as a last resort).
 PostgreSQL refuses to run as root: when the tests run as root, initdb and pg_ctl run as the `postgres` user
 (`runuser -u postgres --`) on a directory that user owns. `PrivatePostgres.available()` says why one cannot be made
 (no binaries, no such user), so a test can skip cleanly.
+
+Also the small helpers those tests share: `free_port`, `listening`, `stop_process` (a child asked to stop, then
+killed) and `start_calls` (calls run from threads, their results or exceptions collected).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 from tests.waiting import eventually
@@ -40,6 +44,42 @@ def listening(port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def stop_process(process: subprocess.Popen, timeout: float = 20, *, sig: int = signal.SIGTERM,
+                 group: bool = False) -> None:
+    """Stop a child process: `sig` (SIGTERM unless told), up to `timeout` seconds for it to exit, then SIGKILL (to
+    its whole process group when `group`: a child started with start_new_session=True, with its own children) and
+    reap it. A no-op for a process that has exited already."""
+    if process.poll() is not None:
+        return
+    process.send_signal(sig)
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        if group:
+            os.killpg(process.pid, signal.SIGKILL)
+        else:
+            process.kill()
+        process.wait(timeout=10)
+
+
+def start_calls(calls, *, daemon: bool = True) -> tuple[list[threading.Thread], list]:
+    """Each of `calls` (no-argument functions) in a thread of its own, all started now: returns (threads, results),
+    where results[i] becomes what calls[i] returned, or the exception it raised, once its thread ends (None until
+    then)."""
+    results: list = [None] * len(calls)
+
+    def run(i, call):
+        try:
+            results[i] = call()
+        except Exception as error:  # noqa: BLE001 - reported by the caller
+            results[i] = error
+
+    threads = [threading.Thread(target=run, args=(i, c), daemon=daemon) for i, c in enumerate(calls)]
+    for thread in threads:
+        thread.start()
+    return threads, results
 
 
 class PrivateRedis:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -23,7 +22,7 @@ from pathlib import Path
 import pytest
 
 import kcaas
-from tests.faults import PrivatePostgres, free_port
+from tests.faults import PrivatePostgres, free_port, stop_process
 from tests.waiting import eventually
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,12 +95,7 @@ def control_plane(tmp_path_factory):
             assert server.poll() is None, log.read_text()[-3000:]
             yield ControlPlane(f"http://127.0.0.1:{port}", port, api_key, database, log)
         finally:
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait(timeout=10)
+            stop_process(server, timeout=15)
 
 
 @dataclass

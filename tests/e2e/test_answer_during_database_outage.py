@@ -9,7 +9,6 @@ manage.py, a private Redis broker, and the control queue's Celery worker as `mak
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 from celery import Celery
 
 from kcaas.node_messages import CONTROL_QUEUE, PROVISION_RESULT_TASK
-from tests.faults import PrivatePostgres, PrivateRedis
+from tests.faults import PrivatePostgres, PrivateRedis, stop_process
 from tests.waiting import eventually
 
 REPO = Path(__file__).resolve().parents[2]
@@ -87,9 +86,4 @@ def test_a_provisioning_answer_handled_while_postgresql_is_down_is_retried_until
                               timeout=120), (cache_state(env["DATABASE_URL"], cache_id),
                                              log.read_text(errors="replace")[-3000:])  # fmt: skip
         finally:
-            worker.send_signal(signal.SIGTERM)
-            try:
-                worker.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-                worker.wait(timeout=10)
+            stop_process(worker, timeout=20)

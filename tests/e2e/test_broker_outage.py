@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from caches.models import Cache, CacheState
 from fleet.models import Node, NodeOrder, OrderState
 from tests.control_broker import use_broker
 from tests.e2e.conftest import spec_for, tenant_key
-from tests.faults import PrivateRedis
+from tests.faults import PrivateRedis, start_calls
 from tests.waiting import eventually
 
 pytestmark = [
@@ -75,27 +74,18 @@ def all_in(ids, state) -> bool:
 def run_during_outage(broker: PrivateRedis, calls) -> list:
     """Run `calls` (no-argument functions) from threads while the broker is stopped for OUTAGE_SECONDS; returns
     their results (or exceptions) in order, once all returned and the broker is back."""
-    results: list = [None] * len(calls)
-
-    def run(i, call):
-        try:
-            results[i] = call()
-        except Exception as error:  # noqa: BLE001 - reported by the caller
-            results[i] = error
-
-    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(calls)]
-    for thread in threads[: len(threads) // 3]:
-        thread.start()
+    split = len(calls) // 3
+    threads, results = start_calls(calls[:split], daemon=False)
     broker.stop()
-    for thread in threads[len(threads) // 3:]:
-        thread.start()
+    late_threads, late_results = start_calls(calls[split:], daemon=False)
+    threads += late_threads
     deadline = time.monotonic() + OUTAGE_SECONDS
     for thread in threads:
         thread.join(max(0.1, deadline - time.monotonic()))
     assert all(not t.is_alive() for t in threads), "a request waited on the broker"
     time.sleep(max(0.0, deadline - time.monotonic()))  # the outage lasts its full length
     broker.start()
-    return results
+    return results + late_results
 
 
 def test_attaches_and_detaches_during_a_broker_outage_all_finish(private_broker, beat, agent_launcher, model):

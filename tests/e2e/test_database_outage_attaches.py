@@ -11,10 +11,8 @@ credential."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from contextlib import ExitStack
@@ -30,7 +28,7 @@ from gpu_node.registry import CacheRegistry
 from kcaas.node_messages import node_queue
 from kcaas.spec import KVCacheSpec
 from tests.caches.conftest import running_workers
-from tests.faults import PrivatePostgres, PrivateRedis, free_port
+from tests.faults import PrivatePostgres, PrivateRedis, free_port, start_calls, stop_process
 from tests.waiting import eventually
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,17 +54,8 @@ def _spawn(stack: ExitStack, env: dict, log: Path, *command: str) -> subprocess.
     sink = stack.enter_context(open(log, "wb"))
     process = subprocess.Popen([sys.executable, "-m", *command], cwd=REPO, env=env, stdout=sink,
                                stderr=subprocess.STDOUT)  # fmt: skip
-    stack.callback(_stop, process)
+    stack.callback(stop_process, process, timeout=20)
     return process
-
-
-def _stop(process: subprocess.Popen) -> None:
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait(timeout=10)
 
 
 def _platform_env(database: PrivatePostgres, broker: PrivateRedis, var: Path) -> dict:
@@ -90,21 +79,6 @@ def _healthy(url: str) -> bool:
 def _rows(database_url: str, sql: str):
     with psycopg.connect(database_url, connect_timeout=5) as conn:
         return conn.execute(sql).fetchall()
-
-
-def _calls_in_threads(calls) -> list:
-    results: list = [None] * len(calls)
-
-    def run(i, call):
-        try:
-            results[i] = call()
-        except Exception as error:  # noqa: BLE001 - reported by the test
-            results[i] = error
-
-    threads = [threading.Thread(target=run, args=(i, c), daemon=True) for i, c in enumerate(calls)]
-    for thread in threads:
-        thread.start()
-    return threads, results
 
 
 def test_attaches_and_detaches_through_a_postgresql_restart_all_finish_once(tmp_path, monkeypatch):
@@ -138,7 +112,7 @@ def test_attaches_and_detaches_through_a_postgresql_restart_all_finish_once(tmp_
         client = kcaas.Client(url, api_key, timeout=15)
         early = [client.attach(f"early-{i}", SPEC, CAPACITY, timeout=60) for i in range(BEFORE)]
         database.stop()
-        threads, results = _calls_in_threads(
+        threads, results = start_calls(
             [(lambda i=i: client.attach(f"during-{i}", SPEC, CAPACITY, wait=False)) for i in range(DURING)]
             + [(lambda c=c: client.detach(c.id)) for c in early])  # fmt: skip
         time.sleep(OUTAGE_SECONDS)  # the outage itself: its length is what is under test

@@ -4,12 +4,12 @@ REDIS_URL or CELERY_BROKER_URL), as `make up` runs it. An empty and a truncated 
 queue folder do not stop it: it keeps running tasks, and the files end in the quarantine folder."""
 
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from tests.faults import stop_process
 from tests.waiting import eventually
 
 REPO = Path(__file__).resolve().parents[2]
@@ -70,10 +70,4 @@ def test_worker_survives_stray_files_in_its_queue_folder_and_still_runs_tasks(tm
         assert eventually(lambda: log_path.read_text().count("succeeded") >= 2 or worker.poll() is not None, 60)
         assert worker.poll() is None and "Unrecoverable error" not in log_path.read_text()
     finally:
-        if worker.poll() is None:
-            worker.send_signal(signal.SIGTERM)
-            try:
-                worker.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(worker.pid, signal.SIGKILL)
-                worker.wait()
+        stop_process(worker, timeout=30, group=True)

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import kcaas
 from kcaas.errors import KcaasError
-from tests.e2e.test_make_up import SPEC, free_port
+from tests.e2e.test_make_up import SPEC
+from tests.faults import free_port, stop_process
 from tests.waiting import eventually
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,10 +86,4 @@ def test_concurrent_attach_detach_on_the_embedded_default(tmp_path):
         assert up.poll() is None
         client.close()
     finally:
-        if up.poll() is None:
-            up.send_signal(signal.SIGINT)
-            try:
-                up.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(up.pid, signal.SIGKILL)
-                up.wait()
+        stop_process(up, timeout=60, sig=signal.SIGINT, group=True)

@@ -14,99 +14,36 @@ what the compose agents read, and a second run reuses it.
 
 from __future__ import annotations
 
-import base64
-import contextlib
-import json
 import os
 import re
 import signal
-import socket
 import ssl
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
-from pathlib import Path
-from urllib.parse import urlsplit
 
 import psycopg
 import pytest
-import redis
 import torch
 from psycopg import sql
 
 import kcaas
 from kcaas.dataplane import DataPlaneClient
-from kcaas.spec import KVCacheSpec
 from kcaas.tokens import TokenSource
+from tests.e2e.cluster_support import LEASE_SECONDS, SPEC, admin_url, own_services, running_cluster, staff_call
+from tests.e2e.up_support import REPO, assert_all_gone, reported_pids
 
-REPO = Path(__file__).resolve().parents[2]
-SPEC = KVCacheSpec(model_fingerprint="tiny@1", num_layers=2, num_kv_heads=2, head_dim=8, block_size=16,
-                   kv_dtype="float16", storage_dtype="float16")  # fmt: skip
-NODE_BYTES = 256 * SPEC.block_bytes
 CACHE_BYTES = 160 * SPEC.block_bytes  # more than half a node: two caches cannot share one
 DATABASE = f"kcaas_cluster_it_{os.getpid()}"  # two runs on one machine never share (or drop) one database
 REDIS_DBS = (12, 13)  # rate limits / key usage, and the Celery broker
-LEASE_SECONDS = 6  # with 1 s heartbeats: a loaded 2-core machine never misses six in a row
-
-
-def free_ports(count: int) -> int:
-    """A base port with `count` consecutive ports free on 127.0.0.1."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count > 65535:
-            continue
-        try:
-            held = []
-            for port in range(base, base + count):
-                sock = socket.socket()
-                held.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in held:
-                sock.close()
-    raise RuntimeError("no consecutive free ports")
-
-
-def server_url() -> str:
-    """DATABASE_URL's server (the tests' PostgreSQL), pointed at this test's own database."""
-    parts = urlsplit(os.environ.get("DATABASE_URL") or "postgres://postgres@127.0.0.1:5432/kcaas")
-    return parts._replace(path=f"/{DATABASE}").geturl()
-
-
-def drop_database() -> None:
-    admin = urlsplit(server_url())._replace(path="/postgres").geturl()
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(DATABASE)))
 
 
 @pytest.fixture
 def cluster_services():
     """A fresh database (cluster.py creates it) and empty Redis dbs; both cleaned up afterwards."""
-    redis_base = urlsplit(os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/0")._replace(path="").geturl()
-    clients = [redis.Redis.from_url(f"{redis_base}/{db}") for db in REDIS_DBS]
-    drop_database()
-    for client in clients:
-        client.flushdb()
-    yield {"DATABASE_URL": server_url(), "REDIS_URL": f"{redis_base}/{REDIS_DBS[0]}",
-           "CELERY_BROKER_URL": f"{redis_base}/{REDIS_DBS[1]}"}  # fmt: skip
-    for client in clients:
-        client.flushdb()
-        client.close()
-    drop_database()
-
-
-def staff_get(url: str, password: str) -> dict:
-    auth = base64.b64encode(f"admin:{password}".encode()).decode()
-    request = urllib.request.Request(url, headers={"Authorization": f"Basic {auth}"})
-    with urllib.request.urlopen(request, timeout=10) as response:
-        return json.loads(response.read())
+    with own_services(DATABASE, REDIS_DBS) as services:
+        yield services
 
 
 def wait_for(predicate, *, timeout: float, what: str):
@@ -134,55 +71,6 @@ def round_trip(client: kcaas.Client, cache, ca_file: str, seed: int) -> None:
         assert back.contiguous().view(torch.uint8).numpy().tobytes() == kv.view(torch.uint8).numpy().tobytes()
 
 
-@contextlib.contextmanager
-def running_cluster(tmp_path, services: dict, *args: str):
-    """scripts/cluster.py in its own session on free ports: yields (process, banner, output lines so far, ports);
-    SIGKILLs the whole session on the way out if it is still running."""
-    port, node_port, metrics_port = free_ports(1), free_ports(2), free_ports(2)
-    env = {k: v for k, v in os.environ.items() if k not in {"DJANGO_SETTINGS_MODULE", "KCAAS_NODE_ENDPOINT"}}
-    env.update(services)
-    env.update(
-        KCAAS_VAR_DIR=str(tmp_path / "var"), KCAAS_PORT=str(port), KCAAS_NODE_PORT=str(node_port),
-        KCAAS_NODE_METRICS_PORT=str(metrics_port), KCAAS_NODE_DEVICE_BYTES=str(NODE_BYTES),
-        KCAAS_NODE_HEARTBEAT_SECONDS="1", KCAAS_NODE_LEASE_SECONDS=str(LEASE_SECONDS), KCAAS_LEASE_SWEEP_SECONDS="1",
-        LOG_LEVEL="WARNING",
-    )  # fmt: skip
-    stderr = open(tmp_path / "cluster.stderr", "w+")  # a file: a chatty child never blocks on a full pipe
-    cluster = subprocess.Popen([sys.executable, "scripts/cluster.py", *args], cwd=REPO, env=env,
-                               stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)  # fmt: skip
-    output: list[str] = []
-    try:
-        deadline = time.monotonic() + 120
-        while "Ctrl-C stops everything" not in "".join(output):
-            if time.monotonic() > deadline or cluster.poll() is not None:
-                stderr.seek(0)
-                pytest.fail(f"make cluster did not come up: {''.join(output)[-2000:]} {stderr.read()[-3000:]}")
-            output.append(cluster.stdout.readline())
-        banner = "".join(output)
-        threading.Thread(target=lambda: output.extend(cluster.stdout), daemon=True).start()  # keep the pipe drained
-        cluster.stderr_file = stderr
-        yield cluster, banner, output, (port, node_port, metrics_port)
-    finally:
-        if cluster.poll() is None:
-            os.killpg(cluster.pid, signal.SIGKILL)
-            cluster.wait()
-        stderr.close()
-    leftovers = subprocess.run(["pgrep", "-s", str(cluster.pid)], capture_output=True, text=True).stdout.split()
-    assert leftovers == []  # no child of make cluster outlives it
-
-
-def reported_pids(banner: str) -> dict[str, int]:
-    pids = {name: int(pid) for name, pid in re.findall(r"(\S+)=(\d+)", banner.split("processes", 1)[1])}
-    assert set(pids) == {"web", "worker", "beat", "agent-1", "agent-2"}
-    return pids
-
-
-def assert_all_gone(pids: dict[str, int]) -> None:
-    for pid in pids.values():
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)  # gone (and reaped: a zombie would still answer)
-
-
 def test_make_cluster_places_on_two_nodes_sees_one_lost_and_stops_cleanly(tmp_path, cluster_services):
     started = time.monotonic()
     with running_cluster(tmp_path, cluster_services, "--survive-agent-loss") as (cluster, banner, output, ports):
@@ -193,7 +81,7 @@ def test_make_cluster_places_on_two_nodes_sees_one_lost_and_stops_cleanly(tmp_pa
         ca_file = re.search(r"dev CA: ([^)\s]+)\)", banner).group(1)
         nodes = dict(re.findall(r"node (local-cpu\S*)\s+(\S+) \(TLS 1.3 data plane\)", banner))
         assert nodes == {"local-cpu": f"127.0.0.1:{node_port}", "local-cpu-2": f"127.0.0.1:{node_port + 1}"}
-        pids = reported_pids(banner)
+        pids = reported_pids(banner, agents=2)
         for index in (0, 1):
             assert f"http://127.0.0.1:{metrics_port + index}/metrics" in banner
             with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port + index}/metrics", timeout=5) as metrics:
@@ -217,9 +105,9 @@ def test_make_cluster_places_on_two_nodes_sees_one_lost_and_stops_cleanly(tmp_pa
                             timeout=LEASE_SECONDS + 20, what="the cache on the killed node to fail")  # fmt: skip
             lost_seconds = time.monotonic() - killed
             assert lost.failure_reason == "node_lost"
-            node = staff_get(f"http://127.0.0.1:{port}/api/v1/admin/nodes/{second.node_id}", password)
+            node = staff_call(f"http://127.0.0.1:{port}/api/v1/admin/nodes/{second.node_id}", password)
             assert node["state"] == "lost" and node["reserved"]["device"] == 0
-            survivor = staff_get(f"http://127.0.0.1:{port}/api/v1/admin/nodes/{first.node_id}", password)
+            survivor = staff_call(f"http://127.0.0.1:{port}/api/v1/admin/nodes/{first.node_id}", password)
             assert survivor["state"] == "ready"
             assert client.get_cache(first.id).is_ready
             round_trip(client, first, ca_file, seed=3)  # the other node still serves
@@ -237,7 +125,7 @@ def test_make_cluster_places_on_two_nodes_sees_one_lost_and_stops_cleanly(tmp_pa
 
 def test_by_default_a_dead_agent_stops_the_whole_cluster(tmp_path, cluster_services):
     with running_cluster(tmp_path, cluster_services) as (cluster, banner, output, _):
-        pids = reported_pids(banner)
+        pids = reported_pids(banner, agents=2)
         os.kill(pids["agent-2"], signal.SIGKILL)
         assert cluster.wait(timeout=60) == 0  # it stops on its own
         time.sleep(0.5)
@@ -252,8 +140,7 @@ def test_bootstrap_only_makes_what_the_compose_agents_read(tmp_path, cluster_ser
     compose service names) in their own directory, the CA key outside it; a second run reuses everything."""
     from cryptography import x509
 
-    admin = urlsplit(server_url())._replace(path="/postgres").geturl()
-    with psycopg.connect(admin, autocommit=True) as conn:
+    with psycopg.connect(admin_url(DATABASE), autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(DATABASE)))
     env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
     env.update(cluster_services)

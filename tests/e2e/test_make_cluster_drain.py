@@ -12,69 +12,34 @@ everything.
 
 from __future__ import annotations
 
-import base64
 import importlib.util
-import json
 import os
 import re
 import signal
 import ssl
 import time
-import urllib.request
 from pathlib import Path
-from urllib.parse import urlsplit
 
-import psycopg
 import pytest
-import redis
 import torch
-from psycopg import sql
 
 import kcaas
 from kcaas.dataplane import DataPlaneClient
 from kcaas.tokens import TokenSource
-from tests.e2e.test_make_cluster import SPEC, assert_all_gone, reported_pids, running_cluster
+from tests.e2e.cluster_support import SPEC, own_services, running_cluster, staff_call
+from tests.e2e.up_support import REPO, assert_all_gone, reported_pids
 from tests.waiting import eventually
 
-REPO = Path(__file__).resolve().parents[2]
 DATABASE = f"kcaas_cluster_drain_{os.getpid()}"
 REDIS_DBS = (4, 5)  # rate limits / key usage, and the Celery broker (test_make_cluster.py has 12/13)
 DEVICE_BLOCKS, SSD_BLOCKS, SEQUENCES, SEQ_TOKENS = 8, 64, 6, 48  # 18 blocks put: 10+ of them only on the SSD
 
 
-def server_url() -> str:
-    parts = urlsplit(os.environ.get("DATABASE_URL") or "postgres://postgres@127.0.0.1:5432/kcaas")
-    return parts._replace(path=f"/{DATABASE}").geturl()
-
-
-def drop_database() -> None:
-    admin = urlsplit(server_url())._replace(path="/postgres").geturl()
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(DATABASE)))
-
-
 @pytest.fixture
 def drain_services():
     """A fresh database (cluster.py creates it), empty Redis dbs, and an SSD tier on every agent."""
-    redis_base = urlsplit(os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/0")._replace(path="").geturl()
-    clients = [redis.Redis.from_url(f"{redis_base}/{db}") for db in REDIS_DBS]
-    drop_database()
-    for client in clients:
-        client.flushdb()
-    yield {"DATABASE_URL": server_url(), "REDIS_URL": f"{redis_base}/{REDIS_DBS[0]}",
-           "CELERY_BROKER_URL": f"{redis_base}/{REDIS_DBS[1]}", "KCAAS_NODE_SSD_BYTES": str(256 * SPEC.block_bytes),
-           "KCAAS_NODE_SSD_DIR": ""}  # fmt: skip
-    for client in clients:
-        client.flushdb()
-        client.close()
-    drop_database()
-
-
-def staff_call(url: str, password: str, method: str = "GET") -> dict:
-    auth = base64.b64encode(f"admin:{password}".encode()).decode()
-    request = urllib.request.Request(url, method=method, headers={"Authorization": f"Basic {auth}"})
-    with urllib.request.urlopen(request, timeout=10) as response:
-        return json.loads(response.read())
+    with own_services(DATABASE, REDIS_DBS) as services:
+        yield {**services, "KCAAS_NODE_SSD_BYTES": str(256 * SPEC.block_bytes), "KCAAS_NODE_SSD_DIR": ""}
 
 
 def sequences() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -138,7 +103,7 @@ def test_a_drain_under_make_cluster_moves_the_cache_and_uncordon_returns_the_nod
         roots = ssd_roots(tmp_path / "var")
         for name, root in roots.items():
             assert f"SSD {root}" in banner, name
-        pids = reported_pids(banner)
+        pids = reported_pids(banner, agents=2)
         puts = sequences()
         with kcaas.Client(base, api_key) as client:
             cache = client.attach("moving", SPEC, {"device": DEVICE_BLOCKS * SPEC.block_bytes,

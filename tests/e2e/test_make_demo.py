@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.e2e.test_make_up import free_port
+from tests.faults import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

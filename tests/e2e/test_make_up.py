@@ -2,42 +2,24 @@
 no external service), in a fresh var/ directory. The printed key attaches a cache that becomes ready through the
 node agent; Ctrl-C stops every process."""
 
-import os
 import re
 import signal
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import kcaas
+from tests.e2e.up_support import assert_session_gone, kill_session, read_banner, start_up
+from tests.faults import free_port
 
-REPO = Path(__file__).resolve().parents[2]
 SPEC = {"model_fingerprint": "tiny@1", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 16,
         "kv_dtype": "float16", "storage_dtype": "float16"}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_make_up_serves_a_cache_end_to_end_and_stops_on_ctrl_c(tmp_path):
     port = free_port()
-    env = {k: v for k, v in os.environ.items()
-           if k not in {"DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "DJANGO_SETTINGS_MODULE"}}
-    env.update(KCAAS_VAR_DIR=str(tmp_path / "var"), KCAAS_PORT=str(port), KCAAS_NODE_DEVICE_BYTES=str(64 << 20))
-    up = subprocess.Popen([sys.executable, "scripts/up.py"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    up = start_up(tmp_path, port)
     try:
-        banner = ""
-        deadline = time.monotonic() + 120
-        while "Ctrl-C stops everything" not in banner:
-            assert time.monotonic() < deadline and up.poll() is None, f"make up did not come up: {banner[-2000:]}"
-            banner += up.stdout.readline()
+        banner = read_banner(up, "make up")
         api_key = re.search(r"demo API key\s+(kc_live_\S+)", banner).group(1)
         assert re.search(r"admin login\s+admin / \S+", banner)
         console_password = re.search(r"/console/\s+login console / (\S+)", banner).group(1)
@@ -61,11 +43,8 @@ def test_make_up_serves_a_cache_end_to_end_and_stops_on_ctrl_c(tmp_path):
         assert up.wait(timeout=60) == 0
         assert "stopped" in up.stdout.read()
     finally:
-        if up.poll() is None:
-            os.killpg(up.pid, signal.SIGKILL)
-            up.wait()
-    leftovers = subprocess.run(["pgrep", "-s", str(up.pid)], capture_output=True, text=True).stdout.split()
-    assert leftovers == []  # no child of make up outlives it
+        kill_session(up)
+    assert_session_gone(up)  # no child of make up outlives it
 
 
 def _console_is_served(base: str) -> None:

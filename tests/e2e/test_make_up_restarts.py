@@ -12,46 +12,19 @@ import importlib.util
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
 import kcaas
+from tests.e2e.test_make_up import SPEC
+from tests.e2e.up_support import (
+    REPO, assert_session_gone, keep_draining, kill_session, read_banner, reported_pids, start_up,
+)  # fmt: skip
+from tests.faults import free_port
 from tests.waiting import eventually
-
-REPO = Path(__file__).resolve().parents[2]
-SPEC = {"model_fingerprint": "tiny@1", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 16,
-        "kv_dtype": "float16", "storage_dtype": "float16"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def read_banner(up: subprocess.Popen, stderr_file: Path) -> str:
-    """up.py's stdout up to the end of its banner; then a thread keeps the pipe drained (a chatty child never
-    blocks on a full pipe)."""
-    banner = ""
-    deadline = time.monotonic() + 120
-    while "Ctrl-C stops everything" not in banner:
-        if time.monotonic() > deadline or up.poll() is not None:
-            pytest.fail(f"make up did not come up: {banner[-2000:]} {stderr_file.read_text()[-3000:]}")
-        banner += up.stdout.readline()
-    threading.Thread(target=lambda: up.stdout_lines.extend(up.stdout), daemon=True).start()
-    return banner
-
-
-def reported_pids(banner: str) -> dict[str, int]:
-    pids = {name: int(pid) for name, pid in re.findall(r"(\S+)=(\d+)", banner.split("processes", 1)[1])}
-    assert set(pids) == {"web", "worker", "beat", "agent-1"}
-    return pids
 
 
 def alive(pid: int) -> bool:
@@ -83,18 +56,15 @@ def kill_and_await_restart(up: subprocess.Popen, stderr_file: Path, name: str, p
 
 def test_make_up_restarts_a_killed_worker_and_beat_and_still_stops_on_ctrl_c(tmp_path):
     port = free_port()
-    env = {k: v for k, v in os.environ.items()
-           if k not in {"DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "DJANGO_SETTINGS_MODULE"}}
-    env.update(KCAAS_VAR_DIR=str(tmp_path / "var"), KCAAS_PORT=str(port), KCAAS_NODE_DEVICE_BYTES=str(64 << 20))
     stderr_file = tmp_path / "up.stderr"
     with open(stderr_file, "w") as stderr:
-        up = subprocess.Popen([sys.executable, "scripts/up.py"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=stderr, text=True, start_new_session=True)  # fmt: skip
+        up = start_up(tmp_path, port, stderr)
     up.stdout_lines = []
     started: list[int] = []
     try:
-        banner = read_banner(up, stderr_file)
-        pids = reported_pids(banner)
+        banner = read_banner(up, "make up", stderr_file)
+        keep_draining(up, up.stdout_lines)
+        pids = reported_pids(banner, agents=1)
         started.extend(pids.values())
         api_key = re.search(r"demo API key\s+(kc_live_\S+)", banner).group(1)
 
@@ -111,12 +81,9 @@ def test_make_up_restarts_a_killed_worker_and_beat_and_still_stops_on_ctrl_c(tmp
         assert up.wait(timeout=60) == 0
         assert eventually(lambda: "stopped\n" in "".join(up.stdout_lines), timeout=10)
     finally:
-        if up.poll() is None:
-            os.killpg(up.pid, signal.SIGKILL)
-            up.wait()
+        kill_session(up)
     assert [pid for pid in started if alive(pid)] == []  # the restarted children too
-    leftovers = subprocess.run(["pgrep", "-s", str(up.pid)], capture_output=True, text=True).stdout.split()
-    assert leftovers == []  # no child of make up outlives it
+    assert_session_gone(up)  # no child of make up outlives it
 
 
 def load_up():
