@@ -21,7 +21,8 @@ is retried: requests that are safe to repeat — GET and DELETE, POST /caches (i
 once per call and reused by every attempt) and key revocation (idempotent on the server) — on connection errors,
 429, 502, 503, 504 (and 409 idempotency_in_progress: the server still running our own earlier attempt). Any request
 is retried when the connection could not even be opened, and on 429 (the rate limiter refuses before the view runs):
-in both cases the server did nothing. Other POSTs (create/rotate key, issue token) are never repeated after a lost
+in both cases the server did nothing. An error answer without Retry-After (a gateway's 502/504, 503 no_capacity:
+nothing says it passes in seconds) is retried at most HINTLESS_RETRIES (3) times. Other POSTs (create/rotate key, issue token) are never repeated after a lost
 answer or a 5xx: the server may have acted, so the caller decides. `retries=0` turns retrying off.
 
 Errors: every non-2xx answer raises a typed `kcaas.errors.KcaasError` subclass; the API key never appears in an
@@ -77,10 +78,22 @@ def _sdk_version() -> str:
 
 __version__ = _sdk_version()
 USER_AGENT = f"kcaas-sdk/{__version__}"
+HINTLESS_RETRIES = 3  # retries of an error answer that carries no Retry-After
 
 
 # ---- the transport ---------------------------------------------------------------------------------------------------
 
+
+
+def _in_progress(response: _Response, error: KcaasError) -> bool:
+    """409 idempotency_in_progress: the server is still running our own earlier attempt."""
+    return response.status == 409 and error.code == "idempotency_in_progress"
+
+
+def _hinted(response: _Response, error: KcaasError) -> bool:
+    """The answer says it passes soon: a Retry-After, or our own attempt still running."""
+    has_hint = getattr(error, "retry_after", None) is not None or _retry_after(response.headers) is not None
+    return has_hint or _in_progress(response, error)
 
 class Client:
     """A tenant's handle on the KCaaS REST API. Thread-safe: each thread gets its own keep-alive connection."""
@@ -221,6 +234,7 @@ class Client:
             repeatable = method in IDEMPOTENT_METHODS or idempotency_key is not None
 
         deadline = None if self.retry_budget is None else self._clock() + self.retry_budget
+        hintless = 0  # error answers retried so far that carried no Retry-After
         for attempt in itertools.count():
             try:
                 response = self._send_once(method, target, body, headers)
@@ -236,22 +250,25 @@ class Client:
                 if 200 <= response.status < 300:
                     return response
                 failure = self._error(response)
-                delay = self._retry_delay(response, failure, attempt, repeatable)
+                delay = self._retry_delay(response, failure, attempt, repeatable, hintless)
+                hintless += delay is not None and not _hinted(response, failure)
             if delay is None or not self._may_retry(attempt, delay, deadline):
                 raise failure
             self._sleep(delay)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _retry_delay(self, response: _Response, error: KcaasError, attempt: int, repeatable: bool) -> float | None:
+    def _retry_delay(self, response: _Response, error: KcaasError, attempt: int, repeatable: bool,
+                     hintless: int) -> float | None:  # fmt: skip
         """How long to wait before trying an answered request again, or None when it must not be repeated."""
-        retry_code = response.status == 409 and error.code == "idempotency_in_progress"
+        retry_code = _in_progress(response, error)
         # 429 is retried for every request: the throttle refuses before the view runs, so nothing happened
         retry = response.status == 429 or (repeatable and (response.status in RETRY_STATUSES or retry_code))
         if not retry:
             return None
         retry_after = getattr(error, "retry_after", None) or _retry_after(response.headers)
         if retry_after is None:
-            return self._backoff(attempt)
+            # no hint that it passes soon (a gateway error, 503 no_capacity): a few tries, not the whole budget
+            return self._backoff(attempt) if _hinted(response, error) or hintless < HINTLESS_RETRIES else None
         # the server's hint, plus a little jitter so throttled clients do not stampede back together
         return min(retry_after, self.max_retry_after) + random.uniform(0, 0.1)
 

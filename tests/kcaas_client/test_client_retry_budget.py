@@ -84,6 +84,17 @@ def test_the_retry_budget_bounds_a_call_that_keeps_failing(server):  # noqa: F81
     assert len(Scripted.seen) == len(clock.slept) + 1 <= client.retries + 1
 
 
+def test_an_error_without_retry_after_is_tried_a_few_times_not_for_the_whole_budget(server):  # noqa: F811
+    """503 no_capacity (no node fits) carries no hint that it passes in seconds: the caller hears of it soon."""
+    Scripted.script = [(503, {}, _err("no_capacity", "No node fits."))]
+    client = _client(server.server_address[1])
+    clock = FakeTime(client)
+    with pytest.raises(errors.ServiceUnavailableError) as caught:
+        client.attach("n", {"x": 1}, {"device": 1}, wait=False)
+    assert caught.value.code == "no_capacity"
+    assert len(Scripted.seen) == 1 + kcaas.client.HINTLESS_RETRIES and sum(clock.slept) < 10
+
+
 def test_the_shortest_schedule_still_spans_ten_seconds():
     """The property the defaults are chosen for: `retries` shortest waits (a tenth of each cap) exceed ten seconds,
     so the time budget, not the attempt count, is what ends a call during an outage."""
