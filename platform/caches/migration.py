@@ -32,13 +32,13 @@ from django.utils import timezone
 from audit.actions import AuditAction
 from audit.services import audit_record
 from caches.models import Cache, CacheState, Migration, MigrationState
-from caches.sealing import hash_key_unseal, ssd_key_unseal
+from caches.sealing import SealError, hash_key_unseal, ssd_key_unseal
 from caches.services import _lock_cache, cache_key
 from controlplane.errors import ConflictError, NotFoundError
 from fleet.errors import NoCapacity
 from fleet.models import Node, NodeState
 from fleet.outbox import order_enqueue, orders_acknowledge, orders_close
-from fleet.services import node_drain, node_place, node_unreserve
+from fleet.services import node_drain, node_place, node_unreserve, nodes_lock
 from kcaas.node_messages import (
     DETACH_TASK,
     MIGRATE_ABORT_TASK,
@@ -90,6 +90,10 @@ def migration_start(*, cache_id, target_node_id=None, reason: str = "rebalance")
                                                  epoch_from=cache.epoch, epoch_to=cache.epoch + 1)  # fmt: skip
     except IntegrityError:
         raise MigrationConflict("The cache is already being migrated.") from None
+    # An earlier failed migration to this node may still be re-sending its detach of the copy it left there, at
+    # this same epoch_to: sent after this migration's cutover, it would drop the live cache. This migration owns the
+    # target's copy now (migrate_in re-provisions it; its own end detaches it or makes it the serving one).
+    orders_close(node_id=target.pk, key=cache_key(cache.pk), reason="superseded: a new migration to this node")
     _order_migrate_in(migration)
     return migration
 
@@ -106,9 +110,17 @@ def _order_migrate_in(migration: Migration) -> None:
 
 def migrate_in_order_args(migration_id: str) -> list | None:
     """The outbox builder of migrate_in (it carries the cache's keys, unsealed only into the message): None once
-    the migration is no longer pending."""
+    the migration is no longer pending, once its cache left service (a detach, an erasure: the target must not host
+    it again after the purge) or when its keys no longer open (shredded)."""
     migration = Migration.objects.select_related("cache").filter(pk=migration_id, state=MigrationState.PENDING).first()
-    return None if migration is None else _migrate_in_args(migration, migration.cache)
+    if migration is None or migration.cache.state not in (CacheState.READY, CacheState.PROVISIONING):
+        return None
+    try:
+        return _migrate_in_args(migration, migration.cache)
+    except SealError:
+        logger.warning("migration %s: the keys of cache %s do not open; migrate_in not sent", migration.pk,
+                       migration.cache_id)  # fmt: skip
+        return None
 
 
 def _migrate_in_args(migration: Migration, cache: Cache) -> list:
@@ -213,18 +225,30 @@ def _cutover(migration: Migration, cache: Cache, info: dict) -> Migration:
 
 
 def _fail(migration: Migration, reason: str) -> Migration:
+    _fail_state(migration, reason)
+    _fail_orders(migration)
+    return migration
+
+
+def _fail_state(migration: Migration, reason: str) -> None:
+    """failed, the target's reservation given back (the node locks of a failure)."""
     migration.state = MigrationState.FAILED
     migration.failure_reason = str(reason)[:300]
     migration.save(update_fields=["state", "failure_reason", "updated_at"])
     node_unreserve(node_id=migration.target_id, capacity=migration.cache.capacity())
+
+
+def _fail_orders(migration: Migration) -> None:
+    """The orders of a failure (after every node lock): no more migrate_in/out, abort to the source, detach of the
+    target's copy."""
     _close_orders(migration, "failed")
     # the source may have fenced writes (or will, when its sender gets there): it takes them again
-    order_enqueue(node_id=migration.source_id, task=MIGRATE_ABORT_TASK, args=[str(migration.pk), str(migration.cache_id)],
+    order_enqueue(node_id=migration.source_id, task=MIGRATE_ABORT_TASK,
+                  args=[str(migration.pk), str(migration.cache_id)],
                   key=_key(migration, "abort"), expects_answer=False)  # fmt: skip
     cache = migration.cache  # the target's copy goes, at the target's epoch (the cache row keeps its own)
     order_enqueue(node_id=migration.target_id, task=DETACH_TASK, args=[str(cache.pk), migration.epoch_to],
                   key=cache_key(cache.pk))  # fmt: skip
-    return migration
 
 
 def _close_orders(migration: Migration, reason: str) -> None:
@@ -246,11 +270,13 @@ def migrations_expire(*, now=None) -> list[uuid.UUID]:
     ending = Migration.objects.select_for_update(of=("self",), no_key=True).select_related("cache").filter(
         Q(updated_at__lt=cutoff) | lost, state__in=active
     )
-    failed = []
-    for migration in ending.order_by("id"):
-        stalled = migration.updated_at < cutoff
-        failed.append(_fail(migration, "stalled" if stalled else "node_lost").pk)
-    return failed
+    ending = list(ending.order_by("id"))
+    nodes_lock(node_ids=[migration.target_id for migration in ending])  # the migrations, then their targets
+    for migration in ending:
+        _fail_state(migration, "stalled" if migration.updated_at < cutoff else "node_lost")
+    for migration in ending:  # the orders after every node lock
+        _fail_orders(migration)
+    return [migration.pk for migration in ending]
 
 
 @transaction.atomic
@@ -279,10 +305,12 @@ def migrations_redrive_node(*, node_id) -> list[uuid.UUID]:
     return redriven
 
 
-@transaction.atomic
 def node_drain_caches(*, node_id) -> list[Migration]:
     """Drain a node: no new placements (fleet node_drain, audited NODE_DRAINING) and a migration for every ready
-    cache on it, each to where placement puts it. A cache that cannot move now (no room) is left for a retry."""
+    cache on it, each to where placement puts it. A cache that cannot move now (no room) is left for a retry.
+    The drain commits first and each migration starts in a transaction of its own: the node's row lock is never
+    held while a cache is locked (the cache -> node lock order; a detach answered meanwhile would deadlock).
+    A refused drain (the node is not ready or cordoned) changes nothing."""
     node_drain(node_id=node_id)
     started = []
     hosted = Cache.objects.filter(node_id=node_id, state=CacheState.READY).order_by("id")

@@ -6,12 +6,14 @@ nobody consumes). Beat runs `caches_reconcile_stuck` every KCAAS_RECONCILE_SECON
 
     provisioning (or pending) for KCAAS_PROVISION_DEADLINE_SECONDS -> failed `provisioning_timeout`: the reservation
         is released and the node is ordered to drop whatever it made (a detach, which supersedes the provisioning)
-    detaching for KCAAS_DETACH_DEADLINE_SECONDS -> detached, `detach_unconfirmed`: the reservation is released and
-        the detach order closed (the cache's tokens were revoked when the detach began, so nothing reaches its pool)
+    detaching for KCAAS_DETACH_DEADLINE_SECONDS -> detached, `detach_unconfirmed`: the reservation is released (the
+        cache's tokens were revoked when the detach began, so nothing reaches its pool); its detach order stays open,
+        sent until the node answers (or the order expires, or the node is lost): a detach that a broker outage kept
+        from a live node still reaches it, so its pool does not outlive the reservation it no longer has
 
-Both are audited as the system's actions. Candidates are locked in id order before fleet locks the nodes (the
-cache -> node lock order). Status-guarded like every transition: a node answer that arrives after the deadline
-finds the cache failed or detached and changes nothing.
+Both are audited as the system's actions. Candidates are locked in id order, then their nodes in id order, then
+the orders (the cache -> node -> order lock order). Status-guarded like every transition: a node answer that
+arrives after the deadline finds the cache failed or detached and changes nothing.
 """
 
 from __future__ import annotations
@@ -34,9 +36,8 @@ from caches.services import (
     _audit,
     _order_detach,
     _release,
-    cache_key,
 )
-from fleet.outbox import orders_close
+from fleet.services import nodes_lock
 
 logger = logging.getLogger("kcaas.caches")
 
@@ -48,19 +49,20 @@ def caches_reconcile_stuck(*, now: datetime | None = None) -> list[uuid.UUID]:
     provisioning_before = now - timedelta(seconds=settings.KCAAS_PROVISION_DEADLINE_SECONDS)
     detaching_before = now - timedelta(seconds=settings.KCAAS_DETACH_DEADLINE_SECONDS)
     stuck = _lock_stuck(provisioning_before, detaching_before)
+    nodes_lock(node_ids=[cache.node_id for cache in stuck])  # every cache, then their nodes in id order
     events = []
     for cache in stuck:
         old = {"state": cache.state, "failure_reason": cache.failure_reason}
         _release(cache)
         if cache.state == CacheState.DETACHING:
             cache.state, cache.failure_reason = CacheState.DETACHED, DETACH_UNCONFIRMED
-            orders_close(node_id=cache.node_id, key=cache_key(cache.pk), reason=DETACH_UNCONFIRMED)
         else:
             cache.state, cache.failure_reason = CacheState.FAILED, PROVISIONING_TIMEOUT
-            if cache.node_id is not None:
-                _order_detach(cache)
         cache.save(update_fields=["state", "failure_reason", "updated_at"])
         events.append((cache, old))
+    for cache, _ in events:  # the orders after every node lock (a detach already under way keeps its order)
+        if cache.state == CacheState.FAILED and cache.node_id is not None:
+            _order_detach(cache)
     for cache, old in events:  # audit events last: every cache, node and order lock is taken by now
         logger.warning("cache %s: %s for too long, now %s (%s)", cache.pk, old["state"], cache.state,
                        cache.failure_reason)  # fmt: skip

@@ -42,7 +42,7 @@ from caches.signing import token_sign
 from controlplane.errors import ConflictError, NotFoundError, QuotaExceeded
 from fleet.models import NodeState
 from fleet.outbox import order_enqueue, orders_acknowledge
-from fleet.services import node_place, node_unreserve, nodes_expire_unrecorded, nodes_lost_record
+from fleet.services import node_place, node_unreserve, nodes_expire_unrecorded, nodes_lock, nodes_lost_record
 from kcaas.spec import KVCacheSpec
 from tenants.models import Tenant
 from tenants.selectors import quota_limits
@@ -368,7 +368,8 @@ def caches_sweep_leases(*, now: datetime | None = None) -> list[uuid.UUID]:
         node__state__in=[NodeState.READY, NodeState.DRAINING, NodeState.CORDONED], node__lease_expires_at__lt=now
     )
     candidates = list(
-        Cache.objects.select_for_update(of=("self",), no_key=True).filter(dying, state__in=RESERVING_STATES).order_by("id")
+        Cache.objects.select_for_update(of=("self",), no_key=True)
+        .filter(dying, state__in=RESERVING_STATES).order_by("id")
     )
     lost = nodes_expire_unrecorded(now=now)
     lost_nodes = set(
@@ -481,19 +482,19 @@ def caches_detach_tenant(*, tenant_id: uuid.UUID) -> list[dict]:
     """Erasure: every cache of the tenant leaves service at once, without a detach message to its node (the privacy
     room's purge_tenant drops the tenant's pools on every node). Outstanding data tokens are revoked (pushed to the
     nodes), caches still reserving release their reservation, all become detached. Returns the caches changed,
-    [{"cache_id", "node_id", "state"}] with the state before; idempotent (a rerun changes nothing, returns [])."""
+    [{"cache_id", "node_id", "state"}] with the state before; idempotent (a rerun changes nothing, returns []).
+    Every cache is locked (id order) before their nodes (id order), and those before the token orders."""
     now = timezone.now()
-    changed = []
-    live = Cache.objects.filter(tenant_id=tenant_id).exclude(state=CacheState.DETACHED)
-    for cache_id in live.order_by("id").values_list("id", flat=True):
-        cache = _lock_cache(cache_id)
-        if cache is None or cache.state == CacheState.DETACHED:
-            continue
-        _revoke_tokens(cache, now)
+    live = list(Cache.objects.select_for_update(of=("self",), no_key=True).filter(tenant_id=tenant_id)
+                .exclude(state=CacheState.DETACHED).order_by("id"))  # fmt: skip
+    changed = [{"cache_id": str(c.pk), "node_id": str(c.node_id or ""), "state": c.state} for c in live]
+    nodes_lock(node_ids=[cache.node_id for cache in live if cache.state in RESERVING_STATES])
+    for cache in live:
         if cache.state in RESERVING_STATES:
             _release(cache)
-        changed.append({"cache_id": str(cache.pk), "node_id": str(cache.node_id or ""), "state": cache.state})
         cache.state = CacheState.DETACHED
         cache.save(update_fields=["state", "updated_at"])
+    for cache in live:
+        _revoke_tokens(cache, now)
     DataToken.objects.filter(tenant_id=tenant_id, revoked_at__isnull=True).update(revoked_at=now)
     return changed

@@ -94,8 +94,9 @@ def orders_dispatch(*, now: datetime | None = None, limit: int = 500) -> dict[st
     rest stay due). Returns counts by outcome."""
     now = now or timezone.now()
     due = list(NodeOrder.objects.select_for_update(skip_locked=True, no_key=True)
-               .filter(state__in=OPEN_ORDER_STATES, next_attempt_at__lte=now).order_by("next_attempt_at", "id")[:limit])  # fmt: skip
-    counts = {"sent": 0, "failed": 0, "dropped": 0, "moot": 0}
+               .filter(state__in=OPEN_ORDER_STATES, next_attempt_at__lte=now)
+               .order_by("next_attempt_at", "id")[:limit])  # fmt: skip
+    counts = {"sent": 0, "failed": 0, "dropped": 0, "moot": 0, "error": 0}
     lost = set(Node.objects.filter(pk__in={o.node_id for o in due}, state=NodeState.LOST).values_list("id", flat=True))
     max_age = timedelta(seconds=settings.KCAAS_ORDER_MAX_AGE_SECONDS)
     with _broker(DISPATCH_CONNECT_RETRIES) as connection:
@@ -118,10 +119,21 @@ def _broker(connect_retries: int):
 
 
 def _send(order: NodeOrder, now: datetime, connection) -> str:
-    """Publish one locked order; "sent", "moot" (its builder found nothing left to do) or "failed"."""
+    """Publish one locked order; "sent", "moot" (its builder found nothing left to do), "failed" (the broker) or
+    "error" (its builder raised: the order is tried again after a backoff, and the other due orders still go)."""
     args = order.args
     if order.builder:
-        args = import_string(order.builder)(*order.args)
+        try:
+            with transaction.atomic():  # a savepoint: a builder's database error leaves the run's transaction usable
+                args = import_string(order.builder)(*order.args)
+        except Exception as error:  # noqa: BLE001 - one order that cannot be built must not hold up every other
+            logger.exception("order %s (%s to node %s): its builder failed", order.pk, order.task, order.node_id)
+            order.attempts += 1
+            order.last_error = f"builder: {type(error).__name__}: {error}"[:MAX_ERROR_LENGTH]
+            backoff = _backoff(order.attempts, settings.KCAAS_ORDER_RESEND_SECONDS)
+            order.next_attempt_at = now + timedelta(seconds=backoff)
+            order.save(update_fields=["attempts", "last_error", "next_attempt_at"])
+            return "error"
         if args is None:
             _finish(order, OrderState.DONE, now, "moot")
             return "moot"

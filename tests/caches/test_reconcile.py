@@ -55,7 +55,11 @@ def test_a_detach_the_node_never_confirms_ends_detached_after_its_deadline(tenan
     cache.refresh_from_db()
     assert (cache.state, cache.failure_reason) == (CacheState.DETACHED, "detach_unconfirmed")
     assert reserved(node) == NOTHING
+    (detach,) = NodeOrder.objects.filter(node=node, state__in=[OrderState.PENDING, OrderState.SENT])
+    assert detach.task == DETACH_TASK  # still sent until the node answers: its pool must not outlive the reservation
+    services.cache_detach_result(cache_id=cache.pk, node_id=node.pk)  # the late answer closes it, changes nothing
     assert not NodeOrder.objects.filter(node=node, state__in=[OrderState.PENDING, OrderState.SENT]).exists()
+    assert Cache.objects.get(pk=cache.pk).failure_reason == "detach_unconfirmed"
     assert tenant_a.client.post("/api/v1/caches", attach_body("gone"), format="json").status_code == 201  # name free
 
 

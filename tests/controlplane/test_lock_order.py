@@ -126,3 +126,130 @@ def test_every_service_takes_its_row_locks_in_the_documented_order(tenant_a, mak
     other = ready_cache(tenant_a, "b")
     assert_in_order(locks_taken(lambda: services.caches_sweep_leases(now=timezone.now() + timezone.timedelta(days=1))))
     assert Cache.objects.get(pk=other.pk).failure_reason == "node_lost"
+
+
+# ---- several caches on several nodes: the nodes too are locked in id order, after every cache ---------------------
+
+UUID_HEX = re.compile(r"'([0-9a-f]{32})'::uuid")
+
+
+def nodes_locked_in_id_order(action) -> list[tuple[str, str]]:
+    """Run `action`; assert every node row it locks by id comes after the ones it already holds in id order (the
+    rows a placement chooses are locked in id order by one query and name no id). Returns its locks."""
+    with CaptureQueriesContext(connection) as queries:
+        action()
+    held: set[str] = set()
+    for query in queries.captured_queries:
+        match = LOCK.search(query["sql"])
+        if match is None or match.group(1) != "fleet_node" or "SKIP LOCKED" in query["sql"]:
+            continue
+        new = set(UUID_HEX.findall(query["sql"].split(" WHERE ", 1)[-1])) - held
+        assert not held or not new or min(new) > max(held), f"node {min(new)} locked after node {max(held)}"
+        held |= new
+    assert len(held) >= 2, "the check needs two nodes locked"
+    return [(m.group(1), m.group(2)) for q in queries.captured_queries
+            if (m := LOCK.search(q["sql"])) and "SKIP LOCKED" not in q["sql"]]  # fmt: skip
+
+
+def crossed(rows, field: str) -> None:
+    """Swap `field` (a node) between two rows of one model so that the lower row id holds the higher node id: the
+    order in which a service visits the rows disagrees with the nodes' id order. Both rows reserved the same."""
+    low, high = sorted(rows, key=lambda row: row.pk.hex)
+    if getattr(low, f"{field}_id").hex < getattr(high, f"{field}_id").hex:
+        model = type(low)
+        low_node, high_node = getattr(low, f"{field}_id"), getattr(high, f"{field}_id")
+        model.objects.filter(pk=low.pk).update(**{field: high_node})
+        model.objects.filter(pk=high.pk).update(**{field: low_node})
+
+
+def caches_on_two_nodes(tenant, make_node, *, ready: bool) -> list[Cache]:
+    make_node(device=64 * 2048), make_node(device=64 * 2048)  # room for one cache each
+    made = []
+    for name in ("x1", "x2"):
+        response = tenant.client.post("/api/v1/caches", attach_body(name), format="json")
+        assert response.status_code == 201, response.content
+        made.append(make_ready(response.json()["id"]) if ready else Cache.objects.get(pk=response.json()["id"]))
+    assert made[0].node_id != made[1].node_id
+    crossed(made, "node")
+    return made
+
+
+def test_the_reconciler_locks_the_nodes_of_several_caches_in_id_order(tenant_a, make_node):
+    caches_on_two_nodes(tenant_a, make_node, ready=False)
+    assert_in_order(nodes_locked_in_id_order(
+        lambda: caches_reconcile_stuck(now=timezone.now() + timezone.timedelta(days=1))))  # fmt: skip
+    assert set(Cache.objects.values_list("failure_reason", flat=True)) == {"provisioning_timeout"}
+
+
+def test_an_erasure_locks_every_cache_before_their_nodes(tenant_a, make_node, settings):
+    from privacy import services as privacy
+
+    settings.KCAAS_ERASURE_GRACE_SECONDS = 0
+    caches_on_two_nodes(tenant_a, make_node, ready=True)
+    job, _ = privacy.erasure_request(tenant_id=tenant_a.tenant.pk, requested_by="system:")
+    later = timezone.now() + timezone.timedelta(seconds=5)
+    assert_in_order(nodes_locked_in_id_order(lambda: privacy.erasure_start(job_id=job.pk, now=later)))
+    assert set(Cache.objects.values_list("state", flat=True)) == {"detached"}
+
+
+def test_expiring_migrations_locks_their_target_nodes_in_id_order(tenant_a, make_node):
+    from caches.models import Migration
+
+    make_node()  # the source of both caches
+    caches = [ready_cache(tenant_a, name) for name in ("m1", "m2")]
+    targets = [make_node(device=64 * 2048), make_node(device=64 * 2048)]
+    moves = [migration.migration_start(cache_id=c.pk, target_node_id=t.pk) for c, t in zip(caches, targets)]
+    crossed(moves, "target")
+    later = timezone.now() + timezone.timedelta(days=1)
+    assert_in_order(nodes_locked_in_id_order(lambda: migration.migrations_expire(now=later)))
+    assert set(Migration.objects.values_list("state", flat=True)) == {"failed"}
+
+
+def test_a_drain_never_holds_its_node_while_it_waits_for_a_cache(tenant_a, make_node):
+    """The drain's node lock is not held across the migrations it starts: a transaction holding one of the node's
+    caches and then locking the node (a detach or a failed provisioning answered meanwhile) must not deadlock."""
+    from caches.models import Migration
+
+    source = make_node()
+    cache = ready_cache(tenant_a, "drained")
+    make_node()  # where the cache goes
+    holding, outcome = threading.Event(), {}
+
+    def answer_while_draining():
+        try:
+            with transaction.atomic():
+                Cache.objects.select_for_update(no_key=True).get(pk=cache.pk)
+                holding.set()
+                _wait_for_a_lock_waiter()  # the drain now waits for this cache
+                fleet_services.node_unreserve(node_id=source.pk, capacity={"device": 0})  # the cache -> node order
+            outcome["answer"] = "committed"
+        except Exception as error:  # noqa: BLE001 - the outcome under test
+            outcome["answer"] = error
+        finally:
+            connections.close_all()
+
+    answering = threading.Thread(target=answer_while_draining)
+    answering.start()
+    assert holding.wait(10)
+    try:
+        started = migration.node_drain_caches(node_id=source.pk)
+        outcome["drain"] = [m.cache_id for m in started]
+    except Exception as error:  # noqa: BLE001
+        outcome["drain"] = error
+    answering.join(20)
+    assert outcome == {"answer": "committed", "drain": [cache.pk]}
+    assert Migration.objects.get(cache=cache).state == "pending"
+
+
+def _wait_for_a_lock_waiter(timeout: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    with connection.cursor() as cursor:
+        while time.monotonic() < deadline:
+            cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                           "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()")  # fmt: skip
+            if cursor.fetchone()[0]:
+                return
+            time.sleep(0.05)
+    raise AssertionError("nobody waited for the cache row")
