@@ -14,6 +14,10 @@ nobody consumes). Beat runs `caches_reconcile_stuck` every KCAAS_RECONCILE_SECON
 Both are audited as the system's actions. Candidates are locked in id order, then their nodes in id order, then
 the orders (the cache -> node -> order lock order). Status-guarded like every transition: a node answer that
 arrives after the deadline finds the cache failed or detached and changes nothing.
+
+And a `ready` cache the node no longer reports in its heartbeat's resident snapshot (its pool gone without an
+agent restart, or its readiness taken from a stale answer) is provisioned again: `caches_reconcile_resident`, the
+heartbeat hook.
 """
 
 from __future__ import annotations
@@ -35,11 +39,13 @@ from caches.services import (
     PROVISIONING_TIMEOUT,
     _audit,
     _order_detach,
+    _provision,
     _release,
 )
 from fleet.services import nodes_lock
 
 logger = logging.getLogger("kcaas.caches")
+RESIDENT_GRACE_HEARTBEATS = 3  # a ready cache missing from this many heartbeat intervals' snapshots is lost
 
 
 @transaction.atomic
@@ -78,3 +84,26 @@ def _lock_stuck(provisioning_before: datetime, detaching_before: datetime) -> li
         state=CacheState.DETACHING, updated_at__lt=detaching_before
     )
     return list(Cache.objects.select_for_update(of=("self",), no_key=True).filter(stuck).order_by("id"))
+
+
+@transaction.atomic
+def caches_reconcile_resident(*, node_id, resident_cache_ids, now: datetime | None = None) -> list[uuid.UUID]:
+    """The heartbeat hook (settings.KCAAS_NODE_HEARTBEAT_RECONCILER): the node's resident snapshot names every cache
+    it hosts. A cache placed on it that the control plane believes `ready`, settled for longer than
+    RESIDENT_GRACE_HEARTBEATS heartbeat intervals, but absent from the snapshot has lost its pool without the agent
+    restarting (or its readiness came from a stale answer): it is provisioned again (same epoch and keys, as a
+    re-registration would) and reads `provisioning` until the node answers. The grace keeps a snapshot taken just
+    before a cache became ready from looking like a loss. Returns the ids re-provisioned."""
+    now = now or timezone.now()
+    settled = now - timedelta(seconds=RESIDENT_GRACE_HEARTBEATS * settings.KCAAS_NODE_HEARTBEAT_SECONDS)
+    held = {str(cache_id) for cache_id in resident_cache_ids}
+    missing = [cache for cache in Cache.objects.select_for_update(of=("self",), no_key=True)
+               .filter(node_id=node_id, state=CacheState.READY, updated_at__lt=settled).order_by("id")
+               if str(cache.pk) not in held]  # fmt: skip
+    for cache in missing:
+        logger.warning("node %s no longer reports cache %s: provisioning it again", node_id, cache.pk)
+        _provision(cache)
+    for cache in missing:
+        _audit(AuditAction.CACHE_REPROVISIONED, cache, old={"state": CacheState.READY}, new={"state": cache.state},
+               actor=SYSTEM)  # fmt: skip
+    return [cache.pk for cache in missing]

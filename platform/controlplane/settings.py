@@ -238,6 +238,9 @@ KCAAS_NODE_LEASE_SECONDS = env_int("KCAAS_NODE_LEASE_SECONDS", 40)  # Kubernetes
 # should host. fleet sits below caches and cannot import it: the project wires the upper room in here (as Django
 # wires AUTH_USER_MODEL), so the layering holds.
 KCAAS_NODE_REGISTER_RECONCILER = "caches.services.caches_reconcile_node"
+# Called on every heartbeat that carries a resident snapshot: a cache the control plane believes ready on the node
+# but the node no longer reports is provisioned again (caches.reconcile; the same hook pattern as above).
+KCAAS_NODE_HEARTBEAT_RECONCILER = "caches.reconcile.caches_reconcile_resident"
 # The unexpired revoked data tokens of a node's caches, answered to its register and heartbeat calls (fleet cannot
 # import caches: the hook names the selector).
 KCAAS_NODE_REVOKED_TOKENS = "caches.selectors.data_tokens_revoked_on_node"

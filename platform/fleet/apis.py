@@ -161,6 +161,10 @@ class NodeHeartbeatApi(_NodeApi):
         node = services.node_heartbeat(
             node_id=request.user.node.pk, capacity=dict(data["capacity"]), resident=data.get("resident")
         )
+        if data.get("resident") is not None:  # the caches room re-provisions a ready cache the node no longer holds
+            import_string(settings.KCAAS_NODE_HEARTBEAT_RECONCILER)(
+                node_id=node.pk, resident_cache_ids=[entry["cache_id"] for entry in data["resident"]]
+            )
         body = {
             "state": node.state,
             "lease_expires_at": node.lease_expires_at,

@@ -71,3 +71,32 @@ def test_ready_failed_and_detached_caches_are_never_touched(tenant_a, node):
     assert caches_reconcile_stuck(now=later(10 * 24 * 3600)) == []
     assert Cache.objects.get(pk=ready.pk).state == CacheState.READY
     assert Cache.objects.get(pk=failed.pk).failure_reason == "allocation_failed"
+
+
+def test_a_ready_cache_the_node_stops_reporting_is_provisioned_again(tenant_a, node, settings):
+    """Through the node's own heartbeat: a settled ready cache missing from the resident snapshot lost its pool (the
+    register reconciler only sees agent restarts); one the node reports, or one that just became ready, is left."""
+    from datetime import timedelta
+
+    from fleet.credentials import credential_new
+    from fleet.models import Node
+    from tests.caches.conftest import bearer_client
+
+    gone, kept, fresh = (attach(tenant_a, name) for name in ("gone", "kept", "fresh"))
+    for cache in (gone, kept, fresh):
+        services.cache_provision_result(cache_id=cache.pk, node_id=node.pk, ok=True, endpoint="10.0.0.1:1")
+    settled = timezone.now() - timedelta(seconds=10 * settings.KCAAS_NODE_HEARTBEAT_SECONDS)
+    Cache.objects.filter(pk__in=[gone.pk, kept.pk]).update(updated_at=settled)
+    credential = credential_new()
+    Node.objects.filter(pk=node.pk).update(credential_public_id=credential.public_id,
+                                           credential_hash=credential.secret_hash)  # fmt: skip
+    resident = [{"cache_id": str(kept.pk), "device_bytes": 0, "dram_bytes": 0, "ssd_bytes": 0}]
+    answer = bearer_client(credential.raw).post("/api/v1/nodes/heartbeat", {
+        "capacity": {"device": 8 << 30, "dram": 64 << 30, "ssd": 512 << 30}, "resident": resident}, format="json")
+    assert answer.status_code == 200, answer.content
+    states = dict(Cache.objects.filter(pk__in=[gone.pk, kept.pk, fresh.pk]).values_list("id", "state"))
+    assert states == {gone.pk: CacheState.PROVISIONING, kept.pk: CacheState.READY, fresh.pk: CacheState.READY}
+    order = NodeOrder.objects.get(node=node, state__in=[OrderState.PENDING, OrderState.SENT])
+    assert order.args == [str(gone.pk), gone.epoch]  # ordered from the node again, at the same epoch
+    event = AuditEvent.objects.filter(target_id=str(gone.pk)).order_by("-id").first()
+    assert event.action == AuditAction.CACHE_REPROVISIONED
