@@ -16,7 +16,7 @@ from audit.models import AuditEvent
 from caches.migration import migration_start
 from caches.models import Cache, Migration
 from controlplane.celery import app as control_app, node_queue
-from fleet.models import Node, NodeState
+from fleet.models import OPEN_ORDER_STATES, Node, NodeOrder, NodeState
 from gpu_node import block_transfer as bt
 from gpu_node.dev_pki import new_ca, write_node_pki
 from gpu_node.migration import MigrationListener, mtls_client_context, mtls_server_context
@@ -128,6 +128,11 @@ def test_drain_moves_every_cache_off_and_cordons(tenant_a, tenant_b, fleet, staf
     assert AuditEvent.objects.filter(action=AuditAction.NODE_DRAINING, target_id=str(SOURCE)).count() == 1
     again = tenant_a.client.post("/api/v1/caches", attach_body("after-drain", device=8 * BLOCK_BYTES), format="json")
     assert Cache.objects.get(pk=again.json()["id"]).node_id == TARGET
+    # settle before the test's database is flushed: every answer the nodes owe has landed (a provisioning answer
+    # arriving during the flush deadlocked with its TRUNCATE)
+    wait_for_state(tenant_a.client, again.json()["id"], "ready")
+    assert eventually(lambda: not NodeOrder.objects.filter(state__in=OPEN_ORDER_STATES, expects_answer=True).exists(),
+                      timeout=30)  # fmt: skip
 
 
 def test_drain_is_staff_only(tenant_a, fleet):
