@@ -89,18 +89,14 @@ _UNAVAILABLE_MESSAGES = {
 }
 
 
-_DATABASE_ERRORS = TRANSIENT_DATABASE_ERRORS
-_BROKER_ERRORS = TRANSIENT_BROKER_ERRORS
-
-
 def unavailable_code(exc: BaseException | None) -> str | None:
     """`database_unavailable` or `broker_unavailable` when `exc` (or an exception it was explicitly raised from)
     is a backing service's connection-level error, else None (a bug or a refusal: answered as before)."""
     seen = 0
     while exc is not None and seen < 8:
-        if isinstance(exc, _DATABASE_ERRORS):
+        if isinstance(exc, TRANSIENT_DATABASE_ERRORS):
             return DATABASE_UNAVAILABLE
-        if isinstance(exc, _BROKER_ERRORS):
+        if isinstance(exc, TRANSIENT_BROKER_ERRORS):
             return BROKER_UNAVAILABLE
         exc, seen = exc.__cause__, seen + 1
     return None

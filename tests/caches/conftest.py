@@ -126,6 +126,19 @@ def staff_client(db, fast_password_hasher) -> APIClient:
     return client
 
 
+@pytest.fixture
+def placed(tenant_a, make_node):
+    """(a ready cache of tenant A, the small node best fit put it on, a larger node it can move to); every node's
+    queue is purged afterwards (the migration tests leave orders on them)."""
+    small, large = make_node(device=40 * BLOCK_BYTES), make_node(device=80 * BLOCK_BYTES)
+    response = tenant_a.client.post("/api/v1/caches", attach_body("placed", device=8 * BLOCK_BYTES), format="json")
+    cache = make_ready(response.json()["id"])
+    assert cache.node_id == small.pk
+    yield cache, small, large
+    for node in Node.objects.all():
+        purge_node_queue(node.pk)
+
+
 def reserved(node: Node) -> dict[str, int]:
     node.refresh_from_db()
     return {tier: getattr(node, f"{tier}_reserved_bytes") for tier in ("device", "dram", "ssd")}

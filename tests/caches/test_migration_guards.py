@@ -8,20 +8,9 @@ import pytest
 
 from caches.migration import MigrationConflict, migration_progress, migration_result, migration_start
 from caches.models import Cache, Migration
-from tests.caches.conftest import BLOCK_BYTES, attach_body, make_ready, purge_node_queue, reserved
+from tests.caches.conftest import BLOCK_BYTES, reserved
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture
-def placed(tenant_a, make_node):
-    small, large = make_node(device=40 * BLOCK_BYTES), make_node(device=80 * BLOCK_BYTES)
-    response = tenant_a.client.post("/api/v1/caches", attach_body("guarded", device=8 * BLOCK_BYTES), format="json")
-    cache = make_ready(response.json()["id"])
-    assert cache.node_id == small.pk
-    yield cache, small, large
-    for node in (small, large):
-        purge_node_queue(node.pk)
 
 
 def test_stray_and_duplicate_answers_change_nothing(placed):

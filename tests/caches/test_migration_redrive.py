@@ -10,19 +10,8 @@ from django.utils.module_loading import import_string
 
 from caches.migration import migration_progress, migration_result, migration_start, migrations_redrive_node
 from caches.models import Migration
-from tests.caches.conftest import BLOCK_BYTES, attach_body, make_ready, purge_node_queue
 
 pytestmark = pytest.mark.django_db  # one wrapping transaction: on-commit orders are captured, not run
-
-
-@pytest.fixture
-def placed(tenant_a, make_node):
-    small, large = make_node(device=40 * BLOCK_BYTES), make_node(device=80 * BLOCK_BYTES)
-    response = tenant_a.client.post("/api/v1/caches", attach_body("redriven", device=8 * BLOCK_BYTES), format="json")
-    cache = make_ready(response.json()["id"])
-    yield cache, small, large
-    for node in (small, large):
-        purge_node_queue(node.pk)
 
 
 def registered_again(node_id, capture) -> int:

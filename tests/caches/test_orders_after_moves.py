@@ -11,26 +11,14 @@ from django.utils import timezone
 
 from caches.migration import migration_progress, migration_result, migration_start
 from caches.models import Cache, CacheState
-from fleet.models import Node, NodeOrder, OrderState
+from fleet.models import NodeOrder, OrderState
 from fleet.outbox import open_orders, orders_dispatch
 from kcaas.node_messages import DETACH_TASK, MIGRATE_IN_TASK
 from privacy import services as privacy
 from privacy.models import ErasureState
 from tenants import tenant_keys
-from tests.caches.conftest import BLOCK_BYTES, attach_body, make_ready, purge_node_queue
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture
-def placed(tenant_a, make_node):
-    small, large = make_node(device=40 * BLOCK_BYTES), make_node(device=80 * BLOCK_BYTES)
-    response = tenant_a.client.post("/api/v1/caches", attach_body("moving", device=8 * BLOCK_BYTES), format="json")
-    cache = make_ready(response.json()["id"])
-    assert cache.node_id == small.pk
-    yield cache, small, large
-    for node in Node.objects.all():
-        purge_node_queue(node.pk)
 
 
 def later(minutes: float = 5):

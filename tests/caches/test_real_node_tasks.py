@@ -16,6 +16,7 @@ from fleet.models import Node
 from gpu_node.block_hash import BlockHasher, tokens_as_int32
 from gpu_node.node_tasks import build_node_app
 from gpu_node.registry import CacheRegistry
+from tests.waiting import eventually
 from tests.caches.conftest import (
     BLOCK_BYTES,
     attach_body,
@@ -97,8 +98,6 @@ def test_a_move_to_a_node_without_a_migration_listener_fails_at_once(tenant_a, n
     cache = Cache.objects.get(pk=response.json()["id"])
     Cache.objects.filter(pk=cache.pk).update(node=source, state="ready")  # ready on another node
     moving = migration_start(cache_id=cache.pk, target_node_id=NODE_ID)
-    deadline = time.monotonic() + 20
-    while Migration.objects.get(pk=moving.pk).state != "failed":
-        assert time.monotonic() < deadline, "the migration was not refused"
-        time.sleep(0.05)
+    assert eventually(lambda: Migration.objects.get(pk=moving.pk).state == "failed", timeout=20), \
+        "the migration was not refused"
     assert Migration.objects.get(pk=moving.pk).failure_reason == "migration_unavailable"

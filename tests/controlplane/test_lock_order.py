@@ -14,7 +14,7 @@ import threading
 import uuid
 
 import pytest
-from django.db import connection, connections, transaction
+from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
@@ -24,7 +24,17 @@ from caches.models import Cache
 from caches.reconcile import caches_reconcile_stuck
 from fleet import services as fleet_services
 from kcaas.spec import KVCacheSpec
-from tests.caches.conftest import SPEC, attach_body, make_node, make_ready, make_tenant, node, tenant_a  # noqa: F401
+from tests.caches.conftest import (  # noqa: F401 - fixtures
+    SPEC,
+    attach_body,
+    make_node,
+    make_ready,
+    make_tenant,
+    node,
+    run_in_thread,
+    tenant_a,
+)
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.django_db(transaction=True)
 RANK = {"tenants_tenant": 0, "caches_cache": 1, "caches_migration": 2, "fleet_node": 3, "fleet_nodeorder": 4,
@@ -45,44 +55,27 @@ def usage_entry(cache: Cache) -> dict:
 
 def test_a_usage_report_commits_while_an_attach_holds_the_tenant_and_the_node(tenant_a, node):
     cache = ready_cache(tenant_a)
-    holding, release, outcome = threading.Event(), threading.Event(), {}
+    holding, release = threading.Event(), threading.Event()
 
     def attach_and_hold():
-        try:
-            with transaction.atomic():
-                services.cache_attach(tenant_id=tenant_a.tenant.pk, name="held", spec=KVCacheSpec.from_dict(SPEC),
-                                      capacity={"device": 64 * 2048})  # fmt: skip - tenant and node rows locked
-                holding.set()
-                release.wait(20)
-            outcome["attach"] = "committed"
-        except Exception as error:  # noqa: BLE001 - the outcome under test
-            outcome["attach"] = error
-        finally:
-            connections.close_all()
+        with transaction.atomic():
+            services.cache_attach(tenant_id=tenant_a.tenant.pk, name="held", spec=KVCacheSpec.from_dict(SPEC),
+                                  capacity={"device": 64 * 2048})  # fmt: skip - tenant and node rows locked
+            holding.set()
+            release.wait(20)
 
-    holder = threading.Thread(target=attach_and_hold)
-    holder.start()
+    holder = run_in_thread(attach_and_hold)
     try:
         assert holding.wait(10)
-        reporter = threading.Thread(target=lambda: _report(node, cache, outcome))
-        reporter.start()
+        reporter = run_in_thread(usage_report_record, node_id=node.pk, boot_id=uuid.uuid4(), sequence=1,
+                                 sampled_at=timezone.now(), entries=[usage_entry(cache)])  # fmt: skip
         reporter.join(5)
-        assert outcome.get("report") == "committed", "the usage report waited for the attach's row locks"
+        assert not reporter.is_alive(), "the usage report waited for the attach's row locks"
+        assert reporter.error is None, reporter.error
     finally:
         release.set()
         holder.join(20)
-    assert outcome["attach"] == "committed"
-
-
-def _report(node, cache, outcome) -> None:
-    try:
-        usage_report_record(node_id=node.pk, boot_id=uuid.uuid4(), sequence=1, sampled_at=timezone.now(),
-                            entries=[usage_entry(cache)])  # fmt: skip
-        outcome["report"] = "committed"
-    except Exception as error:  # noqa: BLE001
-        outcome["report"] = error
-    finally:
-        connections.close_all()
+    assert holder.error is None, holder.error
 
 
 def locks_taken(action) -> list[tuple[str, str]]:
@@ -213,43 +206,29 @@ def test_a_drain_never_holds_its_node_while_it_waits_for_a_cache(tenant_a, make_
     source = make_node()
     cache = ready_cache(tenant_a, "drained")
     make_node()  # where the cache goes
-    holding, outcome = threading.Event(), {}
+    holding = threading.Event()
 
     def answer_while_draining():
-        try:
-            with transaction.atomic():
-                Cache.objects.select_for_update(no_key=True).get(pk=cache.pk)
-                holding.set()
-                _wait_for_a_lock_waiter()  # the drain now waits for this cache
-                fleet_services.node_unreserve(node_id=source.pk, capacity={"device": 0})  # the cache -> node order
-            outcome["answer"] = "committed"
-        except Exception as error:  # noqa: BLE001 - the outcome under test
-            outcome["answer"] = error
-        finally:
-            connections.close_all()
+        with transaction.atomic():
+            Cache.objects.select_for_update(no_key=True).get(pk=cache.pk)
+            holding.set()
+            _wait_for_a_lock_waiter()  # the drain now waits for this cache
+            fleet_services.node_unreserve(node_id=source.pk, capacity={"device": 0})  # the cache -> node order
 
-    answering = threading.Thread(target=answer_while_draining)
-    answering.start()
+    answering = run_in_thread(answer_while_draining)
     assert holding.wait(10)
-    try:
-        started = migration.node_drain_caches(node_id=source.pk)
-        outcome["drain"] = [m.cache_id for m in started]
-    except Exception as error:  # noqa: BLE001
-        outcome["drain"] = error
+    started = migration.node_drain_caches(node_id=source.pk)
     answering.join(20)
-    assert outcome == {"answer": "committed", "drain": [cache.pk]}
+    assert answering.error is None, answering.error
+    assert [m.cache_id for m in started] == [cache.pk]
     assert Migration.objects.get(cache=cache).state == "pending"
 
 
 def _wait_for_a_lock_waiter(timeout: float = 10.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    with connection.cursor() as cursor:
-        while time.monotonic() < deadline:
+    def someone_waits() -> bool:
+        with connection.cursor() as cursor:
             cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
                            "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()")  # fmt: skip
-            if cursor.fetchone()[0]:
-                return
-            time.sleep(0.05)
-    raise AssertionError("nobody waited for the cache row")
+            return bool(cursor.fetchone()[0])
+
+    assert eventually(someone_waits, timeout=timeout), "nobody waited for the cache row"
