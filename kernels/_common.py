@@ -34,6 +34,15 @@ QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 STORAGE_DTYPES = ENGINE_DTYPES + QUANT_DTYPES
 
 
+def scrub(*temporaries: torch.Tensor, keep: tuple = ()) -> None:
+    """Zero temporaries that held KV before they are freed (no plaintext KV left in freed heap memory after an
+    erasure), except those sharing storage with a tensor in `keep` (the caller's input or the pool itself)."""
+    kept = {t.untyped_storage().data_ptr() for t in keep}
+    for t in temporaries:
+        if t.numel() and t.untyped_storage().data_ptr() not in kept:
+            t.zero_()
+
+
 def is_interpreted(kernel) -> bool:
     """True when ``kernel`` was built by Triton's CPU interpreter (TRITON_INTERPRET=1 at import time)."""
     if not HAS_TRITON:

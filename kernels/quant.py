@@ -50,6 +50,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels._common import scrub
+
 INT8_QMAX = 127.0
 FP8_E4M3_QMAX = 448.0
 SCALE_FLOOR = 2.0**-126  # torch.finfo(torch.float32).tiny: scales are never 0 or subnormal
@@ -125,6 +127,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
         chunk_q, scale[part] = _quantize_chunk(rows[part], dtype, qmax)
         q[part] = chunk_q
         chunk_q.view(torch.uint8).zero_()  # temporaries that held KV are zeroed before they are freed
+    scrub(rows, keep=(x,))  # reshaping a strided x (a put's uncached suffix) copied it
     return q.view(x.shape), scale.view(x.shape[:-1])
 
 
@@ -142,6 +145,7 @@ def dequantize(
         chunk = q_rows[part].to(torch.float32, copy=True).mul_(scale_rows[part])
         out_rows[part] = chunk
         chunk.zero_()  # held KV: zeroed before it is freed
+    scrub(q_rows, keep=(q,))  # reshaping a strided q copied it
     return out
 
 

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from kernels._common import QUANT_DTYPES
+from kernels._common import QUANT_DTYPES, scrub
 from kernels.quant import dequantize, quantize
 
 
@@ -29,15 +29,6 @@ from kernels.quant import dequantize, quantize
 # element-wise (~0.4-0.65x memcpy on this 2-core box). Each iteration moves >= 256 KiB, so the Python loop costs
 # ~1%. Smaller blocks stay vectorised.
 LOOP_MIN_BLOCK_BYTES = 256 << 10
-
-
-def scrub(*temporaries: torch.Tensor, keep: tuple = ()) -> None:
-    """Zero temporaries that held KV before they are freed (no plaintext KV left in freed heap memory after an
-    erasure), except those sharing storage with a tensor in `keep` (the caller's input or the pool itself)."""
-    kept = {t.untyped_storage().data_ptr() for t in keep}
-    for t in temporaries:
-        if t.numel() and t.untyped_storage().data_ptr() not in kept:
-            t.zero_()
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
