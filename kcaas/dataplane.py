@@ -117,6 +117,18 @@ class DataPlaneClient:
         return access is not None and access != "readwrite"
 
     # ---- public operations ------------------------------------------------------------------------------------------
+    def connect(self) -> None:
+        """Open the connection and send HELLO now (otherwise the first request does): a caller with a tight
+        per-request timeout pays the handshake ahead of time."""
+        self._connect()
+
+    def settimeout(self, seconds: float) -> None:
+        """The per-operation timeout from now on, the open connection's included."""
+        with self._lock:
+            self.timeout = seconds
+            if self._sock is not None:
+                self._sock.settimeout(seconds)
+
     def lookup(self, tokens) -> int:
         """How many leading tokens of `tokens` the cache holds."""
         reply = self._call(Opcode.LOOKUP, tokens)
@@ -127,17 +139,21 @@ class DataPlaneClient:
         reply = self._call(Opcode.DELETE, tokens)
         return reply.num_removed_blocks[0]
 
-    def put(self, tokens, kv) -> dict:
+    def put(self, tokens, kv, *, start: int = 0) -> dict:
         """Store the KV of every token of `tokens` (kv: [num_layers, 2, n, num_kv_heads, head_dim], spec.kv_dtype).
 
-        Returns {"num_cached", "num_written", "out_of_space"}; a sequence larger than a frame goes in several frames.
+        `start`: kv holds tokens[start:] only (n - start tokens), the cache already holding tokens[:start] (a node
+        that no longer does refuses with `prefix_not_cached`). Returns {"num_cached", "num_written",
+        "out_of_space"}; a sequence larger than a frame goes in several frames.
         """
         import torch
 
         spec = self.identity
         ids = _as_int32(tokens)
         n = len(ids)
-        expected = (spec.num_layers, 2, n, spec.num_kv_heads, spec.head_dim)
+        if not 0 <= start <= n:
+            raise ValueError(f"start must be within 0..{n}")
+        expected = (spec.num_layers, 2, n - start, spec.num_kv_heads, spec.head_dim)
         if not isinstance(kv, torch.Tensor) or tuple(kv.shape) != expected:
             raise ValueError(f"kv must be a tensor of shape {expected}")
         if kv.dtype != getattr(torch, _TORCH_DTYPES[spec.kv_dtype]):
@@ -147,10 +163,12 @@ class DataPlaneClient:
             kv = kv.cpu()
         self._connect()  # the node's frame limit is known after HELLO
         per_frame = max(1, (self._max_frame_bytes - wire.HEADER_SIZE - 8192 - 4 * n) // spec.kv_bytes_per_token)
-        written, start, reply = 0, 0, None
+        written, first, reply = 0, start, None
+        if start == n:
+            return {"num_cached": n, "num_written": 0, "out_of_space": False}
         while start < n:
             end = min(n, start + per_frame)
-            part = kv[:, :, start:end].contiguous()
+            part = kv[:, :, start - first : end - first].contiguous()
             kv_bytes = memoryview(part.view(torch.uint8).reshape(-1).numpy())
             reply = self._call(Opcode.PUT, ids[:end], kv=kv_bytes, kv_start=start)
             written += reply.num_written[0]
@@ -159,37 +177,42 @@ class DataPlaneClient:
             start = end
         return {"num_cached": reply.num_cached[0], "num_written": written, "out_of_space": reply.out_of_space[0]}
 
-    def get(self, tokens, *, out=None):
+    def get(self, tokens, *, out=None, start: int = 0):
         """(n, kv): the longest cached prefix of `tokens` and its KV [num_layers, 2, n, num_kv_heads, head_dim].
 
-        `out`: an optional reusable staging tensor (contiguous, CPU, the kv dtype, room for len(tokens) tokens):
-        the answer is received straight into it and kv is a view of it — no fresh buffer per get (its page faults
-        cost more than the transfer). Without it, each get allocates its result.
+        `start`: only the KV of tokens[start:n] is sent (a caller that holds the first `start` tokens' KV itself);
+        kv then has n - start tokens, and n < start when not even tokens[:start] are cached (kv is empty).
+        `out`: an optional reusable staging tensor (contiguous, CPU, the kv dtype, room for len(tokens) - start
+        tokens): the answer is received straight into it and kv is a view of it — no fresh buffer per get (its page
+        faults cost more than the transfer). Without it, each get allocates its result.
         """
         import torch
 
         spec = self.identity
         ids = _as_int32(tokens)
+        if not 0 <= start <= len(ids):
+            raise ValueError(f"start must be within 0..{len(ids)}")
         dtype = getattr(torch, _TORCH_DTYPES[spec.kv_dtype])
-        staging = self._staging_view(out, dtype, len(ids))
-        parts, start = [], 0
+        staging = self._staging_view(out, dtype, len(ids) - start)
+        parts, first, cached = [], start, 0
         while True:
-            self._receive_into = staging if start == 0 else None  # a continuation part is cat-ed below
+            self._receive_into = staging if start == first else None  # a continuation part is cat-ed below
             try:
                 reply = self._call(Opcode.GET, ids, kv_start=start)
             finally:
                 self._receive_into = None
-            end = reply.kv_end[0]
+            end, cached = reply.kv_end[0], reply.num_cached[0]
             if end > start:
                 shape = (spec.num_layers, 2, end - start, spec.num_kv_heads, spec.head_dim)
                 parts.append(torch.frombuffer(reply.kv[0], dtype=dtype).view(shape))
-            if end >= reply.num_cached[0] or end <= start:
+            if end >= cached or end <= start:
                 break  # all of the cached prefix arrived (or it shrank under us: return what arrived)
             start = end  # the node's frame limit cut the answer short: continue from there
         if not parts:
-            return 0, torch.empty((spec.num_layers, 2, 0, spec.num_kv_heads, spec.head_dim), dtype=dtype)
+            empty = torch.empty((spec.num_layers, 2, 0, spec.num_kv_heads, spec.head_dim), dtype=dtype)
+            return min(cached, first), empty
         kv = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-        return kv.shape[2], kv
+        return first + kv.shape[2], kv
 
     def _staging_view(self, out, dtype, num_tokens: int):
         if out is None:

@@ -1,0 +1,293 @@
+"""vLLM KV connector: a vLLM engine stores and loads its prompts' KV through a KCaaS cache (vLLM's out-of-tree
+connector API, KVConnectorBase_V1). docs/vllm.md is the user's page; this is how it works.
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KCaaSConnector",
+        "kv_connector_module_path": "kcaas.connectors.vllm", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"kcaas_url": "http://127.0.0.1:8000", "cache": "chat"}}'
+
+Scheduler side (one instance in the engine core):
+  * `get_num_new_matched_tokens`: one LOOKUP per request on the node (remembered for the request: vLLM may ask
+    again), bounded by `lookup_timeout_ms`; a node that fails or times out is a miss, and lookups are skipped for a
+    back-off after it (no request waits on a dead node twice). What may load: whole vLLM blocks, never the prompt's
+    last token, beyond vLLM's own local hit.
+  * `build_connector_meta`: per step, the loads promised (tokens, the vLLM blocks to fill) and the saves due: a
+    request whose prompt was computed this step saves its prompt's whole blocks not already in the cache.
+Worker side (one instance per worker):
+  * `start_load_kv`: GET of the promised tokens (only those beyond vLLM's local hit cross the wire), scattered into
+    the blocks vLLM allocated, all layers before the forward. Tokens the node no longer has (evicted, node gone)
+    are reported by `get_block_ids_with_load_errors`, and vLLM recomputes them (the connector sets
+    kv_load_failure_policy to "recompute": a KCaaS miss is never a failed request). Wrong KV is never loaded: what
+    arrives is what the node verified for exactly these tokens.
+  * `wait_for_save`: the saves' blocks are copied out of vLLM's pool (so vLLM keeps no block for us) and PUT:
+    in this call (`save: "sync"`, the default of kv_producer, so a consumer finds the KV once the producer's request
+    returned) or by a background thread (`save: "async"`, the default otherwise; a bounded queue, a save that does
+    not fit is dropped and counted).
+Roles: kv_both loads and saves; kv_producer saves only; kv_consumer loads only, with a read-only data token.
+Identity: the cache's KVCacheSpec must equal the engine's (layers, KV heads, head size, dtype, fingerprint
+"<model>@<revision>"), and its block size must divide vLLM's; otherwise vLLM refuses to start with the mismatch named.
+Limits: tensor parallel size 1, one attention group (no hybrid or sliding-window groups), prompt blocks only (the
+KV of generated tokens is not saved), the CPU and CUDA flash-attention paged layouts (kcaas/connectors/vllm_blocks.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kcaas.connectors.vllm_blocks import loadable_tokens, savable_tokens
+from kcaas.connectors.vllm_session import CacheSession, ConnectorConfig, ConnectorSetupError, EngineLayout
+from kcaas.connectors.vllm_worker import ConnectorWorker, Load, Save
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger("kcaas.connectors.vllm")
+
+STAT_NAMES = ("lookups", "lookup_misses_node_down", "loaded_tokens", "loaded_bytes", "load_seconds", "load_failures",
+              "failed_tokens", "saved_tokens", "saved_bytes", "save_failures", "saves_dropped")  # fmt: skip
+
+
+class KCaaSConnectorStats(KVConnectorStats):
+    """Counters of one logging interval (sums): what vLLM's stats logger and Prometheus exporter receive."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name, value in (other.data or {}).items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {name: self.data.get(name, 0) for name in STAT_NAMES}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+@dataclass
+class KCaaSMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, one step: the loads to do before the forward, the saves after it."""
+
+    loads: list[Load] = field(default_factory=list)
+    saves: list[Save] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    """A running request as the scheduler side follows it: its prompt, its vLLM blocks so far, what the cache
+    already holds of it, and whether its save was emitted."""
+
+    prompt: list[int]
+    block_ids: list[int]
+    cached_in_kcaas: int = 0
+    saved: bool = False
+
+
+def engine_layout(vllm_config: VllmConfig, kv_cache_config, fingerprint: str | None) -> EngineLayout:
+    """The engine's KV layout from vLLM's config; refuses what the connector does not support."""
+    if vllm_config.parallel_config.tensor_parallel_size != 1 or vllm_config.parallel_config.pipeline_parallel_size != 1:
+        raise ConnectorSetupError("tensor and pipeline parallel size must be 1")
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConnectorSetupError(f"the model has {len(groups)} KV cache groups; only one attention group is supported")
+    spec = groups[0].kv_cache_spec
+    if getattr(spec, "sliding_window", None) or not hasattr(spec, "num_kv_heads"):
+        raise ConnectorSetupError(f"{type(spec).__name__} KV (sliding window or non-attention) is not supported")
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype not in ("auto", None):
+        raise ConnectorSetupError(f"kv cache dtype {cache_dtype!r}: only the model's own dtype ('auto') is supported")
+    model = vllm_config.model_config
+    return EngineLayout(
+        model_fingerprint=fingerprint or f"{model.model}@{model.revision or 'main'}",
+        num_layers=len(groups[0].layer_names),
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_size,
+        kv_dtype=str(spec.dtype).removeprefix("torch."),
+        block_size=vllm_config.cache_config.block_size,
+    )
+
+
+class KCaaSConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        self._config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config, transfer.kv_role)
+        self._layout = engine_layout(vllm_config, kv_cache_config, self._config.model_fingerprint)
+        self._block_size = self._layout.block_size
+        self._session = CacheSession(self._config, self._layout)
+        logger.info("KCaaS connector (%s, %s): cache %s at %s", role.name.lower(), self._config.role,
+                    self._session.cache.id, self._session.cache.endpoint)  # fmt: skip
+        if role == KVConnectorRole.SCHEDULER:
+            transfer.kv_load_failure_policy = "recompute"  # read by the scheduler after it made this connector
+            self._lookup = _BoundedLookup(self._session, self._config.lookup_timeout_s)
+            self._tracked: dict[str, _Tracked] = {}
+            self._hits: dict[str, int] = {}  # request id -> tokens the cache holds (one lookup per request)
+            self._pending_loads: dict[str, tuple[int, int]] = {}  # request id -> (local hit, tokens to load)
+            self._local_hits: dict[str, int] = {}  # request id -> vLLM's own hit when the connector was asked
+            self._worker = None
+        else:
+            self._worker = ConnectorWorker(self._session, self._config, self._layout)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a save that did not happen is a later miss, not a lost hand-off
+
+    # ---- worker side --------------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        if metadata.loads:
+            self._worker.load(metadata.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv filled every layer before the forward
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return  # saved whole in wait_for_save, once the step's KV is all written
+
+    def wait_for_save(self) -> None:
+        metadata = self._get_connector_metadata()
+        if metadata.saves:
+            self._worker.save(metadata.saves)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_failed_blocks()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        data = self._worker.take_stats() if self._worker is not None else {}
+        return KCaaSConnectorStats(data=data) if any(data.values()) else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KCaaSConnectorStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        else:
+            self._lookup.close()
+        self._session.close()
+
+    # ---- scheduler side -----------------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        prompt = request.prompt_token_ids
+        if not self._config.reads or not prompt:
+            return 0, False
+        if request.request_id not in self._hits:
+            self._hits[request.request_id] = self._lookup(prompt)
+        self._local_hits[request.request_id] = num_computed_tokens
+        loadable = loadable_tokens(self._hits[request.request_id], len(prompt), self._block_size)
+        return max(loadable - num_computed_tokens, 0), False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if num_external_tokens > 0:
+            local = self._local_hits.get(request.request_id, 0)
+            self._pending_loads[request.request_id] = (local, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        meta = KCaaSMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self._tracked[new.req_id] = _Tracked(list(new.prompt_token_ids or []), list(new.block_ids[0]))
+            tracked.cached_in_kcaas = self._hits.get(new.req_id, 0)
+            self._emit_load(new.req_id, tracked, meta)
+            self._emit_save(tracked, new.num_computed_tokens + scheduled.get(new.req_id, 0), meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_blocks = cached.new_block_ids[index]
+            if req_id in cached.resumed_req_ids:  # back from preemption: its blocks were all given again
+                tracked.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                tracked.block_ids.extend(new_blocks[0])
+            self._emit_load(req_id, tracked, meta)
+            self._emit_save(tracked, cached.num_computed_tokens[index] + scheduled.get(req_id, 0), meta)
+        return meta
+
+    def _emit_load(self, req_id: str, tracked: _Tracked, meta: KCaaSMetadata) -> None:
+        planned = self._pending_loads.pop(req_id, None)
+        if planned is None:
+            return
+        local, count = planned
+        first, last = local // self._block_size, (local + count) // self._block_size
+        meta.loads.append(Load(req_id, np.asarray(tracked.prompt[: local + count], dtype=np.int32), local,
+                               tracked.block_ids[first:last]))  # fmt: skip
+
+    def _emit_save(self, tracked: _Tracked, computed: int, meta: KCaaSMetadata) -> None:
+        if not self._config.writes or tracked.saved or computed < len(tracked.prompt):
+            return
+        tracked.saved = True
+        end = savable_tokens(len(tracked.prompt), self._block_size)
+        have = min(tracked.cached_in_kcaas, end) // self._block_size * self._block_size
+        if end > have and end // self._block_size <= len(tracked.block_ids):
+            meta.saves.append(Save(np.asarray(tracked.prompt[:end], dtype=np.int32), have,
+                                   tracked.block_ids[: end // self._block_size]))  # fmt: skip
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._tracked.pop(request.request_id, None)
+        self._hits.pop(request.request_id, None)
+        self._pending_loads.pop(request.request_id, None)
+        self._local_hits.pop(request.request_id, None)
+        return False, None
+
+
+class _BoundedLookup:
+    """LOOKUP with a deadline: the node's answer within `timeout_s`, else 0 (a miss). After a failure, lookups are
+    misses at once for a back-off (1 s, doubling to 30 s while failures go on), so a dead or hung node costs one
+    timeout per back-off, not one per request."""
+
+    def __init__(self, session: CacheSession, timeout_s: float):
+        self._session, self._timeout = session, timeout_s
+        self._client = None
+        self._down_until, self._backoff = 0.0, 1.0
+        try:
+            self._open(session.config.io_timeout_s)  # the first handshake off the engine's path
+        except Exception as exc:  # noqa: BLE001 - a node down at start-up: misses until it answers
+            logger.warning("KCaaS node not reachable at start-up (%s): lookups are misses until it is", exc)
+            self.close()
+
+    def _open(self, connect_timeout: float) -> None:
+        self._client = self._session.data_plane(timeout=connect_timeout, overloaded_retries=0)
+        self._client.connect()
+        self._client.settimeout(self._timeout)
+
+    def __call__(self, prompt: list[int]) -> int:
+        now = time.monotonic()
+        if now < self._down_until:
+            return 0
+        try:
+            if self._client is None:  # a reconnect after a failure: bounded too (a hung node)
+                self._open(max(10 * self._timeout, 0.5))
+            found = self._client.lookup(np.asarray(prompt, dtype=np.int32))
+        except Exception as exc:  # noqa: BLE001 - any failure of the node or the network is a miss, never a stall
+            self._down_until, self._backoff = now + self._backoff, min(self._backoff * 2, 30.0)
+            logger.warning("KCaaS lookup failed (%s); lookups are misses for %.0f s", type(exc).__name__,
+                           self._down_until - now)  # fmt: skip
+            self.close()
+            return 0
+        self._backoff = 1.0
+        return found
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None

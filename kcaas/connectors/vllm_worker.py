@@ -1,0 +1,198 @@
+"""The vLLM connector's worker side (no vLLM import): loads into vLLM's blocks before a forward, saves out of them
+after it, counts what it did. kcaas/connectors/vllm.py calls it; the plan (which tokens, which blocks) comes from
+the scheduler side as `Load`s and `Save`s.
+
+Invariants:
+  * a load fills only whole vLLM blocks with KV the node sent for exactly those tokens; every promised block it
+    could not fill is reported once (`take_failed_blocks`) so vLLM recomputes it — never left as garbage;
+  * a save copies its blocks out of vLLM's pool before this call returns (vLLM may reuse them at once); the PUT
+    happens here (sync) or on the saver thread (async), and its failure is a later miss, never an engine error;
+  * no exception of the node or the network reaches vLLM from a load or a save.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import re
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kcaas.connectors.vllm_blocks import PagedLayout, gather, scatter
+from kcaas.connectors.vllm_session import CacheSession, ConnectorConfig, ConnectorSetupError, EngineLayout
+from kcaas.dataplane import DataPlaneClient, DataPlaneError
+
+logger = logging.getLogger("kcaas.connectors.vllm")
+
+
+@dataclass(frozen=True)
+class Load:
+    """Fill `block_ids` with the KV of tokens[start:] (tokens: the prompt up to the load's end; start: vLLM's
+    own hit, a whole number of blocks)."""
+
+    req_id: str
+    tokens: np.ndarray
+    start: int
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Save:
+    """PUT the KV of `tokens` (whole vLLM blocks, in `block_ids`), the cache holding tokens[:start] already."""
+
+    tokens: np.ndarray
+    start: int
+    block_ids: list[int]
+
+
+def _layer_order(name: str) -> tuple:
+    return tuple(int(n) for n in re.findall(r"\d+", name)), name
+
+
+class ConnectorWorker:
+    def __init__(self, session: CacheSession, config: ConnectorConfig, layout: EngineLayout):
+        self._session, self._config, self._layout = session, config, layout
+        self._loader = session.data_plane(timeout=config.io_timeout_s) if config.reads else None
+        self._stats: dict[str, float] = defaultdict(float)
+        self._lock = threading.Lock()
+        self._failed: set[int] = set()
+        self._layers: list[torch.Tensor] = []
+        self._paged: PagedLayout | None = None
+        self._saver = _Saver(self) if config.writes and config.save == "async" else None
+        self._put_client: DataPlaneClient | None = None
+
+    # ---- set-up -------------------------------------------------------------------------------------------------
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = sorted(kv_caches, key=_layer_order)
+        layers = [kv_caches[name] for name in names]
+        kind = "cpu" if layers[0].device.type == "cpu" else "concat"
+        paged = PagedLayout.of(kind, layers[0])
+        spec, layout = self._session.spec, self._layout
+        found = (len(layers), paged.num_kv_heads, paged.head_dim, paged.block_size)
+        wanted = (spec.num_layers, spec.num_kv_heads, spec.head_dim, layout.block_size)
+        if found != wanted:
+            raise ConnectorSetupError(f"vLLM's KV tensors are (layers, kv heads, head size, block size) {found}, the "
+                                      f"cache's layout {wanted}")  # fmt: skip
+        self._layers, self._paged = layers, paged
+
+    # ---- loads --------------------------------------------------------------------------------------------------
+    def load(self, loads: list[Load]) -> None:
+        for load in loads:
+            self._load_one(load)
+
+    def _load_one(self, load: Load) -> None:
+        started = time.perf_counter()
+        bs = self._layout.block_size
+        try:
+            end, kv = self._loader.get(load.tokens, start=load.start)
+        except Exception as exc:  # noqa: BLE001 - the node or the network: those blocks are recomputed
+            logger.warning("KCaaS load of %d tokens failed (%s): vLLM recomputes them", len(load.tokens) - load.start,
+                           exc)  # fmt: skip
+            end, kv = load.start, None
+        filled = max(min(end, len(load.tokens)) - load.start, 0) // bs
+        filled = min(filled, len(load.block_ids))
+        if filled:
+            scatter(self._layers, self._paged, load.block_ids[:filled], kv[:, :, : filled * bs])
+        missed = load.block_ids[filled:]
+        with self._lock:
+            self._failed.update(missed)
+            self._count(loaded_tokens=filled * bs, loaded_bytes=filled * bs * self._session.spec.kv_bytes_per_token,
+                        load_seconds=time.perf_counter() - started, load_failures=1 if missed else 0,
+                        failed_tokens=len(missed) * bs)  # fmt: skip
+
+    def take_failed_blocks(self) -> set[int]:
+        with self._lock:
+            failed, self._failed = self._failed, set()
+        return failed
+
+    # ---- saves --------------------------------------------------------------------------------------------------
+    def save(self, saves: list[Save]) -> None:
+        for save in saves:
+            kv = gather(self._layers, self._paged, save.block_ids)  # a copy: vLLM may reuse its blocks now
+            if kv.device.type != "cpu":
+                kv = kv.cpu()
+            if self._saver is not None:
+                self._saver.submit(save, kv)
+            else:
+                self.put(save, kv)
+
+    def put(self, save: Save, kv: torch.Tensor) -> None:
+        """One save's PUT (only the tokens the cache lacks cross the wire; all of them if it lost the rest)."""
+        try:
+            if self._put_client is None:
+                self._put_client = self._session.data_plane(timeout=self._config.io_timeout_s)
+            try:
+                self._put_client.put(save.tokens, kv[:, :, save.start :], start=save.start)
+            except DataPlaneError as exc:
+                if exc.code != "prefix_not_cached":
+                    raise
+                self._put_client.put(save.tokens, kv)
+        except Exception as exc:  # noqa: BLE001 - a save that failed is a later miss, never an engine error
+            logger.warning("KCaaS save of %d tokens failed: %s", len(save.tokens), exc)
+            self.count(save_failures=1)
+            return
+        sent = len(save.tokens) - save.start
+        self.count(saved_tokens=sent, saved_bytes=sent * self._session.spec.kv_bytes_per_token)
+
+    # ---- stats and shutdown -------------------------------------------------------------------------------------
+    def _count(self, **values: float) -> None:
+        for name, value in values.items():
+            self._stats[name] += value
+
+    def count(self, **values: float) -> None:
+        with self._lock:
+            self._count(**values)
+
+    def take_stats(self) -> dict[str, float]:
+        with self._lock:
+            stats, self._stats = dict(self._stats), defaultdict(float)
+        return stats
+
+    def close(self) -> None:
+        if self._saver is not None:
+            self._saver.close(self._config.io_timeout_s)
+        for client in (self._loader, self._put_client):
+            if client is not None:
+                client.close()
+
+
+class _Saver:
+    """The async saves: a thread PUTs them in order; at most `save_queue_bytes` of KV wait (a save beyond it is
+    dropped and counted: a later miss)."""
+
+    def __init__(self, worker: ConnectorWorker):
+        self._worker = worker
+        self._limit = worker._config.save_queue_bytes
+        self._queue: queue.Queue = queue.Queue()
+        self._waiting_bytes = 0
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="kcaas-saver", daemon=True)
+        self._thread.start()
+
+    def submit(self, save: Save, kv: torch.Tensor) -> None:
+        size = kv.numel() * kv.element_size()
+        with self._lock:
+            if self._waiting_bytes + size > self._limit:
+                self._worker.count(saves_dropped=1)
+                return
+            self._waiting_bytes += size
+        self._queue.put((save, kv, size))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            save, kv, size = item
+            try:
+                self._worker.put(save, kv)
+            finally:
+                with self._lock:
+                    self._waiting_bytes -= size
+
+    def close(self, timeout_s: float) -> None:
+        """Send what is queued (for at most `timeout_s`), then stop."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
