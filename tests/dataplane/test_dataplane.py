@@ -54,6 +54,34 @@ def test_put_get_lookup_delete_bit_exact_over_tls(server, make_token, client_ctx
     assert lookup_a(registry) == 0
 
 
+def test_get_and_put_from_a_start_send_only_the_tokens_the_caller_lacks(server, make_token, client_ctx, spec, registry):
+    """What a vLLM connector does: a GET of only the tokens beyond the engine's own hit, a PUT of only the tokens
+    beyond what the cache holds; a PUT whose prefix the cache lost is refused, never stored half."""
+    kv = prefix_kv(spec, TOKENS)
+    with client_for(server, make_token(), client_ctx) as dp:
+        assert dp.put(TOKENS[:8], kv[:, :, :8])["num_cached"] == 8
+        result = dp.put(TOKENS, kv[:, :, 8:], start=8)  # the suffix only
+        assert result["num_cached"] == 22 and result["num_written"] == 14
+        n, got = dp.get(TOKENS, start=12)
+        assert n == 22 and torch.equal(got, kv[:, :, 12:])
+        staging = torch.empty((spec.elements_per_token * 10,), dtype=kv.dtype)
+        n, got = dp.get(TOKENS, start=12, out=staging)
+        assert n == 22 and torch.equal(got, kv[:, :, 12:]) and got.data_ptr() == staging.data_ptr()
+        n, got = dp.get(np.concatenate([TOKENS[:9], np.array([7, 7], np.int32)]), start=4)
+        assert n == 9 and torch.equal(got, kv[:, :, 4:9])
+        assert dp.delete(TOKENS[:4]) >= 1
+        n, got = dp.get(TOKENS, start=8)  # not even the first 8 are cached now
+        assert n == 0 and got.shape[2] == 0
+        with pytest.raises(DataPlaneError) as refused:
+            dp.put(TOKENS, kv[:, :, 8:], start=8)
+        assert refused.value.code == "prefix_not_cached"
+        assert dp.lookup(TOKENS) == 0
+        with pytest.raises(ValueError):
+            dp.put(TOKENS, kv, start=8)  # kv must hold tokens[8:] only
+        with pytest.raises(ValueError):
+            dp.get(TOKENS, start=23)
+
+
 def test_fp16_and_connection_reuse(server, make_token, client_ctx, registry):
     spec16 = tiny_spec(kv_dtype="float16", storage_dtype="float16")
     registry.provision(cache_id="c_fp16", spec=spec16, capacity={"device": 64 * spec16.block_bytes},
