@@ -7,6 +7,7 @@ from kcaas.spec import KVCacheSpec
 
 
 def model_dir(tmp_path, **config):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "config.json").write_text(json.dumps(config))
     return str(tmp_path)
 
