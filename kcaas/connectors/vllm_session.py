@@ -44,7 +44,7 @@ class ConnectorConfig:
     ca_file: str | None = None
     token_ttl_seconds: int | None = None
     lookup_timeout_s: float = 0.1  # the scheduler's lookup: a slower node is a miss, never a stall
-    io_timeout_s: float = 30.0  # a worker's load or save
+    io_timeout_s: float = 5.0  # a worker's load or save: a hung node costs at most this, then a recompute
     save: str = "async"
     save_queue_bytes: int = 1 << 30  # async saves waiting for the network; beyond it a save is dropped (a miss)
     model_fingerprint: str | None = None
@@ -71,7 +71,7 @@ class ConnectorConfig:
                 "KCAAS_API_KEY"), ca_file=extra.get("ca_file"),
                 token_ttl_seconds=None if extra.get("token_ttl_seconds") is None else int(extra["token_ttl_seconds"]),
                 lookup_timeout_s=float(extra.get("lookup_timeout_ms", 100)) / 1000.0,
-                io_timeout_s=float(extra.get("io_timeout_s", 30.0)), save=save,
+                io_timeout_s=float(extra.get("io_timeout_s", 5.0)), save=save,
                 save_queue_bytes=int(extra.get("save_queue_bytes", 1 << 30)),
                 model_fingerprint=extra.get("model_fingerprint"),
             )  # fmt: skip
