@@ -1,0 +1,223 @@
+"""A real vLLM engine for the e2e tests, run by the vLLM venv's interpreter (KCAAS_VLLM_PYTHON, `make vllm-venv`),
+never imported by the main venv's pytest (its name is not test_*, and it imports vLLM only inside the subcommands).
+
+    $KCAAS_VLLM_PYTHON tests/e2e/vllm_runner.py build-model --arch llama|qwen2 --out DIR
+    $KCAAS_VLLM_PYTHON tests/e2e/vllm_runner.py generate < job.json
+
+`build-model` saves a tiny random-init model (seed 0, float32) with vLLM's own transformers: head_dim 32, the
+smallest the CPU attention backend takes; weights ten times the usual init scale, so greedy picks are clear (the
+default init gives near-uniform logits, top-2 a few 1e-3 apart).
+
+`generate` reads ONE JSON line from stdin, the job:
+
+    {"model": DIR, "dtype": "float32", "max_model_len": 1024,
+     "kv_role": null | "kv_both" | "kv_producer" | "kv_consumer",      # null: no connector (the baseline)
+     "extra_config": {...},                                           # kv_connector_extra_config
+     "connector": "KCaaSConnector", "connector_module": "kcaas.connectors.vllm",
+     "enable_prefix_caching": false, "logprobs": null | k,            # k: the top-k logprobs of each step too
+     "multiprocess": true,            # false: engine core and worker in this process (starts ~25 s sooner)
+     "kv_cache_memory_bytes": N, "max_num_batched_tokens": N, "max_num_seqs": N,       # optional engine sizes
+     "start_paused": false, "pause_between_rounds": false,
+     "rounds": [{"prompts": [[ids]], "max_tokens": N}, ...]}          # or "prompts" + "max_tokens": one round
+
+and prints JSON lines on stdout, nothing else (vLLM's own output, and its child processes', goes to stderr):
+`{"ready": true}` once the engine is up when `start_paused` (then it waits for a line "next" on stdin), after
+every round but the last `{"round": i, ...result}` (with `pause_between_rounds` it waits for "next" again: a
+test acts between rounds, kills the node, lets a token expire), and last the last round's result:
+
+    {"outputs": [[ids]], "num_cached_tokens": [...], "external_hits": {"queries", "hits"} | null,
+     "connector_stats": [{...}, ...], "elapsed_s": ..., "logprobs": [[{token: logprob}]] (if asked)}
+
+Then it exits when stdin closes (so a test can hold the engine while its async saves land); greedy, ignore_eos.
+
+`num_cached_tokens` is vLLM's per-request count of prompt tokens it did not compute (local prefix cache + what the
+connector promised; the tests run without vLLM's prefix cache, so it is the external hit). `external_hits` sums
+vLLM's connector prefix-cache stats (queries and hits, in tokens) over the round, `connector_stats` lists the
+connector's own per-step stats payloads (KVConnectorStats.data) as vLLM collected them.
+
+If the engine does not start (or a round fails) it exits 1, the exception's type and message on the last line of
+stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+
+def build_model(arch: str, out: str) -> None:
+    import torch
+    import transformers
+
+    common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=2048,
+                  tie_word_embeddings=False, initializer_range=0.2)  # fmt: skip - sharp logits: clear greedy picks
+    if arch == "llama":
+        config = transformers.LlamaConfig(**common)
+        model_cls = transformers.LlamaForCausalLM
+    elif arch == "qwen2":
+        config = transformers.Qwen2Config(**common, use_sliding_window=False)  # GQA, with q/k/v biases
+        model_cls = transformers.Qwen2ForCausalLM
+    else:
+        raise SystemExit(f"unknown arch {arch!r} (llama, qwen2)")
+    torch.manual_seed(0)
+    model = model_cls(config).to(torch.float32)
+    if arch == "qwen2":
+        with torch.no_grad():  # random-init biases start at zero: make them matter
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0.0, 0.5)
+    model.save_pretrained(out)
+    print(json.dumps({"model": out, "arch": arch}))
+
+
+class _StatsTap:
+    """Collects the SchedulerStats vLLM's engine hands its output processor after each step (log stats on)."""
+
+    def __init__(self, llm):
+        self.connector_stats: list[dict] = []
+        self.queries = self.hits = 0
+        self.seen = False
+        processor = llm.llm_engine.output_processor
+        original = processor.update_scheduler_stats
+
+        def update(stats):
+            if stats is not None:
+                self.record(stats)
+            return original(stats)
+
+        processor.update_scheduler_stats = update
+
+    def record(self, stats) -> None:
+        payload = getattr(stats, "kv_connector_stats", None)
+        if payload:
+            self.connector_stats.append(_jsonable(payload))
+        prefix = getattr(stats, "connector_prefix_cache_stats", None)
+        if prefix is not None:
+            self.seen = True
+            self.queries += int(getattr(prefix, "queries", 0) or 0)
+            self.hits += int(getattr(prefix, "hits", 0) or 0)
+
+    def take(self) -> dict:
+        result = {"external_hits": {"queries": self.queries, "hits": self.hits} if self.seen else None,
+                  "connector_stats": self.connector_stats}  # fmt: skip
+        self.connector_stats, self.queries, self.hits = [], 0, 0
+        return result
+
+
+def _jsonable(value):
+    return json.loads(json.dumps(value, default=repr))
+
+
+def generate(job: dict, proto, commands) -> None:
+    if not job.get("multiprocess", True):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process (before vLLM loads)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs = dict(model=job["model"], skip_tokenizer_init=True, dtype=job.get("dtype", "float32"),
+                  max_model_len=job.get("max_model_len", 1024), enforce_eager=True, seed=0,
+                  enable_prefix_caching=job.get("enable_prefix_caching", False), disable_log_stats=False)  # fmt: skip
+    for name in ("kv_cache_memory_bytes", "max_num_batched_tokens", "max_num_seqs"):
+        if job.get(name) is not None:
+            kwargs[name] = job[name]
+    if not job.get("multiprocess", True):
+        kwargs["distributed_executor_backend"] = "uni"  # the worker in this process too
+    if job.get("kv_role"):
+        from vllm.config import KVTransferConfig
+
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector=job.get("connector", "KCaaSConnector"),
+            kv_connector_module_path=job.get("connector_module", "kcaas.connectors.vllm"),
+            kv_role=job["kv_role"],
+            kv_connector_extra_config=job.get("extra_config", {}),
+        )
+    llm = LLM(**kwargs)
+    tap = _StatsTap(llm)
+
+    def emit(message: dict) -> None:
+        proto.write(json.dumps(message) + "\n")
+        proto.flush()
+
+    def wait_for_go() -> None:
+        if commands.readline().strip() != "next":
+            raise SystemExit("stdin closed while waiting for the next round")
+
+    if job.get("start_paused"):
+        emit({"ready": True})
+        wait_for_go()
+    rounds = job.get("rounds") or [{"prompts": job["prompts"], "max_tokens": job.get("max_tokens", 8)}]
+    for i, spec in enumerate(rounds):
+        params = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 8), detokenize=False,
+                                ignore_eos=True, logprobs=job.get("logprobs"))  # fmt: skip
+        started = time.monotonic()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in spec["prompts"]], params, use_tqdm=False)
+        result = {
+            "outputs": [list(o.outputs[0].token_ids) for o in outs],
+            "num_cached_tokens": [o.num_cached_tokens for o in outs],
+            "elapsed_s": round(time.monotonic() - started, 3),
+            **tap.take(),
+        }
+        if job.get("logprobs") is not None:  # per request, per step: {token id: logprob} of the top ones
+            result["logprobs"] = [[{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs]
+                                  for o in outs]  # fmt: skip
+        if i < len(rounds) - 1:
+            emit({"round": i, **result})
+            if job.get("pause_between_rounds"):
+                wait_for_go()
+        else:
+            emit(result)
+    commands.readline()  # a test holding this engine (its async saves still in flight) closes stdin to end it
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vllm_runner")
+    sub = parser.add_subparsers(dest="command", required=True)
+    build = sub.add_parser("build-model")
+    build.add_argument("--arch", choices=["llama", "qwen2"], required=True)
+    build.add_argument("--out", required=True)
+    sub.add_parser("generate")
+    args = parser.parse_args(argv)
+    if args.command == "build-model":
+        build_model(args.arch, args.out)
+        return 0
+
+    # stdout carries only this script's JSON lines: vLLM (and the processes it starts, which inherit fd 1) log to
+    # stderr instead
+    proto = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    commands = sys.stdin
+    job = json.loads(commands.readline())
+    try:
+        generate(job, proto, commands)
+    except BaseException as exc:  # noqa: BLE001 - the message is the result
+        if isinstance(exc, SystemExit) and not isinstance(exc.code, str):
+            raise
+        traceback.print_exc()
+        causes, seen = [], exc
+        while seen is not None and len(causes) < 5:
+            causes.append(f"{type(seen).__name__}: {seen}")
+            seen = seen.__cause__ or (None if seen.__suppress_context__ else seen.__context__)
+        print("vllm_runner: error: " + " <- ".join(causes).replace("\n", " "), file=sys.stderr, flush=True)
+        _exit(1)  # vLLM's shutdown hooks can block on a half-started engine
+    proto.close()
+    _exit(0)
+
+
+def _exit(status: int) -> None:
+    """Exit now, without vLLM's slow teardown: the engine core process (multiprocess mode) is killed first."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.kill()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
