@@ -7,6 +7,7 @@ off, so what vLLM reports as cached (num_cached_tokens) is exactly what the conn
   boundary (256 tokens) and inside a block (300); a fresh engine gets them from KCaaS: whole blocks only (256,
   never the block the prompts diverge in), loaded not recomputed, and its greedy tokens and logprobs are vLLM's
   alone; isolation: tenant B's fresh engine, identical prompts, a cache of the same name: no hit at all;
+- bfloat16 (the CPU build runs it): a bf16 cache, a fresh engine's greedy tokens equal a bf16 engine's alone;
 - prefill/decode hand-off (Qwen2, GQA with q/k/v biases, 128-token KCaaS blocks, vLLM's engine and worker in
   their own processes): a kv_producer prefills (max_tokens 1, sync saves: in the cache when its requests return),
   a kv_consumer with a read-only token decodes: the tokens of a single engine, nothing written;
@@ -30,12 +31,14 @@ from django.utils import timezone
 from caches.models import DataToken
 from gpu_node.tokens import TokenVerifier
 from tests.e2e.vllm_support import (  # noqa: F401 - fixtures
+    CACHE_DEVICE_BYTES,
     PROMPTS,
     agent_metric,
     assert_same_as_baseline,
     baseline,
     connector_job,
     connector_stat,
+    engine_job,
     engine_spec,
     prompts,
     requires_vllm,
@@ -90,6 +93,30 @@ def test_a_fresh_engine_loads_the_prefix_exactly_and_another_tenant_gets_nothing
     assert isolated["num_cached_tokens"] == [0, 0, 0, 0]
     assert connector_stat(isolated, "loaded_tokens") == 0
     assert_same_as_baseline(isolated, FRESH, baseline["llama"])
+
+
+def test_bfloat16_kv_loads_exactly_too(live_server, pki, vllm_models, vllm_agent, tenants, vllm_processes):
+    """The CPU build runs bf16: a cache of bf16 KV, a fresh engine's greedy tokens equal a bf16 engine's alone."""
+    model = vllm_models["llama"]
+    tenant = tenants()
+    cache = tenant.attach("bf16", engine_spec(model, block_size=16, kv_dtype="bfloat16", storage_dtype="bfloat16"),
+                          device_bytes=CACHE_DEVICE_BYTES // 2)  # fmt: skip
+    common = dict(role="kv_both", url=live_server.url, cache="bf16", pki=pki, dtype="bfloat16", logprobs=None)
+    alone = vllm_processes.start(engine_job(model, prompts(*FRESH), dtype="bfloat16", logprobs=None), tenant.env(),
+                                 "bf16-alone")  # fmt: skip
+    seeder = vllm_processes.start(connector_job(model, prompts(*SEED), **common), tenant.env(), "bf16-seed")
+    fresh = vllm_processes.start(connector_job(model, prompts(*FRESH), start_paused=True, **common), tenant.env(),
+                                 "bf16-fresh")  # fmt: skip
+    expected = alone.message()["outputs"]
+    assert seeder.message()["num_cached_tokens"] == [0, 0]
+    wait_cached(tenant.data_plane(cache), {"a_seed": 256, "b_seed": 384})
+    seeder.close()
+    assert fresh.message() == {"ready": True}
+    fresh.go()
+    served = fresh.message()
+    assert served["num_cached_tokens"] == FRESH_HITS
+    assert connector_stat(served, "loaded_tokens") == sum(FRESH_HITS)
+    assert served["outputs"] == expected
 
 
 def test_prefill_on_a_producer_decode_on_a_read_only_consumer(
