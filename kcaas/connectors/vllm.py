@@ -32,7 +32,6 @@ KV of generated tokens is not saved), the CPU and CUDA flash-attention paged lay
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kcaas.connectors.vllm_blocks import loadable_tokens, savable_tokens
+from kcaas.connectors.vllm_lookup import BoundedLookup
 from kcaas.connectors.vllm_session import CacheSession, ConnectorConfig, ConnectorSetupError, EngineLayout
 from kcaas.connectors.vllm_worker import ConnectorWorker, Load, Save
 
@@ -55,8 +55,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kcaas.connectors.vllm")
 
-STAT_NAMES = ("lookups", "lookup_misses_node_down", "loaded_tokens", "loaded_bytes", "load_seconds", "load_failures",
-              "failed_tokens", "saved_tokens", "saved_bytes", "save_failures", "saves_dropped")  # fmt: skip
+# the worker's counters (lookups are vLLM's own: vllm:external_prefix_cache_queries / _hits)
+STAT_NAMES = ("loaded_tokens", "loaded_bytes", "load_seconds", "load_failures", "failed_tokens", "saved_tokens",
+              "saved_bytes", "save_failures", "saves_dropped")  # fmt: skip
 
 
 class KCaaSConnectorStats(KVConnectorStats):
@@ -134,7 +135,9 @@ class KCaaSConnector(KVConnectorBase_V1):
                     self._session.cache.id, self._session.cache.endpoint)  # fmt: skip
         if role == KVConnectorRole.SCHEDULER:
             transfer.kv_load_failure_policy = "recompute"  # read by the scheduler after it made this connector
-            self._lookup = _BoundedLookup(self._session, self._config.lookup_timeout_s)
+            session, config = self._session, self._config
+            self._lookup = BoundedLookup(lambda timeout: session.data_plane(timeout=timeout, overloaded_retries=0),
+                                         config.lookup_timeout_s, config.io_timeout_s)
             self._tracked: dict[str, _Tracked] = {}
             self._hits: dict[str, int] = {}  # request id -> tokens the cache holds (one lookup per request)
             self._pending_loads: dict[str, tuple[int, int]] = {}  # request id -> (local hit, tokens to load)
@@ -250,46 +253,3 @@ class KCaaSConnector(KVConnectorBase_V1):
         self._pending_loads.pop(request.request_id, None)
         self._local_hits.pop(request.request_id, None)
         return False, None
-
-
-class _BoundedLookup:
-    """LOOKUP with a deadline: the node's answer within `timeout_s`, else 0 (a miss). After a failure, lookups are
-    misses at once for a back-off (1 s, doubling to 30 s while failures go on), so a dead or hung node costs one
-    timeout per back-off, not one per request."""
-
-    def __init__(self, session: CacheSession, timeout_s: float):
-        self._session, self._timeout = session, timeout_s
-        self._client = None
-        self._down_until, self._backoff = 0.0, 1.0
-        try:
-            self._open(session.config.io_timeout_s)  # the first handshake off the engine's path
-        except Exception as exc:  # noqa: BLE001 - a node down at start-up: misses until it answers
-            logger.warning("KCaaS node not reachable at start-up (%s): lookups are misses until it is", exc)
-            self.close()
-
-    def _open(self, connect_timeout: float) -> None:
-        self._client = self._session.data_plane(timeout=connect_timeout, overloaded_retries=0)
-        self._client.connect()
-        self._client.settimeout(self._timeout)
-
-    def __call__(self, prompt: list[int]) -> int:
-        now = time.monotonic()
-        if now < self._down_until:
-            return 0
-        try:
-            if self._client is None:  # a reconnect after a failure: bounded too (a hung node)
-                self._open(max(10 * self._timeout, 0.5))
-            found = self._client.lookup(np.asarray(prompt, dtype=np.int32))
-        except Exception as exc:  # noqa: BLE001 - any failure of the node or the network is a miss, never a stall
-            self._down_until, self._backoff = now + self._backoff, min(self._backoff * 2, 30.0)
-            logger.warning("KCaaS lookup failed (%s); lookups are misses for %.0f s", type(exc).__name__,
-                           self._down_until - now)  # fmt: skip
-            self.close()
-            return 0
-        self._backoff = 1.0
-        return found
-
-    def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
