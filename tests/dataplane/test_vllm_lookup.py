@@ -39,7 +39,7 @@ def test_a_healthy_node_answers_then_a_stopped_one_is_a_miss_and_a_back_off(serv
         server.stop()
         assert lookup(TOKENS) == 0 and lookup.down  # the connection broke: a miss
         missed, took = timed(lambda: lookup(TOKENS))
-        assert missed == 0 and took < 0.01  # within the back-off: not even a connection attempt
+        assert missed == 0 and took < 0.1  # within the back-off: not even a connection attempt (a try waits >= 0.5 s)
     finally:
         lookup.close()
 
@@ -64,7 +64,7 @@ def test_a_hung_node_costs_one_bounded_wait_per_back_off(hung_node, make_token, 
         missed, took = timed(lambda: lookup(TOKENS))
         assert missed == 0 and 0.45 <= took < 1.5 and lookup.down  # a reconnect bounded by max(10 x 50 ms, 0.5 s)
         missed, took = timed(lambda: lookup(TOKENS))
-        assert missed == 0 and took < 0.01  # the back-off: no wait at all
+        assert missed == 0 and took < 0.1  # the back-off: no wait at all (a try waits >= 0.5 s)
         now[0] += 1.5  # past the first back-off (1 s): one more bounded try, then a doubled back-off
         assert lookup(TOKENS) == 0 and lookup.down
         now[0] += 1.5
