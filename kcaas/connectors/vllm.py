@@ -121,6 +121,12 @@ def engine_layout(vllm_config: VllmConfig, kv_cache_config, fingerprint: str | N
     )
 
 
+def _backend_name(layer) -> str:
+    """The attention backend of one of vLLM's attention layers (its get_name(): CPU_ATTN, FLASH_ATTN, ...)."""
+    backend = getattr(layer, "attn_backend", None)
+    return backend.get_name() if backend is not None else f"unknown ({type(layer).__name__})"
+
+
 class KCaaSConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
 
@@ -152,7 +158,9 @@ class KCaaSConnector(KVConnectorBase_V1):
 
     # ---- worker side --------------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker.register(kv_caches)
+        layers = self._vllm_config.compilation_config.static_forward_context
+        backends = {_backend_name(layers.get(name)) for name in kv_caches}
+        self._worker.register(kv_caches, backends)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()

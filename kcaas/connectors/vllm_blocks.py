@@ -22,6 +22,9 @@ from dataclasses import dataclass
 import torch
 
 LAYOUTS = ("cpu", "concat")
+# vLLM attention backends (their get_name()) whose paged tensors the connector knows; any other is refused at start-up
+# (a layout guessed wrong would load KV into the wrong places).
+BACKEND_LAYOUTS = {"CPU_ATTN": "cpu", "FLASH_ATTN": "concat", "TRITON_ATTN": "concat"}
 
 
 @dataclass(frozen=True, slots=True)

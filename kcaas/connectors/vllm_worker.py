@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kcaas.connectors.vllm_blocks import PagedLayout, gather, scatter
+from kcaas.connectors.vllm_blocks import BACKEND_LAYOUTS, PagedLayout, gather, scatter
 from kcaas.connectors.vllm_session import CacheSession, ConnectorConfig, ConnectorSetupError, EngineLayout
 from kcaas.dataplane import DataPlaneClient, DataPlaneError
 
@@ -67,11 +67,15 @@ class ConnectorWorker:
         self._put_client: DataPlaneClient | None = None
 
     # ---- set-up -------------------------------------------------------------------------------------------------
-    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register(self, kv_caches: dict[str, torch.Tensor], backends: set[str]) -> None:
+        """vLLM's per-layer paged tensors, and the names of the attention backends that read them."""
+        kinds = {BACKEND_LAYOUTS.get(name) for name in backends}
+        if len(kinds) != 1 or None in kinds:
+            raise ConnectorSetupError(f"attention backend {sorted(backends)} is not supported (known: "
+                                      f"{sorted(BACKEND_LAYOUTS)})")  # fmt: skip
         names = sorted(kv_caches, key=_layer_order)
         layers = [kv_caches[name] for name in names]
-        kind = "cpu" if layers[0].device.type == "cpu" else "concat"
-        paged = PagedLayout.of(kind, layers[0])
+        paged = PagedLayout.of(kinds.pop(), layers[0])
         spec, layout = self._session.spec, self._layout
         found = (len(layers), paged.num_kv_heads, paged.head_dim, paged.block_size)
         wanted = (spec.num_layers, spec.num_kv_heads, spec.head_dim, layout.block_size)
