@@ -34,10 +34,14 @@ vllm-venv: $(VLLM_STAMP)
 # set before kernel modules are imported, so it is set for the whole run.
 # PostgreSQL and Redis are started when they are not running (scripts/services.sh prints where they answer); the
 # console's browser tests get Debian's chromium (scripts/browser.sh installs it when missing).
+# PYTHONNODEBUGRANGES: CPython 3.11's traceback module parses source with `ast` to draw carets, and 3.11's ast
+# keeps its recursion depth in interpreter-wide state: a worker or server thread logging a traceback while pytest
+# renders a failure (also with ast) corrupts it, and pytest dies with an INTERNALERROR that hides the failure.
+# Without column ranges no traceback draws carets, so only pytest's own thread parses.
 test: install vllm-venv
 	@eval "$$(scripts/services.sh)" && KCAAS_CHROMIUM="$$(scripts/browser.sh)" && \
 	DATABASE_URL="$$DATABASE_URL" REDIS_URL=redis://127.0.0.1:6379/15 CELERY_BROKER_URL=redis://127.0.0.1:6379/14 \
-	KCAAS_CHROMIUM="$$KCAAS_CHROMIUM" KCAAS_VLLM_PYTHON=$(abspath $(VLLM_PY)) TRITON_INTERPRET=1 $(PY) -m pytest -q
+	KCAAS_CHROMIUM="$$KCAAS_CHROMIUM" KCAAS_VLLM_PYTHON=$(abspath $(VLLM_PY)) TRITON_INTERPRET=1 PYTHONNODEBUGRANGES=1 $(PY) -m pytest -q
 
 bench: install
 	@scripts/services.sh >/dev/null

@@ -8,6 +8,7 @@ the messages (spec, capacity, hash key, epoch).
 import base64
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 
 from celery import Celery
@@ -34,6 +35,7 @@ class NodeBehaviour:
     endpoint: str = ""
     fail_reason: str | None = None  # set: provisioning answers failed with this reason
     received: list = field(default_factory=list)  # (task name, args) in arrival order
+    since: float = 0.0  # when the workers started: older unacknowledged messages on the broker are not theirs
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -70,6 +72,7 @@ def module_workers(node_id):
     from controlplane.celery import app as control_app, node_queue
     from tests.caches.conftest import purge_node_queue, running_workers
 
+    behaviour.since = time.time()
     try:
         with running_workers((control_app, ["control"]), (node_app, [node_queue(node_id)])):
             yield behaviour
@@ -90,17 +93,35 @@ def adopt_node(node, node_id):
     return adopted
 
 
-def workers_settled(node_id) -> bool:
-    """Nothing the test set off is still on its way: both queues empty and no task in hand. The workers outlive the
-    test; flushing the database under a late answer deadlocks the flush."""
+def workers_settled(node_id, *, checks: int = 3, interval: float = 0.1) -> bool:
+    """Nothing the test set off is still on its way, seen `checks` times in a row: both queues empty, no message of
+    theirs delivered and not yet acknowledged (kombu's `unacked` hash: a retry waiting for its countdown, or a
+    message taken off the list whose request the worker has not registered yet) and no task in hand. The workers
+    outlive the test: an answer handled after the test's database is flushed fails (or deadlocks the flush), and a
+    single look can fall in the gap between a worker taking a message and registering it."""
+    for check in range(checks):
+        if check:
+            time.sleep(interval)
+        if not _nothing_in_flight(node_id):
+            return False
+    return True
+
+
+def _nothing_in_flight(node_id) -> bool:
+    import json
+
     import redis
     from celery.worker import state as worker_state
 
     from controlplane.celery import node_queue
 
+    queues = (CONTROL_QUEUE, node_queue(node_id))
     client = redis.Redis.from_url(os.environ["CELERY_BROKER_URL"])
     try:
-        queued = client.llen(CONTROL_QUEUE) + client.llen(node_queue(node_id))
+        queued = sum(client.llen(queue) for queue in queues)
+        tags = client.zrangebyscore("unacked_index", behaviour.since, "+inf")  # kombu: delivery tag -> taken at
+        unacked = [json.loads(value) for value in client.hmget("unacked", tags) if value] if tags else []
     finally:
         client.close()
-    return queued == 0 and not worker_state.active_requests and not worker_state.reserved_requests
+    in_flight = sum(1 for entry in unacked if len(entry) == 3 and entry[2] in queues)  # [message, exchange, key]
+    return queued == 0 and in_flight == 0 and not worker_state.active_requests and not worker_state.reserved_requests
