@@ -7,6 +7,21 @@
  *   h_0 = parent,  h_i = BLAKE2b(key=key, digest_size)(h_{i-1} || data[(i-1)*block_bytes : i*block_bytes])
  * byte for byte what hashlib.blake2b computes (tests compare the two). BLAKE2b is written here from RFC 7693; the
  * state after the key block is computed once per call and reused for every block.
+ *
+ *   chain_hashes_held(key, parent, data, block_bytes, digest_size, held, stride) -> (bytes, num_held)
+ *
+ * the same chain, computed only as far as `held` (any container: `h in held`) holds it: lookup's early exit.
+ * See gpu_node/block_hash.py (chain_hashes_held_python is the reference).
+ *
+ *   int32_tokens(tokens, out) -> bool
+ *
+ * a list or tuple of exact Python ints in [0, 2**31) written into `out` (a writable int32 buffer of that length);
+ * False, with `out` partly written, as soon as an item is anything else (the caller takes numpy's slower path,
+ * which refuses or converts it exactly as before).
+ *
+ *   int32_nonnegative(tokens) -> bool
+ *
+ * True when no int32 of a contiguous buffer is negative: the only check an int32 array of token ids needs.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -154,9 +169,149 @@ done:
     return result;
 }
 
+/* 1 when `held` holds the digest, 0 when not, -1 with an exception set. */
+static int held_contains(PyObject *held, const uint8_t *digest, Py_ssize_t digest_size) {
+    PyObject *name = PyBytes_FromStringAndSize((const char *)digest, digest_size);
+    if (name == NULL) return -1;
+    int found = PySequence_Contains(held, name);
+    Py_DECREF(name);
+    return found;
+}
+
+/* Hash block by block, probing `held` with the digest of every `stride`-th block (and of the last one); at the first
+ * probe that misses, a binary search over that stride's blocks finds the first missing one. With stride > 1 that is
+ * right only when presence along the chain is monotone (held prefix closed: a held block's parent is held); with
+ * stride 1 every block is probed and the answer is the leading run, whatever `held` is. The GIL stays held throughout
+ * (probes need it, and releasing it per stride would queue behind other threads); no Python code runs between probes
+ * unless `held` is a Python-level container. */
+static PyObject *chain_hashes_held(PyObject *self, PyObject *args) {
+    Py_buffer key, parent, data;
+    Py_ssize_t block_bytes, digest_size, stride;
+    PyObject *held;
+    if (!PyArg_ParseTuple(args, "y*y*y*nnOn", &key, &parent, &data, &block_bytes, &digest_size, &held, &stride))
+        return NULL;
+    PyObject *digests = NULL, *result = NULL;
+    if (key.len < 1 || key.len > MAX_KEY || digest_size < 1 || digest_size > MAX_DIGEST ||
+        parent.len != digest_size || block_bytes < 1 || stride < 1) {
+        PyErr_SetString(PyExc_ValueError, "chain_hashes_held: bad key, digest size, parent, block size or stride");
+        goto done;
+    }
+    Py_ssize_t num_blocks = data.len / block_bytes;
+    digests = PyBytes_FromStringAndSize(NULL, num_blocks * digest_size);
+    if (digests == NULL) goto done;
+    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(digests);
+    const uint8_t *bytes = (const uint8_t *)data.buf;
+    blake2b_state start;
+    blake2b_keyed_start(&start, (const uint8_t *)key.buf, (size_t)key.len, (size_t)digest_size);
+    const uint8_t *prev = (const uint8_t *)parent.buf;
+    Py_ssize_t computed = 0, num_held = 0; /* blocks [0, num_held) are held; [0, computed) are hashed */
+    while (computed < num_blocks) {
+        Py_ssize_t end = num_blocks - computed < stride ? num_blocks : computed + stride;
+        for (; computed < end; computed++) {
+            uint8_t *digest = out + computed * digest_size;
+            blake2b_finish_two(start, prev, (size_t)digest_size, bytes + computed * block_bytes, (size_t)block_bytes,
+                               digest, (size_t)digest_size);
+            prev = digest;
+        }
+        int found = held_contains(held, out + (end - 1) * digest_size, digest_size);
+        if (found < 0) goto done;
+        if (found) {
+            num_held = end;
+            continue;
+        }
+        Py_ssize_t missing = end - 1; /* missing is not held; blocks before num_held are */
+        while (num_held < missing) {
+            Py_ssize_t middle = num_held + (missing - num_held) / 2;
+            found = held_contains(held, out + middle * digest_size, digest_size);
+            if (found < 0) goto done;
+            if (found)
+                num_held = middle + 1;
+            else
+                missing = middle;
+        }
+        break;
+    }
+    if (computed < num_blocks && _PyBytes_Resize(&digests, computed * digest_size) < 0) goto done;
+    result = Py_BuildValue("(On)", digests, num_held);
+done:
+    Py_XDECREF(digests);
+    PyBuffer_Release(&key);
+    PyBuffer_Release(&parent);
+    PyBuffer_Release(&data);
+    return result;
+}
+
+static PyObject *int32_tokens(PyObject *self, PyObject *args) {
+    PyObject *tokens;
+    Py_buffer out;
+    if (!PyArg_ParseTuple(args, "Ow*", &tokens, &out)) return NULL;
+    PyObject *result = NULL;
+    if (!PyList_CheckExact(tokens) && !PyTuple_CheckExact(tokens)) {
+        PyErr_SetString(PyExc_TypeError, "int32_tokens: a list or tuple");
+        goto done;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(tokens);
+    if (out.len != n * (Py_ssize_t)sizeof(int32_t)) {
+        PyErr_SetString(PyExc_ValueError, "int32_tokens: `out` must hold exactly one int32 per token");
+        goto done;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(tokens);
+    int32_t *ids = (int32_t *)out.buf;
+    int ok = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = items[i];
+        int overflow;
+        long value;
+        if (!PyLong_CheckExact(item) || (value = PyLong_AsLongAndOverflow(item, &overflow), overflow) || value < 0 ||
+            value > INT32_MAX) {
+            ok = 0;
+            break;
+        }
+        int32_t id = (int32_t)value;
+        memcpy(ids + i, &id, sizeof id);
+    }
+    result = PyBool_FromLong(ok);
+done:
+    PyBuffer_Release(&out);
+    return result;
+}
+
+/* True when every int32 of `tokens` (a contiguous buffer of them) is a token id, i.e. not negative: sign bits ORed
+ * eight ids at a time, instead of numpy's min() and its ~1 us of call overhead. */
+static PyObject *int32_nonnegative(PyObject *self, PyObject *args) {
+    Py_buffer tokens;
+    if (!PyArg_ParseTuple(args, "y*", &tokens)) return NULL;
+    const uint8_t *bytes = (const uint8_t *)tokens.buf;
+    Py_ssize_t n = tokens.len / 4, i = 0;
+    uint64_t acc[4] = {0, 0, 0, 0};
+    for (; i + 8 <= n; i += 8) {
+        uint64_t words[4];
+        memcpy(words, bytes + i * 4, sizeof words);
+        acc[0] |= words[0];
+        acc[1] |= words[1];
+        acc[2] |= words[2];
+        acc[3] |= words[3];
+    }
+    uint64_t any = acc[0] | acc[1] | acc[2] | acc[3];
+    for (; i < n; i++) {
+        uint32_t id;
+        memcpy(&id, bytes + i * 4, sizeof id);
+        any |= id;
+    }
+    PyBuffer_Release(&tokens);
+    return PyBool_FromLong((any & 0x8000000080000000ULL) == 0);
+}
+
 static PyMethodDef methods[] = {
     {"chain_hashes", chain_hashes, METH_VARARGS,
      "chain_hashes(key, parent, data, block_bytes, digest_size) -> concatenated chained keyed BLAKE2b digests"},
+    {"chain_hashes_held", chain_hashes_held, METH_VARARGS,
+     "chain_hashes_held(key, parent, data, block_bytes, digest_size, held, stride) -> (digests, num_held): the chain "
+     "as far as `held` holds it (see gpu_node/block_hash.py)"},
+    {"int32_tokens", int32_tokens, METH_VARARGS,
+     "int32_tokens(tokens, out) -> bool: exact ints in [0, 2**31) of a list or tuple into an int32 buffer"},
+    {"int32_nonnegative", int32_nonnegative, METH_VARARGS,
+     "int32_nonnegative(tokens) -> bool: no int32 of the contiguous buffer `tokens` is negative"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -22,8 +22,13 @@ SHA-256 in CPython. Digests are 16 bytes: with a secret key, 128 bits leaves for
 small.
 
 Speed: the chain is computed in C (gpu_node/_blockhash.c, BLAKE2b from RFC 7693, byte-identical to hashlib's keyed
-blake2b) in one call per sequence, ~0.15 us per block, instead of four Python-level hashlib calls per block
-(~0.5 us). Without the extension the same chain comes from hashlib (`chain_hashes_python`).
+blake2b) in one call per sequence, ~0.13 us per block, instead of four Python-level hashlib calls per block
+(~0.5 us). A lookup needs only the cached part of a chain: `BlockHasher.held_run` (C `chain_hashes_held`) hashes
+block by block, probes a container every few blocks (the device index; the lower tiers after it) and stops at the
+first block it lacks, so a prompt whose first half is cached costs about half a fully cached one. Token ids given as
+a Python list are converted in C (numpy's conversion cost more than hashing them), and an int32 array's one check (no
+negative id) is a C pass. Without the extension the same chains come from hashlib (`chain_hashes_python`,
+`chain_hashes_held_python`) and the checks from numpy.
 """
 
 from __future__ import annotations
@@ -35,8 +40,11 @@ import numpy as np
 
 try:
     from gpu_node._blockhash import chain_hashes as _chain_hashes_c
+    from gpu_node._blockhash import chain_hashes_held as _chain_hashes_held_c
+    from gpu_node._blockhash import int32_nonnegative as _int32_nonnegative_c
+    from gpu_node._blockhash import int32_tokens as _int32_tokens_c
 except ImportError:  # not built (e.g. a source checkout without `pip install -e .`): hashlib does the same
-    _chain_hashes_c = None
+    _chain_hashes_c = _chain_hashes_held_c = _int32_tokens_c = _int32_nonnegative_c = None
 
 BlockHash = NewType("BlockHash", bytes)
 
@@ -44,10 +52,25 @@ HASH_NUM_BYTES = 16
 MIN_KEY_BYTES = 16
 MAX_KEY_BYTES = 64  # BLAKE2b's key limit
 MAX_TOKEN_ID = 2**31 - 1
+_INT32_LE = np.dtype("<i4")
 
 
 def tokens_as_int32(tokens) -> np.ndarray:
-    """Token ids as a contiguous little-endian int32 array; refuses ids outside [0, 2**31)."""
+    """Token ids as a contiguous little-endian int32 array; refuses ids outside [0, 2**31).
+
+    Fast paths, same answers: a list or tuple of plain ints is converted in C (numpy's conversion of a Python list
+    costs more than hashing it); an int32 array needs only its sign bits checked (no int32 exceeds 2**31 - 1), in C
+    when built (numpy's min() costs ~1 us of overhead).
+    """
+    if type(tokens) is np.ndarray and tokens.ndim == 1 and tokens.dtype == _INT32_LE:
+        tokens = np.ascontiguousarray(tokens)
+        if not (_int32_nonnegative_c(tokens) if _int32_nonnegative_c is not None else tokens.min(initial=0) >= 0):
+            raise ValueError(f"token ids must lie in [0, {MAX_TOKEN_ID}]")
+        return tokens
+    if _int32_tokens_c is not None and type(tokens) in (list, tuple):
+        converted = np.empty(len(tokens), dtype=_INT32_LE)
+        if _int32_tokens_c(tokens, converted):
+            return converted
     array = np.asarray(tokens.cpu() if hasattr(tokens, "cpu") else tokens)
     if array.ndim != 1:
         raise ValueError(f"tokens must be a 1-D sequence of token ids, got shape {array.shape}")
@@ -73,6 +96,52 @@ def chain_hashes_python(key: bytes, parent: bytes, data: bytes, block_bytes: int
 
 
 chain_hashes = _chain_hashes_c or chain_hashes_python
+
+
+def chain_hashes_held_python(
+    key: bytes, parent: bytes, data: bytes, block_bytes: int, digest_size: int, held, stride: int
+) -> tuple[bytes, int]:
+    """The chain of `data`'s full blocks computed only as far as `held` holds it (the reference for the C version,
+    and the fallback): (the digests computed, concatenated; how many leading blocks `held` holds).
+
+    Blocks are hashed in order and every `stride`-th one (and the last) is probed (`h in held`); at the first probe
+    that misses, a binary search over that stride's blocks finds the first block `held` lacks, and hashing stops
+    there. So the digests cover at least the held run and the first missing block (a caller can continue from it),
+    at most stride - 1 blocks more. With stride > 1 the answer is right only when presence along the chain is
+    monotone (`held` prefix closed: a held block's parent is held, as the device index is); with stride 1 every
+    block is probed and the answer is the leading run whatever `held` holds.
+    """
+    if stride < 1 or not 1 <= digest_size <= 64 or len(parent) != digest_size or block_bytes < 1:
+        raise ValueError("chain_hashes_held: bad key, digest size, parent, block size or stride")
+    keyed = hashlib.blake2b(key=key, digest_size=digest_size)
+    view = memoryview(data).cast("B")
+    num_blocks = len(view) // block_bytes
+    digests: list[bytes] = []
+    num_held = 0
+    while len(digests) < num_blocks:
+        end = min(num_blocks, len(digests) + stride)
+        while len(digests) < end:
+            start = len(digests) * block_bytes
+            hasher = keyed.copy()
+            hasher.update(parent)
+            hasher.update(view[start : start + block_bytes])
+            parent = hasher.digest()
+            digests.append(parent)
+        if digests[end - 1] in held:
+            num_held = end
+            continue
+        missing = end - 1
+        while num_held < missing:
+            middle = (num_held + missing) // 2
+            if digests[middle] in held:
+                num_held = middle + 1
+            else:
+                missing = middle
+        break
+    return b"".join(digests), num_held
+
+
+chain_hashes_held = _chain_hashes_held_c or chain_hashes_held_python
 
 
 class BlockHasher:
@@ -103,11 +172,29 @@ class BlockHasher:
     def block_hashes(self, tokens: np.ndarray) -> list[BlockHash]:
         return self.block_chain(tokens).hashes()
 
+    def held_run(self, tokens: np.ndarray, held, *, stride: int = 1, after: BlockChain | None = None):
+        """Hash the full blocks of `tokens` (int32) only while `held` (any container of hashes) holds them: returns
+        (the chain through every block hashed, how many of the newly hashed blocks are held — a leading run).
+
+        Starts at block 0 under the root, or, given `after` (a chain of these tokens computed so far), at block
+        len(after) under after.last(): the result then begins with after's hashes. Hashing stops at the first block
+        `held` lacks — hashed too, so a caller can continue from it — or, with stride > 1, at most stride - 1 blocks
+        past it: then only every stride-th block is probed, which is right only when `held` is prefix closed along
+        the chain (a held block's parent is held, as the device index is). See chain_hashes_held_python.
+        """
+        first = len(after) if after is not None else 0
+        data = tokens[first * self.block_size :] if first else tokens  # contiguous int32: its bytes, not copied
+        parent = after.last() if first else self.root
+        block_bytes = self.block_size * 4
+        digests, num_held = chain_hashes_held(self._key, parent, data, block_bytes, HASH_NUM_BYTES, held, stride)
+        return BlockChain(self.root, after._digests + digests if first else digests), num_held
+
 
 class BlockChain:
     """The chained hashes h_1 .. h_n of one token sequence's full blocks, under one cache's key.
 
-    Built once per engine call (BlockHasher.block_chain) and passed down, so no caller hashes a sequence twice or
+    Built once per engine call (BlockHasher.block_chain; lookup's BlockHasher.held_run stops where the cache's run
+    ends, so its chain may name only the first blocks) and passed down, so no caller hashes a sequence twice or
     slices the concatenated digests by hand. Position i (0-based) names block i, whose parent is position i-1 (the
     root for block 0). Immutable.
     """

@@ -6,7 +6,7 @@ they never see the cache. Every tier operation takes the request's BlockChain, c
 
 - demotion: the blocks an allocation evicted are copied out (under the cache lock, before the allocating writer
   overwrites them) and handed to the tiers with their lineage;
-- lookup: the device's full blocks, then the lower tiers' run of the same chain;
+- lookup: the device's full blocks, then the lower tiers' run of the same chain (hashed only as far as it goes);
 - promotion (get/acquire): the lower-tier run continuing the device prefix is fetched without the cache lock, then
   installed under it — unless the cache was purged or a delete/clear ran meanwhile (then only blocks not forgotten
   are kept, demoted back; the rest are zeroed and dropped: a deleted prefix never comes back);
@@ -27,6 +27,18 @@ from gpu_node.zeroing import zero
 
 class CachePurged(RuntimeError):
     """The cache was purged (wipe): its KV is gone and it serves nothing more."""
+
+
+class _HeldBelow:
+    """`block_hash in _HeldBelow(tiers)`: some lower tier holds the block (what BlockHasher.held_run probes)."""
+
+    __slots__ = ("_has",)
+
+    def __init__(self, tiers):
+        self._has = tiers.has
+
+    def __contains__(self, block_hash) -> bool:
+        return self._has(block_hash)
 
 
 class TierOperations:
@@ -88,9 +100,17 @@ class TierOperations:
         return True
 
     # ---- reads ----------------------------------------------------------------------------------------------------
-    def _lower_run_end(self, chain: BlockChain, num_full: int) -> int:
-        """Under the cache lock: tokens covered by the device's `num_full` blocks and the lower tiers' run after."""
-        return (num_full + self._tiers.count_run(chain.hashes(num_full))) * self.block_size
+    def _lower_run_end(self, chain: BlockChain, num_full: int, tokens: np.ndarray) -> int:
+        """Under the cache lock: tokens covered by the device's `num_full` blocks and the lower tiers' run after.
+
+        `chain` (of `tokens`) may stop short of their last full block: lookup hashes only as far as the device holds
+        the prompt. When the run reaches the chain's end, hashing goes on while some lower tier holds the block, one
+        probe per block (lower tiers are not prefix closed: the run is the leading one, as count_run's)."""
+        run = self._tiers.count_run(chain.hashes(num_full))
+        if num_full + run == len(chain) and len(chain) < len(tokens) // self.block_size:
+            chain, more = self._hasher.held_run(tokens, _HeldBelow(self._tiers), after=chain)
+            run += more
+        return (num_full + run) * self.block_size
 
     def _promote(self, tokens: np.ndarray, chain: BlockChain) -> int:
         """Bring the run of lower-tier blocks continuing the device prefix into the device pool; returns how many
