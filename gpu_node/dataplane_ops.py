@@ -14,40 +14,37 @@ import torch
 from gpu_node.admission import Hold
 from gpu_node.dataplane_conn import Conn
 from gpu_node.dataplane_io import tensor_bytes
-from gpu_node.zeroing import zero
 from gpu_node.kv_input import KVNotStorable
-from gpu_node.paged_cache import TORCH_DTYPES
+from gpu_node.paged_cache import TORCH_DTYPES, PrefixNotCached
 from gpu_node.registry import HostedCache
 from kcaas import wire
 from kcaas.wire import ErrorCode, ProtocolError
 
 
 def answer_put(hosted: HostedCache, request: wire.DataRequest, tokens: list[np.ndarray]) -> list:
-    """PUT: each sequence's KV into the engine (a frame carrying tokens[start:] only is joined to its cached prefix
-    first); KV the cache cannot store is the client's to fix (bad_request), the sequences before it are put."""
+    """PUT: each sequence's KV into the engine. A frame carrying tokens[start:] only (the next frame of a long put)
+    is appended after the cached prefix, which is not read back (PREFIX_NOT_CACHED when the cache no longer holds
+    it); KV the cache cannot store is the client's to fix (bad_request). The sequences before a refused one are put."""
     engine, spec = hosted.engine, hosted.spec
     dtype = TORCH_DTYPES[spec.kv_dtype]
     num_cached, num_written, out_of_space = [], [], []
     for seq, (toks, kv_bytes, start) in enumerate(zip(tokens, request.kv, request.head.kv_start)):
-        n = len(toks)
-        shape = (spec.num_layers, 2, n - start, spec.num_kv_heads, spec.head_dim)
-        kv = torch.frombuffer(kv_bytes, dtype=dtype).view(shape) if kv_bytes.nbytes else None
-        temporaries = []  # tensors made for this put alone: zeroed once the engine has copied them
+        shape = (spec.num_layers, 2, len(toks) - start, spec.num_kv_heads, spec.head_dim)
+        kv = torch.frombuffer(kv_bytes, dtype=dtype).view(shape) if kv_bytes.nbytes else torch.empty(shape, dtype=dtype)
         try:
-            if start > 0:
-                kv = _with_cached_prefix(engine, toks, start, kv, seq, temporaries)
-            result = engine.put(toks, kv)
+            result = engine.put(toks, kv, start=start)
+        except PrefixNotCached as exc:
+            raise ProtocolError(ErrorCode.PREFIX_NOT_CACHED, str(exc),
+                                details={"num_cached": exc.num_cached, "sequence": seq}) from None  # fmt: skip
         except KVNotStorable as exc:  # the values, not the node: the client's to fix (sequences before were put)
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc),
                                 details={"reason": "kv_not_storable", "sequence": seq}) from None  # fmt: skip
-        finally:
-            for tensor in temporaries:
-                zero(tensor)
         num_cached.append(result.num_cached_tokens)
         num_written.append(result.num_written_tokens)
         out_of_space.append(result.out_of_space)
     return wire.encode_put_ok(request.head.request_id, num_cached=num_cached, num_written=num_written,
                               out_of_space=out_of_space)  # fmt: skip
+
 
 def answer_get(conn: Conn, hosted: HostedCache, request: wire.DataRequest, tokens: list[np.ndarray], hold: Hold,
            max_frame_bytes: int) -> list:  # fmt: skip
@@ -101,25 +98,6 @@ def count_served(conn: Conn) -> None:
     served, conn.served = conn.served, None
     if served is not None and served[1]:
         served[0].count_served(served[1])
-
-
-def _with_cached_prefix(engine, toks: np.ndarray, start: int, kv: torch.Tensor | None, seq: int,
-                        temporaries: list) -> torch.Tensor:  # fmt: skip
-    """The KV of all of `toks` when the frame carried only tokens[start:]: the cached prefix read back and joined
-    (each tensor made here goes into `temporaries`). PREFIX_NOT_CACHED when the prefix is not all cached."""
-    have, prefix = engine.get(toks[:start])
-    temporaries.append(prefix)  # a fresh read of the pool, not a view of it
-    if have < start:
-        raise ProtocolError(ErrorCode.PREFIX_NOT_CACHED, f"tokens[:{start}] are not cached",
-                            details={"num_cached": have, "sequence": seq})  # fmt: skip
-    if kv is None:
-        return prefix
-    if kv.device != prefix.device:  # a device pool: the suffix joins the prefix there
-        kv = kv.to(prefix.device)
-        temporaries.append(kv)
-    joined = torch.cat([prefix, kv], dim=2)
-    temporaries.append(joined)
-    return joined
 
 
 def release_prefixes(conn: Conn) -> None:

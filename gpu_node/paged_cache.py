@@ -43,7 +43,7 @@ from gpu_node.engine_blocks import BlockExchange
 from gpu_node.engine_fence import PurgeFence
 from gpu_node.engine_tiers import TierOperations
 from gpu_node.kv_input import check_storable
-from gpu_node.put_plan import COW, EXTEND, PutPlan, plan_put
+from gpu_node.put_plan import COW, EXTEND, PrefixNotCached, PutPlan, plan_put  # noqa: F401 - PrefixNotCached: put raises it
 from kcaas.spec import KVCacheSpec
 
 TORCH_DTYPES = {
@@ -361,24 +361,33 @@ class PagedKVCache(PurgeFence, TierOperations, BlockExchange):
                 self._end_io_locked()
 
     # ---- writes -------------------------------------------------------------------------------------------------
-    def put(self, tokens, kv: torch.Tensor, *, identity: KVCacheSpec | None = None) -> PutResult:
-        """Store the KV of `tokens` (kv covers every token); blocks already cached are deduplicated, not rewritten.
+    def put(self, tokens, kv: torch.Tensor, *, identity: KVCacheSpec | None = None, start: int = 0) -> PutResult:
+        """Store the KV of `tokens`; blocks already cached are deduplicated, not rewritten.
+
+        `start`: kv covers tokens[start:] only ([num_layers, 2, len(tokens) - start, heads, dim]) and the cache must
+        already hold tokens[:start] — a continuation (the next frame of a long put, a connector saving the suffix it
+        computed): the new blocks are appended after the cached prefix, which is neither read back nor rewritten.
+        When the cache does not hold all of tokens[:start] (evicted or deleted meanwhile), PrefixNotCached and
+        nothing is stored.
 
         kv may require grad: it is stored detached (the same values). KV the storage cannot hold exactly (non-finite
         values into int8/fp8, values beyond a narrower storage dtype's range) raises KVNotStorable (a ValueError)
         before anything is stored."""
         self._check_identity(identity)
         tokens = tokens_as_int32(tokens)
-        self._check_kv(kv, len(tokens))
+        if not 0 <= start <= len(tokens):
+            raise ValueError(f"start must lie in [0, {len(tokens)}], got {start}")
+        self._check_kv(kv, len(tokens) - start)
         hashes = self._hasher.block_hashes(tokens)
         with self._lock:
             self._check_not_purged()
             evicted = [] if self._tiers is not None else None
-            plan = plan_put(self._blocks, hashes, self._hasher.root, tokens, self._extending, evicted=evicted)
+            plan = plan_put(self._blocks, hashes, self._hasher.root, tokens, self._extending, evicted=evicted,
+                            start=start)  # fmt: skip
             self._active_io += 1  # the write below: a purge waits for it, then this put is discarded
             self._demote_evicted(evicted)
         try:
-            self._write(plan, kv)
+            self._write(plan, kv, start)
         except BaseException:
             with self._lock:
                 self._release_plan(plan)
@@ -402,15 +411,17 @@ class PagedKVCache(PurgeFence, TierOperations, BlockExchange):
             out_of_space=plan.out_of_space,
         )
 
-    def _write(self, plan: PutPlan, kv: torch.Tensor) -> None:
-        """Move the bytes of a plan: the copy-on-write copy first, then one batched write of every new slot."""
+    def _write(self, plan: PutPlan, kv: torch.Tensor, start: int) -> None:
+        """Move the bytes of a plan: the copy-on-write copy first, then one batched write of every new slot (kv
+        holds the tokens from `start` on, and the plan writes none before it)."""
         head = plan.head
         if head is not None and head.kind == COW:
             kernels.copy_blocks(self.pool, self.scales, self.pool, self.scales, [head.cow_source], [head.block_id])
         if plan.num_written_tokens:
             first, slots = plan.slot_mapping()
+            assert first >= start, "a plan writing before start was refused (PrefixNotCached)"
             slot_tensor = torch.from_numpy(slots).to(self.device)
-            kv_written = kv[:, :, first : first + len(slots)].to(self.device)
+            kv_written = kv[:, :, first - start : first - start + len(slots)].to(self.device)
             kernels.write_kv(kv_written, self.pool, self.scales, slot_tensor)
 
     def _publish(self, plan: PutPlan, tokens: np.ndarray) -> int:

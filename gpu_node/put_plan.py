@@ -31,6 +31,15 @@ from gpu_node.block_pool import BlockPool
 REUSE, EXTEND, COW, NEW = "reuse", "extend", "cow", "new"
 
 
+class PrefixNotCached(LookupError):
+    """A continued put (start > 0) whose tokens[:start] the cache does not hold: the KV it carries cannot hang off
+    anything. Nothing was planned or stored; `num_cached` is how many leading tokens the cache does hold."""
+
+    def __init__(self, start: int, num_cached: int):
+        super().__init__(f"tokens[:{start}] are not cached (the cache holds {num_cached})")
+        self.start, self.num_cached = start, num_cached
+
+
 @dataclass(slots=True)
 class HeadWrite:
     kind: str  # EXTEND, COW or NEW
@@ -98,9 +107,11 @@ class PutPlan:
 
 
 def plan_put(blocks: BlockPool, hashes: list[BlockHash], root: BlockHash, tokens: np.ndarray, extending: set[int],
-             evicted: list | None = None):  # fmt: skip
+             evicted: list | None = None, start: int = 0):  # fmt: skip
     """Plan (and hold the blocks of) a put of `tokens`; call under the cache lock. `extending` is updated;
-    `evicted` receives what the allocation evicts (BlockPool.allocate)."""
+    `evicted` receives what the allocation evicts (BlockPool.allocate). `start`: the put carries the KV of
+    tokens[start:] only, so a plan that would write before it raises PrefixNotCached — before anything is held,
+    allocated or evicted."""
     plan = PutPlan(len(tokens), blocks.block_size, root, hashes)
     num_positions = -(-len(tokens) // blocks.block_size)
     position = 0
@@ -118,6 +129,10 @@ def plan_put(blocks: BlockPool, hashes: list[BlockHash], root: BlockHash, tokens
             plan.reused_ids.append(child)  # a cached partial tail already holds the sequence's last tokens
         else:
             plan.head = _head_write(blocks, position, segment, child, common, extending)
+            if plan.head.first_new < start:  # tokens[:start] are not all cached: nothing held yet, nothing to undo
+                if plan.head.kind == EXTEND:  # but the claim on the extended block
+                    extending.discard(plan.head.block_id)
+                raise PrefixNotCached(start, plan.head.first_new)
     blocks.hold(plan.held_ids())
     _allocate(blocks, plan, num_positions, evicted)
     return plan

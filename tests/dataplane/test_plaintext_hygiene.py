@@ -92,15 +92,16 @@ def test_a_puts_buffers_are_zeroed_after_its_answer_or_at_close(node, connect, m
     conn.sock.sendall(put_frame(1, small) + put_frame(2, large))  # the large one is read ahead: a fresh buffer
     assert [conn.read().opcode, conn.read().opcode] == [Opcode.OK, Opcode.OK]
     longer = np.arange(1000, 1000 + 602 * BLOCK, dtype=np.int32)
-    conn.sock.sendall(put_frame(3, longer, start=len(large)))  # the suffix only: the prefix is read back and joined
+    conn.sock.sendall(put_frame(3, longer, start=len(large)))  # the suffix only, appended after the cached prefix
     assert conn.read().opcode == Opcode.OK
-    (_, staged), (_, read_ahead), (_, joined) = [(t, kv) for t, kv in seen]
-    assert eventually(lambda: is_zero(read_ahead) and is_zero(joined))  # fresh ones: zeroed once answered
+    (_, staged), (_, read_ahead), (_, suffix) = [(t, kv) for t, kv in seen]
+    assert suffix.shape[2] == 2 * BLOCK  # no copy of the prefix was read back and joined
+    assert eventually(lambda: is_zero(read_ahead))  # a fresh one: zeroed once answered
     assert all(eventually(lambda t=t: is_zero(t)) for t, _ in seen)  # token ids too
-    assert not is_zero(staged)  # the reused staging keeps the last put's bytes while the connection lives
+    assert not is_zero(suffix)  # the reused staging keeps the last put's bytes while the connection lives
     conn.close()
     assert eventually(lambda: node.connection_count() == 0)
-    assert is_zero(staged)  # ... and is zeroed when it closes
+    assert is_zero(staged) and is_zero(suffix)  # ... and is zeroed when it closes
     assert tenants_registry.get(CACHE_A).engine.get(longer)[0] == len(longer)  # the engine kept its own copy
 
 

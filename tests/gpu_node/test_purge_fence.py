@@ -71,10 +71,10 @@ def test_a_put_whose_bytes_are_moving_is_discarded_and_lands_nowhere():
     writing, proceed = threading.Event(), threading.Event()
     real_write = cache._write
 
-    def slow_write(plan, kv):
+    def slow_write(plan, kv, start):
         writing.set()
         assert proceed.wait(10)
-        real_write(plan, kv)
+        real_write(plan, kv, start)
 
     cache._write = slow_write
     outcome = {}
