@@ -303,6 +303,7 @@ class DataPlaneServer:
         conn.scratch = decoder.get_buffer()  # outside a payload: the decoder's one read buffer, zeroed at close
         sock = conn.sock
         frame_started: float | None = None
+        timeout = None  # the socket's, set only when it changes (each settimeout is a syscall)
         while not self._stopping.is_set():
             if decoder.in_frame:
                 if frame_started is None:
@@ -311,9 +312,12 @@ class DataPlaneServer:
                 if remaining <= 0:
                     return  # slow loris: a frame that does not complete in time
                 sock.settimeout(remaining)
+                timeout = remaining
             else:
                 frame_started = None
-                sock.settimeout(self.idle_timeout)
+                if timeout != self.idle_timeout:
+                    timeout = self.idle_timeout
+                    sock.settimeout(timeout)
             try:
                 buf = decoder.get_buffer()
                 n = recv_into(sock, buf, fill=decoder.buffer_is_payload)
@@ -375,8 +379,9 @@ class DataPlaneServer:
         if head.opcode not in wire.DATA_OPS:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"{head.opcode.name} is not a request")
         try:
-            request = wire.parse_request_head(head)
+            request = self._request_head(conn, head)
             self._authorize(conn, request)
+            conn.request_heads[id(head.meta)] = request  # _handle takes it: parsed once per frame
         except ProtocolError:
             raise
         except IdentityMismatch as exc:
@@ -391,6 +396,13 @@ class DataPlaneServer:
             return None  # token ids only: small, the decoder buffers them
         return conn.put_buffers(id(head.meta), request.token_bytes, kv_total)  # the staging, or fresh when held
 
+    def _request_head(self, conn: _Conn, head) -> wire.RequestHead:
+        """The request's metadata, validated; a request without identity takes its session's (checked at HELLO)."""
+        session = conn.sessions.get(head.meta.get("cache_id"))
+        if session is None:
+            raise ProtocolError(ErrorCode.UNAUTHENTICATED, "send HELLO with a data token for this cache first")
+        return wire.parse_request_head(head, session.identity)
+
     def _tenant_of(self, conn: _Conn, request: wire.RequestHead) -> str:
         return str(conn.sessions[request.cache_id].claims["sub"])
 
@@ -400,6 +412,7 @@ class DataPlaneServer:
         hold = conn.holds.pop(id(frame.meta), None)
         if hold is not None:
             hold.release()
+        conn.request_heads.pop(id(frame.meta), None)
         release_prefixes(conn)
         conn.served = None
         conn.frame_done(id(frame.meta), frame.payload)
@@ -421,7 +434,8 @@ class DataPlaneServer:
             raise ProtocolError(ErrorCode.UNAUTHENTICATED, "the data token has been revoked")
         if request.op in WRITE_OPS and claims.get("access") != "readwrite":
             raise ProtocolError(ErrorCode.FORBIDDEN, f"a read-only token cannot {request.op}")
-        hosted.spec.check_matches(request.identity)
+        if request.identity_sent:  # else the session's, checked against this cache at HELLO
+            hosted.spec.check_matches(request.identity)
         return session
 
     # ---- requests ---------------------------------------------------------------------------------------------------
@@ -432,8 +446,8 @@ class DataPlaneServer:
             return self._hello(conn, frame)
         if frame.opcode not in wire.DATA_OPS:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"{frame.opcode.name} is not a request")
-        request_head = wire.parse_request_head(frame)
-        session = self._authorize(conn, request_head)  # again: a frame without payload skipped the sink
+        request_head = conn.request_heads.pop(id(frame.meta), None) or self._request_head(conn, frame)
+        session = self._authorize(conn, request_head)  # again: time passed since the sink, or it was skipped
         if id(frame.meta) not in conn.holds:  # no payload: admitted here, released by _frame_done
             conn.holds[id(frame.meta)] = self.admission.admit(str(session.claims["sub"]))
         request = wire.parse_request(frame, request_head)
@@ -466,6 +480,8 @@ class DataPlaneServer:
                 or claims.get("epoch") != hosted.epoch
             ):
                 raise ProtocolError(ErrorCode.NOT_FOUND, NOT_FOUND_MESSAGE)
+            if hello.identity is not None:  # checked once here: the session's requests may then leave it out
+                self._check_identity(hosted, hello.identity)
         except ProtocolError:
             conn.failed_hellos += 1
             conn.sessions.pop(hello.cache_id, None)  # a failed re-HELLO drops the old session too
@@ -474,10 +490,18 @@ class DataPlaneServer:
         if tenant not in conn.tenants:
             self.admission.connect(tenant)  # overloaded: the tenant holds its limit of connections on this node
             conn.tenants.add(tenant)
-        conn.sessions[hello.cache_id] = _Session(hosted, claims)
+        conn.sessions[hello.cache_id] = _Session(hosted, claims, hello.identity)
         return wire.encode_hello_ok(frame.request_id, cache_id=hello.cache_id, identity=hosted.spec,
                                     epoch=hosted.epoch, node_id=self.node_id, max_frame_bytes=self.max_frame_bytes,
                                     max_metadata_bytes=self.max_metadata_bytes)  # fmt: skip
+
+    @staticmethod
+    def _check_identity(hosted, identity) -> None:
+        try:
+            hosted.spec.check_matches(identity)
+        except IdentityMismatch as exc:
+            fields = {k: list(v) for k, v in exc.fields.items()}
+            raise ProtocolError(ErrorCode.IDENTITY_MISMATCH, str(exc), details={"fields": fields}) from None
 
     # ---- sending ------------------------------------------------------------------------------------------------
     def _send_quietly(self, sock, buffers: list) -> None:

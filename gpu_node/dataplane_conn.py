@@ -37,6 +37,7 @@ from gpu_node.registry import HostedCache
 class Session:
     hosted: HostedCache
     claims: dict
+    identity: object = None  # the KVCacheSpec its HELLO carried, checked against the cache's: requests may omit it
 
 
 @dataclass(eq=False)
@@ -51,6 +52,7 @@ class Conn:
     get_staging: torch.Tensor | None = None
     tenants: set[str] = field(default_factory=set)  # tenants with a session here (each counted once by admission)
     holds: dict[int, Hold] = field(default_factory=dict)  # id(frame meta) -> the admission of a request read ahead
+    request_heads: dict = field(default_factory=dict)  # id(frame meta) -> its RequestHead, parsed once by the sink
     held_prefixes: list = field(default_factory=list)  # a GET's PrefixHandles, held until its answer is sent
     served: tuple | None = None  # (engine, tokens of KV) of the GET answer being sent: counted once it is sent
     busy: bool = False  # a frame has started arriving or is being handled (drain waits for it)

@@ -6,18 +6,16 @@
     dp.put(token_ids, kv)          # kv: torch tensor [num_layers, 2, n, num_kv_heads, head_dim] in spec.kv_dtype
     n, kv = dp.get(token_ids)      # the longest cached prefix and its KV
     dp.delete(token_ids)
+    dp.lookup_batch([a, b, c])     # the batch forms: many sequences, one round trip (split only by frame limits)
+    dp.get_batch([a, b], outs=[staging_a, staging_b]);  dp.put_batch([(a, kv_a), (b, kv_b)])
 
 One connection per client, opened lazily and reused; one request at a time (a lock serializes threads: give each
-engine thread its own client for concurrency). The client sends HELLO first and checks its engine's identity against
-the cache's locally, so a mismatched layout fails before any KV crosses the wire. Requests larger than the node's
-`max_frame_bytes` are split (`kv_start`) and long GETs are continued until the whole cached prefix has arrived.
-
-Retries: every operation is idempotent (a repeated put deduplicates), so on a refused token (expired, revoked, not
-valid for this placement) the client refreshes it once through its TokenSource (invalidate() + get()) and retries,
-on a broken connection (or a node that is shutting down) it reconnects once and retries, and on `overloaded` (a
-per-tenant limit on the node) it waits the node's `retry_after_ms`, doubling with jitter up to 1 s, at most
-`max_overloaded_retries` times, then raises. On MOVED (the cache migrated) it refreshes its token and, once the
-token is for the announced epoch, reconnects to the announced endpoint and retries (`_follow_move`).
+engine thread its own client for concurrency). The client sends its engine's identity with HELLO, where the node
+checks it once, and checks the cache's identity locally, so a mismatched layout fails before any KV crosses the wire.
+A sequence larger than the node's `max_frame_bytes` goes in several frames: each put frame carries only its own
+tokens' KV (`kv_start`) and is appended after what the node holds; each part of a long GET lands at its offset of the
+caller's `out` (or of one buffer sized for the whole answer): nothing is read back, joined or copied. The connection,
+HELLO and the retry policy are kcaas/dataplane_transport.py.
 
 torch is imported lazily, inside the methods that take or return tensors: `import kcaas.dataplane` stays light.
 """
@@ -26,40 +24,19 @@ from __future__ import annotations
 
 import base64
 import json
-import random
-import socket
 import ssl
-import threading
-import time
 from typing import Any
 
 from kcaas import wire
-from kcaas.errors import KcaasError
+from kcaas.dataplane_transport import DataPlaneError, Transport
 from kcaas.spec import KVCacheSpec
-from kcaas.wire import ErrorCode, Opcode, ProtocolError
+from kcaas.wire import BATCH_BIT, ErrorCode, Opcode
 
-CLIENT_NAME = "kcaas-py-dataplane/0.1"
-REFRESH_CODES = frozenset({ErrorCode.TOKEN_EXPIRED, ErrorCode.UNAUTHENTICATED, ErrorCode.NOT_FOUND})
+__all__ = ["DataPlaneClient", "DataPlaneError"]
+
 _TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
-
-
-class DataPlaneError(KcaasError):
-    """The node refused a request (`code` is a wire.ErrorCode) or the stream broke (`connection_error`)."""
-
-    default_code = "dataplane_error"
-
-
-class _ConnectionLost(Exception):
-    pass
-
-
-def _backoff(retry_after_ms: Any, attempt: int) -> float:
-    """The node's hint (default 50 ms), doubled per attempt, capped at 1 s, with up to 50% jitter."""
-    try:
-        base = max(float(retry_after_ms) / 1000.0, 0.001)
-    except (TypeError, ValueError):
-        base = 0.05
-    return min(base * 2**attempt, 1.0) * (1.0 + 0.5 * random.random())
+_FRAME_SLACK = 8192  # header and metadata room left in a frame the client fills with KV
+_MAX_PREFIX_RETRIES = 3  # a long put whose prefix the node evicted between frames resumes from what it holds
 
 
 class DataPlaneClient:
@@ -81,71 +58,192 @@ class DataPlaneClient:
             raise ValueError("give exactly one of endpoint ('host:port') and uds_path")
         if token is None or not cache_id or identity is None:
             raise ValueError("token (a TokenSource, DataToken or string), cache_id and identity are required")
-        self.endpoint, self.uds_path = endpoint, uds_path
-        self.cache_id = str(cache_id)
-        self.identity = identity
-        self._token_source = token
-        self.timeout = timeout
-        self.max_overloaded_retries = max_overloaded_retries
-        self.max_move_waits = 100  # MOVED while the cutover is in progress: at most ~1 minute of waiting
-        self._max_frame_bytes = max_frame_bytes  # the node's limit replaces it after HELLO
-        self.server_hostname = server_hostname
         if endpoint is not None and ssl_context is None:
             ssl_context = ssl.create_default_context()
         if ssl_context is not None:
             ssl_context.minimum_version = max(ssl_context.minimum_version, ssl.TLSVersion.TLSv1_3)
-        self.ssl_context = ssl_context
-        self._lock = threading.RLock()
-        self._receive_into: memoryview | None = None  # get(out=)'s staging bytes while its request is in flight
-        self._sock: socket.socket | None = None
-        self._decoder: wire.FrameDecoder | None = None
-        self._next_id = 1
-        self.hello: wire.HelloOk | None = None
+        self.identity = identity
+        self.cache_id = str(cache_id)
+        self._t = Transport(endpoint, uds_path, token, self.cache_id, identity, ssl_context=ssl_context,
+                            server_hostname=server_hostname, timeout=timeout, max_frame_bytes=max_frame_bytes,
+                            max_overloaded_retries=max_overloaded_retries)  # fmt: skip
 
     def __repr__(self) -> str:
-        where = self.endpoint or self.uds_path
+        where = self._t.endpoint or self._t.uds_path
         return f"DataPlaneClient({where!r}, cache_id={self.cache_id!r})"
+
+    @property
+    def endpoint(self) -> str | None:
+        return self._t.endpoint
+
+    @property
+    def hello(self) -> wire.HelloOk | None:
+        """The node's answer to this connection's HELLO (None while not connected)."""
+        return self._t.hello
+
+    @property
+    def timeout(self) -> float:
+        return self._t.timeout
 
     @property
     def read_only(self) -> bool:
         """True when this client's data token grants reads only (the node refuses its puts and deletes): what a
         connector checks to run decode-only. From the TokenSource's or DataToken's access, or a raw token's claim."""
-        source = self._token_source
+        source = self._t.token_source
         access = getattr(source, "access", None)
         if access is None and isinstance(source, str):
             access = _unverified_claims(source).get("access")
         return access is not None and access != "readwrite"
 
-    # ---- public operations ------------------------------------------------------------------------------------------
+    # ---- connection -------------------------------------------------------------------------------------------------
     def connect(self) -> None:
         """Open the connection and send HELLO now (otherwise the first request does): a caller with a tight
         per-request timeout pays the handshake ahead of time."""
-        self._connect()
+        self._t.connect()
 
     def settimeout(self, seconds: float) -> None:
         """The per-operation timeout from now on, the open connection's included."""
-        with self._lock:
-            self.timeout = seconds
-            if self._sock is not None:
-                self._sock.settimeout(seconds)
+        with self._t.lock:
+            self._t.settimeout(seconds)
 
+    def close(self) -> None:
+        with self._t.lock:
+            self._t.close()
+
+    def __enter__(self) -> DataPlaneClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- single sequences ---------------------------------------------------------------------------------------
     def lookup(self, tokens) -> int:
         """How many leading tokens of `tokens` the cache holds."""
-        reply = self._call(Opcode.LOOKUP, tokens)
-        return reply.num_cached[0]
+        return self.lookup_batch([tokens])[0]
 
     def delete(self, tokens) -> int:
         """Forget the cached prefix of `tokens` and everything stored under it; returns the blocks removed."""
-        reply = self._call(Opcode.DELETE, tokens)
-        return reply.num_removed_blocks[0]
+        return self.delete_batch([tokens])[0]
 
     def put(self, tokens, kv, *, start: int = 0) -> dict:
         """Store the KV of every token of `tokens` (kv: [num_layers, 2, n, num_kv_heads, head_dim], spec.kv_dtype).
 
         `start`: kv holds tokens[start:] only (n - start tokens), the cache already holding tokens[:start] (a node
         that no longer does refuses with `prefix_not_cached`). Returns {"num_cached", "num_written",
-        "out_of_space"}; a sequence larger than a frame goes in several frames.
+        "out_of_space"}; a sequence larger than a frame goes in several frames, each appended after the last.
         """
+        return self.put_batch([(tokens, kv, start)])[0]
+
+    def get(self, tokens, *, out=None, start: int = 0):
+        """(n, kv): the longest cached prefix of `tokens` and its KV [num_layers, 2, n, num_kv_heads, head_dim].
+
+        `start`: only the KV of tokens[start:n] is sent (a caller that holds the first `start` tokens' KV itself);
+        kv then has n - start tokens, and n < start when not even tokens[:start] are cached (kv is empty).
+        `out`: an optional reusable staging tensor (contiguous, CPU, the kv dtype, room for len(tokens) - start
+        tokens): the answer — every part of a long one at its offset — is received straight into it and kv is a view
+        of it: no fresh buffer per get (its page faults cost more than the transfer). Without it, each get allocates
+        one buffer for its result.
+        """
+        return self.get_batch([tokens], outs=[out], starts=[start])[0]
+
+    # ---- batches ------------------------------------------------------------------------------------------------
+    def lookup_batch(self, sequences) -> list[int]:
+        """lookup of each sequence, in as few round trips as the node's frame limits allow (usually one)."""
+        ids = [_as_int32(t) for t in sequences]
+        return self._token_only(Opcode.LOOKUP, ids, lambda reply: reply.num_cached)
+
+    def delete_batch(self, sequences) -> list[int]:
+        """delete of each sequence (in order), in as few round trips as the frame limits allow."""
+        ids = [_as_int32(t) for t in sequences]
+        return self._token_only(Opcode.DELETE, ids, lambda reply: reply.num_removed_blocks)
+
+    def get_batch(self, sequences, *, outs=None, starts=None) -> list:
+        """get of each sequence: [(n, kv), ...]. outs[i] / starts[i] as get's `out` / `start` (None / 0)."""
+        import torch
+
+        spec = self.identity
+        ids = [_as_int32(t) for t in sequences]
+        starts = [int(s) for s in starts] if starts is not None else [0] * len(ids)
+        outs = list(outs) if outs is not None else [None] * len(ids)
+        if not len(starts) == len(outs) == len(ids):
+            raise ValueError("one start and one out per sequence")
+        dtype = getattr(torch, _TORCH_DTYPES[spec.kv_dtype])
+        for seq, start in zip(ids, starts):
+            if not 0 <= start <= len(seq):
+                raise ValueError(f"start must be within 0..{len(seq)}")
+        states = [_Received(_staging_view(out, dtype, len(seq) - start, spec), start, len(seq), spec)
+                  for out, seq, start in zip(outs, ids, starts)]  # fmt: skip
+        with self._t.lock:
+            pending = list(range(len(ids)))
+            while pending:
+                for chunk in self._chunks(pending, ids):
+                    reply = self._t.call(Opcode.GET if len(chunk) == 1 else Opcode.GET_BATCH, [ids[i] for i in chunk],
+                                         kv_start=[states[i].next_token for i in chunk],
+                                         receive_into=[states[i] for i in chunk])  # fmt: skip
+                    for slot, i in enumerate(chunk):
+                        sent = reply.kv_end[slot] - reply.kv_start[slot]
+                        states[i].arrived(reply.num_cached[slot], sent)
+                        if len(chunk) == 1 and sent <= 0:
+                            states[i].wants_more = False  # alone in a frame and still nothing: the node cannot
+                # a part cut short by the node's frame limit continues from where it stopped
+                pending = [i for i in pending if states[i].wants_more]
+        return [state.result(dtype) for state in states]
+
+    def put_batch(self, items) -> list[dict]:
+        """put of each (tokens, kv) or (tokens, kv, start): [{"num_cached", "num_written", "out_of_space"}, ...].
+        Sequences are packed into frames up to the node's limit (one round trip for a batch that fits); one larger
+        than a frame is sent alone, in parts."""
+        prepared = [self._prepare_put(*item) for item in items]
+        results: list = [None] * len(prepared)
+        with self._t.lock:
+            self._t.connect()  # the node's frame limit is known after HELLO
+            per_frame = self._t.max_frame_bytes - wire.HEADER_SIZE - _FRAME_SLACK
+            small = [i for i, (ids, kv, start) in enumerate(prepared) if _put_bytes(ids, kv, start) <= per_frame]
+            for i in range(len(prepared)):
+                if i not in small:
+                    results[i] = self._put_long(*prepared[i])
+            for chunk in self._chunks(small, [p[0] for p in prepared], put=prepared):
+                reply = self._t.call(Opcode.PUT if len(chunk) == 1 else Opcode.PUT_BATCH,
+                                     [prepared[i][0] for i in chunk], kv=[_kv_bytes(prepared[i][1]) for i in chunk],
+                                     kv_start=[prepared[i][2] for i in chunk])  # fmt: skip
+                for slot, i in enumerate(chunk):
+                    results[i] = {"num_cached": reply.num_cached[slot], "num_written": reply.num_written[slot],
+                                  "out_of_space": reply.out_of_space[slot]}  # fmt: skip
+        return results
+
+    # ---- plumbing ---------------------------------------------------------------------------------------------------
+    def _token_only(self, opcode: Opcode, ids: list, field) -> list[int]:
+        out: list[int] = [0] * len(ids)
+        with self._t.lock:
+            for chunk in self._chunks(list(range(len(ids))), ids):
+                batch = Opcode(opcode | BATCH_BIT) if len(chunk) > 1 else opcode
+                reply = self._t.call(batch, [ids[i] for i in chunk])
+                for slot, i in enumerate(chunk):
+                    out[i] = field(reply)[slot]
+        return out
+
+    def _chunks(self, indexes: list[int], ids: list, *, put: list | None = None):
+        """Consecutive runs of `indexes` that fit one frame: at most MAX_BATCH_SIZE sequences, their token ids (and
+        a put's KV) within max_frame_bytes, their counts within the metadata limit."""
+        t = self._t
+        if t.hello is None:
+            t.connect()
+        budget = t.max_frame_bytes - wire.HEADER_SIZE - _FRAME_SLACK
+        meta_budget = t.max_metadata_bytes - 1024
+        chunk: list[int] = []
+        size = meta = 0
+        for i in indexes:
+            cost = 4 * len(ids[i]) + (_put_bytes(*put[i]) - 4 * len(ids[i]) if put is not None else 0)
+            if chunk and (len(chunk) == wire.MAX_BATCH_SIZE or size + cost > budget or meta + 48 > meta_budget):
+                yield chunk
+                chunk, size, meta = [], 0, 0
+            chunk.append(i)
+            size += cost
+            meta += 48  # a few integers of up to 20 digits per sequence
+        if chunk:
+            yield chunk
+
+    def _prepare_put(self, tokens, kv, start: int = 0):
         import torch
 
         spec = self.identity
@@ -161,275 +259,122 @@ class DataPlaneClient:
         kv = kv.detach()
         if kv.device.type != "cpu":
             kv = kv.cpu()
-        self._connect()  # the node's frame limit is known after HELLO
-        per_frame = max(1, (self._max_frame_bytes - wire.HEADER_SIZE - 8192 - 4 * n) // spec.kv_bytes_per_token)
-        written, first, reply = 0, start, None
+        return ids, kv, int(start)
+
+    def _put_long(self, ids, kv, first: int) -> dict:
+        """One sequence in several frames, each carrying only its own tokens' KV: appended after what the node holds
+        (a prefix it evicted between frames is sent again from what it still holds, a few times at most)."""
+        spec, n = self.identity, len(ids)
+        per_frame = max(1, (self._t.max_frame_bytes - wire.HEADER_SIZE - _FRAME_SLACK - 4 * n) // spec.kv_bytes_per_token)
+        start, written, retries = first, 0, 0
+        reply = None
         if start == n:
             return {"num_cached": n, "num_written": 0, "out_of_space": False}
         while start < n:
             end = min(n, start + per_frame)
-            part = kv[:, :, start - first : end - first].contiguous()
-            kv_bytes = memoryview(part.view(torch.uint8).reshape(-1).numpy())
-            reply = self._call(Opcode.PUT, ids[:end], kv=kv_bytes, kv_start=start)
+            try:
+                reply = self._t.call(Opcode.PUT, [ids[:end]], kv=[_kv_bytes(kv[:, :, start - first : end - first])],
+                                     kv_start=[start])  # fmt: skip
+            except DataPlaneError as exc:
+                held = exc.details.get("num_cached") if exc.code == ErrorCode.PREFIX_NOT_CACHED else None
+                if not isinstance(held, int) or held < first or held >= start or retries >= _MAX_PREFIX_RETRIES:
+                    raise
+                retries += 1
+                start = held  # evicted under us: resend from what the node still holds (kv covers it)
+                continue
             written += reply.num_written[0]
             if reply.out_of_space[0] or reply.num_cached[0] < end:
                 break
             start = end
         return {"num_cached": reply.num_cached[0], "num_written": written, "out_of_space": reply.out_of_space[0]}
 
-    def get(self, tokens, *, out=None, start: int = 0):
-        """(n, kv): the longest cached prefix of `tokens` and its KV [num_layers, 2, n, num_kv_heads, head_dim].
 
-        `start`: only the KV of tokens[start:n] is sent (a caller that holds the first `start` tokens' KV itself);
-        kv then has n - start tokens, and n < start when not even tokens[:start] are cached (kv is empty).
-        `out`: an optional reusable staging tensor (contiguous, CPU, the kv dtype, room for len(tokens) - start
-        tokens): the answer is received straight into it and kv is a view of it — no fresh buffer per get (its page
-        faults cost more than the transfer). Without it, each get allocates its result.
-        """
+class _Received:
+    """Where one sequence's GET answer goes, part by part. Its KV is laid out [num_layers, 2, total, heads, dim] in
+    one buffer — the caller's `out`, else one allocated when the first answer says how long the cached prefix is
+    (`total`, fixed then) — and each part of tokens [a, b) lands at token a of every (layer, K|V) run: parts of a
+    long GET are neither joined nor copied. A one-part answer is a single view. Tokens the cache gained between
+    parts beyond `total` are dropped (the result is the prefix the first answer promised); if it lost some, the
+    result is what arrived."""
+
+    def __init__(self, out_view, start: int, bound: int, spec: KVCacheSpec):
+        self.spec, self.start, self.bound = spec, start, bound
+        self.buffer = out_view  # None until the first answer when the caller gave no out
+        self.total: int | None = None  # tokens of KV the buffer is laid out for (set by the first answer)
+        self.num_received = 0
+        self.num_cached = 0
+        self._fit = 0  # tokens of the part in flight that land in the buffer
+        self.wants_more = False
+
+    @property
+    def next_token(self) -> int:
+        return self.start + self.num_received
+
+    def views_for(self, num_cached: int, kv_start: int, kv_end: int) -> list[memoryview]:
+        """Called by the transport's payload sink with the answer's metadata: where this part's bytes go."""
+        spec, n = self.spec, max(kv_end - kv_start, 0)
+        if self.total is None:
+            self.total = max(min(num_cached, self.bound) - self.start, n)
+            if self.buffer is None:
+                self.buffer = memoryview(bytearray(self.total * spec.kv_bytes_per_token))
+        total, at = self.total, self.num_received
+        fit = self._fit = max(min(n, total - at), 0)
+        run = spec.kv_bytes_per_token // (2 * spec.num_layers)  # one token of one (layer, K|V) run
+        if fit == n == total and at == 0:
+            return [self.buffer[: total * spec.kv_bytes_per_token]]  # the whole answer at once: one view
+        views = []
+        for index in range(2 * spec.num_layers):
+            if fit:
+                offset = (index * total + at) * run
+                views.append(self.buffer[offset : offset + fit * run])
+            if n > fit:
+                views.append(memoryview(bytearray((n - fit) * run)))  # beyond what the first answer promised
+        return views
+
+    def arrived(self, num_cached: int, num_tokens: int) -> None:
+        fit = self._fit if num_tokens > 0 else 0
+        self._fit = 0
+        self.num_received += fit
+        self.num_cached = num_cached
+        # more of the promised prefix to come: a frame limit cut this part short (or, in a batch, left it no room)
+        self.wants_more = self.next_token < num_cached and (self.total is None or self.num_received < self.total)
+
+    def result(self, dtype):
         import torch
 
-        spec = self.identity
-        ids = _as_int32(tokens)
-        if not 0 <= start <= len(ids):
-            raise ValueError(f"start must be within 0..{len(ids)}")
-        dtype = getattr(torch, _TORCH_DTYPES[spec.kv_dtype])
-        staging = self._staging_view(out, dtype, len(ids) - start)
-        parts, first, cached = [], start, 0
-        while True:
-            self._receive_into = staging if start == first else None  # a continuation part is cat-ed below
-            try:
-                reply = self._call(Opcode.GET, ids, kv_start=start)
-            finally:
-                self._receive_into = None
-            end, cached = reply.kv_end[0], reply.num_cached[0]
-            if end > start:
-                shape = (spec.num_layers, 2, end - start, spec.num_kv_heads, spec.head_dim)
-                parts.append(torch.frombuffer(reply.kv[0], dtype=dtype).view(shape))
-            if end >= cached or end <= start:
-                break  # all of the cached prefix arrived (or it shrank under us: return what arrived)
-            start = end  # the node's frame limit cut the answer short: continue from there
-        if not parts:
+        spec, n = self.spec, self.num_received
+        if n == 0:
             empty = torch.empty((spec.num_layers, 2, 0, spec.num_kv_heads, spec.head_dim), dtype=dtype)
-            return min(cached, first), empty
-        kv = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-        return first + kv.shape[2], kv
+            return min(self.num_cached, self.start), empty
+        total = self.total
+        flat = torch.frombuffer(self.buffer, dtype=dtype, count=total * spec.elements_per_token)
+        kv = flat.view(spec.num_layers, 2, total, spec.num_kv_heads, spec.head_dim)
+        if n < total:  # the cache lost tokens between parts: what arrived, packed (rare)
+            kv = kv[:, :, :n].contiguous()
+        return self.next_token, kv
 
-    def _staging_view(self, out, dtype, num_tokens: int):
-        if out is None:
-            return None
-        if out.dtype != dtype or out.device.type != "cpu" or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous CPU tensor of {dtype}")
-        if out.numel() < num_tokens * self.identity.elements_per_token:
-            raise ValueError(f"out must have room for {num_tokens} tokens of KV")
-        import torch
 
-        return memoryview(out.view(-1).view(torch.uint8).numpy())  # the tensor's own bytes, writable
+def _put_bytes(ids, kv, start: int) -> int:
+    return 4 * len(ids) + kv.numel() * kv.element_size()
 
-    def close(self) -> None:
-        with self._lock:
-            self._drop()
 
-    def __enter__(self) -> DataPlaneClient:
-        return self
+def _kv_bytes(kv) -> memoryview:
+    """The tensor's bytes (C order): zero copy when it is contiguous."""
+    import torch
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    return memoryview(kv.contiguous().view(torch.uint8).reshape(-1).numpy())
 
-    # ---- plumbing ---------------------------------------------------------------------------------------------------
-    def _token(self) -> str:
-        src = self._token_source
-        if isinstance(src, str):
-            return src
-        if hasattr(src, "get"):
-            src = src.get()
-        return src.token
 
-    def _refresh_token(self) -> bool:
-        src = self._token_source
-        if hasattr(src, "invalidate") and hasattr(src, "get"):
-            src.invalidate()
-            return True
-        return False
-
-    def _follow_move(self, details: dict, attempt: int) -> bool:
-        """MOVED: get a token for the new placement; once the control plane issues one at the announced epoch (or
-        later), reconnect to the new endpoint; until then wait (the cache is fenced for the cutover) and retry."""
-        if not self._refresh_token():
-            return False
-        epoch = getattr(self._token_source.get(), "epoch", None)
-        if epoch is not None and int(epoch) < int(details.get("epoch", 0)):
-            time.sleep(_backoff(50, min(attempt, 4)))  # the placement has not flipped yet: ask again shortly
-            return True
-        self.endpoint, self.uds_path = str(details["endpoint"]), None
-        if self.ssl_context is None:
-            self.ssl_context = ssl.create_default_context()
-        self._drop()
-        return True
-
-    def _call(self, opcode: Opcode, tokens, *, kv=None, kv_start: int = 0):
-        """One request with the retry policy (the module's docstring)."""
-        return self._with_retries(lambda: self._request(opcode, tokens, kv=kv, kv_start=kv_start))
-
-    def _connect(self) -> None:
-        """Connected and HELLO answered, under the same retry policy as a request."""
-        self._with_retries(lambda: None)
-
-    def _with_retries(self, attempt):
-        with self._lock:
-            refreshed = reconnected = False
-            waits = moves = 0
-            while True:
-                try:
-                    self._ensure_connected()
-                    return attempt()
-                except DataPlaneError as exc:
-                    if exc.code in REFRESH_CODES and not refreshed and self._refresh_token():
-                        refreshed = True
-                        self._drop()  # the next attempt sends HELLO with the fresh token
-                        continue
-                    if exc.code == "moved" and moves < self.max_move_waits and self._follow_move(exc.details, moves):
-                        moves += 1
-                        continue
-                    if exc.code == ErrorCode.OVERLOADED and waits < self.max_overloaded_retries:
-                        time.sleep(_backoff(exc.details.get("retry_after_ms"), waits))
-                        waits += 1
-                        continue
-                    if exc.code == ErrorCode.SHUTTING_DOWN and not reconnected:
-                        reconnected = True
-                        self._drop()
-                        continue
-                    raise
-                except _ConnectionLost as exc:
-                    self._drop()
-                    if reconnected:
-                        raise DataPlaneError(f"data-plane connection lost: {exc}", code="connection_error") from None
-                    reconnected = True
-
-    def _ensure_connected(self) -> None:
-        if self._sock is not None:
-            return
-        try:
-            if self.uds_path is not None:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.settimeout(self.timeout)
-                sock.connect(self.uds_path)
-            else:
-                host, _, port = self.endpoint.rpartition(":")
-                host = host.strip("[]")
-                raw = socket.create_connection((host, int(port)), timeout=self.timeout)
-                raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                try:
-                    sock = self.ssl_context.wrap_socket(raw, server_hostname=self.server_hostname or host)
-                except BaseException:
-                    raw.close()
-                    raise
-        except (OSError, ssl.SSLError) as exc:
-            raise DataPlaneError(f"cannot connect to the data plane: {exc}", code="connection_error") from None
-        self._sock = sock
-        self._decoder = wire.FrameDecoder(max_frame_bytes=max(self._max_frame_bytes, wire.DEFAULT_MAX_FRAME_BYTES),
-                                          payload_sink=self._sink)  # fmt: skip
-        try:
-            rid = self._new_id()
-            self._send(wire.encode_hello(rid, cache_id=self.cache_id, token=self._token(), client=CLIENT_NAME))
-            reply = self._response(rid, Opcode.HELLO)
-            reply.identity.check_matches(self.identity)  # a mismatched layout fails before any KV is sent
-        except BaseException:
-            self._drop()
-            raise
-        self.hello = reply
-        self._max_frame_bytes = reply.max_frame_bytes
-
-    def _sink(self, head: wire.FrameHead) -> Any:
-        # a GET answer's KV goes straight into one fresh buffer (torch.frombuffer views it later): no copy
-        if head.opcode == Opcode.OK and head.meta.get("op") == "get":
-            sizes = wire.get_response_sizes(head.meta, self.identity)
-            if sizes is not None and sum(sizes) == head.payload_len:
-                staging = self._receive_into
-                fits = staging is not None and len(sizes) == 1 and staging.nbytes >= head.payload_len
-                buf = staging[: head.payload_len] if fits else bytearray(head.payload_len)
-                views, pos = [], 0
-                for size in sizes:
-                    views.append(memoryview(buf)[pos : pos + size])
-                    pos += size
-                return views
+def _staging_view(out, dtype, num_tokens: int, spec: KVCacheSpec):
+    if out is None:
         return None
+    if out.dtype != dtype or out.device.type != "cpu" or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous CPU tensor of {dtype}")
+    if out.numel() < num_tokens * spec.elements_per_token:
+        raise ValueError(f"out must have room for {num_tokens} tokens of KV")
+    import torch
 
-    def _request(self, opcode: Opcode, tokens, *, kv=None, kv_start: int = 0):
-        rid = self._new_id()
-        kwargs: dict[str, Any] = {}
-        if opcode in (Opcode.PUT, Opcode.GET):
-            kwargs["kv_start"] = [kv_start]
-        if opcode == Opcode.PUT:
-            kwargs["kv"] = [kv]
-        frame = wire.encode_request(opcode, rid, cache_id=self.cache_id, identity=self.identity, token_ids=[tokens],
-                                    max_frame_bytes=self._max_frame_bytes, **kwargs)  # fmt: skip
-        self._send(frame)
-        return self._response(rid, opcode)
-
-    def _response(self, rid: int, opcode: Opcode):
-        frame = self._read_frame()
-        if frame.request_id != rid:
-            self._drop()
-            raise DataPlaneError("the node answered another request", code="bad_response")
-        try:
-            reply = wire.parse_response(frame, request_opcode=opcode, num_sequences=1, spec=self.identity)
-        except ProtocolError as exc:
-            self._drop()
-            raise DataPlaneError(f"malformed answer from the node: {exc.message}", code=exc.code) from None
-        if isinstance(reply, wire.ErrorReply):
-            raise DataPlaneError(reply.message, code=reply.code, details=reply.details)
-        if isinstance(reply, wire.Moved):
-            self._drop()
-            raise DataPlaneError(f"the cache moved to {reply.endpoint} (epoch {reply.epoch})", code="moved",
-                                 details={"endpoint": reply.endpoint, "epoch": reply.epoch})  # fmt: skip
-        return reply
-
-    def _read_frame(self) -> wire.Frame:
-        decoder, sock = self._decoder, self._sock
-        while True:
-            frame = decoder.next_frame()
-            if frame is not None:
-                return frame
-            try:
-                buf = decoder.get_buffer()
-                n = sock.recv_into(buf)
-            except (OSError, ssl.SSLError) as exc:
-                raise _ConnectionLost(str(exc) or type(exc).__name__) from None
-            if n == 0:
-                raise _ConnectionLost("the node closed the connection")
-            try:
-                decoder.buffer_updated(n)
-            except ProtocolError as exc:
-                self._drop()
-                raise DataPlaneError(f"malformed stream from the node: {exc.message}", code=exc.code) from None
-
-    def _send(self, buffers: list) -> None:
-        try:
-            small = sum(memoryview(b).nbytes for b in buffers)
-            if small <= 64 * 1024:
-                self._sock.sendall(b"".join(bytes(b) if not isinstance(b, bytes) else b for b in buffers))
-                return
-            for b in buffers:
-                view = memoryview(b)
-                if view.nbytes:
-                    self._sock.sendall(view if view.format == "B" else view.cast("B"))
-        except (OSError, ssl.SSLError) as exc:
-            raise _ConnectionLost(str(exc) or type(exc).__name__) from None
-
-    def _new_id(self) -> int:
-        rid = self._next_id
-        self._next_id += 1
-        return rid
-
-    def _drop(self) -> None:
-        if self._sock is not None:
-            try:
-                self._sock.close()
-            except OSError:
-                pass
-        self._sock = None
-        self._decoder = None
-        self.hello = None
+    return memoryview(out.view(-1).view(torch.uint8).numpy())  # the tensor's own bytes, writable
 
 
 def _as_int32(tokens):

@@ -104,18 +104,23 @@ class KVCacheSpec:
 
     def check_matches(self, other: KVCacheSpec) -> None:
         """Raise IdentityMismatch unless `other` is exactly this identity."""
+        if other is self or other == self:
+            return
         fields = self.mismatches(other)
         if fields:
             raise IdentityMismatch(fields)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {name: getattr(self, name) for name in _FIELD_NAMES}  # every field is a str or an int: no deep copy
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVCacheSpec:
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = set(_FIELD_NAMES)
         unknown = set(data) - names
         missing = names - set(data)
         if unknown or missing:
             raise SpecError(f"invalid KV cache spec: unknown fields {sorted(unknown)}, missing fields {sorted(missing)}")
         return cls(**data)
+
+
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(KVCacheSpec))

@@ -193,7 +193,7 @@ def encode_frame(
         raise ValueError(f"request_id must fit in a u64, got {request_id}")
     if not isinstance(meta, dict):
         raise ValueError("metadata must be a JSON object")
-    meta_bytes = json.dumps(meta, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    meta_bytes = _ENCODER.encode(meta).encode()
     views = [_byte_view(p) for p in payload]
     views = [v for v in views if v.nbytes]
     payload_len = sum(v.nbytes for v in views)
@@ -232,11 +232,13 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return obj
 
 
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+_DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)  # one, not one per call
+
+
 def decode_metadata(raw: Buffer, *, request_id: int | None = None) -> dict[str, Any]:
     try:
-        meta = json.loads(
-            bytes(raw).decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_reject_constant
-        )
+        meta = _DECODER.decode(str(raw, "utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ProtocolError(ErrorCode.BAD_METADATA, f"metadata is not valid UTF-8 JSON ({type(exc).__name__})",
                             request_id=request_id) from None  # fmt: skip

@@ -96,14 +96,33 @@ def kv_nbytes(spec: KVCacheSpec, num_tokens: int) -> int:
     return spec.kv_bytes_per_token * num_tokens
 
 
+_SPECS_SEEN: dict[tuple, KVCacheSpec] = {}  # identities already validated: a connection sends the same one again
+_MAX_SPECS_SEEN = 256
+
+
 def spec_from_wire(obj: Any, *, request_id: int | None = None) -> KVCacheSpec:
-    """The identity dict of a request -> KVCacheSpec; INVALID_SPEC (or BAD_REQUEST if not an object) otherwise."""
+    """The identity dict of a request -> KVCacheSpec; INVALID_SPEC (or BAD_REQUEST if not an object) otherwise.
+    Valid identities are remembered (bounded) by their exact fields and types, so a repeated one is not validated
+    again."""
     if not isinstance(obj, dict):
         raise _bad(ErrorCode.BAD_REQUEST, "identity must be an object", request_id)
     try:
-        return KVCacheSpec.from_dict(obj)
+        key = tuple((name, type(value), value) for name, value in obj.items())
+        hash(key)
+    except TypeError:
+        key = None  # a list or object among the values: not remembered (from_dict refuses it below)
+    spec = _SPECS_SEEN.get(key) if key is not None else None
+    if spec is not None:
+        return spec
+    try:
+        spec = KVCacheSpec.from_dict(obj)
     except (SpecError, TypeError) as exc:
         raise _bad(ErrorCode.INVALID_SPEC, str(exc)[:MAX_ERROR_MESSAGE_CHARS], request_id) from None
+    if key is not None:
+        if len(_SPECS_SEEN) >= _MAX_SPECS_SEEN:
+            _SPECS_SEEN.clear()
+        _SPECS_SEEN[key] = spec
+    return spec
 
 
 def _str_field(meta: dict, key: str, request_id: int | None, *, max_len: int = 256) -> str:
@@ -178,21 +197,28 @@ class Hello:
     cache_id: str  # the cache this connection wants to use (the token's audience must be cache:<cache_id>)
     token: str  # the short-lived data token (JWT) from POST /api/v1/caches/{id}/tokens
     client: str  # free-form client name/version, for logs and metrics
+    identity: KVCacheSpec | None = None  # the engine's layout, checked once for the session (requests may omit it)
 
 
-def encode_hello(request_id: int, *, cache_id: str, token: str, client: str = "kcaas-py/0.1") -> list[Buffer]:
-    return encode_frame(Opcode.HELLO, request_id, {"cache_id": cache_id, "token": token, "client": client})
+def encode_hello(request_id: int, *, cache_id: str, token: str, client: str = "kcaas-py/0.1",
+                 identity: KVCacheSpec | None = None) -> list[Buffer]:  # fmt: skip
+    meta: dict[str, Any] = {"cache_id": cache_id, "token": token, "client": client}
+    if identity is not None:
+        meta["identity"] = identity.to_dict()
+    return encode_frame(Opcode.HELLO, request_id, meta)
 
 
 def parse_hello(frame: Frame) -> Hello:
     if frame.opcode != Opcode.HELLO:
         raise ValueError("not a HELLO frame")
     meta, rid = frame.meta, frame.request_id
-    _check_keys(meta, {"cache_id", "token", "client"}, rid)
+    _check_keys(meta, {"cache_id", "token", "client", "identity"}, rid)
     client = meta.get("client", "")
     if not isinstance(client, str) or len(client) > 256:
         raise _bad(ErrorCode.BAD_REQUEST, "client must be a string of at most 256 chars", rid)
-    return Hello(rid, _str_field(meta, "cache_id", rid), _str_field(meta, "token", rid, max_len=16384), client)
+    identity = spec_from_wire(meta["identity"], request_id=rid) if "identity" in meta else None
+    return Hello(rid, _str_field(meta, "cache_id", rid), _str_field(meta, "token", rid, max_len=16384), client,
+                 identity)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,13 +228,11 @@ class RequestHead:
     opcode: Opcode
     request_id: int
     cache_id: str
-    identity: KVCacheSpec  # the client's claim: the node checks it against the cache's with check_matches
+    identity: KVCacheSpec  # the client's claim (or its session's, checked at HELLO): the node checks it
     num_tokens: tuple[int, ...]  # tokens per sequence (one for the single forms)
     kv_start: tuple[int, ...]  # PUT/GET: the first token whose KV travels (0 unless resuming a long sequence)
-
-    @property
-    def op(self) -> str:
-        return OP_NAMES[Opcode(self.opcode & ~BATCH_BIT)]
+    op: str  # "lookup", "put", "get" or "delete", for the single and the batch form alike
+    identity_sent: bool = True  # False: the request left it out and uses its session's, checked at HELLO
 
     @property
     def is_batch(self) -> bool:
@@ -249,16 +273,21 @@ def encode_request(
     request_id: int,
     *,
     cache_id: str,
-    identity: KVCacheSpec,
+    identity: KVCacheSpec | None,
     token_ids: Sequence[Any],
     kv: Sequence[Any] | None = None,
     kv_start: Sequence[int] | None = None,
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    session_identity: KVCacheSpec | None = None,
 ) -> list[Buffer]:
     """A LOOKUP/PUT/GET/DELETE frame (or a batch form): one token sequence per entry of token_ids.
 
     kv (PUT only): one buffer per sequence, the KV of tokens[kv_start:] in the engine layout, C order.
+    identity None: the request leaves it out and the node uses the one the session's HELLO carried (checked there
+    once); `session_identity` is that identity, which sizes the KV here.
     """
+    if identity is None and session_identity is None:
+        raise ValueError("a request without identity needs its session's (sent with HELLO)")
     opcode = Opcode(opcode)
     if opcode not in DATA_OPS:
         raise ValueError(f"{opcode.name} is not a data request")
@@ -268,7 +297,10 @@ def encode_request(
         raise ValueError(f"{opcode.name} takes {'1..%d sequences' % MAX_BATCH_SIZE if batch else 'one sequence'}")
     token_views = [pack_token_ids(t) for t in token_ids]
     num_tokens = [check_num_tokens(v.nbytes // TOKEN_ID_BYTES) for v in token_views]
-    meta: dict[str, Any] = {"cache_id": cache_id, "identity": identity.to_dict(), "num_tokens": num_tokens}
+    meta: dict[str, Any] = {"cache_id": cache_id, "num_tokens": num_tokens}
+    if identity is not None:
+        meta["identity"] = identity.to_dict()
+    layout = identity if identity is not None else session_identity
     op = OP_NAMES[Opcode(opcode & ~BATCH_BIT)]
     payload: list[Any] = list(token_views)
     if op in ("put", "get"):
@@ -284,36 +316,50 @@ def encode_request(
             raise ValueError("put needs one KV buffer per sequence")
         kv_views = [_byte_view(k) for k in kv]
         for view, n, s in zip(kv_views, num_tokens, starts):
-            if view.nbytes != kv_nbytes(identity, n - s):
-                raise ValueError(f"KV of {n - s} tokens must be {kv_nbytes(identity, n - s)} bytes, got {view.nbytes}")
+            if view.nbytes != kv_nbytes(layout, n - s):
+                raise ValueError(f"KV of {n - s} tokens must be {kv_nbytes(layout, n - s)} bytes, got {view.nbytes}")
         payload += kv_views
     elif kv is not None:
         raise ValueError("only put carries KV")
     return encode_frame(opcode, request_id, meta, payload, max_frame_bytes=max_frame_bytes)
 
 
-def parse_request_head(head: FrameHead | Frame) -> RequestHead:
-    """Validate a data request's metadata (and its declared payload length) before the payload is read."""
+_REQUEST_FIELDS = {op: frozenset({"cache_id", "identity", "num_tokens"} | ({"kv_start"} if op in ("put", "get") else set()))
+                   for op in OP_NAMES.values()}  # fmt: skip
+_OP_OF = {int(opcode): OP_NAMES[Opcode(opcode & ~BATCH_BIT)] for opcode in DATA_OPS}
+
+
+def parse_request_head(head: FrameHead | Frame, session_identity: KVCacheSpec | None = None) -> RequestHead:
+    """Validate a data request's metadata (and its declared payload length) before the payload is read.
+
+    A request without `identity` takes `session_identity` (what its session's HELLO carried, checked there); with
+    neither it is refused (BAD_REQUEST)."""
     rid, meta, opcode = head.request_id, head.meta, head.opcode
-    if opcode not in DATA_OPS:
+    op = _OP_OF.get(opcode)
+    if op is None:
         raise ValueError(f"{Opcode(opcode).name} is not a data request")
-    op = OP_NAMES[Opcode(opcode & ~BATCH_BIT)]
     batch = bool(opcode & BATCH_BIT)
-    _check_keys(meta, {"cache_id", "identity", "num_tokens"} | ({"kv_start"} if op in ("put", "get") else set()), rid)
+    _check_keys(meta, _REQUEST_FIELDS[op], rid)
     cache_id = _str_field(meta, "cache_id", rid)
     counts = meta.get("num_tokens")
     if not isinstance(counts, list) or not (1 <= len(counts) <= MAX_BATCH_SIZE if batch else len(counts) == 1):
         raise _bad(ErrorCode.BAD_REQUEST, f"num_tokens must list {'1..%d' % MAX_BATCH_SIZE if batch else '1'} "
                    "token counts", rid)  # fmt: skip
     num_tokens = tuple(check_num_tokens(n, request_id=rid) for n in counts)
-    identity = spec_from_wire(meta.get("identity"), request_id=rid)
+    identity_sent = "identity" in meta
+    if identity_sent:
+        identity = spec_from_wire(meta["identity"], request_id=rid)
+    elif session_identity is not None:
+        identity = session_identity
+    else:
+        raise _bad(ErrorCode.BAD_REQUEST, "identity missing: send it with HELLO (once) or with every request", rid)
     if "kv_start" in meta:
         kv_start = _int_list(meta, "kv_start", len(num_tokens), rid)
         if any(s > n for s, n in zip(kv_start, num_tokens)):
             raise _bad(ErrorCode.BAD_REQUEST, "kv_start must not exceed num_tokens", rid)
     else:
         kv_start = (0,) * len(num_tokens)
-    request = RequestHead(Opcode(opcode), rid, cache_id, identity, num_tokens, kv_start)
+    request = RequestHead(opcode, rid, cache_id, identity, num_tokens, kv_start, op, identity_sent)
     payload_len = head.payload_len
     if payload_len != request.payload_len:
         raise _bad(ErrorCode.PAYLOAD_LENGTH_MISMATCH,
