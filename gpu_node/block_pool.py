@@ -34,6 +34,7 @@ import numpy as np
 from gpu_node.block_hash import BlockHash
 
 NO_TOKEN = -1
+_FEW_BLOCKS = 8  # hold/release of up to this many blocks go element by element (numpy costs ~5 us to set up)
 
 
 class BlockPool:
@@ -134,7 +135,12 @@ class BlockPool:
         for block_id in block_ids:
             if block_id in evictable:
                 del evictable[block_id]
-        self.ref_cnt[np.asarray(block_ids, dtype=np.int64)] += 1
+        if len(block_ids) <= _FEW_BLOCKS:
+            ref_cnt = self.ref_cnt
+            for block_id in block_ids:
+                ref_cnt[block_id] += 1
+        else:
+            self.ref_cnt[np.asarray(block_ids, dtype=np.int64)] += 1
 
     def release(self, block_ids: list[int]) -> None:
         """Drop a holder from each block (distinct ids). Pass a chain tail first: that order is the eviction order.
@@ -142,6 +148,9 @@ class BlockPool:
         Blocks nobody holds any more become evictable when cached, free otherwise (doomed or never committed).
         """
         if not block_ids:
+            return
+        if len(block_ids) <= _FEW_BLOCKS:  # a small request's blocks: element by element beats numpy's set-up
+            self._release_few(block_ids)
             return
         ids = np.asarray(block_ids, dtype=np.int64)
         assert (self.ref_cnt[ids] > 0).all(), "released a block nobody holds"
@@ -155,6 +164,20 @@ class BlockPool:
         if freed:  # _free for a batch: ref_cnt is 0 and the blocks are uncached, checked above
             self.num_filled[freed] = 0
             self._free_stack.extend(freed)
+
+    def _release_few(self, block_ids: list[int]) -> None:
+        ref_cnt, block_parent, evictable = self.ref_cnt, self.block_parent, self._evictable
+        for block_id in block_ids:  # distinct ids: checked and decremented one at a time, as the batch path does
+            assert ref_cnt[block_id] > 0, "released a block nobody holds"
+        for block_id in block_ids:
+            left = ref_cnt[block_id] - 1
+            ref_cnt[block_id] = left
+            if left == 0:
+                if block_parent[block_id] is not None:
+                    evictable[block_id] = None
+                else:
+                    self.num_filled[block_id] = 0
+                    self._free_stack.append(block_id)
 
     def touch(self, block_ids: list[int]) -> None:
         """Mark cached, unheld blocks most recently used, in the given order (pass a chain tail first)."""

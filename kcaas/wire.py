@@ -166,6 +166,8 @@ class Frame:
 
 
 def _byte_view(buf: Any) -> memoryview:
+    if type(buf) is memoryview and buf.format == "B" and buf.ndim == 1 and buf.c_contiguous:
+        return buf  # already what the frame layer sends (the node's pool views): the common case, nothing to make
     view = memoryview(buf)
     if not view.c_contiguous:
         raise ValueError("payload buffers must be C-contiguous")
@@ -186,7 +188,8 @@ def encode_frame(
 
     Payload items are any C-contiguous buffers (bytes, memoryview, array, a numpy array, a tensor's numpy view).
     """
-    opcode = Opcode(opcode)
+    if type(opcode) is not Opcode:
+        opcode = Opcode(opcode)
     if flags != 0:
         raise ValueError("no flags are defined in version 1")
     if not 0 <= request_id <= MAX_REQUEST_ID:

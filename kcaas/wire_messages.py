@@ -462,14 +462,20 @@ def encode_get_ok(request_id: int, *, spec: KVCacheSpec, num_cached: Sequence[in
                   kv_end: Sequence[int], kv: Sequence[Any],
                   max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> list[Buffer]:  # fmt: skip
     # each sequence's KV: one buffer, or a list of buffers sent back to back (a node's runs straight from its pool)
-    kv_parts = [[_byte_view(b) for b in k] if isinstance(k, list) else [_byte_view(k)] for k in kv]
-    if not len(num_cached) == len(kv_start) == len(kv_end) == len(kv_parts):
+    if not len(num_cached) == len(kv_start) == len(kv_end) == len(kv):
         raise ValueError("one num_cached, kv_start, kv_end and KV buffer per sequence")
-    for parts, s, e, n in zip(kv_parts, kv_start, kv_end, num_cached):
-        if not 0 <= e <= n or s < 0 or sum(v.nbytes for v in parts) != kv_nbytes(spec, max(e - s, 0)):
+    views: list[memoryview] = []
+    per_token = spec.kv_bytes_per_token
+    for parts, s, e, n in zip(kv, kv_start, kv_end, num_cached):
+        size = 0
+        for part in parts if isinstance(parts, list) else (parts,):
+            view = _byte_view(part)
+            if view.nbytes:
+                views.append(view)
+                size += view.nbytes
+        if not 0 <= e <= n or s < 0 or size != per_token * max(e - s, 0):
             raise ValueError("KV buffer sizes must match kv_end - kv_start tokens of the spec, kv_end <= num_cached")
     meta = {"op": "get", "num_cached": list(num_cached), "kv_start": list(kv_start), "kv_end": list(kv_end)}
-    views = [v for parts in kv_parts for v in parts if v.nbytes]
     return encode_frame(Opcode.OK, request_id, meta, views, max_frame_bytes=max_frame_bytes)
 
 
