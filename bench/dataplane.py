@@ -1,45 +1,39 @@
-"""Data-plane benchmark: SDK put/get over TLS 1.3 and over the Unix socket against raw sockets pushing the same
-bytes between the same two processes, against Redis SET/GET of the same chunks (pipelined), and lookup latency.
+"""Data-plane benchmark: the SDK's put/get over TLS 1.3 and a Unix socket against raw sockets moving the same bytes
+the same way between the same two processes, against Redis (a private server on a Unix socket, redis-py with
+hiredis), by request length, by operation size and by concurrent clients, and lookup latency.
 
     python -m bench.dataplane [--quick]
 
-Prints a human table, then one JSON object on the last line. The node (a DataPlaneServer with a provisioned cache,
-plus raw TLS / UDS sink-and-source servers) runs in a separate process (multiprocessing 'spawn'), so client and server
-do not share a GIL; the client runs in this process. Every contender runs once per round, interleaved round by round
-(median of the measured rounds, after warm-up rounds), because the machines this runs on are shared and noisy: read
-the ratios (put_vs_raw_tls, uds_get_vs_raw, uds_get_vs_redis, ...), not the absolute figures.
+Prints tables, then one JSON object on the last line. Nodes (DataPlaneServers with provisioned caches, plus raw TLS /
+UDS servers) and clients run in processes of their own (multiprocessing 'spawn'), so nobody shares a GIL. Contenders
+are interleaved round by round (medians after a warm-up), because the machines this runs on are shared and noisy:
+read the ratios, measured side by side in one run, not the absolute figures.
 
-Layout: Llama-3-8B-like (32 layers, 8 KV heads, head_dim 128, fp16, 16-token blocks): 128 KiB per token, 2 MiB per
-block; one operation moves a batch of 16 blocks (256 tokens, 32 MiB). GB/s = 1e9 bytes/s of KV.
+Like for like (each ratio compares the same direction and the same buffer reuse): a get reads into a reused,
+touched buffer (`get(out=)`, as an engine does) and is compared with a raw pull into a reused buffer (get_vs_raw_tls,
+get_vs_raw_tls_pull, get_vs_raw_pull, uds_get_vs_raw and uds_get_vs_raw_pull are all that; they compared a pull with
+a raw push, or with a pull into fresh memory, before); a put is compared with a raw push into the node's reused
+buffer; against Redis, whose GET returns a fresh object, the KCaaS get returns a fresh tensor too (uds_get_vs_redis,
+get_vs_redis_by_size; the reused-buffer get is reported beside it).
+
+Layouts: the headline is Llama-3-8B-like (32 layers, 8 KV heads, head_dim 128, fp16, 16-token blocks: 128 KiB per
+token, 2 MiB per block), one operation a batch of 16 blocks (256 tokens, 32 MiB). The length sweep (256..131,072
+tokens) uses 4 of those layers (16 KiB per token) on a node with 32 MiB frames, which splits a request every 2,047
+tokens exactly as 256 MiB frames split the full layout (131,072 full-layout tokens are 16 GiB). The size sweep uses
+1 layer (4 KiB per token: 64 KiB is one block). GB/s = 1e9 bytes/s of KV.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
-import datetime as dt
-import hashlib
 import json
-import multiprocessing as mp
-import os
-import shutil
-import socket
-import ssl
 import statistics
-import struct
 import sys
-import tempfile
-import time
-import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-ISSUER = "kcaas-control-plane"
-NODE_ID = "bench-node"
 CACHE_ID = "c_benchmrk"
-EPOCH = 1
 BLOCKS_PER_OP = 16
 MIB = 1 << 20
-_RAW_HEAD = struct.Struct("!cQ")  # op (b"P" push to server, b"G" pull from server, b"Q" quit), length
 
 
 @dataclass(frozen=True)
@@ -49,16 +43,27 @@ class BenchConfig:
     ops_per_round: int  # 32 MiB operations per contender per round
     lookup_samples: int  # lookups of the 4096-token prompt (after 20 warm-up lookups)
     lookup_tokens: int = 4096
+    sweep_lengths: tuple = (256, 1024, 2048, 4096, 8192, 32768, 131072)
+    sweep_rounds: int = 2
+    sizes: tuple = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
+    size_rounds: int = 3
+    size_budget_s: float = 0.15  # per contender per round, roughly
+    client_counts: tuple = (1, 2, 4, 8)
+    client_seconds: float = 1.0
+    client_rounds: int = 2
+    half_hit_tokens: int = 32768
+    extra: dict = field(default_factory=dict)
 
 
 QUICK = BenchConfig(rounds=5, warmup_rounds=1, ops_per_round=3, lookup_samples=300)
-FULL = BenchConfig(rounds=11, warmup_rounds=2, ops_per_round=8, lookup_samples=2000)
+FULL = BenchConfig(rounds=11, warmup_rounds=2, ops_per_round=8, lookup_samples=2000, sweep_rounds=5, size_rounds=7,
+                   size_budget_s=0.4, client_seconds=2.0, client_rounds=5)  # fmt: skip
 
 
-def llama3_8b_like_spec():
+def llama3_8b_like_spec(num_layers: int = 32):
     from kcaas.spec import KVCacheSpec
 
-    return KVCacheSpec(model_fingerprint="llama-3-8b-like", num_layers=32, num_kv_heads=8, head_dim=128,
+    return KVCacheSpec(model_fingerprint="llama-3-8b-like", num_layers=num_layers, num_kv_heads=8, head_dim=128,
                        block_size=16, kv_dtype="float16", storage_dtype="float16")  # fmt: skip
 
 
@@ -95,422 +100,209 @@ def median_rounds(contenders: dict, rounds: int, warmup_rounds: int) -> dict[str
     return {name: statistics.median(v) for name, v in values.items()}
 
 
-# ---- PKI and tokens (as tests/dataplane/conftest.py) ---------------------------------------------------------------
-def _b64url(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
 
-def make_pki(directory: str) -> dict[str, str]:
-    from gpu_node.dev_pki import write_dev_pki
-
-    return write_dev_pki(directory, server_name=NODE_ID, valid_for=dt.timedelta(hours=2))
-
-
-def make_signing():
-    """(Ed25519 private key, JWKS dict with its public key)."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
-    private = Ed25519PrivateKey.generate()
-    raw = private.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    members = {"crv": "Ed25519", "kty": "OKP", "x": _b64url(raw)}
-    kid = _b64url(hashlib.sha256(json.dumps(members, separators=(",", ":"), sort_keys=True).encode()).digest())
-    return private, {"keys": [{**members, "kid": kid, "use": "sig", "alg": "EdDSA"}]}
+# ---- the run --------------------------------------------------------------------------------------------------------
+SWEEP_FRAME_BYTES = 32 * MIB  # with 4 layers: a frame of 2,047 tokens, as 256 MiB frames are for all 32
+PAIR_TOKENS = 64  # the two-client comparisons move 8 MiB gets (one frame on either node)
 
 
-def make_token(private, jwks: dict, ttl: int = 3600) -> str:
-    import jwt
+def _node_configs(cfg: BenchConfig) -> tuple[dict, dict]:
+    """Node 1 (default frames): the headline cache, the size sweep's, and two small ones; node 2 (32 MiB frames):
+    the length sweep's and a third small one."""
+    import dataclasses
 
-    now = int(time.time())
-    claims = {"iss": ISSUER, "aud": f"cache:{CACHE_ID}", "sub": "tenant:bench", "iat": now, "nbf": now,
-              "exp": now + ttl, "jti": str(uuid.uuid4()), "epoch": EPOCH, "node": NODE_ID, "access": "readwrite",
-              "scope": "kv:read kv:write"}  # fmt: skip
-    return jwt.encode(claims, private, algorithm="EdDSA", headers={"kid": jwks["keys"][0]["kid"], "typ": "JWT"})
-
-
-# ---- raw socket servers (in the node process) ---------------------------------------------------------------------
-def _recv_exact_into(sock, view: memoryview) -> None:
-    got = 0
-    while got < view.nbytes:
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise ConnectionError("peer closed")
-        got += n
-
-
-def _raw_serve(sock, buf: bytearray) -> None:
-    """Serve one raw connection: P = receive n bytes (into a reused buffer) then ack 1 byte; G = send n bytes."""
-    head = bytearray(_RAW_HEAD.size)
-    view = memoryview(buf)
-    try:
-        while True:
-            _recv_exact_into(sock, memoryview(head))
-            op, n = _RAW_HEAD.unpack(head)
-            if op == b"P":
-                _recv_exact_into(sock, view[:n])
-                sock.sendall(b"k")
-            elif op == b"G":
-                sock.sendall(view[:n])
-            else:
-                return
-    except (OSError, ConnectionError):
-        pass
-    finally:
-        try:
-            sock.close()
-        except OSError:
-            pass
-
-
-def _raw_listener(listener, tls_ctx, buf_bytes: int) -> None:
-    import threading
-
-    while True:
-        try:
-            conn, _ = listener.accept()
-        except OSError:
-            return
-        if tls_ctx is not None:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = tls_ctx.wrap_socket(conn, server_side=True)
-        threading.Thread(target=_raw_serve, args=(conn, bytearray(os.urandom(1024)) * (buf_bytes // 1024)),
-                         daemon=True).start()  # fmt: skip
-
-
-def _node_main(conn, pki: dict, jwks: dict, workdir: str, capacity_bytes: int, op_bytes: int) -> None:
-    """The node process: a DataPlaneServer (TLS + UDS) hosting one cache, and raw TLS / UDS servers."""
-    import threading
-
-    import torch
-
-    from gpu_node.dataplane import DataPlaneServer, TokenVerifier, server_tls_context
-    from gpu_node.registry import CacheRegistry
-
-    torch.set_num_threads(1)
-    spec = llama3_8b_like_spec()
-    registry = CacheRegistry(device_capacity_bytes=capacity_bytes, device="cpu")
-    registry.provision(cache_id=CACHE_ID, spec=spec, capacity={"device": capacity_bytes}, hash_key=os.urandom(32),
-                       epoch=EPOCH)  # fmt: skip
-    uds_path = os.path.join(workdir, "dp.sock")
-    server = DataPlaneServer(registry, NODE_ID, TokenVerifier(jwks, issuer=ISSUER),
-                             server_tls_context(pki["cert"], pki["key"]), "127.0.0.1", 0, uds_path=uds_path)
-    server.start()
-    raw_ctx = server_tls_context(pki["cert"], pki["key"])
-    raw_tcp = socket.create_server(("127.0.0.1", 0))
-    raw_uds_path = os.path.join(workdir, "raw.sock")
-    raw_uds = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    raw_uds.bind(raw_uds_path)
-    raw_uds.listen(8)
-    for listener, ctx in ((raw_tcp, raw_ctx), (raw_uds, None)):
-        threading.Thread(target=_raw_listener, args=(listener, ctx, op_bytes), daemon=True).start()
-    conn.send({"endpoint": server.endpoint, "uds": uds_path, "raw_tcp": raw_tcp.getsockname()[:2],
-               "raw_uds": raw_uds_path, "pid": os.getpid()})  # fmt: skip
-    conn.recv()  # block until the bench says stop (or the pipe closes)
-    server.stop()
-
-
-# ---- client side ---------------------------------------------------------------------------------------------------
-class RawClient:
-    def __init__(self, sock):
-        self.sock = sock
-        self.ack = bytearray(1)
-
-    def push(self, view: memoryview) -> None:
-        self.sock.sendall(_RAW_HEAD.pack(b"P", view.nbytes))
-        self.sock.sendall(view)
-        _recv_exact_into(self.sock, memoryview(self.ack))
-
-    def pull(self, n: int, out: bytearray | None = None) -> bytearray:
-        """n bytes from the node: into a fresh buffer per answer (like the SDK's get), or into `out` (reused)."""
-        self.sock.sendall(_RAW_HEAD.pack(b"G", n))
-        if out is None:
-            out = bytearray(n)
-        _recv_exact_into(self.sock, memoryview(out)[:n])
-        return out
-
-    def close(self) -> None:
-        try:
-            self.sock.sendall(_RAW_HEAD.pack(b"Q", 0))
-            self.sock.close()
-        except OSError:
-            pass
-
-
-def _redis_url() -> str:
-    return os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/4"
-
-
-def _connect_redis():
-    try:
-        import redis
-    except ImportError:
-        return None, "redis-py is not installed"
-    try:
-        r = redis.Redis.from_url(_redis_url(), socket_timeout=30)
-        r.ping()
-        return r, None
-    except Exception as exc:  # noqa: BLE001 - any failure means "no Redis here"
-        return None, f"{type(exc).__name__}: {exc}"
+    full, four, one = (dataclasses.asdict(llama3_8b_like_spec(n)) for n in (32, 4, 1))
+    op_bytes = BLOCKS_PER_OP * 16 * (128 << 10)
+    headline = cfg.lookup_tokens * (128 << 10) + 2 * cfg.ops_per_round * op_bytes + 8 * (2 << 20)
+    size_cache = 6 * max(cfg.sizes) + cfg.half_hit_tokens * (4 << 10) + (64 << 20)
+    sweep = (max(cfg.sweep_lengths) + 4096) * (16 << 10)
+    pair = 4 * PAIR_TOKENS * (128 << 10)
+    one_config = {"caches": {CACHE_ID: (full, headline), "c_size": (one, size_cache), "c_pair_a": (full, pair),
+                             "c_pair_b": (full, pair)},
+                  "max_frame_bytes": 256 * MIB, "raw_bytes": op_bytes}  # fmt: skip
+    two_config = {"caches": {"c_sweep": (four, sweep), "c_pair_b2": (full, pair)}, "max_frame_bytes": SWEEP_FRAME_BYTES}
+    return one_config, two_config
 
 
 def run(cfg: BenchConfig, mode: str) -> dict:
+    import multiprocessing as mp
+    import os
+    import shutil
+    import ssl
+    import tempfile
+    import time
+
     import numpy as np
     import torch
 
+    from bench import _dataplane_headline as headline, _dataplane_sweeps as sweeps
+    from bench._dataplane_node import NodeProcess, make_pki, make_signing, make_token
+    from bench._redis_peer import PrivateRedis
     from kcaas.dataplane import DataPlaneClient
 
     spec = llama3_8b_like_spec()
     op_tokens = BLOCKS_PER_OP * spec.block_size
-    op_bytes = op_tokens * spec.kv_bytes_per_token
     n_ops = cfg.ops_per_round
-    # the lookup prompt + the get set + one round of puts (deleted after each round), with slack
-    capacity = (cfg.lookup_tokens * spec.kv_bytes_per_token) + 2 * n_ops * op_bytes + 8 * spec.block_bytes
-    results: dict = {"mode": mode, "cpu_count": os.cpu_count(), "loadavg_1min_at_start": os.getloadavg()[0],
-                     "torch": torch.__version__, "op_tokens": op_tokens, "op_bytes": op_bytes,
-                     "block_bytes": spec.block_bytes, "kv_bytes_per_token": spec.kv_bytes_per_token,
-                     "ops_per_round": n_ops, "rounds": cfg.rounds, "warmup_rounds": cfg.warmup_rounds,
-                     "ssl": ssl.OPENSSL_VERSION}  # fmt: skip
+    r: dict = {"mode": mode, "cpu_count": os.cpu_count(), "loadavg_1min_at_start": os.getloadavg()[0],
+               "torch": torch.__version__, "op_tokens": op_tokens, "op_bytes": op_tokens * spec.kv_bytes_per_token,
+               "block_bytes": spec.block_bytes, "kv_bytes_per_token": spec.kv_bytes_per_token, "ops_per_round": n_ops,
+               "rounds": cfg.rounds, "warmup_rounds": cfg.warmup_rounds, "ssl": ssl.OPENSSL_VERSION,
+               "ktls": _ktls_note()}  # fmt: skip
     started = time.perf_counter()
     workdir = tempfile.mkdtemp(prefix="kcaas-bench-dp-")
     pki = make_pki(workdir)
     private, jwks = make_signing()
-    token = make_token(private, jwks)
     ctx = mp.get_context("spawn")
-    parent_conn, child_conn = ctx.Pipe()
-    node = ctx.Process(target=_node_main, args=(child_conn, pki, jwks, workdir, capacity, op_bytes), daemon=True)
-    node.start()
-    clients, raws, redis_client = [], [], None
+    one_config, two_config = _node_configs(cfg)
+    nodes, closers = [], []
     try:
-        if not parent_conn.poll(120):
-            raise SystemExit("bench.dataplane: the node process did not start within 120 s")
-        info = parent_conn.recv()
+        nodes += [NodeProcess(ctx, pki, jwks, workdir, one_config), NodeProcess(ctx, pki, jwks, workdir, two_config)]
+        one, two = nodes
         client_ctx = ssl.create_default_context(cafile=pki["ca"])
         client_ctx.minimum_version = ssl.TLSVersion.TLSv1_3
-        tls = DataPlaneClient(info["endpoint"], token, CACHE_ID, spec, ssl_context=client_ctx)
-        uds = DataPlaneClient(None, token, CACHE_ID, spec, uds_path=info["uds"])
-        clients += [tls, uds]
-        raw_sock = socket.create_connection(tuple(info["raw_tcp"]))
-        raw_sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        raw_tls = RawClient(client_ctx.wrap_socket(raw_sock, server_hostname="127.0.0.1"))
-        uds_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        uds_sock.connect(info["raw_uds"])
-        raw_uds = RawClient(uds_sock)
-        raws += [raw_tls, raw_uds]
-        results["tls_version"] = raw_tls.sock.version()
 
+        def client(node, cache_id, layers=32, tls=False):
+            made = DataPlaneClient(node.info["endpoint"] if tls else None, make_token(private, jwks, cache_id), cache_id,
+                                   llama3_8b_like_spec(layers), ssl_context=client_ctx if tls else None,
+                                   uds_path=None if tls else node.info["uds"])  # fmt: skip
+            closers.append(made.close)
+            return made
+
+        tls, uds = client(one, CACHE_ID, tls=True), client(one, CACHE_ID)
+        raw_tls, raw_uds = headline.raw_clients(one.info, client_ctx)
+        closers += [raw_tls.close, raw_uds.close]
+        r["tls_version"] = raw_tls.sock.version()
+        try:
+            redis = PrivateRedis()
+            closers.append(redis.close)
+            r.update(redis_server=f"private redis-server {redis.version} on a Unix socket", redis_hiredis=redis.hiredis)
+        except RuntimeError as exc:
+            redis = None
+            r["redis_error"] = str(exc)
+            print(f"bench.dataplane: no Redis peer ({exc}); its figures are skipped", file=sys.stderr)
+
+        # the fixed sets: a cached prompt for lookups, n_ops sequences for gets (put once, over UDS)
         gen = torch.Generator().manual_seed(0)
         shape = (spec.num_layers, 2, op_tokens, spec.num_kv_heads, spec.head_dim)
         kvs = [torch.randn(shape, generator=gen, dtype=torch.float32).to(torch.float16) for _ in range(n_ops)]
-        kv_views = [memoryview(kv.view(torch.uint8).reshape(-1).numpy()) for kv in kvs]
-        chunks = [[bytes(v[b * spec.block_bytes : (b + 1) * spec.block_bytes]) for b in range(BLOCKS_PER_OP)]
-                  for v in kv_views]  # fmt: skip  # the same bytes as 2 MiB Redis values
-
-        # fixed sets: a 4096-token prompt for lookups, n_ops sequences for gets (put once, over UDS)
         lookup_ids = np.arange(10, 10 + cfg.lookup_tokens, dtype=np.int32)
-        lookup_kv = torch.zeros((spec.num_layers, 2, cfg.lookup_tokens, spec.num_kv_heads, spec.head_dim),
-                                dtype=torch.float16)  # fmt: skip
-        assert uds.put(lookup_ids, lookup_kv)["num_cached"] == cfg.lookup_tokens
-        del lookup_kv
+        assert uds.put(lookup_ids, torch.zeros((32, 2, cfg.lookup_tokens, 8, 128), dtype=torch.float16))[
+            "num_cached"] == cfg.lookup_tokens  # fmt: skip
         get_ids = [np.asarray(token_range(i, op_tokens, base=200_000), dtype=np.int32) for i in range(n_ops)]
-        for ids, kv in zip(get_ids, kvs):
-            assert uds.put(ids, kv)["num_cached"] == op_tokens
+        uds.put_batch(list(zip(get_ids, kvs)))
         n, got = tls.get(get_ids[0])
         assert n == op_tokens and torch.equal(got, kvs[0]), "get over TLS returned other bytes"
-        n, got = uds.get(get_ids[-1])
-        assert n == op_tokens and torch.equal(got, kvs[-1]), "get over UDS returned other bytes"
         del got
 
-        put_counter = [0]
+        found = headline.contenders(tls, uds, raw_tls, raw_uds, spec, n_ops, redis.client if redis else None,
+                                    get_ids, kvs)  # fmt: skip
+        r.update(median_rounds(found, cfg.rounds, cfg.warmup_rounds))
+        latency = headline.lookup_latency(tls, lookup_ids, cfg.lookup_samples, percentile)
+        r.update(lookup_p50_us=latency["p50"], lookup_p99_us=latency["p99"], lookup_tokens=cfg.lookup_tokens,
+                 lookup_samples=cfg.lookup_samples)  # fmt: skip
 
-        def sdk_put(client):
-            def fn():
-                first = put_counter[0]
-                put_counter[0] += n_ops
-                seqs = [np.asarray(token_range(first + i, op_tokens, base=1_000_000), dtype=np.int32)
-                        for i in range(n_ops)]  # fmt: skip
-                start = time.perf_counter()
-                for ids, kv in zip(seqs, kvs):
-                    reply = client.put(ids, kv)
-                    if reply["num_written"] != op_tokens:
-                        raise RuntimeError(f"a put wrote {reply['num_written']} of {op_tokens} tokens: {reply}")
-                elapsed = time.perf_counter() - start
-                for ids in seqs:  # outside the timing: free the room for the next round
-                    client.delete(ids)
-                return gbps(n_ops * op_bytes, elapsed)
+        print("bench.dataplane: by request length ...", file=sys.stderr)
+        r.update(sweeps.by_tokens(client(two, "c_sweep", layers=4), llama3_8b_like_spec(4), list(cfg.sweep_lengths),
+                                  cfg.sweep_rounds))  # fmt: skip
+        by = r["put_gbps_by_tokens"]
+        r["long_put_vs_short_put"] = ratio(by.get("8192", float("nan")), by.get("1024", float("nan")))
 
-            return fn
+        size_client = client(one, "c_size", layers=1)
+        if redis is not None:
+            print("bench.dataplane: by operation size against Redis ...", file=sys.stderr)
+            r.update(sweeps.by_size(size_client, redis.client, llama3_8b_like_spec(1), list(cfg.sizes),
+                                    cfg.size_rounds, cfg.size_budget_s))  # fmt: skip
+            r["small_get_vs_redis"] = r["get_vs_redis_by_size"].get("64KiB")
+        full = np.arange(3_000_000, 3_000_000 + cfg.half_hit_tokens, dtype=np.int32)
+        half = np.concatenate([full[: cfg.half_hit_tokens // 2], full[cfg.half_hit_tokens // 2 :] + 10_000_000])
+        size_client.put(full, torch.zeros((1, 2, cfg.half_hit_tokens, 8, 128), dtype=torch.float16))
+        r["wire_lookup_half_hit_vs_full_hit"] = headline.half_hit_ratio(size_client.lookup, full, half)
+        r["lookup_half_hit_vs_full_hit"] = headline.engine_half_hit_ratio(cfg.half_hit_tokens)
 
-        staging = torch.empty(op_bytes // 2, dtype=torch.float16)
-        staging.fill_(0)  # touched once: an engine reuses its staging buffer across gets (get(out=))
-
-        def sdk_get(client):
-            def fn():
-                start = time.perf_counter()
-                for ids in get_ids:
-                    n, _kv = client.get(ids, out=staging)
-                    if n != op_tokens:
-                        raise RuntimeError(f"a get found {n} of {op_tokens} tokens")
-                return gbps(n_ops * op_bytes, time.perf_counter() - start)
-
-            return fn
-
-        def raw_push(raw):
-            def fn():
-                start = time.perf_counter()
-                for v in kv_views:
-                    raw.push(v)
-                return gbps(n_ops * op_bytes, time.perf_counter() - start)
-
-            return fn
-
-        reused = bytearray(op_bytes)
-
-        def raw_pull(raw, out=None):
-            def fn():
-                start = time.perf_counter()
-                for _ in range(n_ops):
-                    raw.pull(op_bytes, out)
-                return gbps(n_ops * op_bytes, time.perf_counter() - start)
-
-            return fn
-
-        contenders = {
-            "put_gbps": sdk_put(tls), "raw_tls_gbps": raw_push(raw_tls), "get_gbps": sdk_get(tls),
-            "raw_tls_pull_gbps": raw_pull(raw_tls),
-            "uds_put_gbps": sdk_put(uds), "raw_uds_gbps": raw_push(raw_uds), "uds_get_gbps": sdk_get(uds),
-            "raw_uds_pull_gbps": raw_pull(raw_uds),
-            # diagnostics: the same pulls into one reused buffer (no first touch of fresh pages per answer)
-            "raw_tls_pull_reused_gbps": raw_pull(raw_tls, reused),
-            "raw_uds_pull_reused_gbps": raw_pull(raw_uds, reused),
-        }  # fmt: skip
-        redis_client, redis_error = _connect_redis()
-        results["redis_url"] = _redis_url()
-        if redis_client is not None:
-            prefix = f"kcaas-bench-dp:{os.getpid()}:"
-            keys = [[f"{prefix}{i}:{b}" for b in range(BLOCKS_PER_OP)] for i in range(n_ops)]
-
-            def redis_set():
-                start = time.perf_counter()
-                for op_keys, op_chunks in zip(keys, chunks):  # one pipeline per 16-block batch, as for the SDK
-                    pipe = redis_client.pipeline(transaction=False)
-                    for k, c in zip(op_keys, op_chunks):
-                        pipe.set(k, c)
-                    pipe.execute()
-                return gbps(n_ops * op_bytes, time.perf_counter() - start)
-
-            def redis_get():
-                start = time.perf_counter()
-                for op_keys in keys:
-                    pipe = redis_client.pipeline(transaction=False)
-                    for k in op_keys:
-                        pipe.get(k)
-                    values = pipe.execute()
-                    if sum(len(v) for v in values) != op_bytes:
-                        raise RuntimeError("Redis GET returned other sizes")
-                return gbps(n_ops * op_bytes, time.perf_counter() - start)
-
-            redis_set()  # the GETs need the keys before the first round
-            contenders["redis_set_gbps"] = redis_set
-            contenders["redis_get_gbps"] = redis_get
-        else:
-            results["redis_error"] = redis_error
-            print(f"bench.dataplane: no Redis at {_redis_url()} ({redis_error}); skipping it "
-                  "(start one with scripts/services.sh)", file=sys.stderr)  # fmt: skip
-
-        results.update(median_rounds(contenders, cfg.rounds, cfg.warmup_rounds))
-
-        # lookup of a cached 4096-token prompt over TLS: one round trip each
-        for _ in range(20):
-            assert tls.lookup(lookup_ids) == cfg.lookup_tokens
-        samples = []
-        for _ in range(cfg.lookup_samples):
-            start = time.perf_counter()
-            tls.lookup(lookup_ids)
-            samples.append((time.perf_counter() - start) * 1e6)
-        results["lookup_p50_us"] = percentile(samples, 50)
-        results["lookup_p99_us"] = percentile(samples, 99)
-        results["lookup_tokens"] = cfg.lookup_tokens
-        results["lookup_samples"] = cfg.lookup_samples
-        if redis_client is not None:
-            redis_client.delete(*[k for op_keys in keys for k in op_keys])
+        print("bench.dataplane: concurrent clients ...", file=sys.stderr)
+        r.update(_client_phases(ctx, cfg, one, two, private, jwks, get_ids))
     finally:
-        for c in clients:
-            c.close()
-        for r in raws:
-            r.close()
-        if redis_client is not None:
-            redis_client.close()
-        try:
-            parent_conn.send("stop")
-        except (OSError, BrokenPipeError):
-            pass
-        node.join(10)
-        if node.is_alive():
-            node.terminate()
-            node.join(5)
+        for close in closers:
+            close()
+        for node in nodes:
+            node.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-    r = results
-    r["put_vs_raw_tls"] = ratio(r["put_gbps"], r["raw_tls_gbps"])
-    r["get_vs_raw_tls"] = ratio(r["get_gbps"], r["raw_tls_gbps"])
-    r["get_vs_raw_tls_pull"] = ratio(r["get_gbps"], r["raw_tls_pull_gbps"])
-    r["uds_put_vs_raw"] = ratio(r["uds_put_gbps"], r["raw_uds_gbps"])
-    r["uds_get_vs_raw"] = ratio(r["uds_get_gbps"], r["raw_uds_gbps"])
-    r["uds_get_vs_raw_pull"] = ratio(r["uds_get_gbps"], r["raw_uds_pull_gbps"])
-    if "redis_get_gbps" in r:
-        r["uds_get_vs_redis"] = ratio(r["uds_get_gbps"], r["redis_get_gbps"])
-        r["uds_put_vs_redis"] = ratio(r["uds_put_gbps"], r["redis_set_gbps"])
+    _ratios(r)
     r["bench_seconds"] = time.perf_counter() - started
     r["loadavg_1min_at_end"] = os.getloadavg()[0]
     return r
 
 
+def _client_phases(ctx, cfg: BenchConfig, one, two, private, jwks, get_ids: list) -> dict:
+    """1..8 client processes on node 1's headline cache; then two clients on two caches, in one node process or two."""
+    import dataclasses
+
+    import numpy as np
+    import torch
+
+    from bench import _dataplane_sweeps as sweeps
+    from bench._dataplane_node import make_token
+    from kcaas.dataplane import DataPlaneClient
+
+    full = dataclasses.asdict(llama3_8b_like_spec())
+    pair_ids = [list(range(7_000_000 + i * 1000, 7_000_000 + i * 1000 + PAIR_TOKENS)) for i in range(2)]
+    for node, cache_id in ((one, "c_pair_a"), (one, "c_pair_b"), (two, "c_pair_b2")):
+        with DataPlaneClient(None, make_token(private, jwks, cache_id), cache_id, llama3_8b_like_spec(),
+                             uds_path=node.info["uds"]) as filler:  # fmt: skip
+            kv = torch.ones((32, 2, PAIR_TOKENS, 8, 128), dtype=torch.float16)
+            filler.put_batch([(np.asarray(ids, dtype=np.int32), kv) for ids in pair_ids])
+    headline_ids = [ids.tolist() for ids in get_ids]
+    specs = [(one.info["uds"], make_token(private, jwks, CACHE_ID), CACHE_ID, full, headline_ids, None)
+             for _ in range(max(cfg.client_counts))]  # fmt: skip
+    specs += [(node.info["uds"], make_token(private, jwks, cache_id), cache_id, full, pair_ids, None)
+              for node, cache_id in ((one, "c_pair_a"), (one, "c_pair_b"), (two, "c_pair_b2"))]  # fmt: skip
+    clients = sweeps.Clients(ctx, specs)
+    try:
+        found = sweeps.by_clients(clients, one, list(cfg.client_counts), cfg.client_seconds, cfg.client_rounds)
+        pa = max(cfg.client_counts)
+        found.update(sweeps.processes_vs_one(clients, one, two, [pa, pa + 1], [pa, pa + 2], cfg.client_seconds,
+                                             cfg.client_rounds))  # fmt: skip
+    finally:
+        clients.close()
+    return found
+
+
+def _ratios(r: dict) -> None:
+    """The ratios, like for like (the module docstring says against what)."""
+    r["put_vs_raw_tls"] = ratio(r["put_gbps"], r["raw_tls_gbps"])
+    r["uds_put_vs_raw"] = ratio(r["uds_put_gbps"], r["raw_uds_gbps"])
+    for name in ("get_vs_raw_tls", "get_vs_raw_tls_pull", "get_vs_raw_pull"):
+        r[name] = ratio(r["get_gbps"], r["raw_tls_pull_reused_gbps"])
+    for name in ("uds_get_vs_raw", "uds_get_vs_raw_pull"):
+        r[name] = ratio(r["uds_get_gbps"], r["raw_uds_pull_reused_gbps"])
+    if "redis_get_gbps" in r:
+        r["uds_get_vs_redis"] = ratio(r["uds_get_fresh_gbps"], r["redis_get_gbps"])
+        r["uds_get_out_vs_redis"] = ratio(r["uds_get_gbps"], r["redis_get_gbps"])
+        r["uds_put_vs_redis"] = ratio(r["uds_put_gbps"], r["redis_set_gbps"])
+    else:
+        r["small_get_vs_redis"] = None
+
+
+def _ktls_note() -> str:
+    """Whether this kernel could take TLS records after the handshake (kTLS): the tls ULP must be available."""
+    try:
+        with open("/proc/sys/net/ipv4/tcp_available_ulp") as ulp:
+            available = ulp.read().split()
+    except OSError:
+        return "unknown (no /proc/sys/net/ipv4/tcp_available_ulp)"
+    return "available (tls ULP)" if "tls" in available else f"not on this kernel (ULPs: {' '.join(available) or 'none'})"
+
+
 def _table(r: dict) -> str:
-    def g(key):
-        return f"{r[key]:.2f} GB/s" if key in r else "n/a"
+    from bench._dataplane_report import table
 
-    def x(key, target=None):
-        if key not in r:
-            return "n/a"
-        return f"{r[key]:.2f} x" + (f" (target >= {target})" if target else "")
-
-    rows = [
-        ("SDK put, TLS 1.3", g("put_gbps"), f"{x('put_vs_raw_tls', 0.7)} raw TLS push"),
-        ("SDK get, TLS 1.3", g("get_gbps"),
-         f"{x('get_vs_raw_tls', 0.7)} raw TLS push; {x('get_vs_raw_tls_pull')} raw TLS pull"),
-        ("raw TLS 1.3 push", g("raw_tls_gbps"), "client -> node process, 1-byte ack"),
-        ("raw TLS 1.3 pull", g("raw_tls_pull_gbps"), "node process -> client, into a fresh buffer"),
-        ("SDK put, UDS", g("uds_put_gbps"), f"{x('uds_put_vs_raw')} raw UDS push"),
-        ("SDK get, UDS", g("uds_get_gbps"),
-         f"{x('uds_get_vs_raw', 0.7)} raw UDS push; {x('uds_get_vs_raw_pull')} raw UDS pull"),
-        ("raw UDS push", g("raw_uds_gbps"), "client -> node process, 1-byte ack"),
-        ("raw UDS pull", g("raw_uds_pull_gbps"), "node process -> client, into a fresh buffer"),
-        ("raw TLS pull, reused buf", g("raw_tls_pull_reused_gbps"), "diagnostic: no fresh pages per answer"),
-        ("raw UDS pull, reused buf", g("raw_uds_pull_reused_gbps"), "diagnostic: no fresh pages per answer"),
-        ("Redis SET (pipelined)", g("redis_set_gbps"),
-         f"16 x 2 MiB per pipeline; SDK UDS put = {x('uds_put_vs_redis')}"),
-        ("Redis GET (pipelined)", g("redis_get_gbps"), f"SDK UDS get = {x('uds_get_vs_redis', 1.5)}"),
-        ("lookup p50 (TLS)", f"{r['lookup_p50_us']:.0f} us", f"{r['lookup_tokens']}-token cached prompt"),
-        ("lookup p99 (TLS)", f"{r['lookup_p99_us']:.0f} us", f"{r['lookup_samples']} samples"),
-    ]  # fmt: skip
-    widths = [max(len(row[i]) for row in rows) for i in range(2)]
-    lines = [
-        f"bench.dataplane ({r['mode']}): {r['op_bytes'] // MIB} MiB per op ({r['op_tokens']} tokens, "
-        f"{BLOCKS_PER_OP} x {r['block_bytes'] // MIB} MiB blocks), {r['ops_per_round']} ops per contender per "
-        f"round, median of {r['rounds']} rounds; {r.get('tls_version', '?')}, {r['ssl']}",
-    ]
-    lines += [f"  {a:<{widths[0]}}  {b:>{widths[1]}}  {c}" for a, b, c in rows]
-    if "redis_error" in r:
-        lines.append(f"  Redis skipped: {r['redis_error']}")
-    lines.append(
-        f"  (load average {r['loadavg_1min_at_start']:.1f} -> {r['loadavg_1min_at_end']:.1f} on "
-        f"{r['cpu_count']} cores: a shared, noisy machine; read the ratios, measured side by side in this run)"
-    )
-    return "\n".join(lines)
+    return table(r)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.dataplane", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="few rounds and ops (under a minute)")
+    parser.add_argument("--quick", action="store_true", help="few rounds and ops (a few minutes)")
     args = parser.parse_args(argv)
     results = run(QUICK if args.quick else FULL, "quick" if args.quick else "full")
     print(_table(results))

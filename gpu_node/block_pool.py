@@ -234,6 +234,23 @@ class BlockPool:
         self.block_tokens[block_id, num_tokens:] = NO_TOKEN
         self.num_filled[block_id] = num_tokens
 
+    def cached_run(self, chain) -> int:
+        """How many leading hashes of `chain` (a list of hashes or a BlockChain) are cached, in O(log n) probes.
+
+        Cached chains are prefix closed (a cached full block's parent is cached: check_invariants), so presence along
+        a chain is monotone and a binary search finds its end; a full hit costs one probe."""
+        index, num_hashes = self.cached_hash_to_block, len(chain)
+        if num_hashes == 0 or chain[num_hashes - 1] in index:
+            return num_hashes
+        low, high = 0, num_hashes - 1  # the first `low` are cached; hash number `high` (0-based) is not
+        while low < high:
+            middle = (low + high + 1) // 2
+            if chain[middle - 1] in index:
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
     def get_cached_block(self, block_hash: BlockHash) -> int | None:
         return self.cached_hash_to_block.get(block_hash)
 

@@ -65,6 +65,7 @@ WRITE_OPS = frozenset({"put", "delete"})
 AUTH_FAILURE_CODES = frozenset({ErrorCode.UNAUTHENTICATED, ErrorCode.TOKEN_EXPIRED, ErrorCode.FORBIDDEN,
                                 ErrorCode.NOT_FOUND})  # fmt: skip
 MAX_FAILED_HELLOS = 8  # per connection: then it is closed (token guessing costs a reconnect + handshake)
+DEFAULT_MAX_ANSWER_BYTES = 64 << 30  # a GET answered from a host pool: 512K tokens of Llama-3-8B in one frame
 PURGE_CLOSE_SECONDS = 5.0  # a purge waits this long for each closed connection's thread to zero its buffers
 
 
@@ -88,10 +89,13 @@ class DataPlaneServer:
         handshake_timeout: float = 10.0,
         metrics: Any = None,
         tenant_limits: TenantLimits | None = None,
+        max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES,
     ):
         """`metrics`: an optional gpu_node.metrics.NodeMetrics (request latency per op, TLS handshakes by outcome,
         refused tokens by reason, refusals by admission limit). `tenant_limits`: per-tenant connections, requests
-        in flight and staged bytes (gpu_node.admission)."""
+        in flight and staged bytes (gpu_node.admission). `max_answer_bytes`: a GET answered straight from a host
+        pool (nothing staged) may go in one frame this large to a client that offers to take it at HELLO, so a long
+        prompt's KV is one answer, not one per max_frame_bytes."""
         if tls_context is None and host is not None:
             raise ValueError("a TCP listener needs a TLS context (plain TCP is never served)")
         if tls_context is not None and tls_context.minimum_version < ssl.TLSVersion.TLSv1_3:
@@ -105,6 +109,7 @@ class DataPlaneServer:
         self.host, self.port, self.uds_path = host, port, uds_path
         self.max_frame_bytes = max_frame_bytes
         self.max_metadata_bytes = max_metadata_bytes
+        self.max_answer_bytes = max(max_answer_bytes, max_frame_bytes)
         self.max_connections = max_connections
         self.idle_timeout = idle_timeout
         self.frame_timeout = frame_timeout
@@ -461,7 +466,10 @@ class DataPlaneServer:
                 if op == "delete":
                     return wire.encode_delete_ok(rid, [engine.delete(t) for t in tokens])
                 return answer_put(session.hosted, request, tokens)
-        return answer_get(conn, session.hosted, request, tokens, conn.holds[id(frame.meta)], self.max_frame_bytes)
+        answer_limit = self.max_frame_bytes
+        if session.max_answer_bytes is not None and engine.zero_copy_reads:  # nothing staged: one frame for it all
+            answer_limit = max(session.max_answer_bytes, self.max_frame_bytes)
+        return answer_get(conn, session.hosted, request, tokens, conn.holds[id(frame.meta)], answer_limit)
 
     def _hello(self, conn: _Conn, frame: wire.Frame) -> list:
         hello = wire.parse_hello(frame)
@@ -490,10 +498,11 @@ class DataPlaneServer:
         if tenant not in conn.tenants:
             self.admission.connect(tenant)  # overloaded: the tenant holds its limit of connections on this node
             conn.tenants.add(tenant)
-        conn.sessions[hello.cache_id] = _Session(hosted, claims, hello.identity)
+        answers = None if hello.max_answer_bytes is None else min(hello.max_answer_bytes, self.max_answer_bytes)
+        conn.sessions[hello.cache_id] = _Session(hosted, claims, hello.identity, answers)
         return wire.encode_hello_ok(frame.request_id, cache_id=hello.cache_id, identity=hosted.spec,
                                     epoch=hosted.epoch, node_id=self.node_id, max_frame_bytes=self.max_frame_bytes,
-                                    max_metadata_bytes=self.max_metadata_bytes)  # fmt: skip
+                                    max_metadata_bytes=self.max_metadata_bytes, max_answer_bytes=answers)  # fmt: skip
 
     @staticmethod
     def _check_identity(hosted, identity) -> None:

@@ -38,6 +38,7 @@ class Session:
     hosted: HostedCache
     claims: dict
     identity: object = None  # the KVCacheSpec its HELLO carried, checked against the cache's: requests may omit it
+    max_answer_bytes: int | None = None  # the largest GET answer agreed at HELLO (None: the node's max_frame_bytes)
 
 
 @dataclass(eq=False)

@@ -162,6 +162,12 @@ class PagedKVCache(PurgeFence, TierOperations, BlockExchange):
         self._io_idle = threading.Condition(self._lock)
         self._removals = 0  # bumped by delete/clear/wipe: a promotion in flight across one re-checks its blocks
 
+    @property
+    def zero_copy_reads(self) -> bool:
+        """Whether kv_views can hand out the pool's own bytes: plain host memory in the engine dtype."""
+        spec = self.spec
+        return self.pool.device.type == "cpu" and not spec.is_quantized and spec.storage_dtype == spec.kv_dtype
+
     def _allocate_storage(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         spec = self.spec
         shape = (num_blocks, spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
@@ -195,23 +201,8 @@ class PagedKVCache(PurgeFence, TierOperations, BlockExchange):
 
     # ---- reads --------------------------------------------------------------------------------------------------
     def _num_cached_full_blocks(self, chain: BlockChain) -> int:
-        """How many leading hashes of `chain` are cached on the device, in O(log n) index probes.
-
-        Cached chains are prefix closed (a cached full block's parent is cached: BlockPool.check_invariants), so
-        presence along a chain is monotone and a binary search finds its end; a full hit costs one probe.
-        """
-        index = self._blocks.cached_hash_to_block
-        num_hashes = len(chain)
-        if num_hashes == 0 or chain[num_hashes - 1] in index:
-            return num_hashes
-        low, high = 0, num_hashes - 1  # the first `low` are cached; hash number `high` (0-based) is not
-        while low < high:
-            middle = (low + high + 1) // 2
-            if chain[middle - 1] in index:
-                low = middle
-            else:
-                high = middle - 1
-        return low
+        """How many leading hashes of `chain` are cached on the device (BlockPool.cached_run: O(log n) probes)."""
+        return self._blocks.cached_run(chain)
 
     def _match(
         self, tokens: np.ndarray, chain: BlockChain, *, want_ids: bool, num_full: int | None = None
@@ -282,7 +273,7 @@ class PagedKVCache(PurgeFence, TierOperations, BlockExchange):
         filled slots). None when the pool is not plain host memory in the engine dtype (quantized storage or a
         device pool): read with get() then."""
         spec = self.spec
-        if self.pool.device.type != "cpu" or spec.is_quantized or spec.storage_dtype != spec.kv_dtype:
+        if not self.zero_copy_reads:
             return None
         assert 0 <= start <= end <= handle.num_tokens and not handle.released, "a range of a held prefix"
         self._begin_read(handle)  # ends when the handle is released: a purge waits for the views to be sent

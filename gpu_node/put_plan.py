@@ -114,14 +114,9 @@ def plan_put(blocks: BlockPool, hashes: list[BlockHash], root: BlockHash, tokens
     allocated or evicted."""
     plan = PutPlan(len(tokens), blocks.block_size, root, hashes)
     num_positions = -(-len(tokens) // blocks.block_size)
-    position = 0
-    while position < num_positions:
-        block_hash = plan.position_hash(position)
-        cached = blocks.get_cached_block(block_hash) if block_hash is not None else None
-        if cached is None:
-            break
-        plan.reused_ids.append(cached)
-        position += 1
+    position = blocks.cached_run(hashes)  # no Python step per reused block: a long put's frames reuse thousands
+    index = blocks.cached_hash_to_block
+    plan.reused_ids = [index[h] for h in hashes[:position]]
     if position < num_positions:
         segment = plan.position_tokens(tokens, position)
         child, common = blocks.best_child(plan.position_parent(position), segment)

@@ -394,10 +394,15 @@ def _put_bytes(ids, kv, start: int) -> int:
     return 4 * len(ids) + kv.numel() * kv.element_size()
 
 
-def _kv_bytes(kv) -> memoryview:
-    """The tensor's bytes (C order): zero copy when it is contiguous."""
+def _kv_bytes(kv):
+    """The tensor's bytes in C order, without a copy: one view when it is contiguous, else one per (layer, K|V) run
+    (a token range of a contiguous [layers, 2, tokens, heads, dim] tensor, as the frames of a long put send)."""
     import torch
 
+    if kv.is_contiguous():
+        return memoryview(kv.view(torch.uint8).reshape(-1).numpy())
+    if kv[0, 0].is_contiguous():
+        return [memoryview(run.view(torch.uint8).reshape(-1).numpy()) for run in kv.reshape(-1, *kv.shape[2:])]
     return memoryview(kv.contiguous().view(torch.uint8).reshape(-1).numpy())
 
 

@@ -34,6 +34,9 @@ from kcaas.wire import ErrorCode, Opcode, ProtocolError
 CLIENT_NAME = "kcaas-py-dataplane/0.2"
 REFRESH_CODES = frozenset({ErrorCode.TOKEN_EXPIRED, ErrorCode.UNAUTHENTICATED, ErrorCode.NOT_FOUND})
 _SMALL_SEND_BYTES = 64 * 1024  # a frame up to this size goes out as one write
+# The largest GET answer this client takes in one frame: it lands in the caller's out (or one buffer sized from the
+# answer and bounded by the tokens asked), so the bound is the node's to choose.
+MAX_ANSWER_BYTES = 1 << 40
 
 
 class DataPlaneError(KcaasError):
@@ -182,7 +185,7 @@ class Transport:
             try:
                 reply = self._hello()
             except DataPlaneError as exc:  # a node that predates identity in HELLO: say it with every request
-                if not (self.identity_in_hello and exc.code == ErrorCode.BAD_REQUEST and "identity" in exc.message):
+                if not (self.identity_in_hello and exc.code == ErrorCode.BAD_REQUEST and "unknown" in exc.message):
                     raise
                 self.identity_in_hello = False
                 reply = self._hello()
@@ -193,12 +196,15 @@ class Transport:
         self.hello = reply
         self.max_frame_bytes = reply.max_frame_bytes
         self.max_metadata_bytes = reply.max_metadata_bytes
+        if reply.max_answer_bytes is not None:  # GET answers may be larger than request frames
+            self._decoder.max_frame_bytes = max(self._decoder.max_frame_bytes, reply.max_answer_bytes)
 
     def _hello(self) -> wire.HelloOk:
         rid = self._new_id()
-        identity = self.identity if self.identity_in_hello else None
+        modern = self.identity_in_hello  # an older node refuses both fields
         self._send(wire.encode_hello(rid, cache_id=self.cache_id, token=self._token(), client=CLIENT_NAME,
-                                     identity=identity))  # fmt: skip
+                                     identity=self.identity if modern else None,
+                                     max_answer_bytes=MAX_ANSWER_BYTES if modern else None))  # fmt: skip
         return self._response(rid, Opcode.HELLO, 1)
 
     def _open_socket(self) -> socket.socket:

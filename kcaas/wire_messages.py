@@ -198,13 +198,16 @@ class Hello:
     token: str  # the short-lived data token (JWT) from POST /api/v1/caches/{id}/tokens
     client: str  # free-form client name/version, for logs and metrics
     identity: KVCacheSpec | None = None  # the engine's layout, checked once for the session (requests may omit it)
+    max_answer_bytes: int | None = None  # the largest GET answer frame the client takes (None: max_frame_bytes)
 
 
 def encode_hello(request_id: int, *, cache_id: str, token: str, client: str = "kcaas-py/0.1",
-                 identity: KVCacheSpec | None = None) -> list[Buffer]:  # fmt: skip
+                 identity: KVCacheSpec | None = None, max_answer_bytes: int | None = None) -> list[Buffer]:  # fmt: skip
     meta: dict[str, Any] = {"cache_id": cache_id, "token": token, "client": client}
     if identity is not None:
         meta["identity"] = identity.to_dict()
+    if max_answer_bytes is not None:
+        meta["max_answer_bytes"] = max_answer_bytes
     return encode_frame(Opcode.HELLO, request_id, meta)
 
 
@@ -212,13 +215,14 @@ def parse_hello(frame: Frame) -> Hello:
     if frame.opcode != Opcode.HELLO:
         raise ValueError("not a HELLO frame")
     meta, rid = frame.meta, frame.request_id
-    _check_keys(meta, {"cache_id", "token", "client", "identity"}, rid)
+    _check_keys(meta, {"cache_id", "token", "client", "identity", "max_answer_bytes"}, rid)
     client = meta.get("client", "")
     if not isinstance(client, str) or len(client) > 256:
         raise _bad(ErrorCode.BAD_REQUEST, "client must be a string of at most 256 chars", rid)
     identity = spec_from_wire(meta["identity"], request_id=rid) if "identity" in meta else None
+    answers = _int_field(meta, "max_answer_bytes", rid, lo=HEADER_SIZE) if "max_answer_bytes" in meta else None
     return Hello(rid, _str_field(meta, "cache_id", rid), _str_field(meta, "token", rid, max_len=16384), client,
-                 identity)  # fmt: skip
+                 identity, answers)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,7 +286,8 @@ def encode_request(
 ) -> list[Buffer]:
     """A LOOKUP/PUT/GET/DELETE frame (or a batch form): one token sequence per entry of token_ids.
 
-    kv (PUT only): one buffer per sequence, the KV of tokens[kv_start:] in the engine layout, C order.
+    kv (PUT only): one buffer per sequence (or a list of buffers that follow each), the KV of tokens[kv_start:] in
+    the engine layout, C order.
     identity None: the request leaves it out and the node uses the one the session's HELLO carried (checked there
     once); `session_identity` is that identity, which sizes the KV here.
     """
@@ -314,11 +319,11 @@ def encode_request(
     if op == "put":
         if kv is None or len(kv) != n_seq:
             raise ValueError("put needs one KV buffer per sequence")
-        kv_views = [_byte_view(k) for k in kv]
-        for view, n, s in zip(kv_views, num_tokens, starts):
-            if view.nbytes != kv_nbytes(layout, n - s):
-                raise ValueError(f"KV of {n - s} tokens must be {kv_nbytes(layout, n - s)} bytes, got {view.nbytes}")
-        payload += kv_views
+        for parts, n, s in zip(kv, num_tokens, starts):  # a buffer, or a list of buffers sent back to back
+            views = [_byte_view(part) for part in (parts if isinstance(parts, list) else [parts])]
+            if sum(view.nbytes for view in views) != kv_nbytes(layout, n - s):
+                raise ValueError(f"KV of {n - s} tokens must be {kv_nbytes(layout, n - s)} bytes")
+            payload += views
     elif kv is not None:
         raise ValueError("only put carries KV")
     return encode_frame(opcode, request_id, meta, payload, max_frame_bytes=max_frame_bytes)
@@ -393,6 +398,7 @@ class HelloOk:
     node_id: str
     max_frame_bytes: int  # the node's limits: the SDK splits batches / uses kv_start to stay within them
     max_metadata_bytes: int
+    max_answer_bytes: int | None = None  # GET answers may be this large (a client that offered it in HELLO)
 
 
 @dataclass(frozen=True, slots=True)
@@ -438,12 +444,14 @@ Response = Union[HelloOk, LookupOk, PutOk, GetOk, DeleteOk, ErrorReply, Moved]
 
 
 def encode_hello_ok(request_id: int, *, cache_id: str, identity: KVCacheSpec, epoch: int, node_id: str,
-                    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-                    max_metadata_bytes: int = DEFAULT_MAX_METADATA_BYTES) -> list[Buffer]:  # fmt: skip
+                    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, max_metadata_bytes: int = DEFAULT_MAX_METADATA_BYTES,
+                    max_answer_bytes: int | None = None) -> list[Buffer]:  # fmt: skip
     meta = {
         "op": "hello", "cache_id": cache_id, "identity": identity.to_dict(), "epoch": epoch, "node_id": node_id,
         "max_frame_bytes": max_frame_bytes, "max_metadata_bytes": max_metadata_bytes,
     }  # fmt: skip
+    if max_answer_bytes is not None:  # only to a client that offered it: an older one refuses unknown fields
+        meta["max_answer_bytes"] = max_answer_bytes
     return encode_frame(Opcode.OK, request_id, meta)
 
 
@@ -549,11 +557,12 @@ def parse_response(frame: Frame, *, request_opcode: Opcode, num_sequences: int =
         raise _bad(ErrorCode.PAYLOAD_LENGTH_MISMATCH, f"an OK for {op} carries no payload", rid)
     if op == "hello":
         _check_keys(meta, {"op", "cache_id", "identity", "epoch", "node_id", "max_frame_bytes",
-                           "max_metadata_bytes"}, rid)  # fmt: skip
+                           "max_metadata_bytes", "max_answer_bytes"}, rid)  # fmt: skip
+        answers = _int_field(meta, "max_answer_bytes", rid, lo=HEADER_SIZE) if "max_answer_bytes" in meta else None
         return HelloOk(_str_field(meta, "cache_id", rid), spec_from_wire(meta.get("identity"), request_id=rid),
                        _int_field(meta, "epoch", rid), _str_field(meta, "node_id", rid),
                        _int_field(meta, "max_frame_bytes", rid, lo=HEADER_SIZE),
-                       _int_field(meta, "max_metadata_bytes", rid))  # fmt: skip
+                       _int_field(meta, "max_metadata_bytes", rid), answers)  # fmt: skip
     if op == "lookup":
         _check_keys(meta, {"op", "num_cached"}, rid)
         return LookupOk(_int_list(meta, "num_cached", n, rid))

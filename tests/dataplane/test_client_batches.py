@@ -37,7 +37,7 @@ def count_requests(server) -> list:
 def small_frames(registry, verifier, pki):
     """A node whose frames hold 16 KiB: a 150-token sequence (128 B of KV per token) needs several."""
     srv = DataPlaneServer(registry, NODE_ID, verifier, server_tls_context(pki["cert"], pki["key"]), "127.0.0.1", 0,
-                          max_frame_bytes=16 * 1024).start()  # fmt: skip
+                          max_frame_bytes=16 * 1024, max_answer_bytes=16 * 1024).start()  # fmt: skip
     yield srv
     srv.stop()
 
@@ -81,6 +81,27 @@ def test_a_long_get_lands_at_its_offsets_of_the_callers_buffer(small_frames, mak
         assert got.data_ptr() == staging.data_ptr() and got.is_contiguous()  # ... each at its offset: no join
         n, got = dp.get(toks, start=20)  # without a buffer: one allocated for the whole answer
         assert n == 150 and torch.equal(got, kv[:, :, 20:]) and got.is_contiguous()
+
+
+def test_a_get_answered_from_the_pool_is_one_frame_however_long(registry, verifier, pki, client_ctx, make_token,
+                                                                 spec):  # fmt: skip
+    """Requests stay within max_frame_bytes (a put's KV is staged), but a GET answered from the pool itself stages
+    nothing: a client that offers at HELLO gets it in one frame up to max_answer_bytes."""
+    srv = DataPlaneServer(registry, NODE_ID, verifier, server_tls_context(pki["cert"], pki["key"]), "127.0.0.1", 0,
+                          max_frame_bytes=16 * 1024, max_answer_bytes=1 << 20).start()  # fmt: skip
+    try:
+        toks = sequences(1, 150)[0]
+        kv = prefix_kv(spec, toks)
+        seen = count_requests(srv)
+        with client_for(srv, make_token(), client_ctx) as dp:
+            dp.put(toks, kv)
+            puts = len(seen)
+            assert puts > 1  # 19 KiB of KV: more than one 16 KiB request frame
+            n, got = dp.get(toks)
+            assert dp.hello.max_answer_bytes == 1 << 20
+        assert len(seen) - puts == 1 and n == 150 and torch.equal(got, kv)  # one answer for all of it
+    finally:
+        srv.stop()
 
 
 def test_a_batch_larger_than_a_frame_is_split_and_still_exact(small_frames, make_token, client_ctx, spec):
