@@ -120,7 +120,7 @@ class DataPlaneClient:
     # ---- single sequences ---------------------------------------------------------------------------------------
     def lookup(self, tokens) -> int:
         """How many leading tokens of `tokens` the cache holds."""
-        return self.lookup_batch([tokens])[0]
+        return self._t.call(Opcode.LOOKUP, [_as_int32(tokens)]).num_cached[0]
 
     def delete(self, tokens) -> int:
         """Forget the cached prefix of `tokens` and everything stored under it; returns the blocks removed."""
@@ -177,7 +177,7 @@ class DataPlaneClient:
         with self._t.lock:
             pending = list(range(len(ids)))
             while pending:
-                for chunk in self._chunks(pending, ids):
+                for chunk in self._chunks(pending, ids) if len(pending) > 1 else (pending,):
                     reply = self._t.call(Opcode.GET if len(chunk) == 1 else Opcode.GET_BATCH, [ids[i] for i in chunk],
                                          kv_start=[states[i].next_token for i in chunk],
                                          receive_into=[states[i] for i in chunk])  # fmt: skip
