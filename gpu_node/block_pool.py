@@ -14,9 +14,12 @@ Every block is in exactly one of these states (checked by `check_invariants`):
 - A *held, uncached* block is either being written by a put (it becomes cached at commit) or *doomed*: deleted or
   cascaded out of the index while a reader held it; it is freed when the last holder releases it.
 - Full blocks are named by their chained hash in `cached_hash_to_block`. Every cached block (full or partial) is a
-  child of its parent hash in `hash_to_children`, which is how partial tails are found (by longest common prefix of
-  their tokens) and how removing a block also removes everything stored under it, so every cached block stays
-  reachable from the root and resident bytes never count orphans.
+  child of its parent hash in `hash_to_children` (an insertion-ordered set: a dict of ids), which is how removing a
+  block also removes everything stored under it, so every cached block stays reachable from the root and resident
+  bytes never count orphans. The same children are also filed by (parent, first token) in `children_by_first`:
+  partial tails are found by the longest common prefix of their tokens, which only a child starting with the
+  segment's first token can have, so a lookup or put compares a handful of candidates, not every prompt ever
+  stored under the root.
 
 Eviction order: the free stack first (blocks holding nothing), then `_evictable` from its head: least recently used
 first; blocks released together are appended tail-of-chain first, so on ties the tail of a chain is evicted before
@@ -53,7 +56,8 @@ class BlockPool:
         # The hash of the prefix a cached block continues (the root for a first block); None when not cached.
         self.block_parent: list[BlockHash | None] = [None] * num_blocks
         self.cached_hash_to_block: dict[BlockHash, int] = {}
-        self.hash_to_children: dict[BlockHash, list[int]] = {}
+        self.hash_to_children: dict[BlockHash, dict[int, None]] = {}
+        self.children_by_first: dict[tuple[BlockHash, int], dict[int, None]] = {}  # (parent, first token) -> ids
         # Free blocks as a stack; popping the end hands out low ids first on a fresh pool.
         self._free_stack: list[int] = list(range(num_blocks - 1, -1, -1))
         # Cached blocks nobody holds, least recently used first.
@@ -213,7 +217,8 @@ class BlockPool:
             assert block_parent[block_id] is None, "publishing a cached block"
             if block_hash is None or block_hash not in index:
                 block_parent[block_id] = parent
-                hash_to_children.setdefault(parent, []).append(block_id)
+                hash_to_children.setdefault(parent, {})[block_id] = None
+                self.children_by_first.setdefault((parent, int(self.block_tokens[block_id, 0])), {})[block_id] = None
                 if block_hash is not None:
                     self.block_hash[block_id] = block_hash
                     index[block_hash] = block_id
@@ -255,17 +260,20 @@ class BlockPool:
         return self.cached_hash_to_block.get(block_hash)
 
     def children(self, parent: BlockHash) -> list[int]:
-        return self.hash_to_children.get(parent, [])
+        return list(self.hash_to_children.get(parent, ()))
 
     def best_child(self, parent: BlockHash, segment: np.ndarray) -> tuple[int, int]:
         """The cached child of `parent` whose tokens share the longest prefix with `segment`: (id, length) or (-1, 0).
 
-        One matching rule for reads (partial tails) and writes (reuse, extend, copy-on-write).
+        One matching rule for reads (partial tails) and writes (reuse, extend, copy-on-write). Only children that
+        start with the segment's first token can share anything with it (`children_by_first`).
         """
-        children = self.hash_to_children.get(parent)
-        if not children or not len(segment):
+        if not len(segment):
             return -1, 0
-        ids = np.asarray(children, dtype=np.int64)
+        children = self.children_by_first.get((parent, int(segment[0])))
+        if not children:
+            return -1, 0
+        ids = np.fromiter(children, dtype=np.int64, count=len(children))
         equal = self.block_tokens[ids, : len(segment)] == segment  # NO_TOKEN beyond num_filled never matches
         common = np.where(equal.all(axis=1), len(segment), equal.argmin(axis=1))
         best = int(common.argmax())
@@ -293,13 +301,13 @@ class BlockPool:
         block_parent, hash_to_children, index = self.block_parent, self.hash_to_children, self.cached_hash_to_block
         parent = block_parent[block_id]
         siblings = hash_to_children[parent]
-        if len(siblings) == 1:
-            del hash_to_children[parent]  # the common case: the only child (siblings == [block_id])
-        else:
-            siblings.remove(block_id)
+        del siblings[block_id]
+        if not siblings:
+            del hash_to_children[parent]
         num_removed, stack = 0, [block_id]
         while stack:
             current = stack.pop()
+            self._unfile_first(block_parent[current], current)
             block_parent[current] = None
             num_removed += 1
             block_hash = self.block_hash[current]
@@ -313,6 +321,13 @@ class BlockPool:
                 del self._evictable[current]
                 self._free(current)
         return num_removed
+
+    def _unfile_first(self, parent: BlockHash, block_id: int) -> None:
+        key = (parent, int(self.block_tokens[block_id, 0]))
+        filed = self.children_by_first[key]
+        del filed[block_id]
+        if not filed:
+            del self.children_by_first[key]
 
     def _free(self, block_id: int) -> None:
         assert self.ref_cnt[block_id] == 0 and self.block_parent[block_id] is None
@@ -345,3 +360,10 @@ class BlockPool:
             assert self.block_hash[block_id] == block_hash and self.num_filled[block_id] == self.block_size
             assert block_id in self.hash_to_children[self.block_parent[block_id]]
         assert num_children == sum(p is not None for p in self.block_parent)
+        num_filed = 0
+        for (parent, first), children in self.children_by_first.items():
+            assert children, "empty first-token set kept"
+            for child in children:
+                assert self.block_parent[child] == parent and self.block_tokens[child, 0] == first
+                num_filed += 1
+        assert num_filed == num_children, "a cached block is not filed by its first token"

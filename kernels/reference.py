@@ -114,11 +114,14 @@ def write_kv_reference(
 def _write_targets(targets: list, slots: torch.Tensor, num_layers: int, block_size: int) -> None:
     pool = targets[0][0]
     granule = _rows_per_slot_run(slots, block_size)
-    if granule == block_size and pool[0].numel() * pool.element_size() >= LOOP_MIN_BLOCK_BYTES:
+    if granule == block_size:
         block_ids = (slots[::block_size] // block_size).tolist()
-        for dst, src in targets:
-            _copy_whole_blocks(dst, src, block_ids)
-        return
+        # whole blocks: one strided copy per run of consecutive ids, when blocks are large or the runs are few (a
+        # small put's one or two copies cost less than building row ids for a scatter)
+        if pool[0].numel() * pool.element_size() >= LOOP_MIN_BLOCK_BYTES or len(_consecutive_runs(block_ids)) <= 2:
+            for dst, src in targets:
+                _copy_whole_blocks(dst, src, block_ids)
+            return
     rows = _row_ids(slots, num_layers, block_size, granule)
     for dst, src in targets:
         _scatter_rows(dst, rows, src, granule)

@@ -76,6 +76,43 @@ def test_hello_round_trip():
     assert wire.parse_hello(frame) == wire.Hello(1, "cache-1", "jwt.x.y", "t/1")
 
 
+def test_hello_carries_the_identity_and_the_answers_the_client_takes():
+    frame = wire.decode_frame(join(wire.encode_hello(1, cache_id="c", token="t", identity=SPEC,
+                                                     max_answer_bytes=1 << 40)))  # fmt: skip
+    assert wire.parse_hello(frame) == wire.Hello(1, "c", "t", "kcaas-py/0.1", SPEC, 1 << 40)
+    ok = wire.decode_frame(join(wire.encode_hello_ok(1, cache_id="c", identity=SPEC, epoch=2, node_id="n",
+                                                     max_answer_bytes=1 << 30)))  # fmt: skip
+    assert wire.parse_response(ok, request_opcode=Opcode.HELLO).max_answer_bytes == 1 << 30
+    old_ok = wire.decode_frame(join(wire.encode_hello_ok(1, cache_id="c", identity=SPEC, epoch=2, node_id="n")))
+    assert "max_answer_bytes" not in old_ok.meta  # an older client refuses unknown fields: sent only when offered
+    for bad in ({"max_answer_bytes": "1"}, {"max_answer_bytes": 8}, {"identity": {"num_layers": 2}}):
+        meta = {"cache_id": "c", "token": "t", **bad}
+        with pytest.raises(ProtocolError):
+            wire.parse_hello(wire.decode_frame(join(wire.encode_frame(Opcode.HELLO, 1, meta))))
+
+
+def test_a_request_may_leave_the_identity_to_its_session():
+    frame = wire.decode_frame(join(wire.encode_request(Opcode.PUT, 1, cache_id="c", identity=None, session_identity=SPEC,
+                                                       token_ids=[[1, 2]], kv=[kv_bytes(2, 1)])))  # fmt: skip
+    assert "identity" not in frame.meta
+    head = wire.parse_request_head(frame, SPEC)
+    assert head.identity == SPEC and not head.identity_sent and head.op == "put"
+    with pytest.raises(ProtocolError) as missing:
+        wire.parse_request_head(frame)  # no session identity either
+    assert missing.value.code == ErrorCode.BAD_REQUEST and "identity" in missing.value.message
+    with pytest.raises(ValueError):
+        wire.encode_request(Opcode.LOOKUP, 1, cache_id="c", identity=None, token_ids=[[1]])
+
+
+def test_a_remembered_identity_is_the_same_validated_spec_and_types_are_not_conflated():
+    first = wire.spec_from_wire(SPEC.to_dict())
+    assert wire.spec_from_wire(SPEC.to_dict()) is first and first == SPEC
+    with pytest.raises(ProtocolError):
+        wire.spec_from_wire({**SPEC.to_dict(), "num_layers": "2"})  # a string where an int is due: still refused
+    with pytest.raises(ProtocolError):
+        wire.spec_from_wire({**SPEC.to_dict(), "num_layers": True})
+
+
 @pytest.mark.parametrize("opcode", sorted(wire.DATA_OPS))
 def test_data_request_round_trip(opcode):
     batch = bool(opcode & wire.BATCH_BIT)
