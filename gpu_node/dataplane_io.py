@@ -14,6 +14,7 @@ import ssl
 import torch
 
 from gpu_node.zeroing import zero
+from kcaas.sendbuffers import send_buffers as _send_buffers
 
 OP_CLEANSE_PLAINTEXT = 0x2  # SSL_OP_CLEANSE_PLAINTEXT (OpenSSL >= 3.0); the ssl module has no name for it
 
@@ -46,56 +47,10 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).reshape(-1).numpy())
 
 
-_COALESCE_BYTES = 64 * 1024
-_DIRECT_MIN_BYTES = 16 * 1024  # one TLS record: smaller views are joined before encryption
-_IOV_PER_SEND = 64  # buffers offered to one sendmsg (Linux takes at most 1024)
-
-
 def send_buffers(sock, buffers: list) -> None:
-    """Send [head+meta, *payload views] without joining large buffers (small frames go out as one write)."""
-    views = [memoryview(b).cast("B") if memoryview(b).format != "B" else memoryview(b) for b in buffers]
-    total = sum(v.nbytes for v in views)
-    if total <= _COALESCE_BYTES:
-        _send_joined(sock, views)
-        return
-    if not isinstance(sock, ssl.SSLSocket) and hasattr(sock, "sendmsg"):
-        first = 0  # views[:first] are sent
-        while first < len(views):
-            # a blocking sendmsg returns after about one socket buffer: offering many more buffers than that only
-            # costs building their iovec array again on every call
-            sent = sock.sendmsg(views[first : first + _IOV_PER_SEND])
-            while first < len(views) and sent >= views[first].nbytes:
-                sent -= views[first].nbytes
-                first += 1
-            if sent:
-                views[first] = views[first][sent:]
-        return
-    # TLS (SSLSocket has no sendmsg): large views straight from their memory; runs of small ones joined first
-    pending: list[memoryview] = []
-    pending_bytes = 0
-    for view in views:
-        if view.nbytes >= _DIRECT_MIN_BYTES:
-            if pending:
-                _send_joined(sock, pending)
-                pending, pending_bytes = [], 0
-            sock.sendall(view)
-            continue
-        pending.append(view)
-        pending_bytes += view.nbytes
-        if pending_bytes >= _COALESCE_BYTES:
-            _send_joined(sock, pending)
-            pending, pending_bytes = [], 0
-    if pending:
-        _send_joined(sock, pending)
-
-
-def _send_joined(sock, views: list[memoryview]) -> None:
-    """One write of small views joined (at most _COALESCE_BYTES): the join may hold KV, so it is zeroed after."""
-    joined = bytearray().join(views)
-    try:
-        sock.sendall(joined)
-    finally:
-        zero(joined)
+    """Send [head+meta, *payload views] without joining large buffers (kcaas.sendbuffers); a join of small views
+    may hold KV, so it is zeroed once sent."""
+    _send_buffers(sock, buffers, scrub=zero)
 
 
 def hard_shutdown(sock: socket.socket) -> None:

@@ -28,12 +28,12 @@ from typing import Any
 
 from kcaas import wire
 from kcaas.errors import KcaasError
+from kcaas.sendbuffers import send_buffers
 from kcaas.spec import KVCacheSpec
 from kcaas.wire import ErrorCode, Opcode, ProtocolError
 
 CLIENT_NAME = "kcaas-py-dataplane/0.2"
 REFRESH_CODES = frozenset({ErrorCode.TOKEN_EXPIRED, ErrorCode.UNAUTHENTICATED, ErrorCode.NOT_FOUND})
-_SMALL_SEND_BYTES = 64 * 1024  # a frame up to this size goes out as one write
 # The largest GET answer this client takes in one frame: it lands in the caller's out (or one buffer sized from the
 # answer and bounded by the tokens asked), so the bound is the node's to choose.
 MAX_ANSWER_BYTES = 1 << 40
@@ -288,13 +288,7 @@ class Transport:
 
     def _send(self, buffers: list) -> None:
         try:
-            views = [memoryview(b) for b in buffers]
-            if sum(v.nbytes for v in views) <= _SMALL_SEND_BYTES:
-                self._sock.sendall(b"".join(views))
-                return
-            for view in views:
-                if view.nbytes:
-                    self._sock.sendall(view if view.format == "B" else view.cast("B"))
+            send_buffers(self._sock, buffers)  # header, ids and KV in one sendmsg on a Unix socket
         except (OSError, ssl.SSLError) as exc:
             raise _ConnectionLost(str(exc) or type(exc).__name__) from None
 
