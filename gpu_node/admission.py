@@ -144,3 +144,73 @@ class TenantAdmission:
             for tenant, usage in self._usage.items():
                 assert min(usage.connections, usage.requests, usage.bytes) >= 0, tenant
                 assert not usage.idle(), f"idle entry kept for {tenant}"
+
+
+# ---- before authentication --------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class NodeLimits:
+    """Node-wide limits that hold before any tenant is known, and the node's staging budget."""
+
+    max_connections_per_source: int = 64  # every connection from one address (a Unix socket: one peer uid)
+    max_unauthenticated: int = 64  # connections that have not yet opened a session, node-wide
+    max_unauthenticated_per_source: int = 8
+    hello_timeout: float = 5.0  # seconds from accept (TLS handshake included) to the first good HELLO
+    payload_stall_timeout: float = 10.0  # inside a frame, seconds without a byte: the connection is cut
+    max_staged_bytes: int = 4 << 30  # every put's staging together (gpu_node/staging.py), node-wide
+
+
+class ConnectionGate:
+    """Who may connect before authenticating. At accept: a source under its connection limit, and both the node
+    and the source under their limits of unauthenticated connections, or the socket is closed before a handshake
+    is spent on it. A connection stops counting as unauthenticated at its first successful HELLO.
+
+    Invariant: counters equal the live connections they count, never negative; a source with none is dropped.
+    """
+
+    def __init__(self, limits: NodeLimits, *, on_refusal=None):
+        self.limits = limits
+        self._on_refusal = on_refusal
+        self._lock = threading.Lock()
+        self._by_source: dict[str, int] = {}
+        self._unauthenticated: dict[str, int] = {}
+
+    def admit(self, source: str) -> bool:
+        limits = self.limits
+        with self._lock:
+            refused = None
+            if self._by_source.get(source, 0) >= limits.max_connections_per_source:
+                refused = "source"
+            elif sum(self._unauthenticated.values()) >= limits.max_unauthenticated:
+                refused = "unauthenticated"
+            elif self._unauthenticated.get(source, 0) >= limits.max_unauthenticated_per_source:
+                refused = "unauthenticated_source"
+            if refused is None:
+                self._by_source[source] = self._by_source.get(source, 0) + 1
+                self._unauthenticated[source] = self._unauthenticated.get(source, 0) + 1
+        if refused is not None and self._on_refusal is not None:
+            self._on_refusal(refused)
+        return refused is None
+
+    def authenticated(self, source: str) -> None:
+        with self._lock:
+            self._decrement(self._unauthenticated, source)
+
+    def closed(self, source: str, *, authenticated: bool) -> None:
+        with self._lock:
+            self._decrement(self._by_source, source)
+            if not authenticated:
+                self._decrement(self._unauthenticated, source)
+
+    @staticmethod
+    def _decrement(counts: dict[str, int], source: str) -> None:
+        left = counts[source] - 1
+        assert left >= 0, "a connection counted out twice"
+        if left:
+            counts[source] = left
+        else:
+            del counts[source]
+
+    def counts(self, source: str) -> tuple[int, int]:
+        """(connections, unauthenticated connections) of `source` now."""
+        with self._lock:
+            return self._by_source.get(source, 0), self._unauthenticated.get(source, 0)

@@ -45,7 +45,7 @@ import urllib.error  # noqa: E402
 import urllib.request  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
-from gpu_node.admission import TenantLimits  # noqa: E402
+from gpu_node.admission import NodeLimits, TenantLimits  # noqa: E402
 from gpu_node.metrics import NodeMetrics  # noqa: E402
 from gpu_node.node_tasks import build_node_app  # noqa: E402
 from gpu_node.registry import CacheRegistry  # noqa: E402
@@ -81,6 +81,7 @@ class AgentConfig:
     token_issuer: str = "kcaas-control-plane"  # the `iss` of data tokens (the control plane's KCAAS_TOKEN_ISSUER)
     drain_seconds: float = 20.0  # SIGTERM: how long in-flight data-plane requests may take to finish
     tenant_limits: TenantLimits = TenantLimits()  # per-tenant data-plane connections / requests / staged bytes
+    node_limits: NodeLimits = NodeLimits()  # before authentication (per source, HELLO deadline) and node staging
     usage_seconds: float = 60.0  # KCAAS_NODE_USAGE_SECONDS: how often usage reports go to the control plane
     identity: bool = True  # KCAAS_NODE_IDENTITY: send a CSR at register, hold a platform certificate (identity.py)
     identity_dir: str | None = None  # KCAAS_NODE_IDENTITY_DIR: persist key + certificate there (0600); else memory
@@ -120,6 +121,14 @@ class AgentConfig:
                 max_connections=int(environ.get("KCAAS_NODE_TENANT_MAX_CONNECTIONS") or 64),
                 max_inflight_requests=int(environ.get("KCAAS_NODE_TENANT_MAX_REQUESTS") or 8),
                 max_inflight_bytes=int(environ.get("KCAAS_NODE_TENANT_MAX_INFLIGHT_BYTES") or 1 << 30),
+            ),
+            node_limits=NodeLimits(
+                max_connections_per_source=int(environ.get("KCAAS_NODE_MAX_CONNECTIONS_PER_SOURCE") or 64),
+                max_unauthenticated=int(environ.get("KCAAS_NODE_MAX_UNAUTHENTICATED") or 64),
+                max_unauthenticated_per_source=int(environ.get("KCAAS_NODE_MAX_UNAUTHENTICATED_PER_SOURCE") or 8),
+                hello_timeout=float(environ.get("KCAAS_NODE_HELLO_TIMEOUT") or 5.0),
+                payload_stall_timeout=float(environ.get("KCAAS_NODE_PAYLOAD_STALL_TIMEOUT") or 10.0),
+                max_staged_bytes=int(environ.get("KCAAS_NODE_MAX_STAGED_BYTES") or 4 << 30),
             ),
             usage_seconds=float(environ.get("KCAAS_NODE_USAGE_SECONDS") or 60.0),
             identity=_flag(environ.get("KCAAS_NODE_IDENTITY"), default=True),
@@ -163,10 +172,13 @@ class ControlPlane:
                 detail = {"code": "http_error", "message": error.reason}
             raise ControlPlaneError(error.code, detail.get("code", ""), detail.get("message", "")) from None
 
-    def register(self, *, endpoint: str, capacity: dict, caches: list[str] = (), csr: str | None = None) -> dict:
+    def register(self, *, endpoint: str, capacity: dict, caches: list[str] = (), csr: str | None = None,
+                 sealing_public_key: str | None = None) -> dict:  # fmt: skip
         body = {"endpoint": endpoint, "capacity": capacity, "caches": list(caches)}
         if csr is not None:
             body["csr"] = csr
+        if sealing_public_key is not None:
+            body["sealing_public_key"] = sealing_public_key
         return self._post("/api/v1/nodes/register", body)
 
     def certificate(self, csr: str) -> dict:
@@ -237,6 +249,7 @@ class NodeAgent:
         self.revocations = RevocationList()
         self._migration_listener = None  # gpu_node.migration.MigrationListener when KCAAS_NODE_MIGRATION_LISTEN is set
         self.identity = None  # gpu_node.identity.NodeIdentity when config.identity
+        self.sealing_key = None  # kcaas.sealing.NodeSealingKey: opens the keys in this node's orders (always held)
         self._renewal = None
 
     # ---- steps ----------------------------------------------------------------------------------------------------
@@ -285,7 +298,7 @@ class NodeAgent:
         directories of all others are deleted (a cache detached, failed or moved away while the node was down)."""
         registration = self.control.register(
             endpoint=self.config.endpoint, capacity=self.config.capacity, caches=self.registry.cache_ids(),
-            csr=self._register_csr(),
+            csr=self._register_csr(), sealing_public_key=self.sealing_key.public_key_b64,
         )
         self.node_id = registration["node"]["id"]
         self._install_certificate(registration)
@@ -308,10 +321,15 @@ class NodeAgent:
 
     # ---- node identity (gpu_node/identity.py) ------------------------------------------------------------------------
     def _load_identity(self) -> None:
-        if self.config.identity:
-            from gpu_node.identity import NodeIdentity
+        """The node's certificate identity (when configured) and, always, its sealing key: the control plane seals
+        the keys of provisioning and migration orders to the public half this node registers (kcaas/sealing.py).
+        Kept in KCAAS_NODE_IDENTITY_DIR when set (0600), else fresh for this process."""
+        from gpu_node.identity import NodeIdentity, load_sealing_key
+        from kcaas.sealing import NodeSealingKey
 
+        if self.config.identity:
             self.identity = NodeIdentity.load(self.config.identity_dir) if self.config.identity_dir else NodeIdentity()
+        self.sealing_key = load_sealing_key(self.config.identity_dir) if self.config.identity_dir else NodeSealingKey()
 
     def _register_csr(self) -> str | None:
         """A CSR for register: the current key first, a fresh key on re-registration (rotation)."""
@@ -371,7 +389,7 @@ class NodeAgent:
         app = build_node_app(
             broker_url=self.config.broker_url, node_id=self.node_id, endpoint=self.config.endpoint,
             registry=self.registry, transport_options=self.config.broker_transport_options,
-            revocations=self.revocations, migration=self._migration(),
+            revocations=self.revocations, migration=self._migration(), sealing_key=self.sealing_key,
         )
         # A bare WorkController (not the `celery worker` program): no signal handlers of its own (they belong to
         # the main thread), a solo pool so tasks run in this process next to the pools they act on.
@@ -424,7 +442,8 @@ class NodeAgent:
             context = self.identity.dataplane_server_context()  # follows renewals; clients verify with the CA
         self.dataplane = DataPlaneServer(self.registry, self.node_id, verifier, context, host, port or 0,
                                          uds_path=config.uds_path, metrics=self.metrics,
-                                         tenant_limits=config.tenant_limits).start()  # fmt: skip
+                                         tenant_limits=config.tenant_limits,
+                                         node_limits=config.node_limits).start()  # fmt: skip
 
     def _stop_dataplane(self) -> None:
         if self.dataplane is not None:

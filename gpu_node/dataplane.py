@@ -32,13 +32,14 @@ import logging
 import os
 import socket
 import ssl
+import struct
 import threading
 import time
 from typing import Any
 
 import numpy as np
 
-from gpu_node.admission import TenantAdmission, TenantLimits
+from gpu_node.admission import ConnectionGate, NodeLimits, TenantAdmission, TenantLimits
 from gpu_node.dataplane_conn import Conn as _Conn, Session as _Session
 from gpu_node.dataplane_io import (  # noqa: F401 - server_tls_context is part of this module's API
     cleanse_plaintext,
@@ -52,6 +53,7 @@ from gpu_node.engine_tiers import CachePurged
 from gpu_node.dataplane_ops import answer_get, answer_put, count_served, release_prefixes
 from gpu_node.registry import CacheRegistry
 from gpu_node.migration_fence import MovedError, fences_for
+from gpu_node.staging import StagingPool
 from gpu_node.tokens import TokenVerifier
 from kcaas import wire
 from kcaas.spec import IdentityMismatch
@@ -90,12 +92,15 @@ class DataPlaneServer:
         metrics: Any = None,
         tenant_limits: TenantLimits | None = None,
         max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES,
+        node_limits: NodeLimits | None = None,
     ):
         """`metrics`: an optional gpu_node.metrics.NodeMetrics (request latency per op, TLS handshakes by outcome,
         refused tokens by reason, refusals by admission limit). `tenant_limits`: per-tenant connections, requests
         in flight and staged bytes (gpu_node.admission). `max_answer_bytes`: a GET answered straight from a host
         pool (nothing staged) may go in one frame this large to a client that offers to take it at HELLO, so a long
-        prompt's KV is one answer, not one per max_frame_bytes."""
+        prompt's KV is one answer, not one per max_frame_bytes. `node_limits`: what holds before a tenant is known
+        (connections per source, unauthenticated connections, the HELLO deadline, a stalled payload) and the
+        node-wide staging budget (gpu_node.admission.NodeLimits)."""
         if tls_context is None and host is not None:
             raise ValueError("a TCP listener needs a TLS context (plain TCP is never served)")
         if tls_context is not None and tls_context.minimum_version < ssl.TLSVersion.TLSv1_3:
@@ -116,6 +121,10 @@ class DataPlaneServer:
         self.handshake_timeout = handshake_timeout
         self.metrics = metrics
         self.admission = TenantAdmission(tenant_limits, on_refusal=self._count_refusal)
+        self.node_limits = node_limits or NodeLimits()
+        self.gate = ConnectionGate(self.node_limits, on_refusal=self._count_refusal)
+        self.staging = StagingPool(max(self.node_limits.max_staged_bytes, max_frame_bytes),
+                                   on_refusal=self._count_refusal)  # fmt: skip
         self._draining = False
         self._lock = threading.Lock()
         self._conns: set[_Conn] = set()
@@ -131,6 +140,7 @@ class DataPlaneServer:
         self._accepting.set()
         self._draining = False
         self.registry.add_purge_listener(self.purge_tenant)
+        self.verifier.revocations.add_listener(self._cut_revoked)
         if self.host is not None:
             tcp = socket.create_server((self.host, self.port), backlog=128, reuse_port=False)
             self.address = tcp.getsockname()[:2]
@@ -202,6 +212,8 @@ class DataPlaneServer:
             if conn.thread is not None:
                 conn.thread.join(timeout)
         self.registry.remove_purge_listener(self.purge_tenant)
+        self.verifier.revocations.remove_listener(self._cut_revoked)
+        self.staging.close()
         self._listeners.clear()
         self._accept_threads.clear()
         if self.uds_path:
@@ -241,25 +253,44 @@ class DataPlaneServer:
             if conn.thread is None or conn.thread.is_alive():
                 log.warning("a purged tenant's connection did not close in %s s: zeroing its buffers anyway", timeout)
                 conn.scrub()
+        self._scrub_staging({tenant_id, f"tenant:{tenant_id}"})
         return len(conns)
+
+    def _scrub_staging(self, tenants) -> None:
+        for tenant in tenants:
+            self.staging.scrub_tenant(str(tenant))
+
+    def _cut_revoked(self, jtis: set[str]) -> None:
+        """Revoked tokens (pushed, or listed in a heartbeat): connections with a session opened by one are cut now,
+        not at their next request (a suspended tenant's, or a revoked key's, engines lose the data plane at once)."""
+        with self._lock:
+            cut = [conn for conn in self._conns if conn.uses_any_token(jtis)]
+            for conn in cut:
+                conn.closing = True
+        for conn in cut:
+            hard_shutdown(conn.sock)
 
     def _accept_loop(self, listener: socket.socket, tls: bool) -> None:
         while self._accepting.is_set():
             try:
                 raw, addr = listener.accept()
             except TimeoutError:
+                self.staging.trim()  # idle staging past its time goes back to the system
                 continue
             except OSError:
                 return  # closed by stop()
             raw.setblocking(True)
-            conn = _Conn(raw, str(addr) if addr else "uds")
+            source = _source_of(raw, addr)
+            conn = _Conn(raw, str(addr) if addr else "uds", source=source, accepted_at=time.monotonic())
             with self._lock:
                 full = len(self._conns) >= self.max_connections
-                if not full:
-                    self._conns.add(conn)
-            if full:
-                close_quietly(raw)  # too many connections: refuse before spending a handshake on it
+            if full or not self.gate.admit(source):
+                close_quietly(raw)  # too many connections (node-wide, from this source, or not yet authenticated)
+                if full:
+                    self._count_refusal("connections")
                 continue
+            with self._lock:
+                self._conns.add(conn)
             conn.thread = threading.Thread(target=self._serve, args=(conn, tls), daemon=True, name="dataplane-conn")
             conn.thread.start()
 
@@ -267,7 +298,7 @@ class DataPlaneServer:
     def _serve(self, conn: _Conn, tls: bool) -> None:
         try:
             if tls:
-                conn.sock.settimeout(self.handshake_timeout)
+                conn.sock.settimeout(min(self.handshake_timeout, self.node_limits.hello_timeout))
                 try:
                     conn.sock = self.tls_context.wrap_socket(conn.sock, server_side=True)
                 except (OSError, ssl.SSLError):
@@ -284,15 +315,17 @@ class DataPlaneServer:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+            self.gate.closed(conn.source, authenticated=conn.authenticated)
             for hold in conn.holds.values():
                 hold.release()
             release_prefixes(conn)
             for tenant in conn.tenants:
                 self.admission.disconnect(tenant)
             conn.holds.clear()
-            conn.tenants.clear()
+            tenants, conn.tenants = set(conn.tenants), set()
             close_quietly(conn.sock)
             conn.scrub()  # last: nothing of what this connection carried stays in its buffers
+            self._scrub_staging(tenants)  # nor in the staging it gave back
 
     def _count_refusal(self, limit: str) -> None:
         if self.metrics is not None:
@@ -310,26 +343,21 @@ class DataPlaneServer:
         frame_started: float | None = None
         timeout = None  # the socket's, set only when it changes (each settimeout is a syscall)
         while not self._stopping.is_set():
-            if decoder.in_frame:
-                if frame_started is None:
-                    frame_started = time.monotonic()
-                remaining = frame_started + self.frame_timeout - time.monotonic()
-                if remaining <= 0:
-                    return  # slow loris: a frame that does not complete in time
-                sock.settimeout(remaining)
-                timeout = remaining
-            else:
+            if decoder.in_frame and frame_started is None:
+                frame_started = time.monotonic()
+            elif not decoder.in_frame:
                 frame_started = None
-                if timeout != self.idle_timeout:
-                    timeout = self.idle_timeout
-                    sock.settimeout(timeout)
+            wanted = self._read_timeout(conn, frame_started)
+            if wanted is None:
+                return  # a deadline passed: no HELLO in time, or a frame that does not complete in time
+            if wanted != timeout:
+                timeout = wanted
+                sock.settimeout(timeout)
             try:
                 buf = decoder.get_buffer()
                 n = recv_into(sock, buf, fill=decoder.buffer_is_payload)
             except (TimeoutError, socket.timeout):
-                if not decoder.in_frame:
-                    return  # idle for idle_timeout: close
-                continue  # inside a frame: the deadline check above closes a slow peer
+                return  # idle too long, stalled inside a frame, or no HELLO in time: close
             except (OSError, ssl.SSLError):
                 return
             with self._lock:
@@ -378,6 +406,21 @@ class DataPlaneServer:
                 if self._draining and not conn.busy:
                     return  # draining: this connection's requests are answered; close it
 
+    def _read_timeout(self, conn: _Conn, frame_started: float | None) -> float | None:
+        """How long the next read may wait, or None when a deadline has passed: between frames idle_timeout;
+        inside one the rest of frame_timeout, and at most payload_stall_timeout without a byte; before the first
+        good HELLO, never past hello_timeout from accept (a connection that never authenticates holds nothing long)."""
+        now, limits = time.monotonic(), self.node_limits
+        if frame_started is None:
+            wait = self.idle_timeout
+        else:
+            wait = min(frame_started + self.frame_timeout - now, limits.payload_stall_timeout)
+        if not conn.authenticated:
+            wait = min(wait, conn.accepted_at + limits.hello_timeout - now)
+        if wait <= 0:
+            return None
+        return wait if frame_started is not None or not conn.authenticated else self.idle_timeout
+
     # ---- checks before the payload --------------------------------------------------------------------------------
     def _sink(self, conn: _Conn, head: wire.FrameHead) -> Any:
         """Decide on a frame's payload from its metadata: refuse (ProtocolError -> discarded) or give buffers."""
@@ -396,10 +439,11 @@ class DataPlaneServer:
             log.exception("data-plane payload sink failed")
             raise ProtocolError(ErrorCode.INTERNAL, "internal error") from None
         kv_total = sum(request.kv_bytes) if request.carries_kv else 0
-        conn.holds[id(head.meta)] = self.admission.admit(self._tenant_of(conn, request), kv_total)
+        tenant = self._tenant_of(conn, request)
+        conn.holds[id(head.meta)] = self.admission.admit(tenant, kv_total)  # the tenant's budget, then the node's
         if not request.carries_kv:
             return None  # token ids only: small, the decoder buffers them
-        return conn.put_buffers(id(head.meta), request.token_bytes, kv_total)  # the staging, or fresh when held
+        return conn.put_buffers(id(head.meta), request.token_bytes, self.staging.lease(kv_total, tenant))
 
     def _request_head(self, conn: _Conn, head) -> wire.RequestHead:
         """The request's metadata, validated; a request without identity takes its session's (checked at HELLO)."""
@@ -495,6 +539,9 @@ class DataPlaneServer:
             conn.sessions.pop(hello.cache_id, None)  # a failed re-HELLO drops the old session too
             raise
         tenant = str(claims["sub"])
+        if not conn.authenticated:  # no longer counted against the node's unauthenticated budget
+            conn.authenticated = True
+            self.gate.authenticated(conn.source)
         if tenant not in conn.tenants:
             self.admission.connect(tenant)  # overloaded: the tenant holds its limit of connections on this node
             conn.tenants.add(tenant)
@@ -519,3 +566,15 @@ class DataPlaneServer:
             send_buffers(sock, buffers)
         except (OSError, ssl.SSLError):
             pass
+
+
+def _source_of(sock: socket.socket, addr) -> str:
+    """Who a connection comes from, for the per-source limits: its address over TCP, its peer's uid over a Unix
+    socket (SO_PEERCRED)."""
+    if sock.family == socket.AF_UNIX:
+        try:
+            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            return f"uds:{struct.unpack('3i', creds)[1]}"
+        except OSError:
+            return "uds"
+    return str(addr[0]) if addr else "?"

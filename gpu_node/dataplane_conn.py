@@ -4,18 +4,21 @@ Invariant: no buffer that held a tenant's bytes (KV or token ids) on their way t
 allocator with those bytes in it. Each is either zeroed right after its one use, or kept by the connection and
 zeroed when the connection closes or its tenant is purged (DataPlaneServer.purge_tenant closes the connection):
 
-- `put_staging`: the KV of the connection's puts, reused by each; zeroed when a larger one replaces it and at close;
-- `get_staging`: a GET's KV read from a device or quantized pool, reused by each; the same;
-- `fresh`: what the payload sink allocated for one frame (its token ids; the KV of a put read ahead while the
-  staging was in use), zeroed once the frame is answered, or at close for a frame never handled;
+- `leases`: a put's KV lands in staging lent by the node's StagingPool (gpu_node/staging.py) for that frame only
+  and given back once it is answered; the pool zeroes a buffer before another tenant's bytes land in it, and the
+  server zeroes the tenant's idle buffers when its connection closes or it is purged;
+- `get_staging`: a GET's KV read from a device or quantized pool, reused by each; zeroed when a larger one replaces
+  it and at close;
+- `fresh`: what the payload sink allocated for one frame (its token ids), zeroed once the frame is answered, or at
+  close for a frame never handled;
 - `temporaries`: copies an answer was sent from (a range of the staging, device KV copied to host), zeroed once
   the answer is sent;
 - `scratch`: the frame decoder's read buffer (headers, metadata, the first and last bytes of a payload that did
   not go straight into the sink's memory), zeroed at close.
 A token-only request's ids, buffered by the decoder itself, are zeroed once it is answered too (frame_done).
 
-Cost: one memset per fresh buffer or temporary, of the size of the copy that filled it (pipelined puts, ranges of
-GETs); the reused buffers are zeroed only when replaced or closed, so a connection's steady state adds nothing.
+Cost: one memset per fresh buffer or temporary, of the size of the copy that filled it (token ids, ranges of GETs);
+staging is zeroed only when it changes tenant or its tenant leaves, so a connection's steady state adds nothing.
 This relies on the engine keeping no reference to a request's buffers once a call returns (PagedKVCache copies
 token ids into its block table and KV into its pool), as the reused staging always has.
 """
@@ -45,11 +48,13 @@ class Session:
 class Conn:
     sock: socket.socket
     peer: str
+    source: str = "?"  # the address (or Unix peer uid) the per-source limits count it under
+    accepted_at: float = 0.0  # time.monotonic() at accept: the HELLO deadline runs from here
+    authenticated: bool = False  # a HELLO succeeded once (no longer counted as unauthenticated)
     thread: threading.Thread | None = None
     sessions: dict[str, Session] = field(default_factory=dict)
     failed_hellos: int = 0
-    put_staging: bytearray = field(default_factory=bytearray)
-    put_staging_owner: int | None = None  # id(meta) of the frame whose payload is in put_staging, until handled
+    leases: dict = field(default_factory=dict)  # id(frame meta) -> the staging Lease a put's KV is received into
     get_staging: torch.Tensor | None = None
     tenants: set[str] = field(default_factory=set)  # tenants with a session here (each counted once by admission)
     holds: dict[int, Hold] = field(default_factory=dict)  # id(frame meta) -> the admission of a request read ahead
@@ -63,20 +68,13 @@ class Conn:
     scratch: memoryview | None = None  # the frame decoder's read buffer
 
     # ---- the payload sink's buffers -------------------------------------------------------------------------------
-    def put_buffers(self, key: int, token_bytes: int, kv_total: int) -> list:
-        """[token ids, KV] buffers for a put's payload: the KV goes into the staging, or into a fresh buffer while
-        a frame read ahead of this one still holds it (bounded by max_frame_bytes either way)."""
+    def put_buffers(self, key: int, token_bytes: int, lease) -> list:
+        """[token ids, KV] buffers for a put's payload: the KV goes into the staging `lease` (a pipelined put read
+        ahead has its own), given back when the frame is answered."""
         tokens = bytearray(token_bytes)
-        if self.put_staging_owner is not None:
-            kv = bytearray(kv_total)
-            self.fresh[key] = [tokens, kv]
-            return [tokens, kv]
-        if len(self.put_staging) < kv_total:
-            zero(self.put_staging)  # the smaller one goes back to the allocator: nothing of the last puts in it
-            self.put_staging = bytearray(kv_total)
-        self.put_staging_owner = key
         self.fresh[key] = [tokens]
-        return [tokens, memoryview(self.put_staging)[:kv_total]]
+        self.leases[key] = lease
+        return [tokens, lease.view]
 
     def staging_for_get(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
         """The GET staging (on the engines' device), grown when it is too small or of another dtype: the old one
@@ -96,8 +94,9 @@ class Conn:
         for buf in buffers if buffers is not None else payload:
             zero(buf)
         self.zero_temporaries()
-        if self.put_staging_owner == key:
-            self.put_staging_owner = None
+        lease = self.leases.pop(key, None)
+        if lease is not None:
+            lease.give_back()
 
     def zero_temporaries(self) -> None:
         temporaries, self.temporaries = self.temporaries, []
@@ -111,11 +110,17 @@ class Conn:
                 zero(buf)
         self.fresh.clear()
         self.zero_temporaries()
-        zero(self.put_staging)
+        for lease in self.leases.values():
+            lease.give_back()  # the server then has the pool zero this tenant's idle staging
+        self.leases.clear()
         if self.get_staging is not None:
             zero(self.get_staging)
         if self.scratch is not None:
             zero(self.scratch)
+
+    def uses_any_token(self, jtis: set[str]) -> bool:
+        """Whether a session of this connection was opened with one of these data tokens."""
+        return any(str(s.claims.get("jti")) in jtis for s in tuple(self.sessions.values()))
 
     def serves_tenant(self, tenant_id: str) -> bool:
         """Whether a session of this connection was opened for the tenant (by its token's `sub`, or the cache's

@@ -37,26 +37,47 @@ class RevocationList:
         self._lock = threading.Lock()
         self._exp_by_jti: dict[str, float] = {}
         self._next_prune = 0.0
+        self._listeners: list = []  # called with the set of newly listed jtis (the data plane cuts their sessions)
+
+    def add_listener(self, listener) -> None:
+        with self._lock:
+            self._listeners.append(listener)
+
+    def remove_listener(self, listener) -> None:
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
 
     def add(self, jti: Any, exp: Any = None) -> None:
         """List `jti` until `exp` (unknown exp: kept for a day, longer than any data token lives)."""
-        try:
-            until = float(exp) if exp is not None else self._clock() + 86_400.0
-        except (TypeError, ValueError):
-            until = self._clock() + 86_400.0
-        with self._lock:
-            key = str(jti)
-            self._exp_by_jti[key] = max(until, self._exp_by_jti.get(key, until))
+        self._add_many([(jti, exp)])
 
     def update(self, entries: Iterable[Any]) -> int:
         """Add [{"jti", "exp"}] (register/heartbeat answers, the revoke_tokens task); malformed entries are skipped.
         Returns how many were well-formed."""
-        count = 0
-        for entry in entries or ():
-            if isinstance(entry, dict) and entry.get("jti"):
-                self.add(entry["jti"], entry.get("exp"))
-                count += 1
-        return count
+        pairs = [(e["jti"], e.get("exp")) for e in entries or () if isinstance(e, dict) and e.get("jti")]
+        self._add_many(pairs)
+        return len(pairs)
+
+    def _add_many(self, pairs: list) -> None:
+        added = set()
+        with self._lock:
+            for jti, exp in pairs:
+                try:
+                    until = float(exp) if exp is not None else self._clock() + 86_400.0
+                except (TypeError, ValueError):
+                    until = self._clock() + 86_400.0
+                key = str(jti)
+                if key not in self._exp_by_jti:
+                    added.add(key)
+                self._exp_by_jti[key] = max(until, self._exp_by_jti.get(key, until))
+            listeners = list(self._listeners)
+        if added:
+            for listener in listeners:
+                try:
+                    listener(added)
+                except Exception:  # noqa: BLE001 - a listener's failure must not lose the revocation itself
+                    log.exception("a revocation listener failed")
 
     def __contains__(self, jti: Any) -> bool:
         now = self._clock()

@@ -213,14 +213,14 @@ def test_tampered_foreign_key_and_hs256_tokens_refused(server, make_token, raw, 
     assert reply.meta["code"] == ErrorCode.UNAUTHENTICATED
 
 
-def test_revoked_jti_refused_even_on_open_connection(server, make_token, raw, verifier):
+def test_revoked_jti_cuts_the_open_connection_and_is_refused_after(server, make_token, raw, verifier):
     token = make_token(jti="jti-to-revoke")
-    conn = raw()
-    assert conn.hello(token).opcode == Opcode.OK
+    conn, other = raw(), raw()
+    assert conn.hello(token).opcode == Opcode.OK and other.hello(make_token()).opcode == Opcode.OK
     assert conn.request(Opcode.LOOKUP, TOKENS).opcode == Opcode.OK
-    verifier.revoke("jti-to-revoke")
-    reply = conn.request(Opcode.LOOKUP, TOKENS)
-    assert reply.opcode == Opcode.ERROR and reply.meta["code"] == ErrorCode.UNAUTHENTICATED
+    verifier.revocations.update([{"jti": "jti-to-revoke", "exp": time.time() + 60}])  # as a push or heartbeat
+    assert conn.closed()  # cut at once, not at its next request
+    assert other.request(Opcode.LOOKUP, TOKENS).opcode == Opcode.OK  # a session of another token is untouched
     reply = raw().hello(token)
     assert reply.opcode == Opcode.ERROR and reply.meta["code"] == ErrorCode.UNAUTHENTICATED
 

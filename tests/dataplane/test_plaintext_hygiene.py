@@ -16,6 +16,7 @@ import torch
 from gpu_node.dataplane import DataPlaneServer, server_tls_context
 from gpu_node.dataplane_conn import Conn
 from gpu_node.dataplane_io import OP_CLEANSE_PLAINTEXT, send_buffers
+from gpu_node.staging import StagingPool
 from gpu_node.registry import CacheRegistry
 from kcaas import wire
 from kcaas.wire import Opcode
@@ -89,19 +90,18 @@ def test_a_puts_buffers_are_zeroed_after_its_answer_or_at_close(node, connect, m
     conn = connect()
     assert conn.hello(make_token()).opcode == Opcode.OK
     small, large = np.arange(0, 2 * BLOCK, dtype=np.int32), np.arange(1000, 1000 + 600 * BLOCK, dtype=np.int32)
-    conn.sock.sendall(put_frame(1, small) + put_frame(2, large))  # the large one is read ahead: a fresh buffer
+    conn.sock.sendall(put_frame(1, small) + put_frame(2, large))  # the large one is read ahead: its own staging
     assert [conn.read().opcode, conn.read().opcode] == [Opcode.OK, Opcode.OK]
     longer = np.arange(1000, 1000 + 602 * BLOCK, dtype=np.int32)
     conn.sock.sendall(put_frame(3, longer, start=len(large)))  # the suffix only, appended after the cached prefix
     assert conn.read().opcode == Opcode.OK
     (_, staged), (_, read_ahead), (_, suffix) = [(t, kv) for t, kv in seen]
     assert suffix.shape[2] == 2 * BLOCK  # no copy of the prefix was read back and joined
-    assert eventually(lambda: is_zero(read_ahead))  # a fresh one: zeroed once answered
-    assert all(eventually(lambda t=t: is_zero(t)) for t, _ in seen)  # token ids too
-    assert not is_zero(suffix)  # the reused staging keeps the last put's bytes while the connection lives
+    assert all(eventually(lambda t=t: is_zero(t)) for t, _ in seen)  # token ids: zeroed once answered
+    assert not is_zero(suffix)  # staging keeps the tenant's bytes for its next put while its connection lives
     conn.close()
     assert eventually(lambda: node.connection_count() == 0)
-    assert is_zero(staged) and is_zero(suffix)  # ... and is zeroed when it closes
+    assert is_zero(staged) and is_zero(read_ahead) and is_zero(suffix)  # ... and is zeroed when it closes
     assert tenants_registry.get(CACHE_A).engine.get(longer)[0] == len(longer)  # the engine kept its own copy
 
 
@@ -205,22 +205,24 @@ def test_tls_contexts_cleanse_plaintext(pki, registry, verifier):
 
 
 def test_conn_scrub_zeroes_every_buffer_it_kept():
+    pool = StagingPool(1 << 20)
     conn = Conn(sock=None, peer="test")
-    tokens, kv = conn.put_buffers(1, 8, 16)
-    read_ahead_tokens, read_ahead = conn.put_buffers(2, 8, 16)  # the staging is held by frame 1
+    tokens, kv = conn.put_buffers(1, 8, pool.lease(16, "tenant:t"))
+    read_ahead_tokens, read_ahead = conn.put_buffers(2, 8, pool.lease(16, "tenant:t"))  # its own staging
     for buf in (tokens, kv, read_ahead_tokens, read_ahead):
         buf[:] = b"\x07" * len(buf)
-    old_staging = conn.put_staging
     conn.frame_done(1, ())
-    conn.put_buffers(3, 8, 64)  # a larger put: a new staging, the old one zeroed first
-    assert is_zero(old_staging) and is_zero(tokens) and not is_zero(read_ahead)
+    assert is_zero(tokens) and not is_zero(kv)  # the staging went back to the pool, still the tenant's
     conn.scratch = memoryview(bytearray(b"\x07" * 32))
     conn.get_staging = torch.ones(8)
     conn.temporaries.append(torch.ones(4))
     temporary = conn.temporaries[0]
     conn.scrub()
-    assert is_zero(read_ahead) and is_zero(read_ahead_tokens) and is_zero(conn.scratch)
+    assert is_zero(read_ahead_tokens) and is_zero(conn.scratch) and conn.leases == {}
     assert is_zero(conn.get_staging) and is_zero(temporary) and conn.fresh == {}
+    assert pool.usage()[0] == 0  # every lease given back
+    pool.scrub_tenant("tenant:t")  # what the server does once the connection is closed
+    assert is_zero(kv) and is_zero(read_ahead)
 
 
 @pytest.mark.cuda
