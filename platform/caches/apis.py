@@ -300,6 +300,7 @@ class DataTokenIssueApi(APIView):
             cache_id=cache_id,
             access=data["access"],
             ttl_seconds=data.get("ttl_seconds"),
+            api_key_id=getattr(request.auth, "pk", None),  # the key's revocation revokes the token too
         )
         token = issued.data_token
         body = {

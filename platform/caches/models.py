@@ -112,6 +112,8 @@ class DataToken(models.Model):
     issued_at = models.DateTimeField()
     expires_at = models.DateTimeField()
     revoked_at = models.DateTimeField(null=True, blank=True)
+    # The API key that minted it: revoking (or expiring) the key revokes the tokens it minted (caches.token_cascade).
+    api_key = models.ForeignKey("tenants.ApiKey", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
 
     class Meta:
         indexes = [models.Index(fields=["tenant", "expires_at"], name="caches_token_tenant_exp")]

@@ -3,7 +3,7 @@
 import uuid
 from dataclasses import dataclass
 
-from django.db.models import Case, Count, QuerySet, Sum, When
+from django.db.models import Case, Count, Q, QuerySet, Sum, When
 from django.utils import timezone
 
 from caches.models import ACTIVE_MIGRATION_STATES, RESERVING_STATES, TIERS, Cache, CacheState, DataToken, Migration
@@ -138,12 +138,26 @@ def cache_ids_stored_on_node(*, node_id: uuid.UUID) -> list[str]:
 MAX_REVOKED_LISTED = 100_000  # per node answer; bounded anyway by the outstanding-token quotas of its tenants
 
 
+def data_tokens_cut_off(*, now=None) -> Q:
+    """Unexpired tokens that must no longer open anything although nobody revoked them one by one: their tenant is
+    not active (suspended, being erased, erased) or the API key that minted them is revoked or expired. The cascade
+    (caches.token_cascade) marks them revoked; until it has, every register and heartbeat answer lists them anyway."""
+    now = now or timezone.now()
+    return (
+        ~Q(tenant__status=Tenant.Status.ACTIVE)
+        | Q(api_key__revoked_at__isnull=False)
+        | Q(api_key__expires_at__lte=now)
+    )
+
+
 def data_tokens_revoked_on_node(*, node_id: uuid.UUID, now=None) -> list[dict]:
-    """Revoked, not yet expired tokens of the caches placed on a node: [{"jti", "exp"}] (exp in unix seconds),
-    answered with every register and heartbeat so a node that missed a push, or restarted, refuses them too."""
+    """Revoked, not yet expired tokens of the caches placed on a node — revoked one by one, or cut off with their
+    tenant or key (data_tokens_cut_off) — [{"jti", "exp"}] (exp in unix seconds), answered with every register and
+    heartbeat so a node that missed a push, or restarted, refuses them too."""
     now = now or timezone.now()
     rows = (
-        DataToken.objects.filter(cache__node_id=node_id, revoked_at__isnull=False, expires_at__gt=now)
+        DataToken.objects.filter(Q(revoked_at__isnull=False) | data_tokens_cut_off(now=now), cache__node_id=node_id,
+                                 expires_at__gt=now)  # fmt: skip
         .order_by("expires_at")
         .values_list("jti", "expires_at")[:MAX_REVOKED_LISTED]
     )

@@ -413,7 +413,8 @@ class IssuedToken:
 
 @transaction.atomic
 def data_token_issue(
-    *, tenant_id: uuid.UUID, cache_id: uuid.UUID, access: str, ttl_seconds: int | None = None
+    *, tenant_id: uuid.UUID, cache_id: uuid.UUID, access: str, ttl_seconds: int | None = None,
+    api_key_id: uuid.UUID | None = None,
 ) -> IssuedToken:
     """Issue a short-lived EdDSA JWT for one ready cache of the tenant (see caches.signing for its verification).
 
@@ -421,6 +422,8 @@ def data_token_issue(
     jti, epoch, node, access ("read" | "readwrite") and scope (the same as OAuth scopes `kv:read [kv:write]`).
     The tenant's outstanding (unexpired, unrevoked) tokens are counted under the tenant lock: at most
     max_data_tokens_outstanding (403 quota_exceeded). 404 for another tenant's cache, 409 cache_not_ready.
+    `api_key_id`: the key that asked for it; revoking (or expiring) that key revokes the token
+    (caches.token_cascade), as suspending or erasing the tenant does.
     """
     if access not in ACCESS_LEVELS:
         raise ValueError(f"access must be one of {ACCESS_LEVELS}")
@@ -444,9 +447,8 @@ def data_token_issue(
         )
     max_ttl = settings.KCAAS_DATA_TOKEN_TTL_SECONDS
     ttl = max_ttl if ttl_seconds is None else max(min(ttl_seconds, max_ttl), min(MIN_TOKEN_TTL_SECONDS, max_ttl))
-    data_token = DataToken.objects.create(
-        cache=cache, tenant=tenant, access=access, issued_at=now, expires_at=now + timedelta(seconds=ttl)
-    )
+    data_token = DataToken.objects.create(cache=cache, tenant=tenant, access=access, issued_at=now,
+                                          expires_at=now + timedelta(seconds=ttl), api_key_id=api_key_id)
     audit_record(action=AuditAction.DATA_TOKEN_ISSUED, target_type="data_token", target_id=data_token.jti,
                  tenant_id=tenant.pk, new={"cache_id": cache.pk, "access": access, "epoch": cache.epoch,
                                            "expires_at": data_token.expires_at})  # fmt: skip - never the token

@@ -7,7 +7,7 @@ import logging
 from celery import shared_task
 
 from audit.context import SYSTEM, Actor, acting_as
-from caches import reconcile, services
+from caches import reconcile, services, token_cascade
 from caches.idempotency import idempotency_records_purge
 from caches import migration
 from controlplane.transient import node_answer_retry
@@ -67,6 +67,14 @@ def sweep_leases() -> int:
     """Beat, every few seconds: expire node leases, flag the caches of lost nodes (audited as the system)."""
     with acting_as(SYSTEM):
         return len(services.caches_sweep_leases())
+
+
+@shared_task(name="caches.cascade_token_revocations")
+def cascade_token_revocations() -> int:
+    """Beat, every KCAAS_TOKEN_CASCADE_SECONDS: revoke the data tokens of suspended or erased tenants and of revoked
+    or expired API keys, and push them to their nodes (caches.token_cascade)."""
+    with acting_as(SYSTEM):
+        return token_cascade.data_tokens_revoke_cascade()
 
 
 @shared_task(name="caches.reconcile")

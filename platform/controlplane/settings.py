@@ -151,6 +151,10 @@ CELERY_BEAT_SCHEDULE = {
     "fleet-dispatch-orders": {"task": "fleet.dispatch_orders", "schedule": KCAAS_ORDER_DISPATCH_SECONDS,
                               "options": {"expires": 5 * KCAAS_ORDER_DISPATCH_SECONDS}},
     "caches-reconcile": {"task": "caches.reconcile", "schedule": KCAAS_RECONCILE_SECONDS},
+    # Data tokens of suspended/erased tenants and of revoked/expired keys are revoked and pushed to their nodes.
+    "caches-cascade-token-revocations": {"task": "caches.cascade_token_revocations",
+                                         "schedule": float(os.environ.get("KCAAS_TOKEN_CASCADE_SECONDS", "5")),
+                                         "options": {"expires": 30.0}},
     "caches-sweep-leases": {"task": "caches.sweep_leases", "schedule": KCAAS_LEASE_SWEEP_SECONDS},
     "caches-purge-expired": {"task": "caches.purge_expired", "schedule": 3600.0},
     "caches-expire-migrations": {"task": "caches.expire_migrations", "schedule": 60.0},

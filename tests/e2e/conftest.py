@@ -267,6 +267,16 @@ class RawConnection:
     def hello(self, cache_id: str, token: str, *, request_id: int = 1) -> tuple[wire.Frame, bytes]:
         return self.exchange(wire.encode_hello(request_id, cache_id=cache_id, token=token))
 
+    def closed(self) -> bool:
+        """Whether the node has closed the connection (a read gets end of stream or a reset, not a timeout)."""
+        self.sock.settimeout(0.2)
+        try:
+            return self.sock.recv(1) == b""
+        except TimeoutError:
+            return False
+        except OSError:
+            return True
+
     def close(self) -> None:
         try:
             self.sock.close()

@@ -345,3 +345,53 @@ def test_a_revoked_token_is_cut_off_on_its_open_connection(live_server, agent, p
             assert dp.lookup(prompt) == 0
     finally:
         client.close()
+
+
+def test_suspending_the_tenant_or_revoking_the_key_cuts_the_data_plane(live_server, agent, pki, model):
+    """What a key or a tenant mints dies with it, on the node: the tenant's suspension (or the minting key's
+    revocation) through the tenants room alone, then the cascade beat runs, pushes the tokens to the agent process,
+    which cuts the live connection; the tokens are refused on a new one too."""
+    from caches.token_cascade import data_tokens_revoke_cascade
+    from tenants import services as tenant_services
+    from tenants.models import ApiKey, Tenant
+
+    spec = spec_for(model)
+    raw_key = tenant_key()
+    client = kcaas.Client(live_server.url, raw_key)
+    try:
+        cache = client.attach("cut", spec, {"device": 16 * spec.block_bytes}, timeout=30)
+        prompt = random_tokens(16, seed=12)[0]
+        issued = client.issue_token(cache.id)
+        conn = RawConnection(agent.endpoint, pki)
+        frame, _ = conn.exchange(wire.encode_hello(conn.new_id(), cache_id=cache.id, token=issued.token))
+        assert frame.opcode == Opcode.OK
+        key = ApiKey.objects.get(public_id=raw_key.split("_")[2])
+        tenant_services.api_key_revoke(api_key=key)
+        assert data_tokens_revoke_cascade() == 1  # what beat does within KCAAS_TOKEN_CASCADE_SECONDS
+        assert eventually(conn.closed, timeout=20)  # pushed to the agent: its session is cut, not merely refused
+        with DataPlaneClient(agent.endpoint, issued.token, cache.id, spec, ssl_context=client_tls(pki),
+                             timeout=10.0) as dp:  # fmt: skip
+            with pytest.raises(kcaas.dataplane.DataPlaneError) as refused:
+                dp.lookup(prompt)
+        assert refused.value.code == ErrorCode.UNAUTHENTICATED
+
+        tenant = key.tenant
+        second = tenant_services.api_key_issue(tenant=tenant, scopes=["caches:read", "caches:write"]).raw_key
+        client2 = kcaas.Client(live_server.url, second)
+        token = client2.issue_token(cache.id).token
+        with DataPlaneClient(agent.endpoint, token, cache.id, spec, ssl_context=client_tls(pki), timeout=10.0) as dp:
+            assert dp.lookup(prompt) == 0
+            tenant_services.tenant_set_status(tenant=Tenant.objects.get(pk=tenant.pk), status=Tenant.Status.SUSPENDED)
+            assert data_tokens_revoke_cascade(tenant_id=tenant.pk) == 1
+
+            def refused_now() -> bool:
+                try:
+                    dp.lookup(prompt)
+                except kcaas.dataplane.DataPlaneError as exc:
+                    return exc.code == ErrorCode.UNAUTHENTICATED
+                return False
+
+            assert eventually(refused_now, timeout=20)
+        client2.close()
+    finally:
+        client.close()

@@ -22,6 +22,7 @@ from django.utils import timezone
 from billing import selectors as billing_selectors
 from caches import selectors as cache_selectors
 from caches.models import TIERS, CacheState
+from caches.token_cascade import data_tokens_revoke_cascade
 from console.access import console_view, error_page, page_context
 from console.charts import daily_bars, human_bytes, stacked_bar_chart
 from console.forms import BYTE_FIELDS, QUOTA_LABELS, QuotaForm, TenantSearchForm, limit_text
@@ -222,6 +223,7 @@ def key_revoke(request, tenant_id, key_id):
                        action_url=request.path, button="Revoke key", cancel_url=detail_url, danger=True)  # fmt: skip
     already = api_key.revoked_at is not None
     tenant_services.api_key_revoke(api_key=api_key)
+    data_tokens_revoke_cascade(tenant_id=tenant.pk)  # the data tokens it minted: refused on the nodes now
     if already:
         messages.info(request, f"The key {handle} was already revoked: nothing changed.")
     else:
@@ -242,7 +244,8 @@ def tenant_status(request, tenant_id):
         return error_page(request, 400, "Refused", "The status must be active or suspended.", "validation_error")
     detail_url = reverse("console:tenant", kwargs={"tenant_id": tenant.pk})
     if request.method == "GET":
-        effect = ("Its API keys are refused until it is reactivated." if wanted == Tenant.Status.SUSPENDED
+        effect = ("Its API keys are refused until it is reactivated, and its data tokens and live data-plane "
+                  "connections end now." if wanted == Tenant.Status.SUSPENDED
                   else "Its API keys work again.")  # fmt: skip
         verb = _STATUS_ACTIONS[wanted]
         return _render(request, "console/confirm.html", title=f"{verb} tenant",
@@ -251,6 +254,7 @@ def tenant_status(request, tenant_id):
                        danger=wanted == Tenant.Status.SUSPENDED, extra_fields=[("status", wanted)])  # fmt: skip
     old = tenant.status
     updated = tenant_services.tenant_set_status(tenant=tenant, status=wanted)
+    data_tokens_revoke_cascade(tenant_id=tenant.pk)  # a suspended tenant's data tokens and sessions end now
     if updated.status == old:
         messages.info(request, f"Tenant {tenant.name} is already {old}: nothing changed.")
     else:
