@@ -16,6 +16,7 @@ an outage of the limiter must not become an outage of the API.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import threading
@@ -180,3 +181,191 @@ class TenantRateThrottle(BaseThrottle):
 
     def wait(self):
         return None
+
+
+# ---- several buckets at once, and giving a hit back (the password doors: controlplane.authentication, console) ----
+#
+# A password door must refuse *before* it computes a password hash, yet count only failures. So each attempt takes
+# one cell from every bucket that concerns it (the account's, the source's) in one atomic step — all or none — and
+# an attempt that turns out to succeed gives its cells back. An attacker's concurrent attempts each hold a cell while
+# their hash is computed, so concurrency cannot push more hashes through than the limits allow (a "peek, then count
+# the failure afterwards" scheme would let every in-flight request past).
+
+# KEYS: the buckets; ARGV: interval_us, burst for each. Allowed only if every bucket allows; then each is advanced.
+# Returns {allowed, refused index (1-based; the one with the longest wait, 0 if allowed), remaining (the least over
+# the buckets), retry_after_us, reset_us}.
+_GCRA_ALL_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local new_tats = {}
+local refused, retry, reset, remaining = 0, 0, 0, -1
+for i = 1, #KEYS do
+  local interval = tonumber(ARGV[2 * i - 1])
+  local burst = tonumber(ARGV[2 * i])
+  local tat = tonumber(redis.call('GET', KEYS[i]) or '0')
+  if tat < now then tat = now end
+  local new_tat = tat + interval
+  local allow_at = new_tat - burst * interval
+  if allow_at > now then
+    if allow_at - now > retry then refused, retry, reset = i, allow_at - now, tat - now end
+  else
+    new_tats[i] = new_tat
+    local left = math.floor((now - allow_at) / interval)
+    if remaining < 0 or left < remaining then remaining = left end
+    if new_tat - now > reset and refused == 0 then reset = new_tat - now end
+  end
+end
+if refused > 0 then return {0, refused, 0, retry, reset} end
+for i = 1, #KEYS do
+  local ttl_ms = math.floor((new_tats[i] - now) / 1000) + 1
+  redis.call('SET', KEYS[i], string.format('%d', new_tats[i]), 'PX', string.format('%d', ttl_ms))
+end
+return {1, 0, remaining, 0, reset}
+"""
+
+# KEYS: the buckets; ARGV: interval_us for each. Moves each TAT back by one interval (never before now).
+_GCRA_GIVE_BACK_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+for i = 1, #KEYS do
+  local tat = tonumber(redis.call('GET', KEYS[i]) or '0')
+  local new_tat = tat - tonumber(ARGV[i])
+  if new_tat <= now then
+    redis.call('DEL', KEYS[i])
+  else
+    local ttl_ms = math.floor((new_tat - now) / 1000) + 1
+    redis.call('SET', KEYS[i], string.format('%d', new_tat), 'PX', string.format('%d', ttl_ms))
+  end
+end
+return #KEYS
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """One limit: ``name`` (a bucket_key suffix), ``rate`` cells per second, ``burst`` cells at once."""
+
+    name: str
+    rate: float
+    burst: int
+
+    @classmethod
+    def per_window(cls, name: str, *, count: int, window_seconds: float) -> Bucket:
+        """``count`` at once from idle, then one every window/count seconds (over any window: at most 2 x count)."""
+        count = max(1, int(count))
+        return cls(name, count / float(window_seconds), count)
+
+    @property
+    def interval_us(self) -> int:
+        return max(1, round(MICROS / self.rate))
+
+
+@dataclass(frozen=True, slots=True)
+class AllDecision:
+    """The answer of ``take_all``: ``decision`` as for one bucket; ``refused_by`` the bucket that said no (the one
+    with the longest wait), None when allowed."""
+
+    decision: Decision
+    refused_by: Bucket | None
+
+    @property
+    def allowed(self) -> bool:
+        return self.decision.allowed
+
+
+_redis_all_scripts: dict[int, tuple] = {}
+
+
+def _redis_scripts(client: redis.Redis):
+    found = _redis_all_scripts.get(id(client))
+    if found is None:
+        found = _redis_all_scripts[id(client)] = (client.register_script(_GCRA_ALL_LUA),
+                                                  client.register_script(_GCRA_GIVE_BACK_LUA))  # fmt: skip
+    return found
+
+
+def _local_take_all(buckets) -> AllDecision:
+    # The in-process limiter's own lock and TATs: the embedded default's password doors share them with nobody else.
+    with _local._lock:
+        now = time.monotonic_ns() // 1000
+        refused, retry, reset, remaining, new_tats = None, 0, 0, None, {}
+        for bucket in buckets:
+            tat = max(_local._tats.get(bucket.name, 0), now)
+            new_tat = tat + bucket.interval_us
+            allow_at = new_tat - bucket.burst * bucket.interval_us
+            if allow_at > now:
+                if allow_at - now > retry:
+                    refused, retry, reset = bucket, allow_at - now, tat - now
+            else:
+                new_tats[bucket.name] = new_tat
+                left = (now - allow_at) // bucket.interval_us
+                remaining = left if remaining is None else min(remaining, left)
+                if refused is None:
+                    reset = max(reset, new_tat - now)
+        if refused is not None:
+            return AllDecision(Decision(False, refused.burst, 0, retry, reset), refused)
+        _local._tats.update(new_tats)
+        return AllDecision(Decision(True, min(b.burst for b in buckets), remaining or 0, 0, reset), None)
+
+
+def _local_give_back(buckets) -> None:
+    with _local._lock:
+        now = time.monotonic_ns() // 1000
+        for bucket in buckets:
+            new_tat = _local._tats.get(bucket.name, 0) - bucket.interval_us
+            if new_tat <= now:
+                _local._tats.pop(bucket.name, None)
+            else:
+                _local._tats[bucket.name] = new_tat
+
+
+def take_all(buckets: list[Bucket] | tuple[Bucket, ...]) -> AllDecision | None:
+    """One cell from every bucket, atomically, or from none (refused: ``refused_by`` names the bucket). None when the
+    limiter is unreachable (fail open, logged, as check_rate)."""
+    buckets = tuple(buckets)
+    if not buckets:
+        raise ValueError("take_all needs at least one bucket")
+    client = get_redis()
+    try:
+        if client is None:
+            return _local_take_all(buckets)
+        take, _ = _redis_scripts(client)
+        args = [value for b in buckets for value in (b.interval_us, b.burst)]
+        allowed, refused, remaining, retry_us, reset_us = take(keys=[bucket_key(b.name) for b in buckets], args=args)
+    except redis.RedisError:
+        logger.warning("rate limiter unavailable; allowing %s", ", ".join(b.name for b in buckets), exc_info=True)
+        return None
+    refused_by = buckets[int(refused) - 1] if int(refused) else None
+    limit = refused_by.burst if refused_by is not None else min(b.burst for b in buckets)
+    return AllDecision(Decision(bool(allowed), limit, max(0, int(remaining)), int(retry_us), int(reset_us)), refused_by)
+
+
+def give_back(buckets: list[Bucket] | tuple[Bucket, ...]) -> None:
+    """Return the cell ``take_all`` took from each bucket (an attempt that succeeded is not counted). Never raises:
+    an unreachable limiter only means the cells come back with time."""
+    buckets = tuple(buckets)
+    if not buckets:
+        return
+    client = get_redis()
+    try:
+        if client is None:
+            _local_give_back(buckets)
+            return
+        _, back = _redis_scripts(client)
+        back(keys=[bucket_key(b.name) for b in buckets], args=[b.interval_us for b in buckets])
+    except redis.RedisError:
+        logger.warning("rate limiter unavailable; could not give back %s", ", ".join(b.name for b in buckets))
+
+
+def source_network(address: str | None) -> str:
+    """What a per-source limit counts: an IPv4 address, or an IPv6 address's /64 (one subscriber's usual allocation:
+    an attacker holding a /64 must not get 2^64 buckets); "unknown" when the address is missing or unparsable."""
+    try:
+        ip = ipaddress.ip_address(address or "")
+    except ValueError:
+        return "unknown"
+    if ip.version == 6:
+        if ip.ipv4_mapped is not None:  # ::ffff:192.0.2.1 is 192.0.2.1
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)

@@ -1,14 +1,19 @@
 """Sign-in in two steps (password, then a TOTP code; first sign-in enrols the authenticator) and sign-out.
 
 Every refusal says the same thing whatever was wrong (unknown user, wrong password, no console role), so the page
-does not tell which usernames exist; each is recorded as console.login_failed. Codes are throttled by django-otp
-(each failure doubles the wait before the next try).
+does not tell which usernames exist; each is recorded as console.login_failed. Password tries are limited per
+username (every try) and per source address (failed tries: against one password sprayed over many usernames), both
+checked before the password is hashed; either limit answers the same 429 page, and the first refusal of a limit in
+a minute is recorded as console.login_failed (step "throttled"). Codes are throttled by django-otp (each failure
+doubles the wait before the next try).
 """
 
 from __future__ import annotations
 
 import base64
+import time
 
+import redis
 import segno
 from django import forms
 from django.conf import settings
@@ -21,9 +26,11 @@ from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_http_methods
 from django_otp.plugins.otp_totp.models import TOTPDevice
 
+from audit.middleware import source_ip
 from audit.services import AuditWriteError, sensitive_digest
 from console import access, roles, sessions
-from tenants.ratelimit import check_rate
+from tenants.ratelimit import Bucket, bucket_key, give_back, source_network, take_all
+from tenants.redis_client import get_redis
 
 REFUSED = "Wrong username, password or code."
 
@@ -65,13 +72,23 @@ def login(request):
     error = ""
     if request.method == "POST" and form.is_valid():
         username = form.cleaned_data["username"]
-        wait = _password_tries_wait(username)
-        if wait:
-            return access.error_page(request, 429, "Too many sign-in attempts",
-                                     f"Too many sign-in attempts for this username: wait {wait} s, then try again.",
-                                     "rate_limited")  # fmt: skip
+        buckets = _password_buckets(request, username)
+        taken = take_all(buckets)
+        if taken is not None and not taken.allowed:
+            try:
+                _record_throttled(taken.refused_by, username)
+            except AuditWriteError:
+                return _audit_down(request)
+            wait = taken.decision.retry_after_seconds
+            response = access.error_page(request, 429, "Too many sign-in attempts",
+                                         f"Too many sign-in attempts: wait {wait} s, then try again.",
+                                         "rate_limited")  # fmt: skip
+            response["Retry-After"] = str(wait)
+            return response
         user = auth.authenticate(request, username=username, password=form.cleaned_data["password"])
         if user is not None and roles.has_console_role(user):
+            if taken is not None:
+                give_back(buckets[1:])  # the source counts failures only; the username bucket every try
             sessions.begin_pending(request, user)
             confirmed = TOTPDevice.objects.devices_for_user(user, confirmed=True).exists()
             step = "console:verify" if confirmed else "console:enroll"
@@ -90,13 +107,47 @@ def login(request):
                   status=400 if error else 200)  # fmt: skip
 
 
-def _password_tries_wait(username: str) -> int:
-    """Seconds to wait before another password try for this username (0: go ahead). GCRA in Redis, shared by every
-    control-plane process (tenants.ratelimit); the bucket is named by an HMAC of the username, never the name."""
-    rate = settings.KCAAS_CONSOLE_PASSWORD_TRIES_PER_MINUTE / 60
-    bucket = "console-login:" + sensitive_digest(username.casefold()).partition(":")[2][:32]
-    decision = check_rate(bucket, rate=rate, burst=settings.KCAAS_CONSOLE_PASSWORD_TRIES_PER_MINUTE)
-    return 0 if decision is None or decision.allowed else max(1, decision.retry_after_seconds)
+def _password_buckets(request, username: str) -> tuple[Bucket, Bucket]:
+    """The password step's limits, GCRA in Redis shared by every control-plane process (tenants.ratelimit): every try
+    per username (KCAAS_CONSOLE_PASSWORD_TRIES_PER_MINUTE), and failed tries per source address (IPv6: its /64;
+    X-Forwarded-For only from KCAAS_TRUSTED_PROXIES) per KCAAS_CONSOLE_SOURCE_WINDOW_SECONDS. Buckets are named by an
+    HMAC of the username or address, never the text."""
+    return (
+        Bucket.per_window("console-login:" + sensitive_digest(username.casefold()).partition(":")[2][:32],
+                          count=settings.KCAAS_CONSOLE_PASSWORD_TRIES_PER_MINUTE, window_seconds=60),
+        Bucket.per_window("console-login-source:" + _digest(source_network(source_ip(request))),
+                          count=settings.KCAAS_CONSOLE_PASSWORD_FAILURES_PER_SOURCE,
+                          window_seconds=settings.KCAAS_CONSOLE_SOURCE_WINDOW_SECONDS),
+    )  # fmt: skip
+
+
+def _digest(value: str) -> str:
+    return sensitive_digest(f"source:{value}").partition(":")[2][:32]
+
+
+_REFUSALS_RECORDED_SECONDS = 60
+_recorded_locally: dict[str, float] = {}
+
+
+def _record_throttled(bucket: Bucket, username: str) -> None:
+    """console.login_failed (step "throttled") for the first refusal of `bucket` in a minute: the trail shows an
+    attack without every refused try becoming a write on the audit chain (the attacker's lever on everyone else)."""
+    marker = bucket_key(bucket.name) + ":recorded"
+    client = get_redis()
+    if client is not None:
+        try:
+            first = client.set(marker, b"1", nx=True, ex=_REFUSALS_RECORDED_SECONDS)
+        except redis.RedisError:
+            first = True
+    else:
+        now = time.monotonic()
+        first = _recorded_locally.get(marker, 0) <= now
+        if first:
+            if len(_recorded_locally) > 10_000:
+                _recorded_locally.clear()
+            _recorded_locally[marker] = now + _REFUSALS_RECORDED_SECONDS
+    if first:
+        sessions.record_failure(username=username, step="throttled")
 
 
 def _code_step(request, *, user, device, template: str, extra: dict):

@@ -284,6 +284,16 @@ CSRF_FAILURE_VIEW = "console.views_errors.csrf_failure"  # an HTML page saying w
 OTP_TOTP_ISSUER = os.environ.get("KCAAS_TOTP_ISSUER", "KCaaS console")
 KCAAS_CONSOLE_PASSWORD_TRIES_PER_MINUTE = env_int("KCAAS_CONSOLE_PASSWORD_TRIES_PER_MINUTE", 10)  # per username
 OTP_TOTP_THROTTLE_FACTOR = 1  # seconds; doubles with each wrong code
+# Failed console password tries per source address (IPv6: per /64) per window, whatever the usernames: against
+# password spraying. GCRA: that many at once, then one per window/count; a successful password gives its try back.
+KCAAS_CONSOLE_PASSWORD_FAILURES_PER_SOURCE = env_int("KCAAS_CONSOLE_PASSWORD_FAILURES_PER_SOURCE", 30)
+KCAAS_CONSOLE_SOURCE_WINDOW_SECONDS = env_int("KCAAS_CONSOLE_SOURCE_WINDOW_SECONDS", 600)
+# The REST API's password door (HTTP Basic for staff, controlplane.authentication): failed tries per account
+# (username) and per source address per minute, refused (429) before any password hash; successes are not counted.
+KCAAS_API_PASSWORD_FAILURES_PER_MINUTE = env_int("KCAAS_API_PASSWORD_FAILURES_PER_MINUTE", 10)
+KCAAS_API_PASSWORD_FAILURES_PER_SOURCE_PER_MINUTE = env_int("KCAAS_API_PASSWORD_FAILURES_PER_SOURCE_PER_MINUTE", 30)
+# A credential the REST door refused is refused again for this long without a hash and without counting (0: off).
+KCAAS_PASSWORD_FAILURE_MEMO_SECONDS = env_int("KCAAS_PASSWORD_FAILURE_MEMO_SECONDS", 600)
 
 LOGGING = {
     "version": 1,
