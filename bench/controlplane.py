@@ -102,7 +102,11 @@ def bench_node():
     node = Node.objects.filter(name=BENCH_NODE).first()
     if node is None:
         node = fleet_services.node_create(name=BENCH_NODE).node
-    fleet_services.node_register(node_id=node.id, endpoint=BENCH_NODE_ENDPOINT, capacity=NODE_CAPACITY)
+    from kcaas.sealing import NodeSealingKey
+
+    # The stand-in agent reads no key, but orders carrying keys go only to a node that registered a sealing key.
+    fleet_services.node_register(node_id=node.id, endpoint=BENCH_NODE_ENDPOINT, capacity=NODE_CAPACITY,
+                                 sealing_public_key=NodeSealingKey().public_key_b64)  # fmt: skip
     for other in Node.objects.filter(state=NodeState.READY).exclude(pk=node.pk).values_list("pk", flat=True):
         fleet_services.node_cordon(node_id=other)
     return Node.objects.get(pk=node.pk)

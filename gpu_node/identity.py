@@ -10,8 +10,13 @@ trusting only the platform CA:
             expect_peer(conn, target_node_id)           # raises PeerIdentityError on any other node
     or:     conn = identity.connect("host:port", target_node_id)  # both steps
 
+The node's sealing key (kcaas/sealing.py: X25519, a key of its own, not the certificate's ECDSA key) is kept beside
+it: `load_sealing_key(directory)` reads `node-sealing.key` there or makes and saves one (0600); without a directory
+the agent holds a fresh one in memory. Its public half goes to the control plane in every registration, and the keys
+in provisioning and migration orders are sealed to it.
+
 Invariants:
-- the private key never leaves the process except into KCAAS_NODE_IDENTITY_DIR files created 0600;
+- the private keys never leave the process except into KCAAS_NODE_IDENTITY_DIR files created 0600;
 - `install` accepts only a certificate for this node's current (or pending, see `renewal_csr_pem`) key, signed by
   the given CA, carrying exactly one SPIFFE node URI; the node id never changes once set;
 - contexts handed out by `server_context()`/`client_context()` are re-loaded with the new certificate on every
@@ -36,12 +41,15 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric import ec, x25519
 from cryptography.x509.oid import NameOID
+
+from kcaas.sealing import NodeSealingKey
 
 logger = logging.getLogger("kcaas.node.identity")
 SPIFFE_NODE_PREFIX = "spiffe://kcaas/node/"
 KEY_FILE, CERT_FILE, CA_FILE = "node.key", "node.pem", "ca.pem"
+SEALING_KEY_FILE = "node-sealing.key"
 
 
 class PeerIdentityError(ConnectionError):
@@ -309,6 +317,25 @@ class NodeIdentity:
         if (directory / CERT_FILE).exists() and (directory / CA_FILE).exists():
             identity.install((directory / CERT_FILE).read_bytes(), (directory / CA_FILE).read_bytes())
         return identity
+
+
+def load_sealing_key(directory: str | Path) -> NodeSealingKey:
+    """The node's sealing key saved in `directory` (node-sealing.key, PKCS#8 PEM), or a new one saved there 0600
+    (the directory created 0700). One key per node identity directory, kept across restarts, so orders sealed while
+    the agent was down still open after it comes back."""
+    directory = Path(directory)
+    path = directory / SEALING_KEY_FILE
+    if path.exists():
+        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+        if not isinstance(key, x25519.X25519PrivateKey):
+            raise IdentityError(f"{path} is not an X25519 key")
+        return NodeSealingKey(key)
+    sealing_key = NodeSealingKey()
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    pem = x25519.X25519PrivateKey.from_private_bytes(sealing_key.private_bytes()).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    _write_private(path, pem)
+    return sealing_key
 
 
 def _as_bytes(value: bytes | str) -> bytes:

@@ -1,8 +1,9 @@
 """The node's migration tasks (kcaas/node_messages.py): migrate_in on the target, migrate_out and migrate_cutover on
 the source. No Django. `NodeMigration.register(app, answer)` adds them to the node's Celery app (node_tasks).
 
-- migrate_in provisions the cache at epoch_to (an empty pool, idempotent per epoch), tells the listener to expect
-  the named source node, and answers progress "ready" with the listener's endpoint;
+- migrate_in opens the cache's keys (sealed to this node: node_tasks.NodeKeys), provisions the cache at epoch_to (an
+  empty pool, idempotent per epoch), tells the listener to expect the named source node, and answers progress
+  "ready" with the listener's endpoint;
 - migrate_out runs the sender on its own thread (the node's worker is a solo pool: other orders must not wait for
   a long copy), reports progress, fences writes before the last pass ("fenced"), and answers the result; on a
   failure it lifts the fence, so the cache takes writes here again;
@@ -25,7 +26,7 @@ import time
 
 from gpu_node.migration import Incoming, MigrationListener, MigrationSender
 from gpu_node.migration_fence import fences_for
-from gpu_node.node_tasks import provision
+from gpu_node.node_tasks import provision, unsealed_keys
 from kcaas.node_messages import (
     MIGRATE_ABORT_TASK,
     MIGRATE_CUTOVER_TASK,
@@ -56,12 +57,20 @@ class NodeMigration:
         self._endpoints: dict[str, str] = {}  # migration id -> the target listener the sender (re)connects to
         self._aborted: set[str] = set()  # migrations the control plane gave up: their sender never fences again
 
-    def register(self, app, answer) -> None:
+    def register(self, app, answer, keys=None) -> None:
+        """Add the migration tasks to `app`; `keys` (node_tasks.NodeKeys) opens the keys migrate_in carries."""
+
         @app.task(name=MIGRATE_IN_TASK, shared=False)
-        def migrate_in(migration_id, cache_id, spec, capacity, hash_key_b64, epoch_to, source_node_id,
-                       tenant_id="", ssd_key_b64="") -> bool:  # fmt: skip
-            ok, reason = provision(self.registry, cache_id, spec, capacity, hash_key_b64, int(epoch_to), tenant_id,
-                                   ssd_key_b64)  # fmt: skip
+        def migrate_in(migration_id, cache_id, spec, capacity, hash_key_box, epoch_to, source_node_id,
+                       tenant_id="", ssd_key_box="") -> bool:  # fmt: skip
+            hash_key, ssd_key, reason = unsealed_keys(keys, task=MIGRATE_IN_TASK, cache_id=cache_id,
+                                                      hash_key_box=hash_key_box, ssd_key_box=ssd_key_box)  # fmt: skip
+            if reason is None:
+                return False  # sealed to a key this node does not hold: not answered (node_tasks.unsealed_keys)
+            ok = False
+            if not reason:
+                ok, reason = provision(self.registry, cache_id, spec, capacity, hash_key, int(epoch_to), tenant_id,
+                                       ssd_key)  # fmt: skip
             if not ok:
                 answer(MIGRATION_RESULT_TASK, [migration_id, self.node_id, False, reason, {}])
                 return False

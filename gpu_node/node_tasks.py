@@ -4,13 +4,14 @@ The agent builds one Celery app of its own (no Django: configuration is the brok
 runs a worker inside the agent process, because the pool that holds the caches must run the tasks. Handlers are
 idempotent (CacheRegistry's epoch rules) and always answer, so the control plane's status guards settle the cache:
 provisioning answers ok (with this node's data-plane endpoint) or failed with a machine-readable reason.
-Message names and arguments: kcaas/node_messages.py.
+Message names and arguments: kcaas/node_messages.py. The keys an order carries are boxes sealed to this node's
+sealing key (kcaas/sealing.py): a key in clear, an altered box or one sealed for another message is answered as
+failed (`key_not_sealed`, `sealed_key_invalid`) and provisions nothing; a box sealed to a node key this node does not
+hold is not answered (the control plane re-sends the order under the key the node last registered).
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import logging
 
 from celery import Celery
@@ -32,6 +33,7 @@ from kcaas.node_messages import (
     PURGE_TENANT_TASK,
     REVOKE_TOKENS_TASK,
 )
+from kcaas.sealing import NO_SEALING_KEY, SEALED_FOR_OTHER_KEY, NodeSealingKey, SealedKeyError
 from kcaas.spec import KVCacheSpec, SpecError
 
 logger = logging.getLogger("kcaas.node")
@@ -47,22 +49,60 @@ MIGRATION_UNAVAILABLE = "migration_unavailable"  # the reason a node without a m
 ANSWER_RETRY_POLICY = {"max_retries": 40, "interval_start": 0.5, "interval_step": 0.5, "interval_max": 5}
 
 
-def provision(registry: CacheRegistry, cache_id: str, spec: dict, capacity: dict, hash_key_b64: str, epoch: int,
-              tenant_id: str = "", ssd_key_b64: str = ""):  # fmt: skip
-    """(ok, reason) for one provisioning request; never raises for a bad request (it is answered as failed)."""
+class NodeKeys:
+    """Opens the keys a provisioning or migration order carries, sealed to this node (kcaas/sealing.py: the task
+    name, this node's id, the cache id and the field are the box's associated data). A key in clear is refused:
+    the broker must never carry one."""
+
+    def __init__(self, sealing_key: NodeSealingKey, node_id: str):
+        self.sealing_key, self.node_id = sealing_key, str(node_id)
+
+    def open(self, *, task: str, cache_id: str, hash_key_box, ssd_key_box="") -> tuple[bytes, bytes | None]:
+        """(hash key, SSD key or None); SealedKeyError (its `reason` is the answer's) when a box does not open."""
+        hash_key = self.sealing_key.open(hash_key_box, task=task, node_id=self.node_id, cache_id=cache_id,
+                                         field="hash_key")  # fmt: skip
+        ssd_key = None
+        if ssd_key_box:
+            ssd_key = self.sealing_key.open(ssd_key_box, task=task, node_id=self.node_id, cache_id=cache_id,
+                                            field="ssd_key")  # fmt: skip
+        return hash_key, ssd_key
+
+
+def unsealed_keys(keys: NodeKeys | None, *, task: str, cache_id: str, hash_key_box, ssd_key_box):
+    """(hash key, SSD key, None) or (None, None, reason): the reason to answer with, or None together with no keys
+    when the order must not be answered at all: its boxes were sealed to a node key this node does not hold (an
+    agent that restarted with a new key: the control plane sends the order again under the key the node registered
+    since, or a message that was never this node's)."""
+    try:
+        if keys is None:
+            raise SealedKeyError(NO_SEALING_KEY, "this node holds no sealing key")
+        hash_key, ssd_key = keys.open(task=task, cache_id=str(cache_id), hash_key_box=hash_key_box,
+                                      ssd_key_box=ssd_key_box)  # fmt: skip
+    except SealedKeyError as refusal:
+        if refusal.reason == SEALED_FOR_OTHER_KEY:
+            logger.warning("%s for cache %s: %s; not answered (it comes again under this node's key)", task,
+                           cache_id, refusal)  # fmt: skip
+            return None, None, None
+        logger.warning("%s for cache %s refused: %s", task, cache_id, refusal)
+        return None, None, refusal.reason
+    return hash_key, ssd_key, ""
+
+
+def provision(registry: CacheRegistry, cache_id: str, spec: dict, capacity: dict, hash_key: bytes, epoch: int,
+              tenant_id: str = "", ssd_key: bytes | None = None):  # fmt: skip
+    """(ok, reason) for one provisioning request with its keys already opened; never raises for a bad request (it
+    is answered as failed)."""
     try:
         layout = KVCacheSpec.from_dict(spec)
-        hash_key = base64.b64decode(hash_key_b64, validate=True)
-        if len(hash_key) != HASH_KEY_BYTES:
+        if not isinstance(hash_key, bytes) or len(hash_key) != HASH_KEY_BYTES:
             return False, "invalid_hash_key"
-        ssd_key = base64.b64decode(ssd_key_b64, validate=True) if ssd_key_b64 else None
-        if ssd_key is not None and len(ssd_key) != SSD_KEY_BYTES:
+        if ssd_key is not None and (not isinstance(ssd_key, bytes) or len(ssd_key) != SSD_KEY_BYTES):
             return False, "invalid_ssd_key"
         registry.provision(cache_id=cache_id, spec=layout, capacity=capacity, hash_key=hash_key, epoch=int(epoch),
                            tenant_id=tenant_id, ssd_key=ssd_key)  # fmt: skip
     except SpecError:
         return False, "invalid_spec"
-    except (binascii.Error, ValueError, TypeError):
+    except (ValueError, TypeError):
         return False, "invalid_request"
     except ProvisionError as refusal:
         return False, refusal.code
@@ -74,10 +114,12 @@ def provision(registry: CacheRegistry, cache_id: str, spec: dict, capacity: dict
 
 def build_node_app(
     *, broker_url: str, node_id: str, endpoint: str, registry: CacheRegistry, transport_options: dict | None = None,
-    revocations: RevocationList | None = None, migration=None,
+    revocations: RevocationList | None = None, migration=None, sealing_key: NodeSealingKey | None = None,
 ) -> Celery:
     """A Celery app whose tasks act on `registry` (and `revocations`, the list the data plane's TokenVerifier
-    reads) and answer on the control queue as node `node_id`."""
+    reads) and answer on the control queue as node `node_id`. `sealing_key` opens the keys in its orders (the
+    key whose public half the node registered); without one every provisioning is answered `no_sealing_key`."""
+    keys = NodeKeys(sealing_key, node_id) if sealing_key is not None else None
     # fixups=[]: never Celery's Django fixup, even when DJANGO_SETTINGS_MODULE happens to be set (the node agent
     # never imports Django).
     app = Celery(f"kcaas-node-{node_id}", broker=broker_url, fixups=[])
@@ -99,9 +141,15 @@ def build_node_app(
         app.send_task(task_name, args=args, queue=CONTROL_QUEUE, retry=True, retry_policy=ANSWER_RETRY_POLICY)
 
     @app.task(name=PROVISION_TASK, shared=False)  # tasks of this app only (several agents may share a process in tests)
-    def provision_cache(cache_id: str, spec: dict, capacity: dict, hash_key_b64: str, epoch: int,
-                        tenant_id: str = "", ssd_key_b64: str = "") -> bool:  # fmt: skip
-        ok, reason = provision(registry, cache_id, spec, capacity, hash_key_b64, epoch, tenant_id, ssd_key_b64)
+    def provision_cache(cache_id: str, spec: dict, capacity: dict, hash_key_box: str, epoch: int,
+                        tenant_id: str = "", ssd_key_box: str = "") -> bool:  # fmt: skip
+        hash_key, ssd_key, reason = unsealed_keys(keys, task=PROVISION_TASK, cache_id=cache_id,
+                                                  hash_key_box=hash_key_box, ssd_key_box=ssd_key_box)  # fmt: skip
+        if reason is None:
+            return False  # sealed to a key this node does not hold: not answered (see unsealed_keys)
+        ok = False
+        if not reason:
+            ok, reason = provision(registry, cache_id, spec, capacity, hash_key, epoch, tenant_id, ssd_key)
         answer(PROVISION_RESULT_TASK, [cache_id, node_id, ok, reason, endpoint if ok else ""])
         return ok
 
@@ -123,7 +171,7 @@ def build_node_app(
         return len(purged)
 
     if migration is not None:  # gpu_node.migration_tasks.NodeMigration: migrate_in / migrate_out / migrate_cutover
-        migration.register(app, answer)
+        migration.register(app, answer, keys=keys)
     else:
         _refuse_migrations(app, answer, node_id)
     return app

@@ -1,22 +1,30 @@
 """The Celery messages between the control plane and node agents: task names, queues and argument lists, in one
 torch-free, Django-free module both sides import, so they cannot drift apart.
 
+Key material is never in clear in a message: each key is a box sealed to the receiving node's X25519 key
+(kcaas/sealing.py, `kcs1.`...), bound to the task name, the node id, the cache id and the field ("hash_key",
+"ssd_key"). The node refuses a key in clear.
+
 control -> node, on the node's own queue `node.<node id>`:
     provision_cache(cache_id: str, spec: dict (KVCacheSpec fields), capacity: {"device","dram","ssd": bytes},
-                    hash_key_b64: str (32 bytes), epoch: int, tenant_id: str = "", ssd_key_b64: str = "")
-                    (ssd_key_b64: the cache's SSD data key, 32 bytes, in clear only here; "" = no SSD tier. The
-                    node keeps it in memory only; the control plane stores it sealed under the tenant key)
+                    hash_key_box: str (sealed, 32 bytes), epoch: int, tenant_id: str = "", ssd_key_box: str = "")
+                    (ssd_key_box: the cache's SSD data key, 32 bytes, sealed; "" = no SSD tier. The node keeps it
+                    in memory only; the control plane stores it sealed under the tenant key)
     detach_cache(cache_id: str, epoch: int)
     revoke_tokens(entries: [{"jti": str, "exp": int unix seconds}])   (no answer: idempotent, and the same list
                     comes back in every register/heartbeat answer as `revoked_tokens`)
     purge_tenant(tenant_id: str, job_id: str)   (erasure: drop and zero every cache of the tenant, any epoch)
 node -> control, on the `control` queue:
     provision_result(cache_id: str, node_id: str, ok: bool, reason: str, endpoint: str)
+                    (reason key_not_sealed / sealed_key_invalid: a key in clear, or a box altered or sealed for
+                    another message; nothing was provisioned. A box sealed to a node key the node does not hold
+                    is not answered: the order comes again under the key it registered)
     detach_result(cache_id: str, node_id: str)
     purge_result(job_id: str, node_id: str, tenant_id: str, purged: [{"cache_id": str, "freed_bytes": int}])
 migration (platform/caches/migration.py, gpu_node/migration_tasks.py):
-    control -> target  migrate_in(migration_id, cache_id, spec, capacity, hash_key_b64, epoch_to, source_node_id,
-                                  tenant_id, ssd_key_b64 = "" (only for caches with an SSD tier))
+    control -> target  migrate_in(migration_id, cache_id, spec, capacity, hash_key_box, epoch_to, source_node_id,
+                                  tenant_id, ssd_key_box = "" (only for caches with an SSD tier); boxes sealed to
+                                  the target for MIGRATE_IN_TASK)
     control -> source  migrate_out(migration_id, cache_id, epoch_from, epoch_to, target_node_id,
                                    target_migration_endpoint, target_endpoint)
     control -> source  migrate_cutover(migration_id, cache_id, epoch_from, target_endpoint, epoch_to)

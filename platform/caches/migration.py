@@ -19,7 +19,6 @@ points the sender at the target again, after a lost result it copies what is mis
 
 from __future__ import annotations
 
-import base64
 import logging
 import uuid
 from datetime import timedelta
@@ -37,7 +36,7 @@ from caches.services import _lock_cache, cache_key
 from controlplane.errors import ConflictError, NotFoundError
 from fleet.errors import NoCapacity
 from fleet.models import Node, NodeState
-from fleet.outbox import order_enqueue, orders_acknowledge, orders_close
+from fleet.outbox import order_enqueue, orders_acknowledge, orders_close, seal_for_node
 from fleet.services import node_drain, node_place, node_unreserve, nodes_lock
 from kcaas.node_messages import (
     DETACH_TASK,
@@ -109,7 +108,7 @@ def _order_migrate_in(migration: Migration) -> None:
 
 
 def migrate_in_order_args(migration_id: str) -> list | None:
-    """The outbox builder of migrate_in (it carries the cache's keys, unsealed only into the message): None once
+    """The outbox builder of migrate_in (it carries the cache's keys, sealed to the target): None once
     the migration is no longer pending, once its cache left service (a detach, an erasure: the target must not host
     it again after the purge) or when its keys no longer open (shredded)."""
     migration = Migration.objects.select_related("cache").filter(pk=migration_id, state=MigrationState.PENDING).first()
@@ -124,14 +123,19 @@ def migrate_in_order_args(migration_id: str) -> list | None:
 
 
 def _migrate_in_args(migration: Migration, cache: Cache) -> list:
-    """migrate_in's arguments: always the same for one migration (epoch_to, hash key, SSD key), so a re-sent order
-    re-provisions the very cache the target had (its SSD directory rescans under the same key)."""
+    """migrate_in's arguments: the same keys for one migration (epoch_to, hash key, SSD key), so a re-sent order
+    re-provisions the very cache the target had (its SSD directory rescans under the same key). The keys are sealed
+    to the target node at send time (fleet.outbox.seal_for_node), never in clear on the broker."""
     hash_key = hash_key_unseal(cache_id=cache.pk, sealed=cache.hash_key_sealed)
-    args = [str(migration.pk), str(cache.pk), cache.spec_dict(), cache.capacity(),
-            base64.b64encode(hash_key).decode(), migration.epoch_to, str(migration.source_id),
-            str(cache.tenant_id)]  # fmt: skip
+
+    def sealed(field: str, key: bytes) -> str:
+        return seal_for_node(node_id=migration.target_id, task=MIGRATE_IN_TASK, cache_id=cache.pk, field=field,
+                             plaintext=key)  # fmt: skip
+
+    args = [str(migration.pk), str(cache.pk), cache.spec_dict(), cache.capacity(), sealed("hash_key", hash_key),
+            migration.epoch_to, str(migration.source_id), str(cache.tenant_id)]  # fmt: skip
     if cache.ssd_key_sealed:  # the target's SSD tier encrypts under the cache's own data key, as the source's did
-        args.append(base64.b64encode(ssd_key_unseal(cache_id=cache.pk, sealed=cache.ssd_key_sealed)).decode())
+        args.append(sealed("ssd_key", ssd_key_unseal(cache_id=cache.pk, sealed=cache.ssd_key_sealed)))
     return args
 
 

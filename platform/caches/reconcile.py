@@ -5,7 +5,9 @@ answer. What it cannot cover is a node that never answers while its lease stays 
 nobody consumes). Beat runs `caches_reconcile_stuck` every KCAAS_RECONCILE_SECONDS:
 
     provisioning (or pending) for KCAAS_PROVISION_DEADLINE_SECONDS -> failed `provisioning_timeout`: the reservation
-        is released and the node is ordered to drop whatever it made (a detach, which supersedes the provisioning)
+        is released and the node is ordered to drop whatever it made (a detach, which supersedes the provisioning);
+        `node_sealing_key_missing` instead when the node registered no sealing key, so no order with the cache's
+        keys could be sent to it (fleet.outbox.seal_for_node: keys never go in clear)
     detaching for KCAAS_DETACH_DEADLINE_SECONDS -> detached, `detach_unconfirmed`: the reservation is released (the
         cache's tokens were revoked when the detach began, so nothing reaches its pool); its detach order stays open,
         sent until the node answers (or the order expires, or the node is lost): a detach that a broker outage kept
@@ -36,6 +38,7 @@ from audit.context import SYSTEM
 from caches.models import Cache, CacheState
 from caches.services import (
     DETACH_UNCONFIRMED,
+    NODE_SEALING_KEY_MISSING,
     PROVISIONING_TIMEOUT,
     _audit,
     _order_detach,
@@ -55,7 +58,7 @@ def caches_reconcile_stuck(*, now: datetime | None = None) -> list[uuid.UUID]:
     provisioning_before = now - timedelta(seconds=settings.KCAAS_PROVISION_DEADLINE_SECONDS)
     detaching_before = now - timedelta(seconds=settings.KCAAS_DETACH_DEADLINE_SECONDS)
     stuck = _lock_stuck(provisioning_before, detaching_before)
-    nodes_lock(node_ids=[cache.node_id for cache in stuck])  # every cache, then their nodes in id order
+    nodes = {node.pk: node for node in nodes_lock(node_ids=[cache.node_id for cache in stuck])}  # then their nodes
     events = []
     for cache in stuck:
         old = {"state": cache.state, "failure_reason": cache.failure_reason}
@@ -63,7 +66,9 @@ def caches_reconcile_stuck(*, now: datetime | None = None) -> list[uuid.UUID]:
         if cache.state == CacheState.DETACHING:
             cache.state, cache.failure_reason = CacheState.DETACHED, DETACH_UNCONFIRMED
         else:
-            cache.state, cache.failure_reason = CacheState.FAILED, PROVISIONING_TIMEOUT
+            keyless = cache.node_id in nodes and not nodes[cache.node_id].sealing_public_key
+            cache.state = CacheState.FAILED
+            cache.failure_reason = NODE_SEALING_KEY_MISSING if keyless else PROVISIONING_TIMEOUT
         cache.save(update_fields=["state", "failure_reason", "updated_at"])
         events.append((cache, old))
     for cache, _ in events:  # the orders after every node lock (a detach already under way keeps its order)

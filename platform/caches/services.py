@@ -19,7 +19,6 @@ the audit chain head. Row locks are FOR NO KEY UPDATE, which never conflict with
 checks take, so inserting a row that references a locked tenant, cache or node never waits for it.
 """
 
-import base64
 import logging
 import time
 import uuid
@@ -41,7 +40,7 @@ from caches.sealing import SealError, hash_key_new_sealed, hash_key_unseal, ssd_
 from caches.signing import token_sign
 from controlplane.errors import ConflictError, NotFoundError, QuotaExceeded
 from fleet.models import NodeState
-from fleet.outbox import order_enqueue, orders_acknowledge
+from fleet.outbox import order_enqueue, orders_acknowledge, seal_for_node
 from fleet.services import node_place, node_unreserve, nodes_expire_unrecorded, nodes_lock, nodes_lost_record
 from kcaas.spec import KVCacheSpec
 from tenants.models import Tenant
@@ -56,6 +55,7 @@ MAX_TIER_BYTES = 2**50  # 1 PiB per tier per cache: far above any node, far belo
 MAX_REASON_LENGTH = 300
 NODE_LOST = "node_lost"
 PROVISIONING_TIMEOUT = "provisioning_timeout"
+NODE_SEALING_KEY_MISSING = "node_sealing_key_missing"  # its node registered no sealing key: no keys could be sent
 DETACH_UNCONFIRMED = "detach_unconfirmed"
 ACCESS_LEVELS = ("read", "readwrite")
 MIN_TOKEN_TTL_SECONDS = 60
@@ -177,7 +177,9 @@ def _provision(cache: Cache) -> None:
 
 def provision_order_args(cache_id: str, epoch: int) -> list | None:
     """The provisioning message for the outbox, made at send time: None once it is moot (the cache is no longer
-    provisioning at that epoch, or its keys were shredded by an erasure)."""
+    provisioning at that epoch, or its keys were shredded by an erasure). Its keys are sealed to the cache's node
+    (fleet.outbox.seal_for_node: bound to this task, node, cache and field): the broker never sees them in clear. A
+    node with no sealing key on record raises NodeSealingKeyMissing: nothing is sent."""
     cache = Cache.objects.filter(pk=cache_id, epoch=epoch, state=CacheState.PROVISIONING).first()
     if cache is None:
         return None
@@ -187,10 +189,14 @@ def provision_order_args(cache_id: str, epoch: int) -> list | None:
     except SealError:
         logger.warning("cache %s: its keys do not open; provisioning not sent", cache.pk)
         return None
-    args = [str(cache.pk), cache.spec_dict(), cache.capacity(), base64.b64encode(hash_key).decode(), cache.epoch,
+
+    def sealed(field: str, key: bytes) -> str:
+        return seal_for_node(node_id=cache.node_id, task=PROVISION_TASK, cache_id=cache.pk, field=field, plaintext=key)
+
+    args = [str(cache.pk), cache.spec_dict(), cache.capacity(), sealed("hash_key", hash_key), cache.epoch,
             str(cache.tenant_id)]  # fmt: skip
-    if ssd_key is not None:  # the trailing ssd_key_b64: only caches with an SSD tier send it
-        args.append(base64.b64encode(ssd_key).decode())
+    if ssd_key is not None:  # the trailing ssd_key_box: only caches with an SSD tier send it
+        args.append(sealed("ssd_key", ssd_key))
     return args
 
 

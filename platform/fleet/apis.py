@@ -78,6 +78,12 @@ class NodeRegisterApi(_NodeApi):
             help_text="ids of the caches the agent still holds (after a restart: usually none)",
         )
         csr = _csr_field(required=False)
+        sealing_public_key = serializers.CharField(
+            required=False, max_length=64, trim_whitespace=False,
+            help_text="base64 of the node's X25519 public key (32 bytes): the keys in its provisioning and migration "
+            "orders are sealed to it (kcaas/sealing.py). Without one the node is sent no keys, so it cannot host "
+            "caches.",
+        )
 
     @extend_schema_serializer(component_name="NodeRegistration")
     class OutputSerializer(serializers.Serializer):
@@ -111,7 +117,7 @@ class NodeRegisterApi(_NodeApi):
         data = _validated(self.InputSerializer, request.data)
         registration = services.node_register(
             node_id=request.user.node.pk, endpoint=data["endpoint"], capacity=dict(data["capacity"]),
-            csr=data.get("csr"),
+            csr=data.get("csr"), sealing_public_key=data.get("sealing_public_key"),
         )
         body = {
             "node": registration.node,

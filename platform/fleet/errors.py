@@ -56,3 +56,16 @@ class InvalidCsr(ApplicationError):
     csr_key_unsupported (not an ECDSA P-256 public key)."""
 
     code = "csr_malformed"
+
+
+class InvalidSealingKey(ApplicationError):
+    """A registration's `sealing_public_key` that no key can be sealed to: not base64 of 32 bytes, or a low-order
+    X25519 point."""
+
+    code = "invalid_sealing_key"
+
+
+class NodeSealingKeyMissing(Exception):
+    """An order that carries keys for a node with no sealing key on record (its agent registered without one: older
+    than key sealing). Nothing is sent: no key travels in clear; the order is tried again after a backoff and goes
+    once the node registers a key."""

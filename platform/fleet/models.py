@@ -6,6 +6,7 @@ Invariants held by fleet.services (the only writer):
   so placement never reserves past capacity. Capacity itself is whatever the agent last reported: if a node
   reports less than is reserved, nothing is evicted here, the node simply has no free bytes on that tier;
 - `credential_public_id` identifies the node credential; only an HMAC of its secret is kept (`credential_hash`);
+- `sealing_public_key` is the one the agent sent in its latest registration (empty when it sent none);
 - the lease is renewed by register/heartbeat; `nodes_expire_leases` turns nodes whose lease passed into `lost`,
   and only a re-register brings a lost node back to `ready`.
 """
@@ -51,6 +52,10 @@ class Node(models.Model):
     # The latest certificate the platform CA issued to the node (fleet.pki): hex serial and expiry; empty/null before.
     certificate_serial = models.CharField(max_length=40, blank=True, default="")
     certificate_not_after = models.DateTimeField(null=True, blank=True)
+    # The node's X25519 sealing key (base64 of 32 bytes, kcaas/sealing.py), sent in its authenticated registration:
+    # the keys in its provisioning and migration orders are sealed to it. Empty: an agent older than key sealing,
+    # which is sent no key at all (fleet.outbox.seal_for_node refuses).
+    sealing_public_key = models.CharField(max_length=64, blank=True, default="")
 
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)

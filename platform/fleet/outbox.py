@@ -9,6 +9,12 @@
     orders_acknowledge(...)   the node's answer arrived: the order is done (called in the answer's transaction)
     orders_close(...)         the owner moved on (a cache that failed, a migration that ended): no more sends
 
+Keys never travel in clear: a builder seals each key its message carries to the receiving node's registered X25519
+key (`seal_for_node`, kcaas/sealing.py), bound to the task, node, cache and field, so the broker (Redis, or the
+embedded file broker's files) never holds a usable key. A node with no key on record is sent nothing: the builder
+raises NodeSealingKeyMissing, the order stays due (last_error `node_sealing_key_missing`) and goes once the node
+registers a key.
+
 A published message whose answer is lost (the node's broker connection died, the control worker failed on a
 database error) is therefore sent again until the answer arrives; the node's handlers are idempotent (cache id and
 epoch, migration id). Orders to a lost node are dropped: a node that registers again is reconciled from the
@@ -30,10 +36,13 @@ from django.utils import timezone
 from django.utils.module_loading import import_string
 
 from controlplane.celery import app as celery_app, node_queue
+from fleet.errors import NodeSealingKeyMissing
 from fleet.models import OPEN_ORDER_STATES, Node, NodeOrder, NodeState, OrderState
+from kcaas.sealing import seal
 
 logger = logging.getLogger("kcaas.fleet.outbox")
 MAX_ERROR_LENGTH = 300
+NODE_SEALING_KEY_MISSING = "node_sealing_key_missing"  # why an order carrying keys was not sent (seal_for_node)
 # Connection attempts before a publish gives up: the request path's fast path never waits on a down broker (the
 # dispatcher sends the order later), the dispatcher tries twice per run.
 FAST_PATH_CONNECT_RETRIES = 0
@@ -112,6 +121,18 @@ def orders_dispatch(*, now: datetime | None = None, limit: int = 500) -> dict[st
     return counts
 
 
+def seal_for_node(*, node_id, task: str, cache_id, field: str, plaintext: bytes) -> str:
+    """`plaintext` (a key) sealed to node `node_id`'s registered sealing key for one message: `task` to that node
+    about `cache_id`, in its `field`. NodeSealingKeyMissing when the node registered no key: nothing is sealed or
+    sent, never a key in clear. Builders call it at send time, so a re-sent order is sealed to the node's current
+    key (an agent that restarted with a new key gets the order again under it)."""
+    public_key = Node.objects.filter(pk=node_id).values_list("sealing_public_key", flat=True).first()
+    if not public_key:
+        raise NodeSealingKeyMissing(f"{NODE_SEALING_KEY_MISSING}: node {node_id} registered no sealing key (an agent "
+                                    f"older than key sealing: upgrade it); no key is sent in clear")  # fmt: skip
+    return seal(plaintext, public_key_b64=public_key, task=task, node_id=node_id, cache_id=cache_id, field=field)
+
+
 def _broker(connect_retries: int):
     """A connection of its own to the broker that gives up after `connect_retries` attempts (kombu's default keeps
     reconnecting for seconds, and the pool's connections are shared with the rest of the process)."""
@@ -127,7 +148,10 @@ def _send(order: NodeOrder, now: datetime, connection) -> str:
             with transaction.atomic():  # a savepoint: a builder's database error leaves the run's transaction usable
                 args = import_string(order.builder)(*order.args)
         except Exception as error:  # noqa: BLE001 - one order that cannot be built must not hold up every other
-            logger.exception("order %s (%s to node %s): its builder failed", order.pk, order.task, order.node_id)
+            if isinstance(error, NodeSealingKeyMissing):
+                logger.warning("order %s (%s to node %s) not sent: %s", order.pk, order.task, order.node_id, error)
+            else:
+                logger.exception("order %s (%s to node %s): its builder failed", order.pk, order.task, order.node_id)
             order.attempts += 1
             order.last_error = f"builder: {type(error).__name__}: {error}"[:MAX_ERROR_LENGTH]
             backoff = _backoff(order.attempts, settings.KCAAS_ORDER_RESEND_SECONDS)

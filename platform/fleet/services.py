@@ -28,12 +28,14 @@ from fleet.errors import (
     InvalidCapacity,
     InvalidNodeName,
     InvalidNodeState,
+    InvalidSealingKey,
     NoCapacity,
     NodeNameTaken,
     ReregisterRequired,
 )
 from fleet.models import TIERS, Node, NodeState
 from fleet.validators import NODE_NAME_RE, capacity_errors, endpoint_error, endpoint_normalize
+from kcaas.sealing import public_key_bytes
 
 logger = logging.getLogger("kcaas.fleet")
 
@@ -116,13 +118,13 @@ def node_create(*, name: str) -> IssuedNode:
 
 # What a (re-)registration may change, as the audit trail records it (lease times are renewals, not changes).
 _REGISTERED_FIELDS = ("state", "endpoint", "device_capacity_bytes", "dram_capacity_bytes", "ssd_capacity_bytes",
-                      "registered_at")  # fmt: skip
+                      "registered_at", "sealing_public_key")  # fmt: skip
 
 
 @transaction.atomic
 def node_register(
     *, node_id: uuid.UUID, endpoint: str, capacity: dict[str, int], now: datetime | None = None,
-    csr: str | None = None,
+    csr: str | None = None, sealing_public_key: str | None = None,
 ) -> NodeRegistration:
     """(Re-)registration by the agent itself: endpoint and whole capacity recorded, lease started.
 
@@ -131,10 +133,20 @@ def node_register(
     placed on the node are still the control plane's to release. 409 endpoint_in_use when another live node
     answers on the same endpoint. With a `csr` the platform CA issues the node's certificate for the new endpoint
     in the same transaction (a bad CSR refuses the whole registration, 400 csr_*).
+
+    `sealing_public_key` (base64 X25519, kcaas/sealing.py) is what the keys in this node's orders are sealed to from
+    now on; the credential that authenticated the registration binds it to this node. A registration without one
+    (an agent older than key sealing) clears it: such a node is sent no key at all (fleet.outbox.seal_for_node).
+    400 invalid_sealing_key for a key nothing can be sealed to.
     """
     problem = endpoint_error(endpoint)
     if problem:
         raise InvalidEndpoint(f"The endpoint {problem}.", details={"endpoint": problem})
+    if sealing_public_key:
+        try:
+            public_key_bytes(sealing_public_key)
+        except ValueError as error:
+            raise InvalidSealingKey(f"The sealing public key is unusable: {error}.") from None
     if csr is not None:
         pki.csr_public_key(csr)  # refuse a bad CSR before anything changes
     checked = _checked_capacity(capacity, require_all=True)
@@ -142,6 +154,7 @@ def node_register(
     node = _lock(node_id)
     before = {field: getattr(node, field) for field in _REGISTERED_FIELDS}
     node.endpoint = endpoint_normalize(endpoint)
+    node.sealing_public_key = sealing_public_key or ""
     _set_capacity(node, checked)
     if node.state in (NodeState.REGISTERING, NodeState.LOST):
         node.state = NodeState.READY

@@ -20,6 +20,7 @@ from fleet import services as fleet_services
 from fleet.models import Node
 from tenants import services as tenant_services
 from tenants.models import Tenant
+from tests.fleet.node_keys import TEST_SEALING_PUBLIC_KEY
 
 GIB = 2**30
 PASSWORD = "correct horse battery staple"
@@ -90,15 +91,17 @@ def tenant_b(make_tenant) -> TenantHandle:
 
 @pytest.fixture
 def make_node(db):
-    """make_node(device=, dram=, ssd=) -> a registered (ready, live lease) Node."""
+    """make_node(device=, dram=, ssd=) -> a registered (ready, live lease) Node holding the test sealing key
+    (tests/fleet/node_keys.py; sealing_public_key=None: an agent older than key sealing)."""
 
-    def make(*, device: int = 8 * GIB, dram: int = 64 * GIB, ssd: int = 512 * GIB, now=None) -> Node:
+    def make(*, device: int = 8 * GIB, dram: int = 64 * GIB, ssd: int = 512 * GIB, now=None,
+             sealing_public_key: str | None = TEST_SEALING_PUBLIC_KEY) -> Node:  # fmt: skip
         issued = fleet_services.node_create(name=f"node-{next(_names)}-{uuid.uuid4().hex[:6]}")
         fleet_services.node_register(
             node_id=issued.node.pk,
             endpoint=f"10.1.0.1:{next(_ports)}",
             capacity={"device": device, "dram": dram, "ssd": ssd},
-            now=now,
+            now=now, sealing_public_key=sealing_public_key,
         )
         return Node.objects.get(pk=issued.node.pk)
 

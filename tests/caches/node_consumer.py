@@ -2,10 +2,9 @@
 workers consume a node's queue and answer the control plane by task name on the `control` queue.
 
 `NodeBehaviour` tells it which node it is and whether to fail; it records what it received so the test can check
-the messages (spec, capacity, hash key, epoch).
+the messages (spec, capacity, sealed hash key, epoch).
 """
 
-import base64
 import os
 import threading
 import time
@@ -14,6 +13,7 @@ from dataclasses import dataclass, field
 from celery import Celery
 
 from kcaas.spec import KVCacheSpec
+from tests.fleet.node_keys import opened
 
 CONTROL_QUEUE = "control"
 
@@ -47,13 +47,14 @@ def _answer(task_name: str, args: list) -> None:
 
 
 @node_app.task(name="kcaas.node.provision_cache", shared=False)
-def provision_cache(cache_id: str, spec: dict, capacity: dict, hash_key_b64: str, epoch: int, tenant_id: str = "") -> None:
+def provision_cache(cache_id: str, spec: dict, capacity: dict, hash_key_box: str, epoch: int, tenant_id: str = "") -> None:
     with behaviour.lock:
-        behaviour.received.append(("provision_cache", [cache_id, spec, capacity, hash_key_b64, epoch, tenant_id]))
+        behaviour.received.append(("provision_cache", [cache_id, spec, capacity, hash_key_box, epoch, tenant_id]))
         fail_reason = behaviour.fail_reason
-    # What a real agent checks before allocating: a valid layout and a 32-byte key.
+    # What a real agent checks before allocating: a valid layout and a 32-byte key sealed to it for this message.
     layout = KVCacheSpec.from_dict(spec)
-    ok = fail_reason is None and len(base64.b64decode(hash_key_b64)) == 32 and capacity["device"] >= layout.block_bytes
+    hash_key = opened(hash_key_box, task="kcaas.node.provision_cache", node_id=behaviour.node_id, cache_id=cache_id)
+    ok = fail_reason is None and len(hash_key) == 32 and capacity["device"] >= layout.block_bytes
     reason = "" if ok else (fail_reason or "bad provisioning request")
     _answer("caches.provision_result", [cache_id, behaviour.node_id, ok, reason, behaviour.endpoint if ok else ""])
 

@@ -1,12 +1,13 @@
 """POST /api/v1/caches: validation codes, the created cache, the message to its node, quota refusals."""
 
-import base64
 
 import pytest
 
 from caches.models import Cache, CacheState
 from caches.sealing import hash_key_unseal
 from controlplane.celery import app as celery_app, node_queue
+from kcaas.node_messages import PROVISION_TASK
+from tests.fleet.node_keys import opened
 from tests.caches.conftest import BLOCK_BYTES, GIB, SPEC, attach_body, purge_node_queue, reserved
 
 pytestmark = pytest.mark.django_db
@@ -121,10 +122,11 @@ def test_provisioning_is_sent_to_the_nodes_queue_on_commit(tenant_a, node, djang
     finally:
         purge_node_queue(node.pk)
     assert message.headers["task"] == "kcaas.node.provision_cache"
-    (cache_id, spec, capacity, hash_key_b64, epoch, tenant_id), kwargs, _ = message.decode()
+    (cache_id, spec, capacity, hash_key_box, epoch, tenant_id), kwargs, _ = message.decode()
     assert cache_id == str(cache.pk) and spec == SPEC and epoch == 1 and tenant_id == str(cache.tenant_id)
     assert capacity == {"device": 64 * BLOCK_BYTES, "dram": 0, "ssd": 0}
-    assert base64.b64decode(hash_key_b64) == hash_key_unseal(cache_id=cache.pk, sealed=cache.hash_key_sealed)
+    assert opened(hash_key_box, task=PROVISION_TASK, node_id=node.pk, cache_id=cache.pk) == hash_key_unseal(
+        cache_id=cache.pk, sealed=cache.hash_key_sealed)
 
 
 def test_rolled_back_attach_sends_nothing(tenant_a, make_node, django_capture_on_commit_callbacks):

@@ -25,6 +25,7 @@ from gpu_node.migration_tasks import NodeMigration
 from gpu_node.node_tasks import build_node_app
 from gpu_node.registry import CacheRegistry
 from tests.caches.conftest import BLOCK_BYTES, attach_body, purge_node_queue, reserved, running_workers, wait_for_state
+from tests.fleet.node_keys import TEST_SEALING_KEY
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -51,7 +52,8 @@ def nodes(tmp_path_factory):
         migration = NodeMigration(registry=registry, node_id=str(node_id), listener=listener,
                                   client_context=mtls_client_context(**_files(files)))  # fmt: skip
         app = build_node_app(broker_url=os.environ["CELERY_BROKER_URL"], node_id=str(node_id),
-                             endpoint=ENDPOINTS[node_id], registry=registry, migration=migration)  # fmt: skip
+                             endpoint=ENDPOINTS[node_id], registry=registry, migration=migration,
+                             sealing_key=TEST_SEALING_KEY)  # fmt: skip
         sides[node_id] = (registry, migration)
         apps.append((app, [node_queue(node_id)]))
     try:

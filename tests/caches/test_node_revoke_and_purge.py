@@ -21,6 +21,7 @@ from gpu_node.registry import CacheRegistry
 from gpu_node.tokens import RevocationList
 from kcaas.node_messages import PURGE_TENANT_TASK
 from tests.caches.conftest import BLOCK_BYTES, attach_body, purge_node_queue, running_workers, wait_for_state
+from tests.fleet.node_keys import TEST_SEALING_KEY, TEST_SEALING_PUBLIC_KEY
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -35,7 +36,7 @@ def node_side():
     registry = CacheRegistry(device_capacity_bytes=NODE_DEVICE_BYTES, device="cpu")
     revocations = RevocationList()
     node_app = build_node_app(broker_url=os.environ["CELERY_BROKER_URL"], node_id=str(NODE_ID), endpoint=ENDPOINT,
-                              registry=registry, revocations=revocations)  # fmt: skip
+                              registry=registry, revocations=revocations, sealing_key=TEST_SEALING_KEY)  # fmt: skip
     try:
         with running_workers((control_app, ["control"]), (node_app, [node_queue(NODE_ID)])):
             yield registry, revocations
@@ -92,7 +93,8 @@ def test_revoked_tokens_reach_the_node_and_its_heartbeat_answers(tenant_a, tenan
                                            credential_hash=credential.secret_hash)  # fmt: skip
     agent = APIClient()
     agent.credentials(HTTP_AUTHORIZATION=f"Bearer {credential.raw}")
-    body = {"endpoint": ENDPOINT, "capacity": {"device": NODE_DEVICE_BYTES, "dram": 0, "ssd": 0}}
+    body = {"endpoint": ENDPOINT, "capacity": {"device": NODE_DEVICE_BYTES, "dram": 0, "ssd": 0},
+            "sealing_public_key": TEST_SEALING_PUBLIC_KEY}
     registered = agent.post("/api/v1/nodes/register", {**body, "caches": [cache_id]}, format="json")
     assert registered.status_code == 200, registered.content
     fresh = RevocationList()

@@ -2,6 +2,7 @@
 real broker: attach -> the node allocates a PagedKVCache with the cache's sealed hash key -> ready; detach frees it;
 a request the node cannot fit is answered failed with the node's reason."""
 
+import base64
 import os
 import time
 import uuid
@@ -16,7 +17,10 @@ from fleet.models import Node
 from gpu_node.block_hash import BlockHasher, tokens_as_int32
 from gpu_node.node_tasks import build_node_app
 from gpu_node.registry import CacheRegistry
+from kcaas.node_messages import MIGRATE_IN_TASK, PROVISION_TASK
+from kcaas.sealing import NodeSealingKey, seal
 from tests.waiting import eventually
+from tests.fleet.node_keys import TEST_SEALING_KEY, TEST_SEALING_PUBLIC_KEY
 from tests.caches.conftest import (
     BLOCK_BYTES,
     attach_body,
@@ -37,7 +41,8 @@ NODE_DEVICE_BYTES = 100 * BLOCK_BYTES
 def node_registry():
     registry = CacheRegistry(device_capacity_bytes=NODE_DEVICE_BYTES, device="cpu")
     node_app = build_node_app(
-        broker_url=os.environ["CELERY_BROKER_URL"], node_id=str(NODE_ID), endpoint=ENDPOINT, registry=registry
+        broker_url=os.environ["CELERY_BROKER_URL"], node_id=str(NODE_ID), endpoint=ENDPOINT, registry=registry,
+        sealing_key=TEST_SEALING_KEY,
     )
     try:
         with running_workers((control_app, ["control"]), (node_app, [node_queue(NODE_ID)])):
@@ -101,3 +106,62 @@ def test_a_move_to_a_node_without_a_migration_listener_fails_at_once(tenant_a, n
     assert eventually(lambda: Migration.objects.get(pk=moving.pk).state == "failed", timeout=20), \
         "the migration was not refused"
     assert Migration.objects.get(pk=moving.pk).failure_reason == "migration_unavailable"
+
+
+# ---- keys sealed to the node (kcaas/sealing.py) ----------------------------------------------------------------------
+def _attach_unsent(tenant, monkeypatch, name: str) -> tuple[str, list]:
+    """An attached cache whose provisioning order the outbox keeps (not published): the test sends the message
+    itself. Returns (cache id, the provisioning arguments the outbox would send, keys sealed to this node)."""
+    from caches.services import provision_order_args
+
+    monkeypatch.setattr("fleet.outbox._publish_after_commit", lambda order_id: None)
+    response = tenant.client.post("/api/v1/caches", attach_body(name, device=8 * BLOCK_BYTES), format="json")
+    assert response.status_code == 201, response.content
+    cache_id = response.json()["id"]
+    return cache_id, provision_order_args(cache_id, 1)
+
+
+def _flip_ciphertext(box: str) -> str:
+    prefix, text = box[:5], box[5:]
+    raw = bytearray(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))
+    raw[-20] ^= 0x01  # a ciphertext byte (the last 16 are the tag)
+    return prefix + base64.urlsafe_b64encode(bytes(raw)).decode().rstrip("=")
+
+
+def _key_of(cache_id) -> bytes:
+    cache = Cache.objects.get(pk=cache_id)
+    return hash_key_unseal(cache_id=cache.pk, sealed=cache.hash_key_sealed)
+
+
+@pytest.mark.parametrize("forge, reason", [
+    (lambda args, key: _flip_ciphertext(args[3]), "sealed_key_invalid"),  # altered on the broker
+    (lambda args, key: seal(key, public_key_b64=TEST_SEALING_PUBLIC_KEY, task=PROVISION_TASK, node_id=NODE_ID,
+                            cache_id=uuid.uuid4(), field="hash_key"), "sealed_key_invalid"),  # another cache's box
+    (lambda args, key: seal(key, public_key_b64=TEST_SEALING_PUBLIC_KEY, task=MIGRATE_IN_TASK, node_id=NODE_ID,
+                            cache_id=args[0], field="hash_key"), "sealed_key_invalid"),  # another task's box
+    (lambda args, key: base64.b64encode(key).decode(), "key_not_sealed"),  # the key in clear (an old control plane)
+], ids=["altered", "another_cache", "another_task", "in_clear"])  # fmt: skip
+def test_a_key_box_that_does_not_open_is_answered_failed_and_provisions_nothing(tenant_a, node, node_registry,
+                                                                                monkeypatch, forge, reason):  # fmt: skip
+    cache_id, args = _attach_unsent(tenant_a, monkeypatch, "forged")
+    forged = [*args[:3], forge(args, _key_of(cache_id)), *args[4:]]
+    control_app.send_task(PROVISION_TASK, args=forged, queue=node_queue(NODE_ID))
+    failed = wait_for_state(tenant_a.client, cache_id, "failed")
+    assert failed["failure_reason"] == reason
+    assert node_registry.get(cache_id) is None  # never provisioned, with a wrong key or any other
+
+
+def test_a_box_sealed_to_another_nodes_key_is_not_opened_nor_answered(tenant_a, node, node_registry, monkeypatch):
+    """Sealed to a key this node does not hold (another node's, or its own before a restart without a kept key): it
+    opens nothing and is not answered, so the order that follows, under this node's key, provisions the cache."""
+    cache_id, args = _attach_unsent(tenant_a, monkeypatch, "elsewhere")
+    other = seal(_key_of(cache_id), public_key_b64=NodeSealingKey().public_key_b64, task=PROVISION_TASK,
+                 node_id=NODE_ID, cache_id=cache_id, field="hash_key")  # fmt: skip
+    control_app.send_task(PROVISION_TASK, args=[*args[:3], other, *args[4:]], queue=node_queue(NODE_ID))
+    control_app.send_task(PROVISION_TASK, args=args, queue=node_queue(NODE_ID))  # after it, in order (solo worker)
+    wait_for_state(tenant_a.client, cache_id, "ready")  # a failure answer to the first would have failed it
+    hosted = node_registry.get(cache_id)
+    tokens = tokens_as_int32(list(range(16)))
+    hosted.engine.put(tokens, torch.randn(2, 2, 16, 2, 8).to(torch.float16))
+    expected = BlockHasher(_key_of(cache_id), 16, hosted.spec.model_fingerprint).block_hashes(tokens)
+    assert set(expected) <= set(hosted.engine._blocks.cached_hash_to_block)  # keyed with the cache's own key

@@ -1,7 +1,6 @@
-"""The per-cache SSD data key: generated for caches with an SSD tier, sealed under the tenant key, sent in clear only
-as provision_cache's trailing ssd_key_b64, and unopenable after the tenant key is destroyed (erasure)."""
-
-import base64
+"""The per-cache SSD data key: generated for caches with an SSD tier, sealed under the tenant key, sent only as
+provision_cache's trailing ssd_key_box (sealed to the node), and unopenable after the tenant key is destroyed
+(erasure)."""
 
 import pytest
 
@@ -9,7 +8,9 @@ from caches.models import Cache
 from caches.sealing import HashKeyShredded, hash_key_unseal, ssd_key_unseal
 from controlplane.celery import app as celery_app, node_queue
 from tenants.tenant_keys import tenant_key_destroy
+from kcaas.node_messages import PROVISION_TASK
 from tests.caches.conftest import BLOCK_BYTES, attach_body, purge_node_queue
+from tests.fleet.node_keys import opened
 
 pytestmark = pytest.mark.django_db
 
@@ -34,7 +35,7 @@ def test_a_cache_with_an_ssd_tier_gets_its_own_sealed_key_sent_as_the_trailing_a
 ):
     cache, args = _attach_and_read_message(tenant_a, node, django_capture_on_commit_callbacks, ssd=64 * BLOCK_BYTES)
     assert len(args) == 7
-    ssd_key = base64.b64decode(args[6])
+    ssd_key = opened(args[6], task=PROVISION_TASK, node_id=node.pk, cache_id=cache.pk, field="ssd_key")
     assert len(ssd_key) == 32 and ssd_key == ssd_key_unseal(cache_id=cache.pk, sealed=cache.ssd_key_sealed)
     assert ssd_key != hash_key_unseal(cache_id=cache.pk, sealed=cache.hash_key_sealed)
     assert ssd_key not in bytes(cache.ssd_key_sealed)  # stored sealed only

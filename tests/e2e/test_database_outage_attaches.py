@@ -28,6 +28,7 @@ from gpu_node.registry import CacheRegistry
 from kcaas.node_messages import node_queue
 from kcaas.spec import KVCacheSpec
 from tests.caches.conftest import running_workers
+from tests.fleet.node_keys import TEST_SEALING_KEY, TEST_SEALING_PUBLIC_KEY
 from tests.faults import PrivatePostgres, PrivateRedis, free_port, start_calls, stop_process
 from tests.waiting import eventually
 
@@ -104,9 +105,11 @@ def test_attaches_and_detaches_through_a_postgresql_restart_all_finish_once(tmp_
         assert eventually(lambda: _healthy(url), timeout=60), (tmp_path / "web.log").read_text()[-3000:]
 
         node_id = ControlPlane(url, credential).register(endpoint="127.0.0.1:7801", capacity={
-            "device": 64 * SPEC.block_bytes, "dram": 0, "ssd": 0})["node"]["id"]  # fmt: skip
+            "device": 64 * SPEC.block_bytes, "dram": 0, "ssd": 0},
+            sealing_public_key=TEST_SEALING_PUBLIC_KEY)["node"]["id"]  # fmt: skip
         registry = CacheRegistry(device_capacity_bytes=64 * SPEC.block_bytes, device="cpu")
-        node_app = build_node_app(broker_url=broker.url, node_id=node_id, endpoint="127.0.0.1:7801", registry=registry)
+        node_app = build_node_app(broker_url=broker.url, node_id=node_id, endpoint="127.0.0.1:7801", registry=registry,
+                                  sealing_key=TEST_SEALING_KEY)  # fmt: skip
         stack.enter_context(running_workers((node_app, [node_queue(node_id)])))
 
         client = kcaas.Client(url, api_key, timeout=15)

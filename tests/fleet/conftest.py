@@ -11,6 +11,7 @@ from rest_framework.test import APIClient
 
 from fleet import services
 from fleet.models import Node
+from tests.fleet.node_keys import TEST_SEALING_PUBLIC_KEY
 
 PASSWORD = "correct horse battery staple"
 GIB = 2**30
@@ -67,17 +68,19 @@ class NodeHandle:
 def make_node(db):
     """make_node(name, device=, dram=, ssd=, state=, register=True, now=) -> NodeHandle.
 
-    Registers the node (state ready, lease from `now`) unless register=False; `state` then forces a state directly.
+    Registers the node (state ready, lease from `now`, the test sealing key unless sealing_public_key=None) unless
+    register=False; `state` then forces a state directly.
     """
 
-    def make(name, *, device=0, dram=0, ssd=0, state=None, register=True, now=None) -> NodeHandle:
+    def make(name, *, device=0, dram=0, ssd=0, state=None, register=True, now=None,
+             sealing_public_key=TEST_SEALING_PUBLIC_KEY) -> NodeHandle:  # fmt: skip
         issued = services.node_create(name=name)
         if register:
             services.node_register(
                 node_id=issued.node.pk,
                 endpoint=f"10.0.0.1:{next(_ports)}",
                 capacity={"device": device, "dram": dram, "ssd": ssd},
-                now=now,
+                now=now, sealing_public_key=sealing_public_key,
             )
         if state is not None:
             Node.objects.filter(pk=issued.node.pk).update(state=state)

@@ -21,6 +21,7 @@ from kcaas.node_messages import DETACH_TASK, PROVISION_TASK, node_queue
 from tests.caches.conftest import attach_body, make_node, make_tenant, node, tenant_a  # noqa: F401 - fixtures
 from tests.control_broker import use_broker
 from tests.faults import PrivateRedis
+from tests.fleet.node_keys import opened
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -80,7 +81,8 @@ def test_the_order_row_never_holds_the_keys_its_message_carries(broker, tenant_a
     order = NodeOrder.objects.get(node=node, task=PROVISION_TASK)
     assert order.args == [cache["id"], 1]  # the cache id and epoch only
     (message,) = queued(broker, node.pk)
-    assert len(base64.b64decode(message["args"][3])) == 32  # the hash key, unsealed into the message at send time
+    # the hash key, unsealed into the message at send time, sealed to the node (tests/fleet/test_sealed_orders.py)
+    assert len(opened(message["args"][3], task=PROVISION_TASK, node_id=node.pk, cache_id=cache["id"])) == 32
     assert message["args"][3] not in json.dumps(order.args)
 
 

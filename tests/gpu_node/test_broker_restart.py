@@ -8,7 +8,6 @@ The node side only (gpu_node.node_tasks + CacheRegistry): the control plane is n
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import multiprocessing as mp
 import os
@@ -24,7 +23,9 @@ from celery import Celery
 from gpu_node.node_tasks import build_node_app
 from gpu_node.registry import CacheRegistry
 from kcaas.node_messages import PROVISION_TASK, node_queue
+from kcaas.sealing import seal
 from tests.faults import PrivateRedis
+from tests.fleet.node_keys import TEST_SEALING_KEY, TEST_SEALING_PUBLIC_KEY
 from tests.gpu_node.kv_fixtures import tiny_spec
 from tests.waiting import eventually
 
@@ -44,7 +45,9 @@ def private_redis(tmp_path, monkeypatch):
 
 def provision_args(cache_id: str) -> list:
     spec = tiny_spec()
-    return [cache_id, spec.to_dict(), {"device": 8 * spec.block_bytes}, base64.b64encode(b"k" * 32).decode(), 1]
+    box = seal(b"k" * 32, public_key_b64=TEST_SEALING_PUBLIC_KEY, task=PROVISION_TASK, node_id=NODE_ID,
+               cache_id=cache_id, field="hash_key")  # fmt: skip
+    return [cache_id, spec.to_dict(), {"device": 8 * spec.block_bytes}, box, 1]
 
 
 def send_provision(broker_url: str, cache_id: str) -> None:
@@ -70,7 +73,7 @@ def _worker_process(broker_url: str, marker_dir: str, stall_seconds: float) -> N
     os.environ.pop("CELERY_BROKER_URL", None)  # Celery prefers that variable to the broker it is given
     registry = MarkingRegistry(device_capacity_bytes=1 << 20, device="cpu")
     app = build_node_app(broker_url=broker_url, node_id=NODE_ID, endpoint="127.0.0.1:1", registry=registry,
-                         transport_options=VISIBILITY)  # fmt: skip
+                         transport_options=VISIBILITY, sealing_key=TEST_SEALING_KEY)  # fmt: skip
     app.WorkController(app=app, queues=[node_queue(NODE_ID)], pool_cls="solo", concurrency=1,
                        without_heartbeat=True, without_mingle=True, without_gossip=True, use_eventloop=False,
                        hostname=f"{NODE_ID}-{os.getpid()}@test").start()  # fmt: skip

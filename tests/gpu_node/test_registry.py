@@ -1,4 +1,3 @@
-import base64
 import threading
 
 import pytest
@@ -92,18 +91,18 @@ def test_resident_snapshot_carries_the_engines_hit_and_miss_token_counters():
 
 
 @pytest.mark.parametrize(
-    "spec, capacity, key_b64, reason",
+    "spec, capacity, key, reason",
     [
-        ({**SPEC.to_dict(), "head_dim": 0}, {"device": 4 * BLOCK}, base64.b64encode(KEY).decode(), "invalid_spec"),
-        (SPEC.to_dict(), {"device": 4 * BLOCK}, base64.b64encode(b"short").decode(), "invalid_hash_key"),
-        (SPEC.to_dict(), {"device": 4 * BLOCK}, "not base64!", "invalid_request"),
-        (SPEC.to_dict(), {"device": BLOCK - 1}, base64.b64encode(KEY).decode(), "invalid_capacity"),
-        (SPEC.to_dict(), {"device": 40 * BLOCK}, base64.b64encode(KEY).decode(), "insufficient_capacity"),
+        ({**SPEC.to_dict(), "head_dim": 0}, {"device": 4 * BLOCK}, KEY, "invalid_spec"),
+        (SPEC.to_dict(), {"device": 4 * BLOCK}, b"short", "invalid_hash_key"),
+        (SPEC.to_dict(), {"device": 4 * BLOCK}, "a key as text", "invalid_hash_key"),
+        (SPEC.to_dict(), {"device": BLOCK - 1}, KEY, "invalid_capacity"),
+        (SPEC.to_dict(), {"device": 40 * BLOCK}, KEY, "insufficient_capacity"),
     ],
 )
-def test_bad_provisioning_requests_are_answered_with_a_reason_not_an_exception(spec, capacity, key_b64, reason):
+def test_bad_provisioning_requests_are_answered_with_a_reason_not_an_exception(spec, capacity, key, reason):
     reg = registry()
-    assert provision(reg, "c1", spec, capacity, key_b64, 1) == (False, reason)
+    assert provision(reg, "c1", spec, capacity, key, 1) == (False, reason)
     assert reg.cache_ids() == []
 
 

@@ -1,7 +1,6 @@
 """Tiers as the registry hosts them: per-tier resident bytes, metrics, erasure, detach, and warm restart after a
 SIGKILL (two registries over one directory, in separate processes)."""
 
-import base64
 import json
 import multiprocessing
 import os
@@ -56,11 +55,11 @@ def test_resident_bytes_per_tier_in_snapshots_and_metrics(tmp_path):
 
 def test_provision_cache_takes_the_ssd_key_as_a_trailing_optional_argument(tmp_path):
     registry = CacheRegistry(device_capacity_bytes=64 * BLOCK, device="cpu", ssd_dir=str(tmp_path))
-    args = ["c1", SPEC.to_dict(), CAPACITY, base64.b64encode(HASH_KEY).decode(), 1, "t1"]
+    args = ["c1", SPEC.to_dict(), CAPACITY, HASH_KEY, 1, "t1"]
     assert provision(registry, *args) == (True, "")  # an old caller: DRAM only
     assert registry.get("c1").engine.tiers.ssd is None
-    assert provision(registry, "c2", *args[1:], base64.b64encode(b"short").decode()) == (False, "invalid_ssd_key")
-    assert provision(registry, "c3", *args[1:], base64.b64encode(SSD_KEY).decode()) == (True, "")
+    assert provision(registry, "c2", *args[1:], b"short") == (False, "invalid_ssd_key")
+    assert provision(registry, "c3", *args[1:], SSD_KEY) == (True, "")
     assert registry.get("c3").engine.tiers.ssd is not None and (tmp_path / "c3").is_dir()
     registry.detach(cache_id="c3", epoch=1)
 

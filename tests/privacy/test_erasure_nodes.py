@@ -29,6 +29,7 @@ from gpu_node.registry import CacheRegistry
 from gpu_node.tokens import RevocationList
 from privacy import receipt as receipts, services
 from tests.caches.conftest import BLOCK_BYTES, attach_body, purge_node_queue, wait_for_state
+from tests.fleet.node_keys import TEST_SEALING_KEY, TEST_SEALING_PUBLIC_KEY
 from tests.privacy.conftest import audit_chain_problems, audit_rows_mentioning, running_workers
 from tests.waiting import eventually
 
@@ -53,7 +54,7 @@ class FakeHost:
     def consumer(self):
         node_app = build_node_app(
             broker_url=os.environ["CELERY_BROKER_URL"], node_id=str(self.node.pk), endpoint=self.endpoint,
-            registry=self.registry, revocations=self.revocations,
+            registry=self.registry, revocations=self.revocations, sealing_key=TEST_SEALING_KEY,
         )
         return node_app, [node_queue(self.node.pk)]
 
@@ -61,7 +62,7 @@ class FakeHost:
         agent = APIClient()
         agent.credentials(HTTP_AUTHORIZATION=f"Bearer {self.credential}")
         body = {"endpoint": self.endpoint, "capacity": {"device": NODE_DEVICE_BYTES, "dram": 0, "ssd": 0},
-                "caches": self.registry.cache_ids()}  # fmt: skip
+                "caches": self.registry.cache_ids(), "sealing_public_key": TEST_SEALING_PUBLIC_KEY}  # fmt: skip
         response = agent.post("/api/v1/nodes/register", body, format="json")
         assert response.status_code == 200, response.content
         return response.json()
