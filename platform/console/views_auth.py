@@ -24,11 +24,11 @@ from django.urls import reverse
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_http_methods
-from django_otp.plugins.otp_totp.models import TOTPDevice
 
 from audit.middleware import source_ip
 from audit.services import AuditWriteError, sensitive_digest
 from console import access, roles, sessions
+from console.models import ConsoleTOTPDevice as TOTPDevice  # the seed sealed at rest (console/totp_keys.py)
 from tenants.ratelimit import Bucket, bucket_key, give_back, source_network, take_all
 from tenants.redis_client import get_redis
 

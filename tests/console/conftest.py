@@ -10,9 +10,8 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group
 from django.test import Client
 from django_otp.oath import TOTP
-from django_otp.plugins.otp_totp.models import TOTPDevice
-
 from console import roles
+from console.models import ConsoleTOTPDevice as TOTPDevice
 
 PASSWORD = "correct horse battery staple"
 _names = itertools.count(1)

@@ -8,11 +8,11 @@ import time
 
 import pytest
 from django.test import Client, override_settings
-from django_otp.plugins.otp_totp.models import TOTPDevice
 
 from audit.actions import AuditAction
 from audit.models import AuditEvent
 from console import roles, sessions
+from console.models import ConsoleTOTPDevice as TOTPDevice
 from tests.console.conftest import PASSWORD, csrf_token, make_console_user, sign_in, totp_code
 
 pytestmark = pytest.mark.django_db

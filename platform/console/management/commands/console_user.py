@@ -18,6 +18,7 @@ from django.db import transaction
 from django_otp.plugins.otp_totp.models import TOTPDevice
 
 from console import roles
+from console.models import ConsoleTOTPDevice
 
 
 class Command(BaseCommand):
@@ -41,7 +42,8 @@ class Command(BaseCommand):
             user.groups.remove(*Group.objects.filter(name__startswith=roles.GROUP_PREFIX))
             user.groups.add(*(Group.objects.get_or_create(name=roles.group_name(r))[0] for r in role_names))
             if reset_otp:
-                TOTPDevice.objects.filter(user=user).delete()
+                ConsoleTOTPDevice.objects.filter(user=user).delete()
+                TOTPDevice.objects.filter(user=user).delete()  # a clear one left by an older version, if any
         result = {"username": username, "created": created, "roles": sorted(role_names),
                   "password": password if generated else None}  # fmt: skip
         self.stdout.write(json.dumps(result) if as_json else self._text(result))
