@@ -81,24 +81,34 @@ def pem_key(key) -> bytes:
 
 
 def write_private(path: Path, data: bytes) -> None:
-    """Write a private key readable by its owner only (created 0600, never world-readable in between)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    """Write a file readable by its owner only: created 0600, and an existing file made 0600 before it is
+    truncated, so its new content is never readable by anyone else, whatever the umask or its old mode."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
     with os.fdopen(fd, "wb") as out:
+        os.fchmod(fd, 0o600)
+        out.truncate(0)
         out.write(data)
-    os.chmod(path, 0o600)
+
+
+def private_directory(directory: Path) -> Path:
+    """`directory`, created 0700 when it does not exist (an existing one keeps its mode: it may be shared)."""
+    directory = Path(directory)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return directory
 
 
 def write_dev_pki(directory: Path, *, server_name: str = "kcaas node",
                   valid_for: dt.timedelta = dt.timedelta(hours=1)) -> dict[str, str]:  # fmt: skip
-    """A fresh CA and server certificate as files in `directory`: {"ca", "ca_key", "cert", "key"} -> path."""
-    directory = Path(directory)
+    """A fresh CA and server certificate as files in `directory`: {"ca", "ca_key", "cert", "key"} -> path. Every
+    file 0600 (certificates too: dev PKI files are the one user's), the directory 0700 when made here."""
+    directory = private_directory(directory)
     ca_key, ca_cert = new_ca("KCaaS dev CA", valid_for=valid_for)
     key, cert = new_server_cert(ca_key, ca_cert, server_name, valid_for=valid_for)
     paths = {name: directory / file for name, file in
              (("ca", "ca.pem"), ("ca_key", "ca.key"), ("cert", "server.pem"), ("key", "server.key"))}  # fmt: skip
-    paths["ca"].write_bytes(pem_cert(ca_cert))
+    write_private(paths["ca"], pem_cert(ca_cert))
     write_private(paths["ca_key"], pem_key(ca_key))
-    paths["cert"].write_bytes(pem_cert(cert))
+    write_private(paths["cert"], pem_cert(cert))
     write_private(paths["key"], pem_key(key))
     return {name: str(path) for name, path in paths.items()}
 
@@ -113,11 +123,11 @@ def new_node_cert(ca_key, ca_cert, node_id: str, *, valid_for: dt.timedelta = dt
 
 
 def write_node_pki(directory: Path, ca_key, ca_cert, node_id: str) -> dict[str, str]:
-    """A node certificate of `node_id` as files in `directory`: {"ca", "cert", "key"} -> path."""
-    directory = Path(directory)
+    """A node certificate of `node_id` as files in `directory`: {"ca", "cert", "key"} -> path (0600 each)."""
+    directory = private_directory(directory)
     key, cert = new_node_cert(ca_key, ca_cert, node_id)
     paths = {"ca": directory / "ca.pem", "cert": directory / f"node-{node_id}.pem", "key": directory / f"node-{node_id}.key"}
-    paths["ca"].write_bytes(pem_cert(ca_cert))
-    paths["cert"].write_bytes(pem_cert(cert))
+    write_private(paths["ca"], pem_cert(ca_cert))
+    write_private(paths["cert"], pem_cert(cert))
     write_private(paths["key"], pem_key(key))
     return {name: str(path) for name, path in paths.items()}

@@ -16,6 +16,8 @@ Invariants:
   and never raises: younger than `undecodable_grace_seconds` (default 10) it goes back for a later poll (a
   publisher that writes in place, as kombu's own does, may still be filling it); older, it is moved into
   `quarantine_folder` (default `<queue folder>/../quarantine`) and logged.
+- Message files and exchange tables are created 0600 and the folders this transport makes 0700: only the user
+  the platform runs as can read what travels through the broker.
 - An exchange table (control folder) is created complete (written aside, then hard-linked into place), so a
   publisher never reads a half-made table; later changes are kombu's, under its file lock.
 
@@ -47,6 +49,7 @@ URL = f"{SCHEME}://"
 TRANSPORT_ALIASES.setdefault(SCHEME, f"{__name__}:Transport")
 CLAIM_FOLDER = ".claimed"
 DEFAULT_GRACE_SECONDS = 10.0
+FILE_MODE, FOLDER_MODE = 0o600, 0o700  # messages and tables are the owner's only (whatever the umask allows more)
 
 
 def broker_url(url: str) -> str:
@@ -96,8 +99,9 @@ def _stamp() -> str:
 
 
 def _write_json_synced(path: str, content) -> None:
-    """Create `path` (it must not exist yet) holding `content` as JSON, fsynced before this returns."""
-    with open(path, "xb") as f:
+    """Create `path` (it must not exist yet) holding `content` as JSON, fsynced before this returns. Readable by its
+    owner only (0600, whatever the umask): a message may carry what only a node should read."""
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb") as f:
         f.write(str_to_bytes(dumps(content)))
         f.flush()
         os.fsync(f.fileno())
@@ -116,7 +120,7 @@ class Channel(filesystem.Channel):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         for folder in (self.data_folder_in, self.data_folder_out, self.control_folder, self.claim_folder):
-            os.makedirs(folder, exist_ok=True)
+            os.makedirs(folder, mode=FOLDER_MODE, exist_ok=True)
 
     @cached_property
     def claim_folder(self) -> str:
@@ -182,7 +186,7 @@ class Channel(filesystem.Channel):
             if age < self.undecodable_grace_seconds:
                 os.rename(claimed, source)
                 return
-            os.makedirs(self.quarantine_folder, exist_ok=True)
+            os.makedirs(self.quarantine_folder, mode=FOLDER_MODE, exist_ok=True)
             target = shutil.move(claimed, os.path.join(self.quarantine_folder, os.path.basename(claimed)))
         except OSError:
             logger.exception("kcaasfs: could not set aside the undecodable file %s", claimed)
@@ -198,7 +202,7 @@ class Channel(filesystem.Channel):
         super()._queue_bind(exchange, routing_key, pattern, queue)
 
     def _create_table(self, table: Path, entries: list) -> None:
-        os.makedirs(table.parent, exist_ok=True)
+        os.makedirs(table.parent, mode=FOLDER_MODE, exist_ok=True)
         temporary = str(table.parent / f".{table.name}.{uuid.uuid4()}.tmp")
         try:
             _write_json_synced(temporary, entries)

@@ -24,6 +24,10 @@ A child that dies during start-up (before the banner) stops everything: nothing 
 
     scripts/up.py [--agents N] [--require-services] [--survive-agent-loss] [--bootstrap-only]
 
+Files: up.py runs with umask 077 and its children inherit it, so everything made under var/ (KCAAS_VAR_DIR: the
+SQLite database with TOTP devices and sessions, the file broker's messages, the dev PKI, the secrets, the SSD tiers)
+is 0600 in 0700 directories; `secure_var_dir` brings a var/ left by an older run to the same modes at start.
+
 --agents defaults to KCAAS_AGENTS, else 1. --bootstrap-only does the first steps (migrate, login, key, node
 credentials, TLS files; node files under KCAAS_NODE_SECRETS_DIR when set), prints them and exits: the one-shot
 `bootstrap` service of docker-compose.yml.
@@ -52,6 +56,7 @@ GRACE_SECONDS = 15
 RESTART_DELAY, RESTART_MAX_DELAY = 1.0, 30.0  # a dead control-plane child's backoff: 1 s doubling to 30 s
 CRASH_RESTARTS, CRASH_WINDOW = 5, 60.0  # a sixth restart of one child within 60 s: a crash loop, stop everything
 DEFAULT_TLS_HOSTS = ("localhost", "127.0.0.1")
+PRIVATE_UMASK = 0o077  # files 0600, directories 0700: var/ holds the database, broker messages, keys and secrets
 
 
 def base_env() -> dict:
@@ -69,17 +74,35 @@ def base_env() -> dict:
     if fs_broker.is_file_broker(env["CELERY_BROKER_URL"]):
         options = fs_broker.folder_options(var_dir / "celery")
         for folder in ("data_folder_in", "processed_folder", "control_folder", "quarantine_folder"):
-            Path(options[folder]).mkdir(parents=True, exist_ok=True)
+            Path(options[folder]).mkdir(mode=0o700, parents=True, exist_ok=True)
         env["CELERY_BROKER_TRANSPORT_OPTIONS"] = json.dumps(options)
     return env
 
 
 def write_secret(path: Path, data: bytes) -> None:
-    """Writes a file readable only by its owner (0600 from the start, not chmod-ed after the fact)."""
+    """Writes a file readable only by its owner (0600 from the start, not chmod-ed after the fact), in a directory
+    made 0700."""
     from gpu_node.dev_pki import write_private
 
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     write_private(path, data)
+
+
+def secure_var_dir(var_dir: Path) -> None:
+    """Make `var_dir` 0700 and everything under it owner-only (directories 0700, files 0600), creating it when it
+    does not exist: a var/ made by an older up.py (0755/0644) holds the SQLite database with TOTP seeds and sessions,
+    the file broker's messages, the dev PKI keys and the secrets. Symbolic links are left alone (never followed)."""
+    var_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(var_dir, 0o700)
+    for root, dirs, files in os.walk(var_dir):
+        for names, mode in ((dirs, 0o700), (files, 0o600)):
+            for name in names:
+                path = os.path.join(root, name)
+                try:
+                    if not os.path.islink(path):
+                        os.chmod(path, mode)
+                except FileNotFoundError:  # consumed meanwhile (a broker message) by a process still running
+                    pass
 
 
 def node_name(index: int) -> str:
@@ -121,7 +144,7 @@ def dev_tls(secrets_dir: Path, *, agents: int = 1, node_dir: Path | None = None)
     else:
         ca_key, ca_cert = new_ca("KCaaS make up dev CA", valid_for=dt.timedelta(days=3650))
         write_secret(paths["ca_key"], pem_key(ca_key))
-        paths["ca"].write_bytes(pem_cert(ca_cert))
+        write_secret(paths["ca"], pem_cert(ca_cert))
     for index, node in enumerate(paths["nodes"], start=1):
         if node["cert"].exists() and node["key"].exists():
             cert = x509.load_pem_x509_certificate(node["cert"].read_bytes())
@@ -130,7 +153,7 @@ def dev_tls(secrets_dir: Path, *, agents: int = 1, node_dir: Path | None = None)
         key, cert = new_server_cert(ca_key, ca_cert, f"KCaaS make up node {index}", valid_for=dt.timedelta(days=365),
                                     hosts=tls_hosts())  # fmt: skip
         write_secret(node["key"], pem_key(key))
-        node["cert"].write_bytes(pem_cert(cert))
+        write_secret(node["cert"], pem_cert(cert))
     return paths
 
 
@@ -412,9 +435,11 @@ def banner(url: str, boot: dict, node_envs: list[dict], processes: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    os.umask(PRIVATE_UMASK)  # before anything is made under var/; every child inherits it
     host, port = os.environ.get("KCAAS_HOST", "127.0.0.1"), int(os.environ.get("KCAAS_PORT", "8000"))
     url = f"http://{host}:{port}"
     env = base_env()
+    secure_var_dir(Path(env["KCAAS_VAR_DIR"]))
     boot = bootstrap(env, args.agents)
     if args.bootstrap_only:
         nodes = ", ".join(f"{node_name(i)} ({node_file(i, 'credential')})" for i in range(1, args.agents + 1))
