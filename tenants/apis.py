@@ -101,14 +101,14 @@ class KeyListCreateApi(PaginatedApi):
         tenant_id = serializers.UUIDField(required=False)
 
     @extend_schema_serializer(component_name="KeyCreate")
-    class InputSerializer(serializers.Serializer):
+    class InputSerializer(RejectUnknownFieldsMixin, serializers.Serializer):
         name = StrictCharField(
             max_length=100,
             required=False,
             allow_blank=True,
             default="",
             trim_whitespace=False,  # checked as sent, as the schema's pattern is
-            validators=[RegexValidator(services.NAME_PATTERN, "No control characters.")],
+            validators=[RegexValidator(services.NAME_PATTERN, services.NAME_CHARACTERS_MESSAGE)],
         )
         scopes = serializers.ListField(
             child=serializers.ChoiceField(choices=scope_rules.ALL_SCOPES),
@@ -202,7 +202,7 @@ class KeyRotateApi(JsonApi):
     scope_resource = "keys"
 
     @extend_schema_serializer(component_name="KeyRotate")
-    class InputSerializer(serializers.Serializer):
+    class InputSerializer(RejectUnknownFieldsMixin, serializers.Serializer):
         overlap_seconds = StrictIntegerField(
             min_value=0,
             max_value=services.MAX_OVERLAP_SECONDS,
@@ -243,11 +243,13 @@ class TenantListCreateApi(PaginatedApi):
     permission_classes = [IsStaff]
 
     @extend_schema_serializer(component_name="TenantCreate")
-    class InputSerializer(serializers.Serializer):
+    class InputSerializer(RejectUnknownFieldsMixin, serializers.Serializer):
         name = StrictCharField(
             max_length=services.TENANT_NAME_MAX_LENGTH,
             trim_whitespace=False,  # checked as sent, as the schema's pattern is: "\rname" is refused, not trimmed
-            validators=[RegexValidator(services.NONBLANK_NAME_PATTERN, "Printable, not blank.")],
+            validators=[
+                RegexValidator(services.NONBLANK_NAME_PATTERN, "Not blank. " + services.NAME_CHARACTERS_MESSAGE)
+            ],
         )
 
     @extend_schema(

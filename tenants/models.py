@@ -89,6 +89,7 @@ QUOTA_FIELDS = (
     "max_ssd_bytes",
     "max_requests_per_second",
     "max_data_tokens_outstanding",
+    "max_api_keys",
 )
 
 
@@ -100,6 +101,7 @@ class Quota(models.Model):
     max_ssd_bytes = models.BigIntegerField(null=True, blank=True)
     max_requests_per_second = models.BigIntegerField(null=True, blank=True)
     max_data_tokens_outstanding = models.BigIntegerField(null=True, blank=True)
+    max_api_keys = models.BigIntegerField(null=True, blank=True)  # usable (neither revoked nor expired) keys
     updated_at = models.DateTimeField(default=timezone.now)
 
     class Meta:

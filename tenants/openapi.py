@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from drf_spectacular.extensions import OpenApiAuthenticationExtension, OpenApiSerializerExtension
 from drf_spectacular.plumbing import build_bearer_security_scheme_object
 from drf_spectacular.types import OpenApiTypes
@@ -15,13 +17,15 @@ from rest_framework import serializers
 
 class RejectUnknownFieldsMixin:
     """For input serializers: a field the serializer does not declare is a 400, not silently ignored (a typo in a
-    quota override must not look like success). The schema says ``additionalProperties: false`` to match."""
+    quota override must not look like success). The schema says ``additionalProperties: false`` to match. Checked
+    on the data the serializer is given, so it holds for a nested serializer too (an attach's ``spec``)."""
 
-    def validate(self, attrs):
-        unknown = sorted(set(getattr(self, "initial_data", {}) or {}) - set(self.fields))
-        if unknown:
-            raise serializers.ValidationError({name: ["Unknown field."] for name in unknown})
-        return super().validate(attrs)
+    def to_internal_value(self, data):
+        if isinstance(data, Mapping):
+            unknown = sorted(set(data) - set(self.fields))
+            if unknown:
+                raise serializers.ValidationError({str(name): ["Unknown field."] for name in unknown})
+        return super().to_internal_value(data)
 
 
 class RejectUnknownFieldsExtension(OpenApiSerializerExtension):

@@ -23,6 +23,7 @@ class QuotaLimits:
     max_ssd_bytes: int
     max_requests_per_second: int
     max_data_tokens_outstanding: int
+    max_api_keys: int
 
     def capacity_bytes(self) -> dict[str, int]:
         """Per-tier byte limits keyed like cache capacities (``device``/``dram``/``ssd``)."""

@@ -7,27 +7,31 @@ Functions are keyword-only; writes run in a transaction (``tenant_lock`` joins t
 - after ``api_key_rotate(overlap_seconds=s)`` the old key works until now + s (or its own earlier expiry), then it
   is refused as expired;
 - quota values are integers within QUOTA_BOUNDS, or None for the default;
-- ``tenant_lock`` is the serialization point of every quota check: callers hold it to the end of their transaction.
+- ``tenant_lock`` is the serialization point of every quota check: callers hold it to the end of their transaction;
+- a tenant holds at most max_api_keys usable keys when one is issued (a rotation may exceed it by its old key, for
+  the overlap);
+- display names (tenants, keys) are stored NFKC-normalised, without control, format or other invisible characters
+  (tenants.names), and no tenant name has the TR39 skeleton of another.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.db import IntegrityError, connection, transaction
-from django.db.models import F, Value
+from django.db.models import F, Q, Value
 from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
 from audit.actions import AuditAction
 from audit.services import audit_record
-from controlplane.errors import ApplicationError, ConflictError, NotFoundError
-from tenants import keys, scopes as scope_rules, usage
+from controlplane.errors import ApplicationError, ConflictError, NotFoundError, QuotaExceeded
+from tenants import keys, names, scopes as scope_rules, usage
 from tenants.models import QUOTA_FIELDS, ApiKey, KeyUsageFlush, Quota, Tenant
 from tenants.redis_client import get_redis
+from tenants.selectors import quota_limits
 
 logger = logging.getLogger("kcaas.tenants")
 
@@ -39,19 +43,27 @@ QUOTA_BOUNDS: dict[str, tuple[int, int]] = {
     "max_ssd_bytes": (0, 2**52),  # 4 PiB
     "max_requests_per_second": (1, 100_000),  # 0 would lock a tenant out of its own API: suspend it instead
     "max_data_tokens_outstanding": (0, 1_000_000),
+    "max_api_keys": (0, 100_000),  # usable keys (neither revoked nor expired); 0: no new keys
 }
 MAX_OVERLAP_SECONDS = 7 * 24 * 3600
-TENANT_NAME_MAX_LENGTH = 100
-# Display names (tenants, keys): no control characters (PostgreSQL text refuses NUL). Lone surrogates are refused
-# too (by DRF for the API, by _printable here); they stay out of the published pattern, which JSON Schema tools
-# built on Rust's regex engine cannot compile.
-_CONTROL_CHARS = r"\x00-\x1f\x7f"
-NAME_PATTERN = rf"^[^{_CONTROL_CHARS}]*$"
-NONBLANK_NAME_PATTERN = rf"^[^{_CONTROL_CHARS}]*[^\s{_CONTROL_CHARS}][^{_CONTROL_CHARS}]*$"
+TENANT_NAME_MAX_LENGTH = names.MAX_LENGTH
+KEY_NAME_MAX_LENGTH = names.MAX_LENGTH
+# Display names (tenants, keys) are normalised to NFKC and may not hold control, format (bidi overrides, zero-width
+# characters) or other default-ignorable characters (tenants.names); the published patterns say the same.
+NAME_PATTERN = names.NAME_PATTERN
+NONBLANK_NAME_PATTERN = names.NONBLANK_NAME_PATTERN
+NAME_CHARACTERS_MESSAGE = names.CHARACTERS_MESSAGE
+# Serializes tenant creations (PostgreSQL advisory lock, held to the end of the transaction), so two confusable
+# names created at once cannot both pass the check; SQLite's transactions are serialized anyway.
+_TENANT_NAMES_LOCK = 0x6B63_6E61_6D65  # "kcname"
 
 
-def _printable(name: str) -> bool:
-    return re.fullmatch(NAME_PATTERN, name) is not None and not any("\ud800" <= c <= "\udfff" for c in name)
+def _display_name(field: str, name: str, *, max_length: int, allow_blank: bool) -> str:
+    """`name` normalized (NFKC, stripped), or a 400 naming `field`."""
+    try:
+        return names.cleaned(name, max_length=max_length, allow_blank=allow_blank)
+    except names.InvalidName as exc:
+        raise _invalid(field, str(exc)) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,12 +86,31 @@ def _invalid(field: str, message: str) -> ValidationFailed:
 # ---- tenants ----------------------------------------------------------------------------------------------------
 
 
+def _check_not_confusable(name: str) -> None:
+    """409 ``tenant_name_confusable`` when an existing tenant's name looks like `name` (same TR39 skeleton) without
+    being it (an identical name is ``tenant_name_taken``, from the unique constraint). Every name is compared: tenant
+    creation is a rare staff action, and a skeleton column would be one more thing to keep in step with the table."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [_TENANT_NAMES_LOCK])
+    wanted = names.skeleton(name)
+    for tenant_id, existing in Tenant.objects.exclude(name=name).values_list("id", "name").iterator():
+        if names.skeleton(names.normalized(existing)) == wanted:
+            raise ConflictError(
+                f"The name looks like the existing tenant name {existing!r}.",
+                code="tenant_name_confusable",
+                details={"fields": {"name": ["Confusable with an existing tenant name."]},
+                         "confusable_with": {"id": str(tenant_id), "name": existing}},
+            )  # fmt: skip
+
+
 @transaction.atomic
 def tenant_create(*, name: str) -> Tenant:
-    """A new active tenant with an all-default Quota row. Names are unique (409 ``tenant_name_taken``)."""
-    name = (name or "").strip()
-    if not name or len(name) > TENANT_NAME_MAX_LENGTH or not _printable(name):
-        raise _invalid("name", f"1 to {TENANT_NAME_MAX_LENGTH} printable characters.")
+    """A new active tenant with an all-default Quota row. The name is normalized (NFKC, stripped) and checked
+    (tenants.names: 400 for a refused character); names are unique (409 ``tenant_name_taken``) and may not look like
+    another tenant's (409 ``tenant_name_confusable``)."""
+    name = _display_name("name", name or "", max_length=TENANT_NAME_MAX_LENGTH, allow_blank=False)
+    _check_not_confusable(name)
     try:
         with transaction.atomic():
             tenant = Tenant.objects.create(name=name)
@@ -130,6 +161,26 @@ def _check_issuable(tenant: Tenant) -> None:
         raise ConflictError(f"The tenant is {tenant.status}.", code="tenant_inactive")
 
 
+def _check_key_quota(tenant: Tenant, *, replacing: ApiKey | None = None) -> None:
+    """403 quota_exceeded when the tenant already holds max_api_keys usable keys (neither revoked nor expired). A
+    rotation does not count the key it replaces: at the limit a key can still be rotated (the pair may then exceed
+    the limit by one for the overlap), but a second rotation waits until the first's old key has expired. The
+    caller holds the tenant lock."""
+    limit = quota_limits(tenant=tenant).max_api_keys
+    now = timezone.now()
+    usable = ApiKey.objects.filter(tenant_id=tenant.pk, revoked_at__isnull=True).filter(
+        Q(expires_at__isnull=True) | Q(expires_at__gt=now)
+    )
+    if replacing is not None:
+        usable = usable.exclude(pk=replacing.pk)
+    in_use = usable.count()
+    if in_use >= limit:
+        raise QuotaExceeded(
+            f"The tenant may hold at most {limit} usable API keys; revoke one first.",
+            details={"limit": "max_api_keys", "limit_value": limit, "in_use": in_use},
+        )
+
+
 @transaction.atomic
 def api_key_issue(
     *, tenant: Tenant, scopes: list[str], name: str = "", expires_at: datetime | None = None
@@ -143,11 +194,14 @@ def api_key_issue(
         raise _invalid("scopes", "At least one scope.")
     if expires_at is not None and expires_at <= timezone.now():
         raise _invalid("expires_at", "Must be in the future.")
+    name = _display_name("name", name or "", max_length=KEY_NAME_MAX_LENGTH, allow_blank=True)
+    tenant = tenant_lock(tenant_id=tenant.pk)  # the serialization point of the key quota
     _check_issuable(tenant)
+    _check_key_quota(tenant)
     raw, public_id, secret = keys.generate_key(keys.TENANT_KEY_PREFIX)
     api_key = ApiKey.objects.create(
         tenant=tenant,
-        name=name or "",
+        name=name,
         public_id=public_id,
         secret_hash=keys.key_hash(secret),
         scopes=normalized,
@@ -185,6 +239,7 @@ def api_key_rotate(*, api_key: ApiKey, overlap_seconds: int) -> IssuedKey:
         raise _invalid("overlap_seconds", "An integer.")
     if not 0 <= overlap_seconds <= MAX_OVERLAP_SECONDS:
         raise _invalid("overlap_seconds", f"Between 0 and {MAX_OVERLAP_SECONDS}.")
+    tenant_lock(tenant_id=api_key.tenant_id)  # lock order: the tenant (the key quota's serialization point), the key
     locked = _lock_key(api_key)
     now = timezone.now()
     state = locked.state_at(now)
@@ -193,6 +248,7 @@ def api_key_rotate(*, api_key: ApiKey, overlap_seconds: int) -> IssuedKey:
     if ApiKey.objects.filter(rotated_from=locked).exists():
         raise ConflictError("The key was already rotated.", code="api_key_already_rotated")
     _check_issuable(locked.tenant)
+    _check_key_quota(locked.tenant, replacing=locked)
     raw, public_id, secret = keys.generate_key(keys.TENANT_KEY_PREFIX)
     successor = ApiKey.objects.create(
         tenant=locked.tenant,

@@ -36,7 +36,8 @@ from caches import selectors as cache_selectors
 from controlplane.errors import ApplicationError
 from fleet.authentication import NodeCredentialAuthentication
 from fleet.permissions import IsNode
-from tenants.openapi import AUTH_ERRORS, RATE_LIMIT_HEADERS, error_responses
+from tenants.fields import StrictIntegerField
+from tenants.openapi import AUTH_ERRORS, RATE_LIMIT_HEADERS, RejectUnknownFieldsMixin, error_responses
 from tenants.pagination import MAX_LIMIT, MAX_OFFSET, BoundedLimitOffsetPagination
 from tenants.permissions import IsStaff, ScopePermission
 from tenants.principals import TenantPrincipal, is_staff_user, request_tenant
@@ -91,13 +92,13 @@ class ExactDecimalField(serializers.Field):
 
 class UsageEntrySerializer(serializers.Serializer):
     cache_id = serializers.UUIDField()
-    device_bytes = serializers.IntegerField(min_value=0, max_value=MAX_COUNTER)
-    dram_bytes = serializers.IntegerField(min_value=0, max_value=MAX_COUNTER)
-    ssd_bytes = serializers.IntegerField(min_value=0, max_value=MAX_COUNTER)
-    bytes_written_total = serializers.IntegerField(min_value=0, max_value=MAX_COUNTER,
-                                                   help_text="KV bytes written by puts since the agent's boot")
-    tokens_served_total = serializers.IntegerField(min_value=0, max_value=MAX_COUNTER,
-                                                   help_text="tokens of KV sent by GET answers since the boot")
+    device_bytes = StrictIntegerField(min_value=0, max_value=MAX_COUNTER)
+    dram_bytes = StrictIntegerField(min_value=0, max_value=MAX_COUNTER)
+    ssd_bytes = StrictIntegerField(min_value=0, max_value=MAX_COUNTER)
+    bytes_written_total = StrictIntegerField(min_value=0, max_value=MAX_COUNTER,
+                                         help_text="KV bytes written by puts since the agent's boot")
+    tokens_served_total = StrictIntegerField(min_value=0, max_value=MAX_COUNTER,
+                                         help_text="tokens of KV sent by GET answers since the boot")
 
 
 class RefusedEntrySerializer(serializers.Serializer):
@@ -114,7 +115,7 @@ class NodeUsageReportApi(APIView):
     @extend_schema_serializer(component_name="NodeUsageReport")
     class InputSerializer(serializers.Serializer):
         boot_id = serializers.UUIDField(help_text="random per agent process start")
-        sequence = serializers.IntegerField(min_value=1, max_value=MAX_COUNTER, help_text="grows by report")
+        sequence = StrictIntegerField(min_value=1, max_value=MAX_COUNTER, help_text="grows by report")
         sampled_at = serializers.DateTimeField(help_text="RFC 3339, the node's clock (whole seconds count)")
         caches = UsageEntrySerializer(many=True, max_length=MAX_REPORT_ENTRIES)
 
@@ -446,7 +447,7 @@ def _tenant_scope(request, tenant_id):
 
 
 @extend_schema_serializer(component_name="Rate")
-class RateSerializer(serializers.Serializer):
+class RateSerializer(RejectUnknownFieldsMixin, serializers.Serializer):
     id = serializers.IntegerField(read_only=True)
     meter = serializers.ChoiceField(choices=list(METERS))
     unit_price = serializers.DecimalField(max_digits=24, decimal_places=10, min_value=0, coerce_to_string=True)

@@ -21,7 +21,8 @@ from caches.models import TIERS, CacheState
 from tenants.pagination import BoundedLimitOffsetPagination
 from controlplane.errors import ApplicationError
 from kcaas.spec import KV_DTYPES, MAX_BLOCK_SIZE, MAX_FINGERPRINT_LEN, STORAGE_DTYPES, KVCacheSpec, SpecError
-from tenants.openapi import AUTH_ERRORS, RATE_LIMIT_HEADERS, error_responses
+from tenants.fields import StrictIntegerField
+from tenants.openapi import AUTH_ERRORS, RATE_LIMIT_HEADERS, RejectUnknownFieldsMixin, error_responses
 from tenants.permissions import ScopePermission
 from tenants.principals import TenantPrincipal, is_staff_user, request_tenant
 
@@ -32,26 +33,26 @@ MAX_SHAPE = 1 << 16  # layers, heads, head_dim: far above any model, small enoug
 # ---- serializers shared by the operations ---------------------------------------------------------------------------
 
 
-class SpecSerializer(serializers.Serializer):
+class SpecSerializer(RejectUnknownFieldsMixin, serializers.Serializer):
     """The cache's KV identity/layout (kcaas.spec.KVCacheSpec)."""
 
     model_fingerprint = serializers.CharField(
         max_length=MAX_FINGERPRINT_LEN, help_text="Model name + revision or a weights digest."
     )
-    num_layers = serializers.IntegerField(min_value=1, max_value=MAX_SHAPE)
-    num_kv_heads = serializers.IntegerField(min_value=1, max_value=MAX_SHAPE)
-    head_dim = serializers.IntegerField(min_value=1, max_value=MAX_SHAPE)
-    block_size = serializers.IntegerField(min_value=1, max_value=MAX_BLOCK_SIZE, help_text="Tokens per block.")
+    num_layers = StrictIntegerField(min_value=1, max_value=MAX_SHAPE)
+    num_kv_heads = StrictIntegerField(min_value=1, max_value=MAX_SHAPE)
+    head_dim = StrictIntegerField(min_value=1, max_value=MAX_SHAPE)
+    block_size = StrictIntegerField(min_value=1, max_value=MAX_BLOCK_SIZE, help_text="Tokens per block.")
     kv_dtype = serializers.ChoiceField(choices=KV_DTYPES)
     storage_dtype = serializers.ChoiceField(choices=STORAGE_DTYPES)
 
 
-class CapacitySerializer(serializers.Serializer):
+class CapacitySerializer(RejectUnknownFieldsMixin, serializers.Serializer):
     """Bytes per tier. device: at least one block; dram/ssd: 0 (default) or at least one block."""
 
-    device = serializers.IntegerField(min_value=1, max_value=services.MAX_TIER_BYTES)
-    dram = serializers.IntegerField(min_value=0, max_value=services.MAX_TIER_BYTES, required=False, default=0)
-    ssd = serializers.IntegerField(min_value=0, max_value=services.MAX_TIER_BYTES, required=False, default=0)
+    device = StrictIntegerField(min_value=1, max_value=services.MAX_TIER_BYTES)
+    dram = StrictIntegerField(min_value=0, max_value=services.MAX_TIER_BYTES, required=False, default=0)
+    ssd = StrictIntegerField(min_value=0, max_value=services.MAX_TIER_BYTES, required=False, default=0)
 
 
 @extend_schema_serializer(component_name="Cache")
@@ -128,7 +129,7 @@ class CacheListAttachApi(APIView):
         state = serializers.ChoiceField(choices=CacheState.choices, required=False)
 
     @extend_schema_serializer(component_name="CacheAttachInput")
-    class AttachInputSerializer(serializers.Serializer):
+    class AttachInputSerializer(RejectUnknownFieldsMixin, serializers.Serializer):
         name = serializers.RegexField(
             NAME_PATTERN, max_length=63, help_text="Unique among the tenant's attached caches."
         )
@@ -256,13 +257,13 @@ class DataTokenIssueApi(APIView):
     parser_classes = [JSONParser]
 
     @extend_schema_serializer(component_name="DataTokenIssueInput")
-    class InputSerializer(serializers.Serializer):
+    class InputSerializer(RejectUnknownFieldsMixin, serializers.Serializer):
         access = serializers.ChoiceField(
             choices=services.ACCESS_LEVELS,
             default="read",
             help_text="read (lookup/get; needs caches:read) or readwrite (also put/delete; needs caches:write).",
         )
-        ttl_seconds = serializers.IntegerField(
+        ttl_seconds = StrictIntegerField(
             required=False,
             min_value=1,
             max_value=2**31 - 1,

@@ -22,6 +22,7 @@ QUOTA_LABELS = {
     "max_ssd_bytes": "SSD bytes",
     "max_requests_per_second": "Requests per second",
     "max_data_tokens_outstanding": "Data tokens outstanding",
+    "max_api_keys": "API keys",
 }
 _WHOLE_NUMBER = re.compile(r"^([0-9]{1,40})$")
 _BYTES = re.compile(r"^([0-9]{1,40}) ?([a-z]*)$")
@@ -74,7 +75,8 @@ def parse_limit(field: str, text: str) -> int | None:
 
 
 class QuotaForm(forms.Form):
-    """The six quota limits, each blank (the default) or a bounded integer. cleaned_data maps field -> int | None."""
+    """The quota limits (QUOTA_BOUNDS), each blank (the default) or a bounded integer; cleaned_data maps field -> int
+    | None."""
 
     def __init__(self, *args, defaults: dict[str, int] | None = None, **kwargs):
         super().__init__(*args, **kwargs)

@@ -10,12 +10,23 @@ a broker or Redis connection error (kombu's OperationalError, redis' ConnectionE
 from everything outside them, middleware included (`json_500`, Django's handler500, which inspects the exception
 being handled). Neither path touches the database. A DRF view's own atomic blocks have been rolled back (or their
 connection dropped) by the time the handler sees the exception; request-wide ones are marked for rollback.
+
+Requests Django itself finds suspicious are the client's fault, never a 500, wherever they are raised: a body over
+DATA_UPLOAD_MAX_MEMORY_SIZE is 413 `request_too_large` (controlplane.middleware refuses most of them before a body is
+read), too many form or query fields 400 `too_many_fields`, anything else of the kind 400 `bad_request`.
 """
 
 import logging
 import sys
 
-from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
+from django.conf import settings
+from django.core.exceptions import (
+    PermissionDenied as DjangoPermissionDenied,
+    RequestDataTooBig,
+    SuspiciousOperation,
+    TooManyFieldsSent,
+    TooManyFilesSent,
+)
 from django.http import Http404, JsonResponse
 from rest_framework import exceptions, status
 from rest_framework.response import Response
@@ -109,8 +120,22 @@ def _unavailable(response, code: str, exc: BaseException, where: str):
     return response
 
 
+def suspicious_body(exc: SuspiciousOperation) -> tuple[dict, int]:
+    """The answer (body, status) to a request Django refused as suspicious: never a 500."""
+    if isinstance(exc, RequestDataTooBig):
+        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        return error_body("request_too_large", f"The request body exceeds {limit} bytes.", {"max_bytes": limit}), 413
+    if isinstance(exc, TooManyFieldsSent | TooManyFilesSent):
+        return error_body("too_many_fields", "The request has too many fields."), 400
+    return error_body("bad_request", "Bad request."), 400
+
+
 def exception_handler(exc, context):
     from audit.services import AuditWriteError  # imported late: this module loads before the apps are ready
+
+    if isinstance(exc, SuspiciousOperation):
+        body, status_code = suspicious_body(exc)
+        return Response(body, status=status_code)
 
     if isinstance(exc, AuditWriteError):
         logger.error("refused %s: %s", context.get("view").__class__.__name__, exc)  # the cause stays in the log
@@ -175,6 +200,11 @@ def json_500(request):
 
 
 def json_400(request, exception=None):
+    """Django's handler400: a SuspiciousOperation outside DRF views (a too-large body read by a plain view, too many
+    query fields seen by a middleware)."""
+    if isinstance(exception, SuspiciousOperation):
+        body, status_code = suspicious_body(exception)
+        return JsonResponse(body, status=status_code)
     return JsonResponse(error_body("bad_request", "Bad request."), status=400)
 
 

@@ -60,6 +60,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "controlplane.middleware.RequestLimits",  # body size and JSON depth (413/411/400), no-store on API answers
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -111,6 +112,12 @@ TIME_ZONE = "UTC"
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
 WHITENOISE_USE_FINDERS = True  # serve app static files (Redoc) without a collectstatic step
+
+# Request bodies (controlplane.middleware): the largest body any operation takes is a node's usage report or heartbeat
+# at its 10,000 entries (~2.5 MB); no operation's JSON nests deeper than 3.
+KCAAS_MAX_REQUEST_BYTES = env_int("KCAAS_MAX_REQUEST_BYTES", 4 * 2**20)
+KCAAS_MAX_JSON_DEPTH = env_int("KCAAS_MAX_JSON_DEPTH", 32)
+DATA_UPLOAD_MAX_MEMORY_SIZE = KCAAS_MAX_REQUEST_BYTES  # Django's own check, for bodies read without the middleware
 
 REDIS_URL = os.environ.get("REDIS_URL", "")  # empty: the embedded default (in-process rate limiter)
 
@@ -235,6 +242,7 @@ KCAAS_QUOTA_DEFAULTS = {
     "max_ssd_bytes": env_int("KCAAS_QUOTA_MAX_SSD_BYTES", 256 * 2**30),
     "max_requests_per_second": env_int("KCAAS_QUOTA_MAX_RPS", 50),
     "max_data_tokens_outstanding": env_int("KCAAS_QUOTA_MAX_DATA_TOKENS", 100),
+    "max_api_keys": env_int("KCAAS_QUOTA_MAX_API_KEYS", 100),  # usable (neither revoked nor expired) keys
 }
 KCAAS_NODE_HEARTBEAT_SECONDS = env_int("KCAAS_NODE_HEARTBEAT_SECONDS", 10)
 KCAAS_NODE_LEASE_SECONDS = env_int("KCAAS_NODE_LEASE_SECONDS", 40)  # Kubernetes' node grace period
@@ -269,6 +277,37 @@ KCAAS_BILLING_CURRENCY = os.environ.get("KCAAS_BILLING_CURRENCY", "USD")
 # GCRA burst: a tenant may send this many seconds' worth of its rate at once.
 KCAAS_RATE_LIMIT_BURST_SECONDS = float(os.environ.get("KCAAS_RATE_LIMIT_BURST_SECONDS", "1"))
 
+# ---- TLS (docs/operations.md, "Behind TLS") --------------------------------------------------------------------------
+# `make up` serves plain HTTP on 127.0.0.1, so every default here is off; a deployment behind a TLS-terminating proxy
+# turns them on. KCAAS_SECURE_PROXY_SSL_HEADER="X-Forwarded-Proto: https" makes a request carrying that header count
+# as HTTPS (HSTS, secure cookies, CSRF's origin check): set it only when the proxy always sets that header itself,
+# overwriting what a client sent. HSTS is sent on HTTPS answers only (Django's SecurityMiddleware).
+def env_proxy_ssl_header(name: str) -> tuple[str, str] | None:
+    """The header a TLS-terminating proxy sets, as Django's META name and value: "X-Forwarded-Proto: https" ->
+    ("HTTP_X_FORWARDED_PROTO", "https"); unset or empty -> None (no request counts as HTTPS but TLS to Django)."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    header, sep, value = text.partition(":")
+    header, value = header.strip().upper().replace("-", "_"), value.strip()
+    if not sep or not header or not value:
+        from django.core.exceptions import ImproperlyConfigured
+
+        raise ImproperlyConfigured(f'{name} must read "Header-Name: value", e.g. "X-Forwarded-Proto: https"')
+    return (header if header.startswith("HTTP_") else f"HTTP_{header}", value)
+
+
+SECURE_PROXY_SSL_HEADER = env_proxy_ssl_header("KCAAS_SECURE_PROXY_SSL_HEADER")
+SECURE_HSTS_SECONDS = env_int("KCAAS_HSTS_SECONDS", 0)  # e.g. 31536000 (a year) once HTTPS works everywhere
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("KCAAS_HSTS_INCLUDE_SUBDOMAINS", False)
+SECURE_HSTS_PRELOAD = env_bool("KCAAS_HSTS_PRELOAD", False)
+SECURE_SSL_REDIRECT = env_bool("KCAAS_SSL_REDIRECT", False)  # plain-HTTP requests are redirected to HTTPS
+SECURE_REDIRECT_EXEMPT = [r"^healthz$"]  # health checks probe the app server directly, over HTTP
+# Cookies (the console's session and CSRF token) that never travel over plain HTTP: KCAAS_SECURE_COOKIES=1.
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = env_bool("KCAAS_SECURE_COOKIES", False)
+# Origins (scheme://host[:port], comma-separated) the console's forms may be posted from besides the Host itself.
+CSRF_TRUSTED_ORIGINS = [o.strip() for o in os.environ.get("KCAAS_CSRF_TRUSTED_ORIGINS", "").split(",") if o.strip()]
+
 # ---- the web console (platform/console) ------------------------------------------------------------------------------
 LOGIN_URL = "/console/login"
 KCAAS_CONSOLE_IDLE_SECONDS = env_int("KCAAS_CONSOLE_IDLE_SECONDS", 30 * 60)  # no user request for this long: signed out
@@ -277,8 +316,6 @@ SESSION_COOKIE_AGE = KCAAS_CONSOLE_MAX_SESSION_SECONDS
 SESSION_COOKIE_HTTPONLY = True
 SESSION_COOKIE_SAMESITE = "Lax"
 CSRF_COOKIE_SAMESITE = "Lax"
-# Behind TLS (production) set KCAAS_SECURE_COOKIES=1: cookies then never travel over plain HTTP.
-SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = env_bool("KCAAS_SECURE_COOKIES", False)
 X_FRAME_OPTIONS = "DENY"
 CSRF_FAILURE_VIEW = "console.views_errors.csrf_failure"  # an HTML page saying what to do (DRF answers its own JSON)
 OTP_TOTP_ISSUER = os.environ.get("KCAAS_TOTP_ISSUER", "KCaaS console")

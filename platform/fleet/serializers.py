@@ -5,12 +5,13 @@ from rest_framework import serializers
 
 from fleet.models import NodeState
 from fleet.validators import MAX_TIER_BYTES
+from tenants.fields import StrictIntegerField  # JSON integers only: "2" and 2.0 are refused, as the schema says
 
 MAX_TOKEN_COUNT = 2**63 - 1  # a counter stored in JSON and summed in Python: only the int64 range is refused
 
 
 def _bytes_field(**kwargs) -> serializers.IntegerField:
-    return serializers.IntegerField(min_value=0, max_value=MAX_TIER_BYTES, **kwargs)
+    return StrictIntegerField(min_value=0, max_value=MAX_TIER_BYTES, **kwargs)
 
 
 class TierBytesSerializer(serializers.Serializer):
@@ -43,8 +44,8 @@ class ResidentCacheSerializer(serializers.Serializer):
     dram_bytes = _bytes_field(default=0)
     ssd_bytes = _bytes_field(default=0)
     # The engine's token counters since the cache was provisioned on this node (optional: older agents omit them).
-    hit_tokens = serializers.IntegerField(min_value=0, max_value=MAX_TOKEN_COUNT, required=False)
-    miss_tokens = serializers.IntegerField(min_value=0, max_value=MAX_TOKEN_COUNT, required=False)
+    hit_tokens = StrictIntegerField(min_value=0, max_value=MAX_TOKEN_COUNT, required=False)
+    miss_tokens = StrictIntegerField(min_value=0, max_value=MAX_TOKEN_COUNT, required=False)
 
 
 class NodeDetailSerializer(NodeSerializer):

@@ -249,13 +249,26 @@ def test_quota_update_changes_the_limits_and_is_audited_as_the_console_user(oper
             "DRAM bytes: default (64 GiB) -&gt; 1 MiB.") in page  # fmt: skip
     assert quota_row(tenant) == {"max_caches": 5, "max_device_bytes": 8 * GIB, "max_dram_bytes": 2**20,
                                  "max_ssd_bytes": None, "max_requests_per_second": 200,
-                                 "max_data_tokens_outstanding": None}  # fmt: skip
+                                 "max_data_tokens_outstanding": None, "max_api_keys": None}  # fmt: skip
     [event] = events(AuditAction.QUOTA_UPDATED, target_id=str(tenant.pk), actor_kind="user")
     assert event.actor_id == str(operator_client.user.pk)
     assert event.old_values == {"max_caches": None, "max_device_bytes": None, "max_dram_bytes": None}
     assert event.new_values == {"max_caches": 5, "max_device_bytes": 8 * GIB, "max_dram_bytes": 2**20}
     limits = tenant_selectors.quota_limits(tenant=Tenant.objects.get(pk=tenant.pk))
     assert (limits.max_caches, limits.max_device_bytes, limits.max_ssd_bytes) == (5, 8 * GIB, 256 * GIB)
+
+
+def test_the_api_key_limit_is_on_the_form_and_set_through_it(operator_client, readonly_client):
+    tenant = make_tenant("acme")
+    page = text(operator_client.get(f"/console/tenants/{tenant.pk}/"))
+    assert 'name="max_api_keys" value=""' in page and "Blank: the default (100)." in page
+    answer = operator_client.post(f"/console/tenants/{tenant.pk}/quota", {**BLANK_QUOTA, "max_api_keys": "5"})
+    assert "API keys: default (100) -&gt; 5" in followed_messages(operator_client, answer)
+    assert quota_row(tenant)["max_api_keys"] == 5
+    assert "<td>API keys</td><td class=\"num\">5</td><td>override</td>" in text(
+        readonly_client.get(f"/console/tenants/{tenant.pk}/"))
+    refused = operator_client.post(f"/console/tenants/{tenant.pk}/quota", {**BLANK_QUOTA, "max_api_keys": "100001"})
+    assert refused.status_code == 400 and "Between 0 and 100000." in text(refused)
 
 
 def test_blank_resets_a_limit_to_its_default(operator_client):
