@@ -175,7 +175,7 @@ def bootstrap(env: dict, agents: int) -> dict:
         write_secret(console_password_file, secrets.token_urlsafe(18).encode() + b"\n")
     manage(env, "console_user", "console", "--role", "operator", "--role", "compliance",
            "--password-file", str(console_password_file))  # fmt: skip
-    api_key = manage(env, "kcaas_create_tenant", "demo", "--reuse", "--key-name", "make up")
+    api_key = manage(env, "kcaas_create_tenant", "demo", "--reuse", "--replace", "--key-name", "make up")
     write_secret(secrets_dir / "demo-api-key", api_key.encode() + b"\n")  # for `make demo`
     credentials = [manage(env, "kcaas_local_node", node_name(i), "--credential-file",
                           str(node_dir / node_file(i, "credential"))) for i in range(1, agents + 1)]  # fmt: skip

@@ -191,6 +191,24 @@ def test_create_tenant_command_prints_a_working_key(db):
     assert Tenant.objects.get(name="demo").api_keys.count() == 2
 
 
+def test_make_ups_demo_key_replaces_its_predecessor_instead_of_piling_up(db):
+    """make up runs the command at every start: with --replace the earlier "make up" key is revoked, so restarts
+    never reach the tenant's max_api_keys quota; other keys of the tenant are left alone."""
+    keys = []
+    for _ in range(3):
+        out = io.StringIO()
+        call_command("kcaas_create_tenant", "demo", "--reuse", "--replace", "--key-name", "make up", stdout=out,
+                     stderr=io.StringIO())  # fmt: skip
+        keys.append(out.getvalue().strip())
+    tenant = Tenant.objects.get(name="demo")
+    other = services.api_key_issue(tenant=tenant, scopes=["keys:read"], name="mine")
+    call_command("kcaas_create_tenant", "demo", "--reuse", "--replace", "--key-name", "make up",
+                 stdout=io.StringIO(), stderr=io.StringIO())  # fmt: skip
+    active = tenant.api_keys.filter(revoked_at__isnull=True)
+    assert sorted(k.name for k in active) == ["make up", "mine"] and other.api_key in active
+    assert key_client(keys[0]).get("/api/v1/keys").status_code == 401  # the first one was revoked
+
+
 @pytest.mark.parametrize("name", ["", "   ", "nul\x00byte", "tab\there", "lone\ud800surrogate", "x" * 101])
 def test_tenant_create_service_refuses_bad_names(db, name):
     with pytest.raises(services.ValidationFailed) as caught:

@@ -1,4 +1,6 @@
-"""``manage.py kcaas_create_tenant NAME [--scopes ...] [--reuse]``: create a tenant and print a fresh API key.
+"""``manage.py kcaas_create_tenant NAME [--scopes ...] [--reuse] [--replace]``: create a tenant and print a fresh
+API key. ``--replace`` revokes the tenant's earlier active keys of the same ``--key-name`` first, so a command run
+at every start (``make up``) never piles up keys against the tenant's ``max_api_keys`` quota.
 
 The raw key is the only thing written to stdout (so ``KEY=$(manage.py kcaas_create_tenant demo)`` works); what was
 done goes to stderr. ``make up`` uses it for the demo tenant.
@@ -22,8 +24,10 @@ class Command(BaseCommand):
         )
         parser.add_argument("--key-name", default="created by kcaas_create_tenant")
         parser.add_argument("--reuse", action="store_true", help="Use the tenant of that name if it exists.")
+        parser.add_argument("--replace", action="store_true",
+                            help="Revoke the tenant's active keys of the same --key-name before issuing the new one.")
 
-    def handle(self, *args, name, scopes, key_name, reuse, **options):
+    def handle(self, *args, name, scopes, key_name, reuse, replace=False, **options):
         tenant = Tenant.objects.filter(name=name.strip()).first() if reuse else None
         try:
             if tenant is None:
@@ -31,6 +35,10 @@ class Command(BaseCommand):
                 self.stderr.write(f"created tenant {tenant.name} ({tenant.pk})")
             else:
                 self.stderr.write(f"reusing tenant {tenant.name} ({tenant.pk})")
+            if replace:
+                for old in tenant.api_keys.filter(name=key_name, revoked_at__isnull=True):
+                    services.api_key_revoke(api_key=old)
+                    self.stderr.write(f"revoked the earlier key {old.public_id}")
             issued = services.api_key_issue(tenant=tenant, scopes=scopes, name=key_name)
         except ApplicationError as exc:
             raise CommandError(f"{exc.code}: {exc.message} {exc.details or ''}".strip()) from None
