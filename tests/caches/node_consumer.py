@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from celery import Celery
 
 from kcaas.spec import KVCacheSpec
-from tests.fleet.node_keys import opened
+from tests.fleet.node_keys import TEST_SEALING_PUBLIC_KEY, opened
 
 CONTROL_QUEUE = "control"
 
@@ -82,11 +82,12 @@ def module_workers(node_id):
 
 
 def adopt_node(node, node_id):
-    """Give a freshly registered node the id the consumer serves, tell the consumer who it is and to succeed, and
-    return the node row. (The database is emptied between transactional tests, so the id is free again.)"""
+    """Give a freshly registered node the id the consumer serves and the sealing key the consumer holds (the keys in
+    its orders are sealed to it), tell the consumer who it is and to succeed, and return the node row. (The database
+    is emptied between transactional tests, so the id is free again.)"""
     from fleet.models import Node
 
-    Node.objects.filter(pk=node.pk).update(id=node_id)
+    Node.objects.filter(pk=node.pk).update(id=node_id, sealing_public_key=TEST_SEALING_PUBLIC_KEY)
     adopted = Node.objects.get(pk=node_id)
     with behaviour.lock:
         behaviour.node_id, behaviour.endpoint = str(adopted.pk), adopted.endpoint
