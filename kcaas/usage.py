@@ -12,6 +12,7 @@ QUOTA_PAIRS = (
     ("dram_bytes", "max_dram_bytes"),
     ("ssd_bytes", "max_ssd_bytes"),
     ("data_tokens_outstanding", "max_data_tokens_outstanding"),
+    ("api_keys", "max_api_keys"),
 )
 
 

@@ -77,18 +77,27 @@ def tenant_by_name_or_id(*, text: str) -> Tenant | None:
     return tenant or (Tenant.objects.filter(name=text).first() if text else None)
 
 
+def _usable(now) -> Q:
+    return Q(revoked_at__isnull=True) & (Q(expires_at__isnull=True) | Q(expires_at__gt=now))
+
+
 def active_key_counts(*, tenant_ids, now=None) -> dict:
     """{tenant id: number of its keys neither revoked nor expired at ``now``} for the given tenants (one query);
     a tenant without active keys is absent."""
     now = now or timezone.now()
     rows = (
-        ApiKey.objects.filter(tenant_id__in=list(tenant_ids), revoked_at__isnull=True)
-        .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
+        ApiKey.objects.filter(_usable(now), tenant_id__in=list(tenant_ids))
         .order_by()
         .values("tenant_id")
         .annotate(active=Count("id"))
     )
     return {row["tenant_id"]: row["active"] for row in rows}
+
+
+def api_keys_usable(*, tenant_id, now=None, excluding=None) -> QuerySet[ApiKey]:
+    """The tenant's keys neither revoked nor expired at ``now`` (what max_api_keys counts), without ``excluding``."""
+    keys = ApiKey.objects.filter(_usable(now or timezone.now()), tenant_id=tenant_id)
+    return keys.exclude(pk=excluding.pk) if excluding is not None else keys
 
 
 def tenant_get(*, tenant_id) -> Tenant:

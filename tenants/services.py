@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.db import IntegrityError, connection, transaction
-from django.db.models import F, Q, Value
+from django.db.models import F, Value
 from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
@@ -31,7 +31,7 @@ from controlplane.errors import ApplicationError, ConflictError, NotFoundError, 
 from tenants import keys, names, scopes as scope_rules, usage
 from tenants.models import QUOTA_FIELDS, ApiKey, KeyUsageFlush, Quota, Tenant
 from tenants.redis_client import get_redis
-from tenants.selectors import quota_limits
+from tenants.selectors import api_keys_usable, quota_limits
 
 logger = logging.getLogger("kcaas.tenants")
 
@@ -167,13 +167,7 @@ def _check_key_quota(tenant: Tenant, *, replacing: ApiKey | None = None) -> None
     the limit by one for the overlap), but a second rotation waits until the first's old key has expired. The
     caller holds the tenant lock."""
     limit = quota_limits(tenant=tenant).max_api_keys
-    now = timezone.now()
-    usable = ApiKey.objects.filter(tenant_id=tenant.pk, revoked_at__isnull=True).filter(
-        Q(expires_at__isnull=True) | Q(expires_at__gt=now)
-    )
-    if replacing is not None:
-        usable = usable.exclude(pk=replacing.pk)
-    in_use = usable.count()
+    in_use = api_keys_usable(tenant_id=tenant.pk, excluding=replacing).count()
     if in_use >= limit:
         raise QuotaExceeded(
             f"The tenant may hold at most {limit} usable API keys; revoke one first.",

@@ -41,6 +41,7 @@ from tenants.openapi import AUTH_ERRORS, RATE_LIMIT_HEADERS, RejectUnknownFields
 from tenants.pagination import MAX_LIMIT, MAX_OFFSET, BoundedLimitOffsetPagination
 from tenants.permissions import IsStaff, ScopePermission
 from tenants.principals import TenantPrincipal, is_staff_user, request_tenant
+from tenants import selectors as tenant_selectors
 
 MAX_REPORT_ENTRIES = 10_000  # caches in one node report
 MAX_COUNTER = 2**62  # bytes and counters: far above any node, inside PostgreSQL's bigint
@@ -190,6 +191,7 @@ class UsageLimitsSerializer(serializers.Serializer):
     max_ssd_bytes = serializers.IntegerField()
     max_requests_per_second = serializers.IntegerField()
     max_data_tokens_outstanding = serializers.IntegerField()
+    max_api_keys = serializers.IntegerField()
 
 
 class TierBytesSerializer(serializers.Serializer):
@@ -204,6 +206,7 @@ class UsageUsedSerializer(TierBytesSerializer):
 
     caches = serializers.IntegerField(min_value=0)
     data_tokens_outstanding = serializers.IntegerField(min_value=0, help_text="Neither expired nor revoked.")
+    api_keys = serializers.IntegerField(min_value=0, help_text="Usable API keys: neither revoked nor expired.")
 
 
 @extend_schema_serializer(component_name="UsageResident")
@@ -349,6 +352,7 @@ def _snapshot(tenant) -> dict:
             "caches": usage.caches.num_caches,
             **_per_tier(usage.caches.capacity_bytes),
             "data_tokens_outstanding": usage.data_tokens_outstanding,
+            "api_keys": tenant_selectors.api_keys_usable(tenant_id=tenant.pk).count(),
         },
         "resident": _per_tier(usage.resident_bytes),
     }

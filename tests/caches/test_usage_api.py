@@ -52,9 +52,10 @@ def test_a_new_tenant_sees_its_effective_limits_and_nothing_used(make_tenant, se
         "max_ssd_bytes": defaults["max_ssd_bytes"],
         "max_requests_per_second": 100_000,
         "max_data_tokens_outstanding": defaults["max_data_tokens_outstanding"],
+        "max_api_keys": defaults["max_api_keys"],
     }
     zero = {"device_bytes": 0, "dram_bytes": 0, "ssd_bytes": 0}
-    assert body["used"] == {"caches": 0, **zero, "data_tokens_outstanding": 0}
+    assert body["used"] == {"caches": 0, **zero, "data_tokens_outstanding": 0, "api_keys": 1}  # the key asking
     assert body["resident"] == zero
 
 
@@ -76,6 +77,7 @@ def test_used_counts_non_detached_caches_their_capacity_and_live_tokens(tenant_a
         "dram_bytes": 128 * BLOCK_BYTES,
         "ssd_bytes": 16 * BLOCK_BYTES,
         "data_tokens_outstanding": 2,
+        "api_keys": 1,
     }
 
 

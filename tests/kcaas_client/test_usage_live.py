@@ -34,6 +34,7 @@ def test_usage_follows_attach_tokens_and_detach(make_tenant, node, sdk):
         "dram_bytes": 32 * BLOCK_BYTES,
         "ssd_bytes": 0,
         "data_tokens_outstanding": 1,
+        "api_keys": 1,
     }
     assert used.remaining()["device_bytes"] == (1024 - 64) * BLOCK_BYTES
     assert set(used.resident) == {"device_bytes", "dram_bytes", "ssd_bytes"}
