@@ -22,7 +22,7 @@ from audit import exports, queries
 from audit.actions import AuditAction
 from audit.context import ACTOR_KINDS
 from audit.keys import platform_public_jwk
-from controlplane.errors import ApplicationError, NotFoundError
+from core.errors import ApplicationError, NotFoundError
 
 ACTOR_PATTERN = r"^(" + "|".join(ACTOR_KINDS) + r")(:[!-~]{1,200})?$"
 _ERROR_SCHEMA = {

@@ -36,7 +36,7 @@ from audit.actions import AuditAction
 from audit.keys import platform_public_jwk
 from audit.models import AuditDigest, AuditEvent
 from audit.services import audit_record
-from controlplane.errors import ApplicationError
+from core.errors import ApplicationError
 
 FORMATS = {"jsonl": "application/x-ndjson", "csv": "text/csv"}
 CHUNK = 1000

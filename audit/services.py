@@ -18,6 +18,7 @@ from django.db import connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from core.errors import TransientError
 from audit import chain
 from audit.actions import AuditAction
 from audit.context import Actor, current_actor, current_request
@@ -26,8 +27,15 @@ from audit.models import AuditChainHead, AuditEvent
 SALT_BYTES = 16
 
 
-class AuditWriteError(RuntimeError):
-    """The event could not be recorded: the caller's change must not commit."""
+class AuditWriteError(TransientError):
+    """The event could not be recorded: the caller's change must not commit (answered 503 `audit_unavailable`, with
+    Retry-After, by the error layer; node answers are retried)."""
+
+    code = "audit_unavailable"
+    public_message = "The audit trail is unavailable; nothing was changed. Retry later."
+
+    def __init__(self, message: str):
+        super().__init__(message)
 
 
 def sensitive_digest(value: Any) -> str:

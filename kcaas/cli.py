@@ -41,7 +41,7 @@ INTERACTIVE_RETRY_BUDGET_SECONDS = 5.0
 EXIT_OK, EXIT_API, EXIT_USAGE, EXIT_CONNECTION, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(KVCacheSpec))
 SPEC_DEFAULTS = {"block_size": 16, "kv_dtype": "float16"}  # storage_dtype defaults to kv_dtype
-_KEY_SHAPE = re.compile(r"\b(kc_[a-z]{1,16}_[0-9A-Za-z]+)_[0-9A-Za-z]+")  # tenants/keys.py: prefix_public_secret
+_KEY_SHAPE = re.compile(r"\b(kc_[a-z]{1,16}_[0-9A-Za-z]+)_[0-9A-Za-z]+")  # core/keys.py: prefix_public_secret
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _UNITS.update({f"{u}ib": v for u, v in _UNITS.items() if u not in ("", "b")})
 _UNITS.update({"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12})

@@ -18,13 +18,13 @@ from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from controlplane.errors import ApplicationError
+from core.errors import ApplicationError
 from tenants import scopes as scope_rules, selectors, services
 from tenants.models import Tenant
 from tenants.fields import StrictCharField, StrictIntegerField
-from tenants.openapi import AUTH_ERRORS, RATE_LIMIT_HEADERS, RejectUnknownFieldsMixin, error_responses
-from tenants.pagination import BoundedLimitOffsetPagination
-from tenants.permissions import IsStaff, ScopePermission
+from core.openapi import AUTH_ERRORS, RATE_LIMIT_HEADERS, RejectUnknownFieldsMixin, error_responses
+from core.pagination import BoundedLimitOffsetPagination
+from core.permissions import IsStaff, ScopePermission
 from tenants.principals import TenantPrincipal, request_tenant
 
 DEFAULT_OVERLAP_SECONDS = 3600

@@ -21,8 +21,9 @@ from django.utils import timezone
 from rest_framework import exceptions
 from rest_framework.authentication import BaseAuthentication, get_authorization_header
 
-from controlplane.errors import ApplicationError
-from tenants import keys, usage
+from core.errors import ApplicationError
+from core import keys
+from tenants import usage
 from tenants.principals import TenantPrincipal
 from tenants.selectors import api_key_for_authentication
 

@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 
 from rest_framework.exceptions import PermissionDenied
 
-from controlplane.errors import ApplicationError, NotFoundError
+from core.errors import ApplicationError, NotFoundError
+from core.permissions import is_staff_user as _is_staff_user
 from audit.context import Actor
 from tenants import scopes as scope_rules
-from tenants.ids import as_uuid
+from core.ids import as_uuid
 from tenants.models import ApiKey, Tenant
 
 
@@ -40,6 +41,11 @@ class TenantPrincipal:
     def has_scope(self, resource: str, action: str) -> bool:
         return scope_rules.grants(self.scopes, resource, action)
 
+    @staticmethod
+    def valid_resource(resource) -> bool:
+        """Whether a view's scope_resource names a resource keys can hold scopes on (core.permissions asks)."""
+        return resource in scope_rules.RESOURCES
+
     @property
     def audit_actor(self) -> Actor:
         return Actor("key", self.api_key.public_id)
@@ -52,10 +58,8 @@ class TenantPrincipal:
 
 
 def is_staff_user(user) -> bool:
-    """A Django auth user with is_staff (never a key or node principal)."""
-    if user is None or isinstance(user, TenantPrincipal):
-        return False
-    return bool(getattr(user, "is_authenticated", False) and getattr(user, "is_staff", False))
+    """A Django auth user with is_staff (never a key or node principal): core.permissions' rule."""
+    return _is_staff_user(user)
 
 
 def request_tenant(request, tenant_id=None) -> Tenant:

@@ -144,7 +144,7 @@ def check_rate(name: str, *, rate: float, burst: int | None = None) -> Decision 
 
 
 class RateLimited(Throttled):
-    """429 ``rate_limited``; controlplane.errors copies ``headers`` onto the response and sets Retry-After."""
+    """429 ``rate_limited``; core.errors copies ``headers`` onto the response and sets Retry-After."""
 
     def __init__(self, decision: Decision):
         super().__init__(

@@ -8,8 +8,8 @@ from django.conf import settings
 from django.db.models import Count, Q, QuerySet
 from django.utils import timezone
 
-from controlplane.errors import NotFoundError
-from tenants.ids import as_uuid
+from core.errors import NotFoundError
+from core.ids import as_uuid
 from tenants.models import QUOTA_FIELDS, ApiKey, Quota, Tenant
 
 

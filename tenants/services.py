@@ -27,8 +27,9 @@ from django.utils import timezone
 
 from audit.actions import AuditAction
 from audit.services import audit_record
-from controlplane.errors import ApplicationError, ConflictError, NotFoundError, QuotaExceeded
-from tenants import keys, names, scopes as scope_rules, usage
+from core.errors import ApplicationError, ConflictError, NotFoundError, QuotaExceeded
+from core import keys
+from tenants import names, scopes as scope_rules, usage
 from tenants.models import QUOTA_FIELDS, ApiKey, KeyUsageFlush, Quota, Tenant
 from tenants.redis_client import get_redis
 from tenants.selectors import api_keys_usable, quota_limits

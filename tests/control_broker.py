@@ -12,7 +12,7 @@ import contextlib
 from kombu import pools
 from kombu.utils.collections import eqhash
 
-from controlplane.celery import app as control_app
+from core.celery import app as control_app
 
 _NAMES = ("broker_url", "broker_read_url", "broker_write_url")
 

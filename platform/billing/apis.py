@@ -33,13 +33,13 @@ from billing import money, selectors, services
 from billing.errors import InvalidPeriod
 from billing.models import METERS, TIERS, InvoiceStatus
 from caches import selectors as cache_selectors
-from controlplane.errors import ApplicationError
+from core.errors import ApplicationError
 from fleet.authentication import NodeCredentialAuthentication
 from fleet.permissions import IsNode
 from tenants.fields import StrictIntegerField
-from tenants.openapi import AUTH_ERRORS, RATE_LIMIT_HEADERS, RejectUnknownFieldsMixin, error_responses
-from tenants.pagination import MAX_LIMIT, MAX_OFFSET, BoundedLimitOffsetPagination
-from tenants.permissions import IsStaff, ScopePermission
+from core.openapi import AUTH_ERRORS, RATE_LIMIT_HEADERS, RejectUnknownFieldsMixin, error_responses
+from core.pagination import MAX_LIMIT, MAX_OFFSET, BoundedLimitOffsetPagination
+from core.permissions import IsStaff, ScopePermission
 from tenants.principals import TenantPrincipal, is_staff_user, request_tenant
 from tenants import selectors as tenant_selectors
 

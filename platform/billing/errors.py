@@ -1,6 +1,6 @@
 """Billing's refusals: each an ApplicationError with a stable code, rendered in the one error shape."""
 
-from controlplane.errors import ApplicationError, ConflictError
+from core.errors import ApplicationError, ConflictError
 
 
 class InvalidUsageReport(ApplicationError):

@@ -13,8 +13,8 @@ from django.db.models.functions import TruncDay, TruncHour, TruncMonth
 
 from billing import money
 from billing.models import TIERS, Invoice, LedgerHour, Rate
-from controlplane.errors import NotFoundError
-from tenants.ids import as_uuid
+from core.errors import NotFoundError
+from core.ids import as_uuid
 
 GRANULARITIES = {"hour": TruncHour, "day": TruncDay, "month": TruncMonth}
 

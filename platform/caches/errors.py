@@ -2,7 +2,7 @@
 
 from rest_framework import status
 
-from controlplane.errors import ApplicationError, ConflictError
+from core.errors import ApplicationError, ConflictError
 from fleet.errors import InvalidCapacity  # noqa: F401  one refusal, one class: caches adds the one-block rule
 
 

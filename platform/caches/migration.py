@@ -33,7 +33,7 @@ from audit.services import audit_record
 from caches.models import Cache, CacheState, Migration, MigrationState
 from caches.sealing import SealError, hash_key_unseal, ssd_key_unseal
 from caches.services import _lock_cache, cache_key
-from controlplane.errors import ConflictError, NotFoundError
+from core.errors import ConflictError, NotFoundError
 from fleet.errors import NoCapacity
 from fleet.models import Node, NodeState
 from fleet.outbox import order_enqueue, orders_acknowledge, orders_close, seal_for_node

@@ -7,8 +7,8 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from caches.migration import node_drain_caches
-from tenants.openapi import error_responses
-from tenants.permissions import IsStaff
+from core.openapi import error_responses
+from core.permissions import IsStaff
 
 
 class MigrationSerializer(serializers.Serializer):

@@ -7,9 +7,9 @@ from django.db.models import Case, Count, Q, QuerySet, Sum, When
 from django.utils import timezone
 
 from caches.models import ACTIVE_MIGRATION_STATES, RESERVING_STATES, TIERS, Cache, CacheState, DataToken, Migration
-from controlplane.errors import NotFoundError
+from core.errors import NotFoundError
 from fleet.models import Node
-from tenants.ids import as_uuid
+from core.ids import as_uuid
 from tenants.models import Tenant
 from tenants.selectors import QuotaLimits, quota_limits
 

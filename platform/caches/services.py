@@ -38,7 +38,7 @@ from caches.errors import CacheNameTaken, CacheNotReady, InvalidCapacity
 from caches.models import RESERVING_STATES, TIERS, Cache, CacheState, DataToken
 from caches.sealing import SealError, hash_key_new_sealed, hash_key_unseal, ssd_key_new_sealed, ssd_key_unseal
 from caches.signing import token_sign
-from controlplane.errors import ConflictError, NotFoundError, QuotaExceeded
+from core.errors import ConflictError, NotFoundError, QuotaExceeded
 from fleet.models import NodeState
 from fleet.outbox import order_enqueue, orders_acknowledge, seal_for_node
 from fleet.services import node_place, node_unreserve, nodes_expire_unrecorded, nodes_lock, nodes_lost_record
@@ -46,7 +46,7 @@ from kcaas.spec import KVCacheSpec
 from tenants.models import Tenant
 from tenants.selectors import quota_limits
 from tenants.services import tenant_lock
-from tenants.ids import as_uuid
+from core.ids import as_uuid
 from kcaas.node_messages import DETACH_TASK, PROVISION_TASK, REVOKE_TOKENS_TASK
 
 logger = logging.getLogger("kcaas.caches")

@@ -10,7 +10,7 @@ from audit.context import SYSTEM, Actor, acting_as
 from caches import reconcile, services, token_cascade
 from caches.idempotency import idempotency_records_purge
 from caches import migration
-from controlplane.transient import node_answer_retry
+from core.transient import node_answer_retry
 from kcaas.node_messages import (
     DETACH_RESULT_TASK,
     MIGRATION_PROGRESS_TASK,
@@ -21,7 +21,7 @@ from kcaas.node_messages import (
 logger = logging.getLogger("kcaas.caches")
 
 # A node's answer that meets a database outage, a deadlock or an unwritable audit trail is rolled back and retried
-# (controlplane.transient), never lost.
+# (core.transient), never lost.
 _ANSWER_RETRY = node_answer_retry()
 
 

@@ -18,7 +18,7 @@ from django.urls import reverse
 
 from audit.services import AuditWriteError
 from console import roles
-from controlplane.errors import ApplicationError
+from core.errors import ApplicationError
 
 SESSION_FLAG = "kcaas_console"  # set by the console sign-in; the REST API refuses sessions carrying it
 

@@ -1,5 +1,8 @@
-"""The KCaaS control plane project: settings, URLs, the Celery app, errors."""
+"""The roof of the control plane: settings, URLs, wsgi and the authentication wiring. It imports every room and no
+room imports it. `celery -A controlplane` finds the Celery app (core.celery) here."""
 
-from controlplane.celery import app as celery_app
+from core.celery import app
 
-__all__ = ["celery_app"]
+celery_app = app
+
+__all__ = ["app", "celery_app"]

@@ -50,7 +50,7 @@ from rest_framework.exceptions import AuthenticationFailed
 from audit.middleware import source_ip
 from audit.services import sensitive_digest
 from console import access, roles
-from controlplane.errors import ApplicationError
+from core.errors import ApplicationError
 from tenants.ratelimit import Bucket, give_back, source_network, take_all
 
 logger = logging.getLogger("kcaas.auth")

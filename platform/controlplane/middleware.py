@@ -4,7 +4,7 @@ the console) before any of them runs.
 `RequestLimits` answers, in the project's error shape, before the body reaches a parser:
 - a body larger than settings.KCAAS_MAX_REQUEST_BYTES (by its Content-Length, so nothing of it is read): 413
   `request_too_large` (details.max_bytes). Django's own limit (DATA_UPLOAD_MAX_MEMORY_SIZE) is the same number, and
-  a RequestDataTooBig raised anyway (a body read elsewhere) is the same 413 (controlplane.errors);
+  a RequestDataTooBig raised anyway (a body read elsewhere) is the same 413 (core.errors);
 - a body sent chunked, without a Content-Length: 411 `length_required` (Django reads such a body as empty: a JSON
   request would otherwise be taken for an empty one);
 - a JSON body nested deeper than settings.KCAAS_MAX_JSON_DEPTH: 400 `json_too_deep` (details.max_depth). Python's
@@ -31,7 +31,7 @@ from array import array
 from django.conf import settings
 from django.http import JsonResponse, UnreadablePostError
 
-from controlplane.errors import error_body
+from core.errors import error_body
 
 API_PREFIX = "/api/"
 NO_STORE = "no-store"

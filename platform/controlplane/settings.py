@@ -72,7 +72,7 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
     "console.middleware.ConsoleSessionMiddleware",  # console idle/absolute expiry, CSP
-    "controlplane.query_parameters.RejectUndocumentedQueryParameters",  # /api/v1/: the schema's query parameters only
+    "core.query_parameters.RejectUndocumentedQueryParameters",  # /api/v1/: the schema's query parameters only
 ]
 
 ROOT_URLCONF = "controlplane.urls"
@@ -184,9 +184,9 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_THROTTLE_CLASSES": ["tenants.ratelimit.TenantRateThrottle"],
-    "EXCEPTION_HANDLER": "controlplane.errors.exception_handler",
+    "EXCEPTION_HANDLER": "core.errors.exception_handler",
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "DEFAULT_PAGINATION_CLASS": "tenants.pagination.BoundedLimitOffsetPagination",
+    "DEFAULT_PAGINATION_CLASS": "core.pagination.BoundedLimitOffsetPagination",
     "PAGE_SIZE": 50,
     "UNAUTHENTICATED_USER": None,
 }

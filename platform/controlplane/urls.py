@@ -2,7 +2,7 @@ from django.http import JsonResponse
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView
 
-from controlplane import errors
+from core import errors
 
 
 def healthz(request):

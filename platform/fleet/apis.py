@@ -27,8 +27,8 @@ from fleet.serializers import (
     TierBytesSerializer,
 )
 from fleet.validators import MAX_ENDPOINT_LENGTH, NODE_NAME_RE, endpoint_error
-from tenants.openapi import error_responses
-from tenants.permissions import IsStaff
+from core.openapi import error_responses
+from core.permissions import IsStaff
 
 MAX_RESIDENT_ENTRIES = 10_000  # caches one node may report in a heartbeat
 

@@ -1,13 +1,13 @@
-"""Node credentials: `kc_node_<public_id>_<secret><crc>`, the tenants' key format (tenants.keys) with its own prefix.
+"""Node credentials: `kc_node_<public_id>_<secret><crc>`, the tenants' key format (core.keys) with its own prefix.
 
 A credential is shown once, when staff create the node; the database keeps its public id (the lookup key) and the
-peppered HMAC-SHA256 of its secret (tenants.keys.key_hash). Verification compares hashes in constant time and does
-the same work when the public id is unknown (tenants.keys.verify_secret), so timing does not tell which nodes exist.
+peppered HMAC-SHA256 of its secret (core.keys.key_hash). Verification compares hashes in constant time and does
+the same work when the public id is unknown (core.keys.verify_secret), so timing does not tell which nodes exist.
 """
 
 from dataclasses import dataclass
 
-from tenants.keys import NODE_KEY_PREFIX, InvalidKeyFormat, generate_key, key_hash, parse_key, verify_secret
+from core.keys import NODE_KEY_PREFIX, InvalidKeyFormat, generate_key, key_hash, parse_key, verify_secret
 
 
 @dataclass(frozen=True, slots=True)

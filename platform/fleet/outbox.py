@@ -35,7 +35,9 @@ from django.db import DatabaseError, transaction
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
-from controlplane.celery import app as celery_app, node_queue
+from core.celery import app as celery_app
+
+from kcaas.node_messages import node_queue
 from fleet.errors import NodeSealingKeyMissing
 from fleet.models import OPEN_ORDER_STATES, Node, NodeOrder, NodeState, OrderState
 from kcaas.sealing import seal

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from django.db.models import Count, QuerySet, Sum
 
-from controlplane.errors import NotFoundError
+from core.errors import NotFoundError
 from fleet.models import TIERS, Node, NodeState
 
 

@@ -19,7 +19,7 @@ from django.utils import timezone
 from audit.actions import AuditAction
 from audit.context import SYSTEM
 from audit.services import audit_record
-from controlplane.errors import NotFoundError
+from core.errors import NotFoundError
 from fleet import pki
 from fleet.credentials import credential_new
 from fleet.errors import (

@@ -15,12 +15,12 @@ from rest_framework.permissions import BasePermission
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from controlplane.errors import ApplicationError
+from core.errors import ApplicationError
 from privacy import export, receipt, selectors, services
 from privacy.models import ErasureState
 from tenants import scopes as scope_rules
-from tenants.openapi import error_responses
-from tenants.permissions import IsStaff
+from core.openapi import error_responses
+from core.permissions import IsStaff
 from tenants.principals import TenantPrincipal
 from tenants.selectors import tenant_get
 

@@ -7,10 +7,10 @@ from collections.abc import Iterable
 from django.db.models import Count, Q, QuerySet
 
 from audit.services import tenant_pseudonym
-from controlplane.errors import ConflictError, NotFoundError
+from core.errors import ConflictError, NotFoundError
 from privacy import receipt as receipts
 from privacy.models import ErasureJob, ErasureState, PurgeState
-from tenants.ids import as_uuid
+from core.ids import as_uuid
 from tenants.models import Tenant
 
 

@@ -30,15 +30,15 @@ from audit.actions import AuditAction
 from audit.context import SYSTEM, actor_of
 from audit.services import audit_record, tenant_pseudonym
 from caches.services import caches_detach_tenant
-from controlplane.celery import app as celery_app
-from controlplane.errors import ConflictError, NotFoundError
+from core.celery import app as celery_app
+from core.errors import ConflictError, NotFoundError
 from fleet.models import Node, NodeState
 from fleet.outbox import order_enqueue
 from kcaas.node_messages import CONTROL_QUEUE, PURGE_TENANT_TASK
 from privacy import receipt as receipts
 from privacy.erasure import erase_tenant_data
 from privacy.models import CANCELLABLE_STATES, ErasureJob, ErasurePurge, ErasureState, PurgeState
-from tenants.ids import as_uuid
+from core.ids import as_uuid
 from tenants.models import ApiKey, Tenant
 from tenants.services import tenant_lock
 

@@ -5,7 +5,7 @@ privacy.run_erasures every KCAAS_ERASURE_TICK_SECONDS."""
 from celery import shared_task
 
 from audit.context import Actor, acting_as
-from controlplane.transient import node_answer_retry
+from core.transient import node_answer_retry
 from kcaas.node_messages import PURGE_RESULT_TASK
 from privacy import services
 

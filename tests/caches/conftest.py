@@ -163,7 +163,7 @@ def purge_node_queue(node_id) -> None:
 
     import redis
 
-    from controlplane.celery import node_queue
+    from kcaas.node_messages import node_queue
 
     client = redis.Redis.from_url(os.environ["CELERY_BROKER_URL"])
     for key in client.scan_iter(match=f"*{node_queue(node_id)}*"):
@@ -234,7 +234,7 @@ def running_workers(*apps_and_queues):
     from celery.contrib.testing.worker import TestWorkController, start_worker
     from celery.signals import task_postrun
 
-    from controlplane.celery import app as control_app
+    from core.celery import app as control_app
 
     class OwnAppWorkController(TestWorkController):
         def start(self):

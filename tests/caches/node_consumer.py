@@ -70,7 +70,8 @@ def detach_cache(cache_id: str, epoch: int) -> None:
 def module_workers(node_id):
     """Generator for a module-scoped fixture: the control worker and this consumer on `node_id`'s queue, alive for
     the whole module (starting a pair costs seconds); yields `behaviour`."""
-    from controlplane.celery import app as control_app, node_queue
+    from core.celery import app as control_app
+    from kcaas.node_messages import node_queue
     from tests.caches.conftest import purge_node_queue, running_workers
 
     behaviour.since = time.time()
@@ -115,7 +116,7 @@ def _nothing_in_flight(node_id) -> bool:
     import redis
     from celery.worker import state as worker_state
 
-    from controlplane.celery import node_queue
+    from kcaas.node_messages import node_queue
 
     queues = (CONTROL_QUEUE, node_queue(node_id))
     client = redis.Redis.from_url(os.environ["CELERY_BROKER_URL"])

@@ -5,7 +5,8 @@ import pytest
 
 from caches.models import Cache, CacheState
 from caches.sealing import hash_key_unseal
-from controlplane.celery import app as celery_app, node_queue
+from core.celery import app as celery_app
+from kcaas.node_messages import node_queue
 from kcaas.node_messages import PROVISION_TASK
 from tests.fleet.node_keys import opened
 from tests.caches.conftest import BLOCK_BYTES, GIB, SPEC, attach_body, purge_node_queue, reserved

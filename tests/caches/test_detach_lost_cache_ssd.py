@@ -15,7 +15,7 @@ import pytest
 from django.utils import timezone
 
 from caches.services import caches_sweep_leases
-from controlplane.celery import app as control_app
+from core.celery import app as control_app
 from fleet.models import Node
 from gpu_node.dev_pki import write_dev_pki
 from kcaas.dataplane import DataPlaneClient

@@ -15,7 +15,8 @@ from audit.actions import AuditAction
 from audit.models import AuditEvent
 from caches.migration import migration_start
 from caches.models import Cache, Migration
-from controlplane.celery import app as control_app, node_queue
+from core.celery import app as control_app
+from kcaas.node_messages import node_queue
 from fleet.models import OPEN_ORDER_STATES, Node, NodeOrder, NodeState
 from gpu_node import block_transfer as bt
 from gpu_node.dev_pki import new_ca, write_node_pki

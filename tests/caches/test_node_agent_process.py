@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.celery import app as control_app
+from core.celery import app as control_app
 from fleet import services as fleet_services
 from fleet.models import Node
 from tests.caches.conftest import BLOCK_BYTES, attach_body, free_port, purge_node_queue, running_workers, wait_for_state

@@ -11,7 +11,9 @@ import pytest
 import torch
 from rest_framework.test import APIClient
 
-from controlplane.celery import app as control_app, node_queue
+from core.celery import app as control_app
+
+from kcaas.node_messages import node_queue
 from fleet.models import Node
 from fleet.credentials import credential_new
 from gpu_node.block_hash import tokens_as_int32

@@ -12,7 +12,8 @@ import torch
 
 from caches.models import Cache
 from caches.sealing import hash_key_unseal
-from controlplane.celery import app as control_app, node_queue
+from core.celery import app as control_app
+from kcaas.node_messages import node_queue
 from fleet.models import Node
 from gpu_node.block_hash import BlockHasher, tokens_as_int32
 from gpu_node.node_tasks import build_node_app

@@ -55,7 +55,7 @@ def fire(application, count: int) -> list[int]:
 
 def main(mode: str, count: int) -> None:
     application = load(mode)
-    from controlplane import query_parameters
+    from core import query_parameters
 
     warm = getattr(query_parameters, "_table", None) is not None
     print(json.dumps({"warm_before_requests": warm, "statuses": fire(application, count)}))

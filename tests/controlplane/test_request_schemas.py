@@ -14,7 +14,7 @@ from rest_framework import serializers
 
 from fleet import services as fleet_services
 from tenants.fields import StrictIntegerField
-from tenants.openapi import RejectUnknownFieldsMixin
+from core.openapi import RejectUnknownFieldsMixin
 
 BODY_METHODS = ("POST", "PUT", "PATCH")
 

@@ -12,7 +12,8 @@ from django.contrib.auth.models import Group
 from django.db import connection
 from django.test import Client
 
-from controlplane import errors, urls
+from controlplane import urls
+from core import errors
 from tests.controlplane.outage_urls import PROBE_GROUP
 from tests.waiting import eventually
 

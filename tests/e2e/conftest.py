@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from controlplane.celery import app as control_app
+from core.celery import app as control_app
 from fleet import services as fleet_services
 from gpu_node.dev_pki import write_dev_pki
 from kcaas import wire

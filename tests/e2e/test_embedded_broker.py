@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 SERVICE_ENV = {"DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "CELERY_BROKER_TRANSPORT_OPTIONS",
                "DJANGO_SETTINGS_MODULE"}  # fmt: skip
 FIRST = "0" * 20  # sorts before every message's stamp: the worker meets the stray files first
-SEND = "from controlplane.celery import app; app.send_task('caches.sweep_leases')"
+SEND = "from core.celery import app; app.send_task('caches.sweep_leases')"
 
 
 def embedded_env(var_dir: Path) -> dict:

@@ -20,7 +20,7 @@ import torch
 from django.utils import timezone
 
 import kcaas
-from controlplane.celery import app as control_app
+from core.celery import app as control_app
 from fleet.models import Node
 from kcaas import wire
 from kcaas.dataplane import DataPlaneClient

@@ -8,7 +8,7 @@ from rest_framework.test import APIRequestFactory
 from fleet.authentication import NodeCredentialAuthentication
 from fleet.models import Node
 from fleet.principals import NodePrincipal
-from tenants.keys import checksum, generate_key, parse_key
+from core.keys import checksum, generate_key, parse_key
 
 from .conftest import bearer_client, capacity_body
 

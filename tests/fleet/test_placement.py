@@ -5,7 +5,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from controlplane.errors import exception_handler
+from core.errors import exception_handler
 from fleet import services
 from fleet.errors import InvalidCapacity, NoCapacity
 from fleet.models import Node

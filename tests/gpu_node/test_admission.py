@@ -54,28 +54,63 @@ def test_a_lone_request_runs_whatever_the_byte_budget_and_grow_is_checked():
     assert admission.usage("a") == (0, 0, 0) and admission.usage("b") == (0, 0, 0)
 
 
-def test_concurrent_admissions_never_exceed_the_limit():
-    admission = TenantAdmission(TenantLimits(max_inflight_requests=3))
-    peak, lock, held = [0], threading.Lock(), [0]
+def test_concurrent_admissions_admit_exactly_the_limit_and_refuse_the_rest():
+    """More admissions than the limit attempted at once while those admitted are held: exactly the limit's worth
+    get a slot, every other one is refused `requests`, and the counters come back to zero once they are released.
+    Repeated so the attempts race on the lock in varied interleavings."""
+    limit, workers, rounds = 3, 8, 50
+    refusals = []
+    admission = TenantAdmission(TenantLimits(max_inflight_requests=limit), on_refusal=refusals.append)
+    start = threading.Barrier(workers, timeout=10)  # every worker attempts at once
+    attempted = threading.Barrier(workers + 1, timeout=10)  # every attempt made, the admitted ones still held
+    released = threading.Barrier(workers + 1, timeout=10)
+    outcomes: list[str] = []
+    outcomes_lock = threading.Lock()
+    failures = []
 
     def worker():
-        for _ in range(300):
-            try:
-                hold = admission.admit("a")
-            except ProtocolError:
-                continue
-            with lock:
-                held[0] += 1
-                peak[0] = max(peak[0], held[0])
-            with lock:
-                held[0] -= 1
-            hold.release()
+        try:
+            for _ in range(rounds):
+                start.wait()
+                try:
+                    hold, outcome = admission.admit("a"), "admitted"
+                except ProtocolError as refused:
+                    hold, outcome = None, refused.details["limit"]
+                with outcomes_lock:
+                    outcomes.append(outcome)
+                attempted.wait()  # held across the barrier: no slot comes back before every attempt is made
+                attempted.wait()  # the main thread has counted
+                if hold is not None:
+                    hold.release()
+                released.wait()
+        except Exception as error:  # noqa: BLE001 - asserted by the main thread; breaking the barriers frees it
+            failures.append(error)
+            for barrier in (start, attempted, released):
+                barrier.abort()
 
-    threads = [threading.Thread(target=worker) for _ in range(8)]
+    threads = [threading.Thread(target=worker) for _ in range(workers)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
-    assert 1 <= peak[0] <= 3
-    assert admission.usage("a") == (0, 0, 0)
-    admission.check_invariants()
+    try:
+        for round_ in range(rounds):
+            attempted.wait()
+            with outcomes_lock:
+                seen, outcomes[:] = sorted(outcomes), []
+            assert seen == ["admitted"] * limit + ["requests"] * (workers - limit), (round_, seen)
+            assert admission.usage("a") == (0, limit, 0)
+            attempted.wait()
+            released.wait()
+            assert admission.usage("a") == (0, 0, 0), round_
+            admission.check_invariants()
+    except threading.BrokenBarrierError:
+        pass  # a worker failed and broke the barriers: its error is asserted below
+    except BaseException:
+        for barrier in (start, attempted, released):
+            barrier.abort()  # the workers stop at once instead of at their barrier timeout
+        raise
+    finally:
+        for t in threads:
+            t.join(10)
+    assert not failures
+    assert refusals == ["requests"] * ((workers - limit) * rounds)
+    assert admission._usage == {}

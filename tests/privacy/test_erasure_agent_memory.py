@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from controlplane.celery import app as control_app
+from core.celery import app as control_app
 from gpu_node.dev_pki import write_dev_pki
 from kcaas import wire
 from kcaas.dataplane import DataPlaneClient

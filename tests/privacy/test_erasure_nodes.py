@@ -19,7 +19,8 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from caches.services import caches_sweep_leases
-from controlplane.celery import app as control_app, node_queue
+from core.celery import app as control_app
+from kcaas.node_messages import node_queue
 from fleet import services as fleet_services
 from fleet.models import Node
 from gpu_node.block_hash import tokens_as_int32

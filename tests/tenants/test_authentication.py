@@ -7,7 +7,8 @@ import hmac
 import pytest
 from django.utils import timezone
 
-from tenants import keys, services
+from core import keys
+from tenants import services
 from tenants.models import ApiKey, Tenant
 from tenants.usage import LIVE_COUNT, LIVE_LAST
 

@@ -1,4 +1,4 @@
-"""tenants.keys: the key format, its offline checksum, peppered hashing and constant-time comparison."""
+"""core.keys: the key format, its offline checksum, peppered hashing and constant-time comparison."""
 
 import hmac
 import re
@@ -8,7 +8,7 @@ import pytest
 from django.test import override_settings
 from hypothesis import given, settings as hypothesis_settings, strategies as st
 
-from tenants import keys
+from core import keys
 
 KEY_RE = re.compile(r"kc_live_[0-9A-Za-z]{16}_[0-9A-Za-z]{43}[0-9A-Za-z]{6}")
 

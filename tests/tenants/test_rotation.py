@@ -6,7 +6,7 @@ from unittest import mock
 import pytest
 from django.utils import timezone
 
-from controlplane.errors import ApplicationError
+from core.errors import ApplicationError
 from tenants import authentication, services
 from tenants.models import ApiKey
 

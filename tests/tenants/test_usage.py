@@ -5,7 +5,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from controlplane.celery import app
+from core.celery import app
 from tenants import services, usage
 from tenants.models import ApiKey, KeyUsageFlush
 from tenants.redis_client import get_redis

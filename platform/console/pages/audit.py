@@ -32,7 +32,7 @@ from audit.apis import ACTOR_PATTERN
 from audit.context import ACTOR_KINDS
 from audit.keys import platform_public_jwk
 from console.access import console_view, error_page, page_context
-from tenants.ids import as_uuid
+from core.ids import as_uuid
 from tenants.selectors import tenant_by_name_or_id, tenant_list
 
 PAGE_SIZE = 50

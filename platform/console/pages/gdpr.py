@@ -28,7 +28,7 @@ from django.utils import timezone
 from django.utils.text import slugify
 
 from console.access import console_view, page_context
-from controlplane.errors import NotFoundError
+from core.errors import NotFoundError
 from privacy import export, receipt, selectors, services
 from privacy.models import CANCELLABLE_STATES, ErasureJob, ErasureState
 from tenants.models import Tenant

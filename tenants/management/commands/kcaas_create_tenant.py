@@ -8,7 +8,7 @@ done goes to stderr. ``make up`` uses it for the demo tenant.
 
 from django.core.management.base import BaseCommand, CommandError
 
-from controlplane.errors import ApplicationError
+from core.errors import ApplicationError
 from tenants import scopes as scope_rules, services
 from tenants.models import Tenant
 

@@ -31,7 +31,7 @@ from django.http import Http404, JsonResponse
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 
-from controlplane.transient import TRANSIENT_BROKER_ERRORS, TRANSIENT_DATABASE_ERRORS
+from core.transient import TRANSIENT_BROKER_ERRORS, TRANSIENT_DATABASE_ERRORS
 
 logger = logging.getLogger("kcaas.errors")
 
@@ -65,6 +65,18 @@ class QuotaExceeded(ApplicationError):
     code = "quota_exceeded"
 
 
+class TransientError(ApplicationError):
+    """Something the change needs is unavailable right now and the change was rolled back: 503 with Retry-After and a
+    fixed public message (the cause, this exception's own message, stays in the log). A room raises a subclass (the
+    audit trail's AuditWriteError is one), so this layer knows no room; node answers retry on it
+    (core.transient.node_answer_retry)."""
+
+    status_code = status.HTTP_503_SERVICE_UNAVAILABLE
+    code = "unavailable"
+    public_message = "A service the change needs is unavailable; nothing was changed. Retry later."
+    retry_after_seconds = 5
+
+
 def error_body(code: str, message: str, details: dict | None = None) -> dict:
     return {"error": {"code": code, "message": message, "details": details or {}}}
 
@@ -83,12 +95,9 @@ _DRF_CODES = {
 }
 
 
-AUDIT_UNAVAILABLE = "audit_unavailable"
-
-
-def audit_unavailable_body() -> dict:
-    """The answer to a change refused because its audit event could not be written (it was rolled back)."""
-    return error_body(AUDIT_UNAVAILABLE, "The audit trail is unavailable; nothing was changed. Retry later.")
+def transient_body(exc: TransientError) -> dict:
+    """The answer to a change refused by a TransientError (it was rolled back): its code and public message only."""
+    return error_body(exc.code, exc.public_message)
 
 
 RETRY_AFTER_SECONDS = 2  # what a 503 for an outage asks clients to wait: restarts take seconds
@@ -131,16 +140,14 @@ def suspicious_body(exc: SuspiciousOperation) -> tuple[dict, int]:
 
 
 def exception_handler(exc, context):
-    from audit.services import AuditWriteError  # imported late: this module loads before the apps are ready
-
     if isinstance(exc, SuspiciousOperation):
         body, status_code = suspicious_body(exc)
         return Response(body, status=status_code)
 
-    if isinstance(exc, AuditWriteError):
+    if isinstance(exc, TransientError):
         logger.error("refused %s: %s", context.get("view").__class__.__name__, exc)  # the cause stays in the log
-        response = Response(audit_unavailable_body(), status=status.HTTP_503_SERVICE_UNAVAILABLE)
-        response["Retry-After"] = "5"
+        response = Response(transient_body(exc), status=exc.status_code)
+        response["Retry-After"] = str(exc.retry_after_seconds)
         return response
     if isinstance(exc, ApplicationError):
         response = Response(error_body(exc.code, exc.message, exc.details), status=exc.status_code)

@@ -19,7 +19,7 @@ import threading
 
 from django.http import JsonResponse
 
-from controlplane.errors import error_body
+from core.errors import error_body
 
 API_PREFIX = "/api/v1/"
 _CONVERTER = re.compile(r"<(?:\w+:)?(\w+)>")

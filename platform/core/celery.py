@@ -1,0 +1,14 @@
+"""The Celery app of the control plane. Tasks for a node go to that node's own queue, `node.<id>`
+(kcaas.node_messages.node_queue); the control plane's own tasks (lease sweeping, provisioning results, key usage
+flushes) run on the `control` queue."""
+
+import os
+
+from celery import Celery
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+
+app = Celery("kcaas")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+app.autodiscover_tasks()
+
