@@ -61,7 +61,7 @@ def test_concurrent_admissions_admit_exactly_the_limit_and_refuse_the_rest():
     limit, workers, rounds = 3, 8, 50
     refusals = []
     admission = TenantAdmission(TenantLimits(max_inflight_requests=limit), on_refusal=refusals.append)
-    start = threading.Barrier(workers, timeout=10)  # every worker attempts at once
+    start = threading.Barrier(workers + 1, timeout=10)  # every worker attempts at once, after the last round's checks
     attempted = threading.Barrier(workers + 1, timeout=10)  # every attempt made, the admitted ones still held
     released = threading.Barrier(workers + 1, timeout=10)
     outcomes: list[str] = []
@@ -93,6 +93,7 @@ def test_concurrent_admissions_admit_exactly_the_limit_and_refuse_the_rest():
         t.start()
     try:
         for round_ in range(rounds):
+            start.wait()
             attempted.wait()
             with outcomes_lock:
                 seen, outcomes[:] = sorted(outcomes), []
