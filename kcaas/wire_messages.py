@@ -1,13 +1,12 @@
 """Typed messages of the data-plane wire format: validation shared by both sides, requests and responses per opcode.
 
-The frame layer (header, incremental decoder, error codes) is kcaas/wire.py, which re-exports everything here:
-import from `kcaas.wire`. Byte layout and semantics: docs/protocol.md.
+Built on the frame layer (kcaas/wire_frames.py: header, opcodes, error codes, incremental decoder), which never
+imports this module. `kcaas.wire` re-exports both layers: import from there. Byte layout and semantics:
+docs/protocol.md.
 """
 
 from __future__ import annotations
 
-import json
-import struct
 import sys
 from array import array
 from collections.abc import Sequence
@@ -15,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from kcaas.spec import KVCacheSpec, SpecError
-from kcaas.wire import (
+from kcaas.wire_frames import (
     BATCH_BIT,
     Buffer,
     DATA_OPS,
