@@ -6,13 +6,13 @@ buffer."""
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
 
 from gpu_node.admission import TenantLimits
 from gpu_node.dataplane import DataPlaneServer, server_tls_context
+from gpu_node.metrics import NodeMetrics
 from kcaas import wire
 from kcaas.dataplane import DataPlaneClient
 from kcaas.wire import ErrorCode, Opcode
@@ -84,7 +84,7 @@ def test_requests_in_flight_bounded_while_a_put_streams(limited_server, connect,
         assert conn.hello(token, cache).opcode == Opcode.OK
     frame = put_frame(spec, rid=50)
     slow.sock.sendall(frame[: len(frame) - 64])  # metadata read: the put holds tenant A's only slot
-    time.sleep(0.2)
+    assert eventually(lambda: limited_server.admission.usage("tenant:t-a")[1] == 1), "the put never took its slot"
     refused = other.request(Opcode.LOOKUP, TOKENS)
     assert refused.opcode == Opcode.ERROR and refused.meta["code"] == ErrorCode.OVERLOADED
     assert refused.meta["details"]["limit"] == "requests"
@@ -104,7 +104,8 @@ def test_staged_bytes_bounded_but_a_lone_request_always_runs(limited_server, con
     assert slow.hello(make_token()).opcode == Opcode.OK and other.hello(make_token()).opcode == Opcode.OK
     frame = put_frame(spec, rid=60)
     slow.sock.sendall(frame[:-16])  # alone, a put larger than the whole budget is admitted
-    time.sleep(0.2)
+    staged = prefix_kv(spec, TOKENS).numpy().nbytes  # far over the budget of 1 byte
+    assert eventually(lambda: limited_server.admission.usage("tenant:t-a")[1:] == (1, staged)), "not admitted alone"
     refused = other.request(Opcode.PUT, TOKENS[:8], kv=prefix_kv(spec, TOKENS[:8]).numpy())
     assert refused.opcode == Opcode.ERROR and refused.meta["details"]["limit"] == "bytes"
     slow.sock.sendall(frame[-16:])
@@ -114,15 +115,24 @@ def test_staged_bytes_bounded_but_a_lone_request_always_runs(limited_server, con
 
 
 def test_sdk_retries_overloaded_after_the_hint(registry, verifier, pki, client_ctx, make_token, spec):
+    metrics = NodeMetrics(registry)
     srv = DataPlaneServer(registry, NODE_ID, verifier, server_tls_context(pki["cert"], pki["key"]), "127.0.0.1", 0,
-                          tenant_limits=TenantLimits(max_inflight_requests=1)).start()  # fmt: skip
+                          metrics=metrics, tenant_limits=TenantLimits(max_inflight_requests=1)).start()  # fmt: skip
+
+    def refusals() -> float:
+        return metrics.registry.get_sample_value("kcaas_dataplane_overloaded_total", {"limit": "requests"}) or 0.0
+
+    holder = srv.admission.admit("tenant:t-a")  # the tenant's only slot, held until the SDK's put has been refused
+    releaser = threading.Thread(target=lambda: eventually(lambda: refusals() >= 1) and holder.release())
+    releaser.start()
     try:
-        holder = srv.admission.admit("tenant:t-a")  # the tenant's only slot, taken for 0.3 s
-        threading.Timer(0.3, holder.release).start()
         with DataPlaneClient(srv.endpoint, make_token(), CACHE_A, spec, ssl_context=client_ctx) as dp:
-            assert dp.put(TOKENS, prefix_kv(spec, TOKENS))["num_written"] == len(TOKENS)
+            assert dp.put(TOKENS, prefix_kv(spec, TOKENS))["num_written"] == len(TOKENS)  # refused, then retried
+        assert refusals() >= 1, "the put was never refused: the retry was not exercised"
         assert eventually(lambda: srv.admission.usage("tenant:t-a")[1:] == (0, 0))
     finally:
+        holder.release()
+        releaser.join(30)
         srv.stop()
 
 
@@ -159,7 +169,7 @@ def test_drain_answers_started_requests_and_closes_idle_ones(registry, verifier,
         assert busy.hello(make_token()).opcode == Opcode.OK and idle.hello(make_token()).opcode == Opcode.OK
         frame = put_frame(spec, rid=80)
         busy.sock.sendall(frame[:-32])  # a put in flight when the drain starts
-        time.sleep(0.2)
+        assert eventually(lambda: srv.admission.usage("tenant:t-a")[1] == 1), "the put never started"
         result = {}
         drainer = threading.Thread(target=lambda: result.setdefault("busy", srv.drain(timeout=5.0)))
         drainer.start()
@@ -171,7 +181,7 @@ def test_drain_answers_started_requests_and_closes_idle_ones(registry, verifier,
         assert answer.opcode == Opcode.OK and answer.meta["num_written"] == [len(TOKENS)]  # finished, not cut
         assert busy.closed(timeout=3.0)  # then closed
         drainer.join(5)
-        assert result["busy"] == 0
+        assert not drainer.is_alive() and result["busy"] == 0  # the drain returned with nothing left busy
         assert registry.get(CACHE_A).engine.lookup(TOKENS) == len(TOKENS)
     finally:
         busy.close()
