@@ -82,7 +82,8 @@ def by_clients(r: dict) -> list[str]:
 
 def table(r: dict) -> str:
     lines = [
-        f"bench.dataplane ({r['mode']}): {r['op_bytes'] // MIB} MiB per op ({r['op_tokens']} tokens of a Llama-3-8B-like "
+        f"bench.dataplane ({r['mode']}): {r['op_bytes'] // MIB} MiB per op "
+        f"({r['op_tokens']} tokens of a Llama-3-8B-like "
         f"layout), {r['ops_per_round']} ops per contender per round, median of {r['rounds']} rounds; "
         f"{r.get('tls_version', '?')}, {r['ssl']}; kTLS: {r['ktls']}",
     ]

@@ -323,7 +323,7 @@ def measure_put_get(spec: KVCacheSpec, cfg: BenchConfig, device: torch.device) -
     churn_stats = churn_cache.stats()
     evicted_per_put = statistics.mean(churned.evicted_per_put)
     assert min(churned.evicted_per_put) > 0, "every churned put evicts"
-    del churn_cache, churned
+    churn_cache = churned = None  # the churn pool freed (not del: put_churned names it)
     return {
         "put_gbps": gbps["put"],
         "get_gbps": gbps["get"],

@@ -292,7 +292,7 @@ class NodeIdentity:
         ctx.load_verify_locations(cadata=self._ca_pem.decode())
         _load_chain(ctx, self._cert_pem, _key_pem(self._key))
 
-    # ---- persistence (KCAAS_NODE_IDENTITY_DIR) --------------------------------------------------------------------------
+    # ---- persistence (KCAAS_NODE_IDENTITY_DIR) -----------------------------------------------------------------------
     def save(self, directory: str | Path) -> None:
         """Key, certificate and CA as 0600 files in `directory` (created 0700), each replaced atomically."""
         directory = Path(directory)

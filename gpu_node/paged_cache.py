@@ -19,7 +19,8 @@ without the lock, then publishes under the lock. Blocks enter the index only at 
 
 The facade owns every tier: lower tiers (gpu_node/tiers.py, attached with attach_tiers) are reached only through
 the tier operations of gpu_node/engine_tiers.py, so lookup, get/acquire, put, delete, clear and wipe each reach
-device, DRAM and SSD alike; migration reaches blocks only through the block exchange of gpu_node/engine_blocks.py. delete and clear forget a prefix and everything chained under it in every tier, durably.
+device, DRAM and SSD alike; migration reaches blocks only through the block exchange of gpu_node/engine_blocks.py.
+delete and clear forget a prefix and everything chained under it in every tier, durably.
 
 Purge (wipe) is a fence: once it starts, every operation raises CachePurged; bytes in motion are waited for — a
 put's write (then discarded, never published), a read section (read(), or a handle whose kv_views are being sent,

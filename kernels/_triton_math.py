@@ -8,9 +8,9 @@ Why explicit rounding instead of plain casts (all found by running triton 3.9's 
   * fp32 -> float8e4nv and fp32 -> bfloat16 casts are wrong in the interpreter (a mantissa carry is dropped, so
     1.99 -> 1.0; ties are not to even; e4m3 subnormals are off; fp32 subnormal inputs are mangled).
     ``_round_to_e4m3`` rounds in fp32 first (nearest even, like torch and the cvt.rn.satfinite.e4m3x2.f32 that
-    Triton emits on sm_90), after which the cast is exact on the interpreter and the GPU; ``_to_bf16_rne`` builds the bfloat16 bits with integer
-    ops and never uses the float cast. Decoding fp8 -> fp32 is exact in the interpreter for all finite
-    bytes (the NaN bytes 0x7f/0xff decode as +-480 there; pools never hold them).
+    Triton emits on sm_90), after which the cast is exact on the interpreter and the GPU; ``_to_bf16_rne`` builds
+    the bfloat16 bits with integer ops and never uses the float cast. Decoding fp8 -> fp32 is exact in the
+    interpreter for all finite bytes (the NaN bytes 0x7f/0xff decode as +-480 there; pools never hold them).
   * Divisions use ``tl.math.div_rn`` (IEEE, correctly rounded); plain ``/`` is an approximate division on CUDA
     and would break bit-equality with the torch reference.
 """

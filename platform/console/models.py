@@ -56,7 +56,7 @@ class ConsoleTOTPDevice(TimestampMixin, ThrottlingMixin, Device):
         """django-otp's TOTP verification (drift, replay guard, throttling); a seed that does not open verifies
         nothing (logged), it never raises into the sign-in page."""
         try:
-            self.bin_key
+            self.bin_key  # noqa: B018 - the property raises TotpKeyError for a seed that does not open
         except TotpKeyError:
             logger.error("console TOTP device %s: its seed does not open under this KEK", self.pk)
             return False

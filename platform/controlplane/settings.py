@@ -204,7 +204,7 @@ SPECTACULAR_SETTINGS = {
     },
 }
 
-# ---- KCaaS ------------------------------------------------------------------------------------------------------------
+# ---- KCaaS -----------------------------------------------------------------------------------------------------------
 # Pepper for API key and node credential hashes (HMAC-SHA256): a server secret, so a leaked table cannot be
 # brute-forced offline even for a weak secret (ours are 256-bit anyway).
 KCAAS_KEY_PEPPER = os.environ.get("KCAAS_KEY_PEPPER") or _dev_secret("key-pepper")

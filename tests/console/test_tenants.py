@@ -157,7 +157,7 @@ def test_paging_25_a_page_and_bad_page_numbers(readonly_client):
 def test_detail_shows_quota_against_usage_keys_caches_and_invoices(readonly_client):
     tenant = make_tenant("acme", max_caches=4, max_device_bytes=16 * GIB)
     node = make_node()
-    one, two = attach(tenant, "cache-one"), attach(tenant, "cache-two")
+    one, _two = attach(tenant, "cache-one"), attach(tenant, "cache-two")
     Node.objects.filter(pk=node.pk).update(resident_snapshot={"caches": {str(one.pk): {"device": 100 * 1024}}})
     issued = issue_key(tenant, "caches:write", "usage:read", name="ci key")
     invoice = Invoice.objects.create(tenant=tenant, month=datetime(2026, 3, 1).date(), status="final", currency="USD",

@@ -124,6 +124,6 @@ def test_an_error_raised_from_an_outage_is_an_outage():
         try:
             raise db.OperationalError("gone")
         except db.OperationalError:
-            raise KeyError("a bug while handling it")  # implicit context only: still a bug
+            raise KeyError("a bug while handling it")  # noqa: B904 - implicit context only: still a bug
     except KeyError as bug:
         assert errors.unavailable_code(bug) is None

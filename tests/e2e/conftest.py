@@ -39,7 +39,7 @@ from tests.caches.conftest import free_port, purge_node_queue, running_workers
 REPO = Path(__file__).resolve().parents[2]
 
 
-# ---- the model --------------------------------------------------------------------------------------------------------
+# ---- the model -------------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def random_kv(spec: KVCacheSpec, n: int, seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
 
 
-# ---- PKI --------------------------------------------------------------------------------------------------------------
+# ---- PKI -------------------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +112,7 @@ def client_tls(pki) -> ssl.SSLContext:
     return ctx
 
 
-# ---- processes --------------------------------------------------------------------------------------------------------
+# ---- processes -------------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -219,7 +219,7 @@ def tenant_key() -> str:
     return tenant_services.api_key_issue(tenant=tenant, scopes=["caches:read", "caches:write"]).raw_key
 
 
-# ---- a hand-made wire client ------------------------------------------------------------------------------------------
+# ---- a hand-made wire client -----------------------------------------------------------------------------------------
 
 
 class RawConnection:

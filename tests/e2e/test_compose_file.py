@@ -151,7 +151,7 @@ def command_targets_exist(command: list[str]) -> None:
 
 
 def test_every_command_names_something_that_exists(compose):
-    for name, service in compose["services"].items():
+    for service in compose["services"].values():
         if "command" in service and "build" in service:
             command_targets_exist(service["command"])
     dockerfile = (REPO / "Dockerfile").read_text()

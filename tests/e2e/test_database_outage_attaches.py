@@ -126,8 +126,10 @@ def test_attaches_and_detaches_through_a_postgresql_restart_all_finish_once(tmp_
 
         attached = [r.id for r in results[:DURING]]
         db_url = env["DATABASE_URL"]
-        in_state = lambda ids, state: {s for (s,) in _rows(db_url, "SELECT state FROM caches_cache WHERE id IN "  # noqa: E731
-                                                        f"({','.join(repr(str(i)) for i in ids)})")} == {state}  # fmt: skip
+        def in_state(ids, state):
+            listed = ",".join(repr(str(i)) for i in ids)
+            return {s for (s,) in _rows(db_url, f"SELECT state FROM caches_cache WHERE id IN ({listed})")} == {state}
+
         assert eventually(lambda: in_state(attached, "ready"), timeout=90), _rows(db_url, "SELECT name, state, failure_reason FROM caches_cache")
         assert eventually(lambda: in_state([c.id for c in early], "detached"), timeout=90)
         for cache_id in attached:

@@ -135,7 +135,7 @@ def test_a_prompt_id_equal_to_the_pad_token_is_a_token_not_padding():
         connector.generate(second, attention_mask=(second != model.config.pad_token_id).long(), **GENERATE)
 
 
-# ---- the length guard -------------------------------------------------------------------------------------------------
+# ---- the length guard ------------------------------------------------------------------------------------------------
 
 
 class RecordingStore:
@@ -179,7 +179,7 @@ def test_kv_whose_length_is_not_the_token_count_never_reaches_the_store():
     assert store.puts == [(first.shape[1], first.shape[1])]
 
 
-# ---- read-only connectors ---------------------------------------------------------------------------------------------
+# ---- read-only connectors --------------------------------------------------------------------------------------------
 
 
 class RefusingStore:

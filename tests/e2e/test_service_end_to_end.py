@@ -51,7 +51,7 @@ def same_output(a, b) -> bool:
     )
 
 
-# ---- the test ---------------------------------------------------------------------------------------------------------
+# ---- the test --------------------------------------------------------------------------------------------------------
 
 
 def test_attach_generate_isolate_and_hand_off_through_the_real_service(live_server, agent, pki, model):

@@ -50,7 +50,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 PROMPT_TOKENS = 48  # 3 full blocks of 16
 
 
-# ---- the scene --------------------------------------------------------------------------------------------------------
+# ---- the scene -------------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -95,7 +95,7 @@ def unsigned_jwt(header: dict, claims: dict, signature: bytes) -> str:
     return f"{signing_input}.{b64url(signature)}"
 
 
-# ---- the hostile tokens -----------------------------------------------------------------------------------------------
+# ---- the hostile tokens ----------------------------------------------------------------------------------------------
 
 
 def forged_by_another_key(scene: Scene) -> str:
@@ -210,7 +210,7 @@ HOSTILE_TOKENS = [
 ]
 
 
-# ---- the checks -------------------------------------------------------------------------------------------------------
+# ---- the checks ------------------------------------------------------------------------------------------------------
 
 
 def refused_hello(scene: Scene, pki, cache_id: str, token: str) -> tuple[wire.ErrorReply, bytes]:

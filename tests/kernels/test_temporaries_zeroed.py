@@ -1,7 +1,8 @@
 """The CPU kernels zero every temporary they copy KV into before freeing it: after a write through the scatter path
 (a strided slice, as a put of an uncached suffix hands over), a quantized write, a dtype-converting write and the
-gathers of reads, a real child process per storage dtype that zeroed its own inputs (and, last, its pool) holds the KV's bytes nowhere in its
-writable memory — glibc keeps freed memory mapped (GLIBC_TUNABLES), so a temporary freed unzeroed would be found."""
+gathers of reads, a real child process per storage dtype that zeroed its own inputs (and, last, its pool) holds the
+KV's bytes nowhere in its writable memory — glibc keeps freed memory mapped (GLIBC_TUNABLES), so a temporary freed
+unzeroed would be found."""
 
 from __future__ import annotations
 

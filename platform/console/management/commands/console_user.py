@@ -1,4 +1,5 @@
-"""Create or update a console user: `manage.py console_user NAME --role operator [--role compliance] [--password-file F]`.
+"""Create or update a console user:
+`manage.py console_user NAME --role operator [--role compliance] [--password-file F]`.
 
 The user is staff with the given console roles (groups `console:<role>`); the password comes from --password-file,
 the KCAAS_CONSOLE_PASSWORD variable, or is generated and printed. The authenticator is enrolled at first sign-in
