@@ -4,10 +4,9 @@ audit_record runs the deferred checks first (SET CONSTRAINTS ALL IMMEDIATE). Wit
 and waits for the head (a cutover) deadlocked, and one of them answered 500 (seen in the e2e drain test)."""
 
 import threading
-import time
 
 import pytest
-from django.db import connections, transaction
+from django.db import connection, connections, transaction
 
 from audit.actions import AuditAction
 from audit.services import audit_record
@@ -21,6 +20,7 @@ from tests.caches.conftest import (  # noqa: F401 - fixtures
     node,
     tenant_a,
 )
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -30,12 +30,21 @@ def test_a_token_issue_and_a_transaction_holding_its_cache_both_commit(tenant_a,
     cache = make_ready(response.json()["id"])
     holding, results = threading.Event(), {}
 
+    def waited_for() -> bool:
+        """Whether another transaction (the token issue's) is blocked on a lock this one holds."""
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE pg_backend_pid() = ANY(pg_blocking_pids(pid))")
+            return cursor.fetchone()[0] > 0
+
     def hold_the_cache_then_record():
         try:
             with transaction.atomic():
                 Cache.objects.select_for_update().get(pk=cache.pk)  # as a cutover does
                 holding.set()
-                time.sleep(0.5)  # the token issue runs meanwhile, up to where it needs this row
+                # the token issue runs meanwhile, up to where it needs this row: then it waits for this transaction
+                assert eventually(lambda: "issuer" in results or waited_for()) and "issuer" not in results, (
+                    "the token issue never waited for the held cache row"
+                )
                 audit_record(action=AuditAction.CACHE_MIGRATED, target_type="cache", target_id=cache.pk,
                              tenant_id=cache.tenant_id)  # fmt: skip
             results["holder"] = "committed"
