@@ -2,12 +2,13 @@
 while the first one's sender runs starts no second sender, only re-points it; the running sender retries a transfer
 the target refused and completes on the new endpoint. Real listeners, real mutual TLS 1.3."""
 
-import time
+import logging
 
 from gpu_node import block_transfer as bt
 from gpu_node.migration import MigrationListener
 from gpu_node.migration_tasks import NodeMigration
 from kcaas.node_messages import MIGRATION_RESULT_TASK
+from tests.gpu_node.kv_fixtures import tiny_spec
 from tests.gpu_node.test_migration_transfer import (  # noqa: F401 (pki is a fixture)
     DST,
     SRC,
@@ -19,14 +20,15 @@ from tests.gpu_node.test_migration_transfer import (  # noqa: F401 (pki is a fix
     server_ctx,
     two_nodes,
 )
-from tests.gpu_node.kv_fixtures import tiny_spec
+from tests.waiting import eventually
 
 
 def results(answers):
     return [args for task, args in answers if task == MIGRATION_RESULT_TASK]
 
 
-def test_second_migrate_out_repoints_the_running_sender_instead_of_starting_another(pki):  # noqa: F811
+def test_second_migrate_out_repoints_the_running_sender_instead_of_starting_another(pki, caplog):  # noqa: F811
+    caplog.set_level(logging.INFO, logger="kcaas.node.migration")  # the sender logs each refused try it resumes
     spec = tiny_spec()
     source, target, src, dst = two_nodes(spec)
     seqs = fill(src, spec)
@@ -40,8 +42,8 @@ def test_second_migrate_out_repoints_the_running_sender_instead_of_starting_anot
     try:
         assert node.start_sender(lambda task, a: answers.append((task, a)), *args, stale.endpoint, "10.0.0.2:7000")
         first = node.senders["m1"]
-        time.sleep(0.3)  # refused at least once: it is retrying, not failed
-        assert first.is_alive() and not results(answers)
+        assert eventually(lambda: any("resuming" in r.getMessage() for r in caplog.records)), "never refused"
+        assert first.is_alive() and not results(answers)  # refused at least once: it is retrying, not failed
         assert not node.start_sender(lambda task, a: answers.append((task, a)), *args, listener.endpoint,
                                      "10.0.0.2:7000")  # fmt: skip
         assert node.senders["m1"] is first  # no second sender
