@@ -184,10 +184,10 @@ class BlockHasher:
         """
         first = len(after) if after is not None else 0
         data = tokens[first * self.block_size :] if first else tokens  # contiguous int32: its bytes, not copied
-        parent = after.last() if first else self.root
+        parent = after.last() if after is not None and first else self.root
         block_bytes = self.block_size * 4
         digests, num_held = chain_hashes_held(self._key, parent, data, block_bytes, HASH_NUM_BYTES, held, stride)
-        return BlockChain(self.root, after._digests + digests if first else digests), num_held
+        return BlockChain(self.root, after._digests + digests if after is not None and first else digests), num_held
 
 
 class BlockChain:

@@ -39,7 +39,7 @@ def new_ca(common_name: str, *, valid_for: dt.timedelta):
 
 
 def _host_names(hosts) -> list:
-    names = []
+    names: list[x509.GeneralName] = []
     for host in hosts:
         try:
             names.append(x509.IPAddress(ipaddress.ip_address(host)))

@@ -16,6 +16,11 @@ from gpu_node.engine_tiers import CachePurged
 class PurgeFence:
     """Mixin of PagedKVCache: the purge fence and wipe."""
 
+    # The state it keeps on the cache (set in PagedKVCache.__init__), declared for the type checker.
+    _purged: bool
+    _active_io: int
+    _pool_bytes: memoryview | None
+
     def _check_not_purged(self) -> None:
         if self._purged:
             raise CachePurged("this cache was purged: its KV is gone")

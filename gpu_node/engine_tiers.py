@@ -77,7 +77,7 @@ class TierOperations:
 
     def _allocate_device(self, num_blocks: int) -> list[int]:
         """Under the cache lock: device blocks for a writer; what the allocation evicts is demoted (as a put does)."""
-        evicted = [] if self._tiers is not None else None
+        evicted: list | None = [] if self._tiers is not None else None
         block_ids = self._blocks.allocate(num_blocks, evicted)
         self._demote_evicted(evicted)
         return block_ids

@@ -96,7 +96,8 @@ def peer_node_id(ssl_sock: ssl.SSLSocket) -> str:
     peer = ssl_sock.getpeercert()  # {} or None unless the chain was verified (CERT_REQUIRED)
     if not peer:
         raise PeerIdentityError("the peer presented no verified certificate")
-    uris = [value for kind, value in peer.get("subjectAltName", ()) if kind == "URI"]
+    sans: tuple[tuple[str, str], ...] = peer.get("subjectAltName", ())  # type: ignore[assignment]  # pairs, per ssl
+    uris = [value for kind, value in sans if kind == "URI"]
     node_ids = [node_id_of_uri(uri) for uri in uris]
     if len(node_ids) != 1 or node_ids[0] is None:
         raise PeerIdentityError(f"the peer certificate names no single node (URIs: {uris})")

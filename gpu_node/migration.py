@@ -318,7 +318,8 @@ class MigrationSender:
         self.target_endpoint, self.target_node_id, self.tls_context = target_endpoint, target_node_id, tls_context
         self.progress, self.corrupt, self.cut_after_blocks = progress, corrupt, cut_after_blocks
         self.connect_timeout, self.max_rounds = connect_timeout, max_rounds
-        self.max_bytes_per_second, self._paced_since = max_bytes_per_second, None
+        self.max_bytes_per_second = max_bytes_per_second
+        self._paced_since: float | None = None
         self.stats = SenderStats()
 
     def run(self, fence: Callable[[], None] | None = None) -> SenderStats:

@@ -373,7 +373,7 @@ class PagedKVCache(PurgeFence, TierOperations, BlockExchange):
         hashes = self._hasher.block_hashes(tokens)
         with self._lock:
             self._check_not_purged()
-            evicted = [] if self._tiers is not None else None
+            evicted: list | None = [] if self._tiers is not None else None
             plan = plan_put(self._blocks, hashes, self._hasher.root, tokens, self._extending, evicted=evicted,
                             start=start)  # fmt: skip
             self._active_io += 1  # the write below: a purge waits for it, then this put is discarded

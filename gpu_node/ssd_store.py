@@ -101,7 +101,7 @@ class SsdStore:
         self.num_rescanned_blocks = 0
         self.num_dropped_writes = 0
         self._failure: BaseException | None = None  # what stopped the writer, once it failed
-        self._lock_fd = cache_dirs.hold(directory)  # DirectoryInUse: another live store holds it
+        self._lock_fd: int | None = cache_dirs.hold(directory)  # DirectoryInUse: another live store holds it
         try:
             self.rescan()
         except BaseException:
@@ -239,7 +239,7 @@ class SsdStore:
                         zero(pending.payload)
 
     def _write_batch(self, hashes: list[bytes]) -> None:
-        written: list[tuple[bytes, _Pending, Entry]] = []
+        written: list[tuple[bytes, _Pending, Entry | None]] = []  # None: closed meanwhile, not written
         for block_hash in hashes:
             with self._lock:
                 pending = self._pending.get(block_hash)

@@ -79,7 +79,7 @@ def _when(value: datetime | None) -> str:
     return value.astimezone().strftime("%Y-%m-%d %H:%M:%S") if value else "-"
 
 
-def _table(headers: Sequence[str], rows: list[Sequence[Any]]) -> str:
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cells = [list(headers)] + [["-" if v in (None, "") else str(v) for v in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
@@ -106,8 +106,9 @@ class _Out:
         self.interactive = sys.stderr.isatty()
 
     def scrub(self, text: str) -> str:
-        if len(self._api_key or "") >= 8:  # (a shorter "key" is no secret, and would garble the text)
-            text = text.replace(self._api_key, "***")
+        key = self._api_key or ""
+        if len(key) >= 8:  # (a shorter "key" is no secret, and would garble the text)
+            text = text.replace(key, "***")
         return _KEY_SHAPE.sub(r"\1_***", text)
 
     def result(self, data: Any, human: Callable[[], str]) -> None:
@@ -347,8 +348,9 @@ def _hint(exc: KcaasError, url: str) -> str | None:
         return f"this key lacks {exc.details['required_scope']}: use a key that holds it"
     if exc.code == "quota_exceeded":
         return "see `kcaas usage`; detach caches you no longer need"
-    if exc.code == "rate_limited" and getattr(exc, "retry_after", None) is not None:
-        return f"retry after {exc.retry_after:.1f} s"
+    retry_after = getattr(exc, "retry_after", None)
+    if exc.code == "rate_limited" and retry_after is not None:
+        return f"retry after {retry_after:.1f} s"
     cache = getattr(exc, "cache", None)
     if exc.code == "cache_failed" and cache is not None:
         return f"detach it to free its quota: kcaas detach {cache.id}"

@@ -379,7 +379,8 @@ class _Recent:
     """A few remembered values (the client's views of its caller's recent `out` tensors): the oldest goes first."""
 
     def __init__(self, size: int = 8):
-        self.size, self.items = size, {}
+        self.size = size
+        self.items: dict[Any, Any] = {}
 
     def get(self, key):
         return self.items.get(key)

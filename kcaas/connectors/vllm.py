@@ -64,7 +64,7 @@ class KCaaSConnectorStats(KVConnectorStats):
     """Counters of one logging interval (sums): what vLLM's stats logger and Prometheus exporter receive."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for name, value in (other.data or {}).items():

@@ -83,7 +83,8 @@ def _checked_capacity(capacity: object, *, require_all: bool) -> dict[str, int]:
     errors = capacity_errors(capacity, require_all=require_all)
     if errors:
         raise InvalidCapacity("The capacity is invalid.", details={"capacity": errors})
-    return {tier: int(capacity.get(tier, 0)) for tier in TIERS}
+    checked: dict = capacity  # type: ignore[assignment]  # a dict: capacity_errors found nothing wrong
+    return {tier: int(checked.get(tier, 0)) for tier in TIERS}
 
 
 def _set_capacity(node: Node, capacity: dict[str, int]) -> None:
