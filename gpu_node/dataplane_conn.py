@@ -1,4 +1,5 @@
-"""One data-plane connection's state (gpu_node/dataplane.py serves it) and the hygiene of the buffers it fills.
+"""One data-plane connection's state (gpu_node/dataplane.py serves it), its read deadlines, and the hygiene of the
+buffers it fills.
 
 Invariant: no buffer that held a tenant's bytes (KV or token ids) on their way through the node goes back to the
 allocator with those bytes in it. Each is either zeroed right after its one use, or kept by the connection and
@@ -27,20 +28,22 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
 
-from gpu_node.admission import Hold
-from gpu_node.zeroing import zero
+from gpu_node.admission import Hold, NodeLimits
 from gpu_node.registry import HostedCache
+from gpu_node.zeroing import zero
+from kcaas.spec import KVCacheSpec
 
 
 @dataclass
 class Session:
     hosted: HostedCache
     claims: dict
-    identity: object = None  # the KVCacheSpec its HELLO carried, checked against the cache's: requests may omit it
+    identity: KVCacheSpec | None = None  # what its HELLO carried, checked against the cache: requests may omit it
     max_answer_bytes: int | None = None  # the largest GET answer agreed at HELLO (None: the node's max_frame_bytes)
 
 
@@ -66,6 +69,8 @@ class Conn:
     fresh: dict[int, list] = field(default_factory=dict)  # id(frame meta) -> the sink's fresh buffers for that frame
     temporaries: list = field(default_factory=list)  # copies the answer being sent was made from
     scratch: memoryview | None = None  # the frame decoder's read buffer
+    frame_started: float | None = None  # time.monotonic() when the frame now arriving began (None between frames)
+    read_timeout: float | None = None  # the socket's timeout as last set (settimeout only when it changes)
 
     # ---- the payload sink's buffers -------------------------------------------------------------------------------
     def put_buffers(self, key: int, token_bytes: int, lease) -> list:
@@ -129,3 +134,42 @@ class Conn:
         subs = tuple(self.tenants)  # copied at once: the connection's thread may add to them
         owners = [s.hosted.tenant_id for s in tuple(self.sessions.values())]
         return tenant_id in owners or tenant_id in subs or f"tenant:{tenant_id}" in subs
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """How long a connection's next read may wait. Between frames `idle_timeout`; inside one the rest of
+    `frame_timeout`, and at most the node's payload_stall_timeout without a byte; before the first good HELLO, never
+    past the node's hello_timeout from accept (a connection that never authenticates holds nothing long)."""
+
+    idle_timeout: float
+    frame_timeout: float
+    limits: NodeLimits
+
+    def arm(self, conn: Conn, in_frame: bool) -> bool:
+        """Set the connection's socket timeout for its next read (a syscall only when it changes); False when a
+        deadline has already passed."""
+        if not in_frame:
+            conn.frame_started = None
+        elif conn.frame_started is None:
+            conn.frame_started = time.monotonic()
+        wanted = self.read_timeout(conn, conn.frame_started)
+        if wanted is None:
+            return False
+        if wanted != conn.read_timeout:
+            conn.read_timeout = wanted
+            conn.sock.settimeout(wanted)
+        return True
+
+    def read_timeout(self, conn: Conn, frame_started: float | None) -> float | None:
+        """The next read's timeout, or None when a deadline has passed."""
+        now, limits = time.monotonic(), self.limits
+        if frame_started is None:
+            wait = self.idle_timeout
+        else:
+            wait = min(frame_started + self.frame_timeout - now, limits.payload_stall_timeout)
+        if not conn.authenticated:
+            wait = min(wait, conn.accepted_at + limits.hello_timeout - now)
+        if wait <= 0:
+            return None
+        return wait if frame_started is not None or not conn.authenticated else self.idle_timeout

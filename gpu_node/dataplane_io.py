@@ -1,6 +1,6 @@
 """Socket plumbing of the data-plane server: reads that fill a payload's own memory, sends of many buffers
-without joining them (sendmsg on a Unix socket, per-view writes under TLS), shutdown helpers, and the TLS 1.3
-server context.
+without joining them (sendmsg on a Unix socket, per-view writes under TLS), listener, socket option and shutdown
+helpers, and the TLS 1.3 server context.
 
 Plaintext hygiene: a buffer this module fills with a request's or an answer's bytes (the join of small views) is
 zeroed before it is released; TLS contexts get OpenSSL's SSL_OP_CLEANSE_PLAINTEXT, so the record buffer a
@@ -8,8 +8,10 @@ received record was decrypted in is cleansed once its bytes are handed over (and
 
 from __future__ import annotations
 
+import os
 import socket
 import ssl
+import struct
 
 import torch
 
@@ -19,6 +21,7 @@ from kcaas.sendbuffers import send_buffers as _send_buffers
 OP_CLEANSE_PLAINTEXT = 0x2  # SSL_OP_CLEANSE_PLAINTEXT (OpenSSL >= 3.0); the ssl module has no name for it
 
 _FILL_BYTES = 4 << 20  # a payload read goes on for up to this much before the decoder is told
+UDS_SEND_BUFFER_BYTES = 4 << 20
 
 
 def recv_into(sock, buf: memoryview, *, fill: bool) -> int:
@@ -32,7 +35,7 @@ def recv_into(sock, buf: memoryview, *, fill: bool) -> int:
     while n < limit:
         try:
             got = sock.recv_into(buf[n:limit])
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             break
         if got == 0:
             break
@@ -53,6 +56,15 @@ def send_buffers(sock, buffers: list) -> None:
     _send_buffers(sock, buffers, scrub=zero)
 
 
+def send_quietly(sock, buffers: list) -> None:
+    """A last answer before closing (the stream is bad): sent if the socket still takes it within a second."""
+    try:
+        sock.settimeout(1.0)
+        send_buffers(sock, buffers)
+    except (OSError, ssl.SSLError):
+        pass
+
+
 def hard_shutdown(sock: socket.socket) -> None:
     try:
         socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the base method: wakes a thread blocked in recv on any socket
@@ -67,9 +79,46 @@ def close_quietly(sock: socket.socket) -> None:
         pass
 
 
+def bind_uds(path: str) -> socket.socket:
+    """A listening Unix socket at `path` (a stale one is replaced), for this node's group only."""
+    unlink_quietly(path)
+    uds = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    uds.bind(path)
+    os.chmod(path, 0o660)  # same-host engines of this node's group only; tokens still required
+    uds.listen(128)
+    return uds
+
+
+def unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def tune_socket(sock: socket.socket) -> None:
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    else:  # a Unix socket: a larger send buffer means fewer, larger copies per GET answer (capped by wmem_max)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UDS_SEND_BUFFER_BYTES)
+
+
+def source_of(sock: socket.socket, addr) -> str:
+    """Who a connection comes from, for the per-source limits: its address over TCP, its peer's uid over a Unix
+    socket (SO_PEERCRED)."""
+    if sock.family == socket.AF_UNIX:
+        try:
+            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            return f"uds:{struct.unpack('3i', creds)[1]}"
+        except OSError:
+            return "uds"
+    return str(addr[0]) if addr else "?"
+
+
 # ---- TLS helpers ----------------------------------------------------------------------------------------------------
-def server_tls_context(certfile: str, keyfile: str, *, cafile: str | None = None,
-                       require_client_cert: bool = False) -> ssl.SSLContext:  # fmt: skip
+def server_tls_context(
+    certfile: str, keyfile: str, *, cafile: str | None = None, require_client_cert: bool = False
+) -> ssl.SSLContext:
     """A TLS 1.3-only server context (optionally mutual TLS with the platform CA)."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
@@ -80,6 +129,13 @@ def server_tls_context(certfile: str, keyfile: str, *, cafile: str | None = None
     if require_client_cert:
         ctx.verify_mode = ssl.CERT_REQUIRED
     return ctx
+
+
+def harden_server_context(ctx: ssl.SSLContext) -> ssl.SSLContext:
+    """A server context built elsewhere, made what the data plane serves: TLS 1.3 only, plaintext cleansed."""
+    if ctx.minimum_version < ssl.TLSVersion.TLSv1_3:
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    return cleanse_plaintext(ctx)
 
 
 def cleanse_plaintext(ctx: ssl.SSLContext) -> ssl.SSLContext:

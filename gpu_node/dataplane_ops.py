@@ -1,7 +1,8 @@
-"""The data plane's answers to data requests (PUT, GET), apart from framing, authorization and sending
-(gpu_node/dataplane.py): what each request does to the engine and which temporaries it leaves to be zeroed.
+"""The data plane's answers to data requests (PUT, GET), apart from authorization and dispatch
+(gpu_node/dataplane_requests.py) and connections, framing and sending (gpu_node/dataplane.py): what each request
+does to the engine and which temporaries it leaves to be zeroed.
 
-GET: each sequence's cached prefix is held (acquire) until the answer is sent (the server's frame_done releases
+GET: each sequence's cached prefix is held (acquire) until the answer is sent (RequestHandler.frame_done releases
 them); its KV goes out straight from the pool's memory (`kv_views`, a read section a purge waits for) when the pool
 is host memory in the engine dtype, else it is read into the connection's staging buffer first.
 """
@@ -34,29 +35,38 @@ def answer_put(hosted: HostedCache, request: wire.DataRequest, tokens: list[np.n
         try:
             result = engine.put(toks, kv, start=start)
         except PrefixNotCached as exc:
-            raise ProtocolError(ErrorCode.PREFIX_NOT_CACHED, str(exc),
-                                details={"num_cached": exc.num_cached, "sequence": seq}) from None  # fmt: skip
+            raise ProtocolError(
+                ErrorCode.PREFIX_NOT_CACHED, str(exc), details={"num_cached": exc.num_cached, "sequence": seq}
+            ) from None
         except KVNotStorable as exc:  # the values, not the node: the client's to fix (sequences before were put)
-            raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc),
-                                details={"reason": "kv_not_storable", "sequence": seq}) from None  # fmt: skip
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, str(exc), details={"reason": "kv_not_storable", "sequence": seq}
+            ) from None
         num_cached.append(result.num_cached_tokens)
         num_written.append(result.num_written_tokens)
         out_of_space.append(result.out_of_space)
-    return wire.encode_put_ok(request.head.request_id, num_cached=num_cached, num_written=num_written,
-                              out_of_space=out_of_space)  # fmt: skip
+    return wire.encode_put_ok(
+        request.head.request_id, num_cached=num_cached, num_written=num_written, out_of_space=out_of_space
+    )
 
 
-def answer_get(conn: Conn, hosted: HostedCache, request: wire.DataRequest, tokens: list[np.ndarray], hold: Hold,
-           max_frame_bytes: int) -> list:  # fmt: skip
-    """Each sequence's cached prefix is held (acquire) until the answer is sent (`_frame_done`), and its KV goes
-    out straight from the pool's memory (`kv_views`: no copy) when the pool is host memory in the engine dtype;
-    otherwise it is read into the connection's staging buffer first."""
+def answer_get(
+    conn: Conn,
+    hosted: HostedCache,
+    request: wire.DataRequest,
+    tokens: list[np.ndarray],
+    hold: Hold,
+    max_frame_bytes: int,
+) -> list:
+    """Each sequence's cached prefix is held (acquire) until the answer is sent (RequestHandler.frame_done), and
+    its KV goes out straight from the pool's memory (`kv_views`: no copy) when the pool is host memory in the engine
+    dtype; otherwise it is read into the connection's staging buffer first."""
     engine, spec = hosted.engine, hosted.spec
     starts = request.head.kv_start
     conn.held_prefixes = handles = [engine.acquire(t) for t in tokens]
     cached = [handle.num_tokens for handle in handles]
-    ends = wire.get_kv_end(spec, cached, starts, max_frame_bytes=max_frame_bytes,
-                          metadata_allowance=256 + 72 * len(tokens))  # 3 ints of <= 20 digits per sequence
+    allowance = 256 + 72 * len(tokens)  # 3 ints of <= 20 digits per sequence
+    ends = wire.get_kv_end(spec, cached, starts, max_frame_bytes=max_frame_bytes, metadata_allowance=allowance)
     hold.grow(sum(max(e - s, 0) for s, e in zip(starts, ends)) * spec.kv_bytes_per_token)  # the tenant's budget
     kv_out, staged = [], []
     for index, (handle, start, end) in enumerate(zip(handles, starts, ends)):
@@ -66,13 +76,21 @@ def answer_get(conn: Conn, hosted: HostedCache, request: wire.DataRequest, token
         kv_out.append(views)
     if staged:
         _read_staged(conn, engine, [(i, handles[i], starts[i], ends[i]) for i in staged], kv_out)
-    answer = wire.encode_get_ok(request.head.request_id, spec=spec, num_cached=cached, kv_start=list(starts),
-                                kv_end=list(ends), kv=kv_out, max_frame_bytes=max_frame_bytes)  # fmt: skip
+    answer = wire.encode_get_ok(
+        request.head.request_id,
+        spec=spec,
+        num_cached=cached,
+        kv_start=list(starts),
+        kv_end=list(ends),
+        kv=kv_out,
+        max_frame_bytes=max_frame_bytes,
+    )
     conn.served = (engine, sum(max(end - start, 0) for start, end in zip(starts, ends)))
     return answer
 
+
 def _read_staged(conn: Conn, engine, reads: list, kv_out: list) -> None:
-    """Copy path of _get (device or quantized pools): read each held prefix up to its end into staging. A copy
+    """Copy path of answer_get (device or quantized pools): read each held prefix up to its end into staging. A copy
     made on the way (a range of it, device KV brought to host) is kept in conn.temporaries: zeroed once sent."""
     spec, dtype = engine.spec, TORCH_DTYPES[engine.spec.kv_dtype]
     need = sum(end for _, _, _, end in reads) * spec.elements_per_token

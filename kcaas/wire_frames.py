@@ -38,7 +38,7 @@ import struct
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 MAGIC = b"KCW\x00"
 VERSION = 1
@@ -55,7 +55,7 @@ MAX_ERROR_MESSAGE_CHARS = 1024
 TOKEN_ID_BYTES = 4  # int32 little-endian
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 
 
 class Opcode(enum.IntEnum):

@@ -16,21 +16,21 @@ from typing import Any, Union
 from kcaas.spec import KVCacheSpec, SpecError
 from kcaas.wire_frames import (
     BATCH_BIT,
-    Buffer,
     DATA_OPS,
     DEFAULT_MAX_FRAME_BYTES,
     DEFAULT_MAX_METADATA_BYTES,
-    ErrorCode,
-    Frame,
-    FrameHead,
     HEADER_SIZE,
     MAX_BATCH_SIZE,
     MAX_ERROR_MESSAGE_CHARS,
     MAX_TOKENS_PER_SEQUENCE,
     OP_NAMES,
+    TOKEN_ID_BYTES,
+    Buffer,
+    ErrorCode,
+    Frame,
+    FrameHead,
     Opcode,
     ProtocolError,
-    TOKEN_ID_BYTES,
     _byte_view,
     encode_frame,
 )
@@ -138,8 +138,16 @@ def _int_field(meta: dict, key: str, request_id: int | None, *, lo: int = 0, hi:
     return value
 
 
-def _int_list(meta: dict, key: str, n: int, request_id: int | None, *, lo: int = 0, hi: int = (1 << 63) - 1,
-              code: str = ErrorCode.BAD_REQUEST) -> tuple[int, ...]:  # fmt: skip
+def _int_list(
+    meta: dict,
+    key: str,
+    n: int,
+    request_id: int | None,
+    *,
+    lo: int = 0,
+    hi: int = (1 << 63) - 1,
+    code: str = ErrorCode.BAD_REQUEST,
+) -> tuple[int, ...]:
     value = meta.get(key)
     if type(value) is list and len(value) == n:  # JSON gives exact types: int here is never a bool
         for v in value:
@@ -200,8 +208,15 @@ class Hello:
     max_answer_bytes: int | None = None  # the largest GET answer frame the client takes (None: max_frame_bytes)
 
 
-def encode_hello(request_id: int, *, cache_id: str, token: str, client: str = "kcaas-py/0.1",
-                 identity: KVCacheSpec | None = None, max_answer_bytes: int | None = None) -> list[Buffer]:  # fmt: skip
+def encode_hello(
+    request_id: int,
+    *,
+    cache_id: str,
+    token: str,
+    client: str = "kcaas-py/0.1",
+    identity: KVCacheSpec | None = None,
+    max_answer_bytes: int | None = None,
+) -> list[Buffer]:
     meta: dict[str, Any] = {"cache_id": cache_id, "token": token, "client": client}
     if identity is not None:
         meta["identity"] = identity.to_dict()
@@ -220,8 +235,9 @@ def parse_hello(frame: Frame) -> Hello:
         raise _bad(ErrorCode.BAD_REQUEST, "client must be a string of at most 256 chars", rid)
     identity = spec_from_wire(meta["identity"], request_id=rid) if "identity" in meta else None
     answers = _int_field(meta, "max_answer_bytes", rid, lo=HEADER_SIZE) if "max_answer_bytes" in meta else None
-    return Hello(rid, _str_field(meta, "cache_id", rid), _str_field(meta, "token", rid, max_len=16384), client,
-                 identity, answers)  # fmt: skip
+    return Hello(
+        rid, _str_field(meta, "cache_id", rid), _str_field(meta, "token", rid, max_len=16384), client, identity, answers
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,8 +344,10 @@ def encode_request(
     return encode_frame(opcode, request_id, meta, payload, max_frame_bytes=max_frame_bytes)
 
 
-_REQUEST_FIELDS = {op: frozenset({"cache_id", "identity", "num_tokens"} | ({"kv_start"} if op in ("put", "get") else set()))
-                   for op in OP_NAMES.values()}  # fmt: skip
+_REQUEST_FIELDS = {
+    op: frozenset({"cache_id", "identity", "num_tokens"} | ({"kv_start"} if op in ("put", "get") else set()))
+    for op in OP_NAMES.values()
+}
 _OP_OF = {int(opcode): OP_NAMES[Opcode(opcode & ~BATCH_BIT)] for opcode in DATA_OPS}
 
 
@@ -347,8 +365,11 @@ def parse_request_head(head: FrameHead | Frame, session_identity: KVCacheSpec | 
     cache_id = _str_field(meta, "cache_id", rid)
     counts = meta.get("num_tokens")
     if not isinstance(counts, list) or not (1 <= len(counts) <= MAX_BATCH_SIZE if batch else len(counts) == 1):
-        raise _bad(ErrorCode.BAD_REQUEST, f"num_tokens must list {'1..%d' % MAX_BATCH_SIZE if batch else '1'} "
-                   "token counts", rid)  # fmt: skip
+        raise _bad(
+            ErrorCode.BAD_REQUEST,
+            f"num_tokens must list {'1..%d' % MAX_BATCH_SIZE if batch else '1'} token counts",
+            rid,
+        )
     num_tokens = tuple(check_num_tokens(n, request_id=rid) for n in counts)
     identity_sent = "identity" in meta
     if identity_sent:
@@ -366,8 +387,11 @@ def parse_request_head(head: FrameHead | Frame, session_identity: KVCacheSpec | 
     request = RequestHead(opcode, rid, cache_id, identity, num_tokens, kv_start, op, identity_sent)
     payload_len = head.payload_len
     if payload_len != request.payload_len:
-        raise _bad(ErrorCode.PAYLOAD_LENGTH_MISMATCH,
-                   f"payload is {payload_len} bytes, the metadata implies {request.payload_len}", rid)  # fmt: skip
+        raise _bad(
+            ErrorCode.PAYLOAD_LENGTH_MISMATCH,
+            f"payload is {payload_len} bytes, the metadata implies {request.payload_len}",
+            rid,
+        )
     return request
 
 
@@ -442,13 +466,26 @@ class Moved:
 Response = Union[HelloOk, LookupOk, PutOk, GetOk, DeleteOk, ErrorReply, Moved]
 
 
-def encode_hello_ok(request_id: int, *, cache_id: str, identity: KVCacheSpec, epoch: int, node_id: str,
-                    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, max_metadata_bytes: int = DEFAULT_MAX_METADATA_BYTES,
-                    max_answer_bytes: int | None = None) -> list[Buffer]:  # fmt: skip
+def encode_hello_ok(
+    request_id: int,
+    *,
+    cache_id: str,
+    identity: KVCacheSpec,
+    epoch: int,
+    node_id: str,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    max_metadata_bytes: int = DEFAULT_MAX_METADATA_BYTES,
+    max_answer_bytes: int | None = None,
+) -> list[Buffer]:
     meta = {
-        "op": "hello", "cache_id": cache_id, "identity": identity.to_dict(), "epoch": epoch, "node_id": node_id,
-        "max_frame_bytes": max_frame_bytes, "max_metadata_bytes": max_metadata_bytes,
-    }  # fmt: skip
+        "op": "hello",
+        "cache_id": cache_id,
+        "identity": identity.to_dict(),
+        "epoch": epoch,
+        "node_id": node_id,
+        "max_frame_bytes": max_frame_bytes,
+        "max_metadata_bytes": max_metadata_bytes,
+    }
     if max_answer_bytes is not None:  # only to a client that offered it: an older one refuses unknown fields
         meta["max_answer_bytes"] = max_answer_bytes
     return encode_frame(Opcode.OK, request_id, meta)
@@ -458,16 +495,28 @@ def encode_lookup_ok(request_id: int, num_cached: Sequence[int]) -> list[Buffer]
     return encode_frame(Opcode.OK, request_id, {"op": "lookup", "num_cached": list(num_cached)})
 
 
-def encode_put_ok(request_id: int, *, num_cached: Sequence[int], num_written: Sequence[int],
-                  out_of_space: Sequence[bool]) -> list[Buffer]:  # fmt: skip
-    meta = {"op": "put", "num_cached": list(num_cached), "num_written": list(num_written),
-            "out_of_space": [bool(x) for x in out_of_space]}  # fmt: skip
+def encode_put_ok(
+    request_id: int, *, num_cached: Sequence[int], num_written: Sequence[int], out_of_space: Sequence[bool]
+) -> list[Buffer]:
+    meta = {
+        "op": "put",
+        "num_cached": list(num_cached),
+        "num_written": list(num_written),
+        "out_of_space": [bool(x) for x in out_of_space],
+    }
     return encode_frame(Opcode.OK, request_id, meta)
 
 
-def encode_get_ok(request_id: int, *, spec: KVCacheSpec, num_cached: Sequence[int], kv_start: Sequence[int],
-                  kv_end: Sequence[int], kv: Sequence[Any],
-                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> list[Buffer]:  # fmt: skip
+def encode_get_ok(
+    request_id: int,
+    *,
+    spec: KVCacheSpec,
+    num_cached: Sequence[int],
+    kv_start: Sequence[int],
+    kv_end: Sequence[int],
+    kv: Sequence[Any],
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+) -> list[Buffer]:
     # each sequence's KV: one buffer, or a list of buffers sent back to back (a node's runs straight from its pool)
     if not len(num_cached) == len(kv_start) == len(kv_end) == len(kv):
         raise ValueError("one num_cached, kv_start, kv_end and KV buffer per sequence")
@@ -486,9 +535,14 @@ def encode_get_ok(request_id: int, *, spec: KVCacheSpec, num_cached: Sequence[in
     return encode_frame(Opcode.OK, request_id, meta, views, max_frame_bytes=max_frame_bytes)
 
 
-def get_kv_end(spec: KVCacheSpec, num_cached: Sequence[int], kv_start: Sequence[int], *,
-               max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, metadata_allowance: int = 4096 + 64 * MAX_BATCH_SIZE
-               ) -> list[int]:  # fmt: skip
+def get_kv_end(
+    spec: KVCacheSpec,
+    num_cached: Sequence[int],
+    kv_start: Sequence[int],
+    *,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    metadata_allowance: int = 4096 + 64 * MAX_BATCH_SIZE,
+) -> list[int]:
     """The node's side of a long GET: how far each sequence's KV can go so the response fits in one frame."""
     budget = max_frame_bytes - HEADER_SIZE - metadata_allowance
     ends = []
@@ -529,8 +583,9 @@ def encode_moved(request_id: int, *, cache_id: str, endpoint: str, epoch: int) -
     return encode_frame(Opcode.MOVED, request_id, {"cache_id": cache_id, "endpoint": endpoint, "epoch": epoch})
 
 
-def parse_response(frame: Frame, *, request_opcode: Opcode, num_sequences: int = 1,
-                   spec: KVCacheSpec | None = None) -> Response:  # fmt: skip
+def parse_response(
+    frame: Frame, *, request_opcode: Opcode, num_sequences: int = 1, spec: KVCacheSpec | None = None
+) -> Response:
     """A response frame to the request it answers -> a typed result. ERROR and MOVED come back as values (the SDK
     decides what to raise or retry); a malformed response raises ProtocolError (the node misbehaves: close)."""
     meta, rid = frame.meta, frame.request_id
@@ -543,8 +598,11 @@ def parse_response(frame: Frame, *, request_opcode: Opcode, num_sequences: int =
         return ErrorReply(_str_field(meta, "code", rid, max_len=64), message, details)
     if frame.opcode == Opcode.MOVED:
         _check_keys(meta, {"cache_id", "endpoint", "epoch"}, rid)
-        return Moved(_str_field(meta, "cache_id", rid), _str_field(meta, "endpoint", rid, max_len=1024),
-                     _int_field(meta, "epoch", rid))  # fmt: skip
+        return Moved(
+            _str_field(meta, "cache_id", rid),
+            _str_field(meta, "endpoint", rid, max_len=1024),
+            _int_field(meta, "epoch", rid),
+        )
     if frame.opcode != Opcode.OK:
         raise _bad(ErrorCode.BAD_METADATA, f"{frame.opcode.name} is not a response", rid)
     request_opcode = Opcode(request_opcode)
@@ -555,20 +613,40 @@ def parse_response(frame: Frame, *, request_opcode: Opcode, num_sequences: int =
     if op != "get" and frame.payload_len:
         raise _bad(ErrorCode.PAYLOAD_LENGTH_MISMATCH, f"an OK for {op} carries no payload", rid)
     if op == "hello":
-        _check_keys(meta, {"op", "cache_id", "identity", "epoch", "node_id", "max_frame_bytes",
-                           "max_metadata_bytes", "max_answer_bytes"}, rid)  # fmt: skip
+        _check_keys(
+            meta,
+            {
+                "op",
+                "cache_id",
+                "identity",
+                "epoch",
+                "node_id",
+                "max_frame_bytes",
+                "max_metadata_bytes",
+                "max_answer_bytes",
+            },
+            rid,
+        )
         answers = _int_field(meta, "max_answer_bytes", rid, lo=HEADER_SIZE) if "max_answer_bytes" in meta else None
-        return HelloOk(_str_field(meta, "cache_id", rid), spec_from_wire(meta.get("identity"), request_id=rid),
-                       _int_field(meta, "epoch", rid), _str_field(meta, "node_id", rid),
-                       _int_field(meta, "max_frame_bytes", rid, lo=HEADER_SIZE),
-                       _int_field(meta, "max_metadata_bytes", rid), answers)  # fmt: skip
+        return HelloOk(
+            _str_field(meta, "cache_id", rid),
+            spec_from_wire(meta.get("identity"), request_id=rid),
+            _int_field(meta, "epoch", rid),
+            _str_field(meta, "node_id", rid),
+            _int_field(meta, "max_frame_bytes", rid, lo=HEADER_SIZE),
+            _int_field(meta, "max_metadata_bytes", rid),
+            answers,
+        )
     if op == "lookup":
         _check_keys(meta, {"op", "num_cached"}, rid)
         return LookupOk(_int_list(meta, "num_cached", n, rid))
     if op == "put":
         _check_keys(meta, {"op", "num_cached", "num_written", "out_of_space"}, rid)
-        return PutOk(_int_list(meta, "num_cached", n, rid), _int_list(meta, "num_written", n, rid),
-                     _bool_list(meta, "out_of_space", n, rid))  # fmt: skip
+        return PutOk(
+            _int_list(meta, "num_cached", n, rid),
+            _int_list(meta, "num_written", n, rid),
+            _bool_list(meta, "out_of_space", n, rid),
+        )
     if op == "delete":
         _check_keys(meta, {"op", "num_removed_blocks"}, rid)
         return DeleteOk(_int_list(meta, "num_removed_blocks", n, rid))
@@ -583,8 +661,11 @@ def parse_response(frame: Frame, *, request_opcode: Opcode, num_sequences: int =
         raise _bad(ErrorCode.BAD_METADATA, "kv_end exceeds num_cached", rid)
     sizes = [kv_nbytes(spec, max(e - s, 0)) for s, e in zip(kv_start, kv_end)]
     if frame.discarded or frame.payload_len != sum(sizes):
-        raise _bad(ErrorCode.PAYLOAD_LENGTH_MISMATCH,
-                   f"payload is {frame.payload_len} bytes, the metadata implies {sum(sizes)}", rid)  # fmt: skip
+        raise _bad(
+            ErrorCode.PAYLOAD_LENGTH_MISMATCH,
+            f"payload is {frame.payload_len} bytes, the metadata implies {sum(sizes)}",
+            rid,
+        )
     segments, pos, kv = _Segments(frame.payload), 0, []
     for size in sizes:
         kv.append(segments.slice(pos, size))
