@@ -13,10 +13,14 @@ sending in the middle of a PUT's payload.
 
 from __future__ import annotations
 
-import time
+import socket
+import struct
+import threading
+import uuid
 
 import pytest
 import torch
+from celery.signals import task_postrun
 from django.utils import timezone
 
 import kcaas
@@ -28,6 +32,7 @@ from kcaas.errors import KcaasError
 from kcaas.tokens import TokenSource
 from kcaas.wire import Opcode
 from tests.e2e.conftest import RawConnection, client_tls, random_kv, random_tokens, spec_for, tenant_key
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.django_db(transaction=True)
 PUT_TOKENS = 64  # 4 full blocks of 16
@@ -51,6 +56,38 @@ def start_half_put(conn: RawConnection, client: kcaas.Client, cache, spec, token
     return kv_bytes.nbytes - kv_bytes.nbytes // 2
 
 
+def _proc_address(address: tuple) -> str:
+    """An IPv4 (host, port) as /proc/net/tcp writes it: the address as a native-endian 32-bit word, then the port."""
+    return "%08X:%04X" % (struct.unpack("=I", socket.inet_aton(address[0]))[0], address[1])
+
+
+def tcp_ends(ours: tuple, theirs: tuple) -> tuple[tuple | None, tuple | None]:
+    """The kernel's view of one loopback TCP connection from /proc/net/tcp (both processes share this host): for our
+    end and the agent's, (state, bytes queued to send and not yet acknowledged, bytes received and not yet read by
+    the process), or None where that end no longer exists."""
+    ends = {}
+    with open("/proc/net/tcp") as table:
+        for line in table.readlines()[1:]:
+            fields = line.split()
+            tx, rx = (int(n, 16) for n in fields[4].split(":"))
+            ends[(fields[1], fields[2])] = (fields[3], tx, rx)
+    mine, other = _proc_address(ours), _proc_address(theirs)
+    return ends.get((mine, other)), ends.get((other, mine))
+
+
+def agent_took_everything_sent(ours: tuple, theirs: tuple) -> bool:
+    """Every byte we sent was acknowledged, and none waits unread at the agent's end: the agent process has read it
+    all into its own buffers (whole TLS records were sent, so none is left half in OpenSSL either)."""
+    mine, agents = tcp_ends(ours, theirs)
+    return mine is not None and agents is not None and mine[1] == 0 and agents[2] == 0
+
+
+def agent_closed_its_end(ours: tuple, theirs: tuple) -> bool:
+    """The agent has closed its end (neither ESTABLISHED nor CLOSE_WAIT, or gone): it is done with the connection."""
+    _, agents = tcp_ends(ours, theirs)
+    return agents is None or agents[0] not in ("01", "08")
+
+
 def put_and_read_back(dp: DataPlaneClient, tokens, kv) -> None:
     assert dp.put(tokens, kv)["num_cached"] == len(tokens)
     assert dp.lookup(tokens) == len(tokens)
@@ -70,7 +107,8 @@ def test_sigkill_mid_put_then_restart_reprovisions_and_shows_nothing_of_the_cut_
         conn = RawConnection(agent.endpoint, pki)
         try:
             assert start_half_put(conn, client, cache, spec, tokens, kv) > 0
-            time.sleep(0.3)  # the half payload reaches the agent's staging buffer
+            ends = conn.sock.getsockname(), conn.sock.getpeername()
+            assert eventually(lambda: agent_took_everything_sent(*ends)), "the half payload never reached the agent"
             agent.kill()
             assert agent.process.returncode == -9
             with pytest.raises(OSError):  # the killed agent's socket is gone: no answer ever comes to the cut put
@@ -104,11 +142,13 @@ def test_a_connection_dying_mid_put_leaves_nothing_and_the_agent_keeps_serving(l
             conn = RawConnection(agent.endpoint, pki)
             try:
                 start_half_put(conn, client, cache, spec, tokens, kv)
-                time.sleep(0.3)
+                ends = conn.sock.getsockname(), conn.sock.getpeername()
+                assert eventually(lambda: agent_took_everything_sent(*ends)), "the half payload never reached the agent"
                 assert dp.lookup(tokens) == 0  # a put in progress is not visible, not even its complete blocks
             finally:
                 conn.close()  # the client dies: the rest of the payload never comes
-            time.sleep(0.3)
+            # the agent has seen the end of the stream and given the connection up: whatever it keeps of it, it keeps
+            assert eventually(lambda: agent_closed_its_end(*ends)), "the agent never closed the dead connection"
             assert agent.alive
             assert dp.lookup(tokens) == 0
             n, _ = dp.get(tokens)
@@ -121,15 +161,24 @@ def test_a_connection_dying_mid_put_leaves_nothing_and_the_agent_keeps_serving(l
         client.close()
 
 
-def sweep_until(predicate, *, timeout: float = 15.0) -> None:
-    """Run the lease sweep as beat does (the `caches.sweep_leases` task, on the control worker) until `predicate`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        control_app.send_task("caches.sweep_leases", queue="control")
-        time.sleep(0.5)
-        if predicate():
-            return
-        assert time.monotonic() < deadline, "the sweep did not get there in time"
+def sweep(timeout: float = 20.0) -> None:
+    """Run the lease sweep as beat does (the `caches.sweep_leases` task, on the control worker: a thread of this
+    process) and return once the worker has run it to the end."""
+    wanted, ran = str(uuid.uuid4()), threading.Event()
+    states = []
+
+    def finished(task_id=None, state=None, **kwargs) -> None:
+        if task_id == wanted:
+            states.append(state)
+            ran.set()
+
+    task_postrun.connect(finished, weak=False)
+    try:
+        control_app.send_task("caches.sweep_leases", queue="control", task_id=wanted)
+        assert ran.wait(timeout), "the control worker did not run the sweep"
+    finally:
+        task_postrun.disconnect(finished)
+    assert states == ["SUCCESS"], states
 
 
 def test_a_killed_node_is_lost_after_its_lease_and_the_tenant_sees_its_cache_failed(live_server, agent_launcher,
@@ -144,17 +193,24 @@ def test_a_killed_node_is_lost_after_its_lease_and_the_tenant_sees_its_cache_fai
         node = Node.objects.get(pk=agent.node_id)
         assert node.state == "ready" and node.lease_expires_at is not None
 
-        # alive, it outlives several lease lengths: heartbeats renew the lease, sweeps leave it alone
-        time.sleep(settings.KCAAS_NODE_LEASE_SECONDS + 1.5)
-        control_app.send_task("caches.sweep_leases", queue="control")
-        time.sleep(1.0)
-        assert Node.objects.get(pk=agent.node_id).state == "ready"
+        # alive, it outlives its lease: heartbeats renew it, and a sweep run once the first lease would have run out
+        # leaves the node alone (the wait is for the clock to pass that lease's end: nothing else can show it)
+        first_lease_end = node.lease_expires_at
+        assert eventually(lambda: timezone.now() > first_lease_end, timeout=settings.KCAAS_NODE_LEASE_SECONDS + 5)
+        sweep()
+        node = Node.objects.get(pk=agent.node_id)
+        assert node.state == "ready" and node.lease_expires_at > first_lease_end  # renewed by heartbeats
         assert client.get_cache(cache.id).state == "ready"
 
         agent.kill()
         lease_end = Node.objects.get(pk=agent.node_id).lease_expires_at
         assert (lease_end - timezone.now()).total_seconds() <= settings.KCAAS_NODE_LEASE_SECONDS
-        sweep_until(lambda: client.get_cache(cache.id).state != "ready")
+        # dead, nothing renews it: once its lease has run out, one sweep marks it lost and fails its cache
+        assert eventually(
+            lambda: Node.objects.get(pk=agent.node_id).lease_expires_at < timezone.now(),
+            timeout=settings.KCAAS_NODE_LEASE_SECONDS + 5,
+        ), "the dead node's lease was still renewed"
+        sweep()
 
         assert Node.objects.get(pk=agent.node_id).state == "lost"
         seen = client.get_cache(cache.id)  # the tenant's view, through the REST API
