@@ -8,7 +8,7 @@ VLLM_VENV  := .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat pyproject.toml gpu_node/_blockhash.c | sha1sum | cut -c1-12)
 
-.PHONY: install vllm-venv test bench up cluster demo clean
+.PHONY: install vllm-venv lint test bench up cluster demo clean
 
 $(STAMP): pyproject.toml gpu_node/_blockhash.c
 	test -x $(PY) || $(PY_SYS) -m venv $(VENV)
@@ -29,6 +29,15 @@ $(VLLM_STAMP): pyproject.toml gpu_node/_blockhash.c
 	rm -f $(VLLM_VENV)/.installed-* && touch $(VLLM_STAMP)
 
 vllm-venv: $(VLLM_STAMP)
+
+# The gate (also the first step of `make test`, failing fast): lint, formatting, types on the typed rooms (the paths
+# are [tool.mypy] files in pyproject.toml), and the rooms' import rules with docs/ARCHITECTURE.md's room table.
+# `scripts/lint_fix.sh` applies ruff's fixes and formatting to the whole tree.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_layering.py
 
 # Kernel tests run the Triton kernels on the CPU through the interpreter; the variable must be
 # set before kernel modules are imported, so it is set for the whole run.
