@@ -163,6 +163,8 @@ def record_epoch(root: str, cache_id: str, epoch: int) -> None:
 
 def recorded_epoch(root: str, cache_id: str) -> int | None:
     path = directory(root, cache_id)
+    if path is None:
+        return None  # an id that cannot name a directory
     try:
         with open(os.path.join(path, EPOCH_FILE)) as file:
             return int(file.read().strip())

@@ -88,6 +88,7 @@ class PutPlan:
     def slot_mapping(self) -> tuple[int, np.ndarray]:
         """(first token written, int64 slots of tokens [first, end)); call only when num_written_tokens > 0."""
         head, bs = self.head, self.block_size
+        assert head is not None, "slot_mapping is for a plan that writes (num_written_tokens > 0)"
         head_end = min(self.num_tokens, (head.position + 1) * bs)
         base = head.block_id * bs - head.position * bs
         head_slots = np.arange(base + head.first_new, base + head_end, dtype=np.int64)

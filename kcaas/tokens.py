@@ -55,6 +55,7 @@ class TokenSource:
                     # a refresh ahead of time that failed: keep serving the old token while it is still valid
                     if self._token is None or self._clock() >= self._expires_at:
                         raise
+            assert self._token is not None  # fetched, or the old one still valid
             return self._token
 
     def invalidate(self) -> None:

@@ -78,7 +78,10 @@ def _launch(
 ) -> None:
     num_layers, _, num_tokens, num_heads, head_dim = out.shape
     quantized = pool.dtype in QUANT_DTYPES
-    scale_strides = scales.stride()[:4] if quantized else (0, 0, 0, 0)
+    scale_strides: tuple[int, ...] = (0, 0, 0, 0)
+    if quantized:
+        assert scales is not None, "a quantized pool has scales"
+        scale_strides = scales.stride()[:4]
     per_program = layers_per_program(num_layers, 2 * num_heads * head_dim * out.element_size(), _read_kv_kernel)
     grid = (num_tokens, triton.cdiv(num_layers, per_program))
     _read_kv_kernel[grid](

@@ -151,6 +151,7 @@ def read_kv_reference(
     rows = _row_ids(slots, num_layers, block_size, granule)
     row_len = granule * num_heads * head_dim
     if pool.dtype in QUANT_DTYPES:
+        assert scales is not None, "a quantized pool has scales"
         q = _bits(pool).view(-1, row_len).index_select(0, rows).view(pool.dtype).view(out_shape)
         row_scales = scales.view(-1, granule * num_heads).index_select(0, rows).view(out_shape[:-1])
         dequantize(q, row_scales, out=out)
@@ -202,6 +203,7 @@ def copy_blocks_reference(
     _copy_rows(_bits(src_pool).view(src_pool.shape[0], -1), _bits(dst_pool).view(dst_pool.shape[0], -1),
                src_ids, dst_ids)
     if src_scales is not None:
+        assert dst_scales is not None, "both pools hold scales (quantized) or neither"
         _copy_rows(src_scales.view(src_scales.shape[0], -1), dst_scales.view(dst_scales.shape[0], -1),
                    src_ids, dst_ids)
 
