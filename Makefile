@@ -48,6 +48,7 @@ lint: install
 # renders a failure (also with ast) corrupts it, and pytest dies with an INTERNALERROR that hides the failure.
 # Without column ranges no traceback draws carets, so only pytest's own thread parses.
 test: install vllm-venv
+	@$(MAKE) --no-print-directory lint
 	@eval "$$(scripts/services.sh)" && KCAAS_CHROMIUM="$$(scripts/browser.sh)" && \
 	DATABASE_URL="$$DATABASE_URL" REDIS_URL=redis://127.0.0.1:6379/15 CELERY_BROKER_URL=redis://127.0.0.1:6379/14 \
 	KCAAS_CHROMIUM="$$KCAAS_CHROMIUM" KCAAS_VLLM_PYTHON=$(abspath $(VLLM_PY)) TRITON_INTERPRET=1 PYTHONNODEBUGRANGES=1 $(PY) -m pytest -q
