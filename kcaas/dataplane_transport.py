@@ -214,6 +214,8 @@ class Transport:
                 sock.settimeout(self.timeout)
                 sock.connect(self.uds_path)
                 return sock
+            # DataPlaneClient gives an endpoint a TLS context (its own default when the caller gave none).
+            assert self.endpoint is not None and self.ssl_context is not None, "an endpoint or a socket path"
             host, _, port = self.endpoint.rpartition(":")
             host = host.strip("[]")
             raw = socket.create_connection((host, int(port)), timeout=self.timeout)
@@ -270,6 +272,7 @@ class Transport:
 
     def _read_frame(self) -> wire.Frame:
         decoder, sock = self._decoder, self._sock
+        assert decoder is not None and sock is not None, "a frame is read on an open connection"
         while True:
             frame = decoder.next_frame()
             if frame is not None:
