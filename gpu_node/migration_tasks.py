@@ -26,14 +26,15 @@ import time
 
 from gpu_node.migration import Incoming, MigrationListener, MigrationSender
 from gpu_node.migration_fence import fences_for
-from gpu_node.node_tasks import provision, unsealed_keys
+from gpu_node.node_tasks import node_task, provision, unsealed_keys
 from kcaas.node_messages import (
-    MIGRATE_ABORT_TASK,
-    MIGRATE_CUTOVER_TASK,
     MIGRATE_IN_TASK,
-    MIGRATE_OUT_TASK,
-    MIGRATION_PROGRESS_TASK,
-    MIGRATION_RESULT_TASK,
+    MigrateAbort,
+    MigrateCutover,
+    MigrateIn,
+    MigrateOut,
+    MigrationProgress,
+    MigrationResult,
 )
 
 logger = logging.getLogger("kcaas.node.migration")
@@ -58,42 +59,45 @@ class NodeMigration:
         self._aborted: set[str] = set()  # migrations the control plane gave up: their sender never fences again
 
     def register(self, app, answer, keys=None) -> None:
-        """Add the migration tasks to `app`; `keys` (node_tasks.NodeKeys) opens the keys migrate_in carries."""
+        """Add the migration tasks to `app` (node_tasks.node_task: keyword arguments parsed into their message);
+        `keys` (node_tasks.NodeKeys) opens the keys migrate_in carries."""
 
-        @app.task(name=MIGRATE_IN_TASK, shared=False)
-        def migrate_in(migration_id, cache_id, spec, capacity, hash_key_box, epoch_to, source_node_id,
-                       tenant_id="", ssd_key_box="") -> bool:  # fmt: skip
-            hash_key, ssd_key, reason = unsealed_keys(keys, task=MIGRATE_IN_TASK, cache_id=cache_id,
-                                                      hash_key_box=hash_key_box, ssd_key_box=ssd_key_box)  # fmt: skip
+        @node_task(app, MigrateIn, answer, self.node_id)
+        def migrate_in(order: MigrateIn) -> bool:
+            hash_key, ssd_key, reason = unsealed_keys(keys, task=MIGRATE_IN_TASK, cache_id=order.cache_id,
+                                                      hash_key_box=order.hash_key_box, ssd_key_box=order.ssd_key_box)
             if reason is None:
                 return False  # sealed to a key this node does not hold: not answered (node_tasks.unsealed_keys)
             ok = False
             if not reason:
-                ok, reason = provision(self.registry, cache_id, spec, capacity, hash_key, int(epoch_to), tenant_id,
-                                       ssd_key)  # fmt: skip
+                ok, reason = provision(self.registry, order.cache_id, order.spec, order.capacity, hash_key,
+                                       order.epoch_to, order.tenant_id, ssd_key)  # fmt: skip
             if not ok:
-                answer(MIGRATION_RESULT_TASK, [migration_id, self.node_id, False, reason, {}])
+                answer(self._result(order.migration_id, ok=False, reason=reason))
                 return False
-            self.listener.expect(Incoming(str(migration_id), str(cache_id), str(source_node_id), int(epoch_to)))
-            answer(MIGRATION_PROGRESS_TASK, [migration_id, self.node_id, "ready",
-                                             {"migration_endpoint": self.advertise or self.listener.endpoint}])  # fmt: skip
+            self.listener.expect(Incoming(order.migration_id, order.cache_id, order.source_node_id, order.epoch_to))
+            endpoint = self.advertise or self.listener.endpoint
+            answer(self._progress(order.migration_id, "ready", {"migration_endpoint": endpoint}))
             return True
 
-        @app.task(name=MIGRATE_OUT_TASK, shared=False)
-        def migrate_out(migration_id, cache_id, epoch_from, epoch_to, target_node_id, target_migration_endpoint,
-                        target_endpoint) -> bool:  # fmt: skip
-            args = (str(migration_id), str(cache_id), int(epoch_from), int(epoch_to), str(target_node_id),
-                    str(target_migration_endpoint), str(target_endpoint))  # fmt: skip
-            return self.start_sender(answer, *args)
+        @node_task(app, MigrateOut, answer, self.node_id)
+        def migrate_out(order: MigrateOut) -> bool:
+            return self.start_sender(answer, order)
 
-        @app.task(name=MIGRATE_ABORT_TASK, shared=False)
-        def migrate_abort(migration_id, cache_id) -> None:
-            self.abort(str(migration_id), str(cache_id))
+        @node_task(app, MigrateAbort, answer, self.node_id)
+        def migrate_abort(order: MigrateAbort) -> None:
+            self.abort(order.migration_id, order.cache_id)
 
-        @app.task(name=MIGRATE_CUTOVER_TASK, shared=False)
-        def migrate_cutover(migration_id, cache_id, epoch_from, target_endpoint, epoch_to) -> bool:
-            fences_for(self.registry).moved(str(cache_id), str(target_endpoint), int(epoch_to))
-            return self.registry.detach(cache_id=str(cache_id), epoch=int(epoch_from))
+        @node_task(app, MigrateCutover, answer, self.node_id)
+        def migrate_cutover(order: MigrateCutover) -> bool:
+            fences_for(self.registry).moved(order.cache_id, order.target_endpoint, order.epoch_to)
+            return self.registry.detach(cache_id=order.cache_id, epoch=order.epoch_from)
+
+    def _progress(self, migration_id: str, phase: str, info: dict) -> MigrationProgress:
+        return MigrationProgress(migration_id=migration_id, node_id=self.node_id, phase=phase, info=info)
+
+    def _result(self, migration_id: str, *, ok: bool, reason: str = "", info: dict | None = None) -> MigrationResult:
+        return MigrationResult(migration_id=migration_id, node_id=self.node_id, ok=ok, reason=reason, info=info or {})
 
     def abort(self, migration_id: str, cache_id: str) -> None:
         """The control plane failed this migration (it stalled, a node was lost): writes resume here (a fence before
@@ -108,54 +112,53 @@ class NodeMigration:
         with self._out_lock:
             return migration_id in self._aborted
 
-    def start_sender(self, answer, migration_id, cache_id, *rest) -> bool:
+    def start_sender(self, answer, order: MigrateOut) -> bool:
         """Start this migration's sender thread, or, while one runs, only point it at the (new) target endpoint.
         Invariant: at most one live sender per migration id on this node. True when a sender was started."""
-        target_migration_endpoint = rest[3]
+        migration_id = order.migration_id
         with self._out_lock:
-            self._endpoints[migration_id] = target_migration_endpoint
+            self._endpoints[migration_id] = order.target_migration_endpoint
             running = self.senders.get(migration_id)
             if running is not None and running.is_alive():
                 logger.info("migration %s: a sender already runs; it reconnects to %s", migration_id,
-                            target_migration_endpoint)  # fmt: skip
+                            order.target_migration_endpoint)  # fmt: skip
                 return False
-            thread = threading.Thread(target=self.send, args=(answer, migration_id, cache_id, *rest), daemon=True,
-                                      name="migration-send")  # fmt: skip
+            thread = threading.Thread(target=self.send, args=(answer, order), daemon=True, name="migration-send")
             self.senders[migration_id] = thread
         thread.start()
         return True
 
-    def send(self, answer, migration_id, cache_id, epoch_from, epoch_to, target_node_id, migration_endpoint,
-             target_endpoint) -> None:  # fmt: skip
+    def send(self, answer, order: MigrateOut) -> None:
         """Copy, fence, copy the rest, answer; a broken transfer is resumed (reconnect, the target lists what it
         holds) until `resume_seconds` pass. Never raises (the answer says how it ended)."""
+        migration_id, cache_id, epoch_to = order.migration_id, order.cache_id, order.epoch_to
         fences = fences_for(self.registry)
         hosted = self.registry.get(cache_id)
-        if hosted is None or hosted.epoch != epoch_from:
-            return answer(MIGRATION_RESULT_TASK, [migration_id, self.node_id, False, "not_hosted", {}])
+        if hosted is None or hosted.epoch != order.epoch_from:
+            return answer(self._result(migration_id, ok=False, reason="not_hosted"))
         totals = {"blocks_sent": 0, "bytes_sent": 0, "rounds": 0, "attempts": 0}
         current: list[MigrationSender] = []  # this try's sender (progress adds its live counts to the totals)
 
         def progress(info: dict) -> None:
             live = current[0].stats
-            answer(MIGRATION_PROGRESS_TASK, [migration_id, self.node_id, "copying",
-                                             {**info, "bytes_sent": totals["bytes_sent"] + live.bytes_sent,
-                                              "blocks_sent": totals["blocks_sent"] + live.blocks_sent}])  # fmt: skip
+            sent = {"bytes_sent": totals["bytes_sent"] + live.bytes_sent,
+                    "blocks_sent": totals["blocks_sent"] + live.blocks_sent}  # fmt: skip
+            answer(self._progress(migration_id, "copying", {**info, **sent}))
 
         def fence() -> None:
             if self.aborted(migration_id):
                 raise MigrationAborted(migration_id)
-            if not fences.fence(cache_id, target_endpoint, epoch_to):
+            if not fences.fence(cache_id, order.target_endpoint, epoch_to):
                 raise TimeoutError("writes in flight did not finish")
-            answer(MIGRATION_PROGRESS_TASK, [migration_id, self.node_id, "fenced", {}])
+            answer(self._progress(migration_id, "fenced", {}))
 
         deadline = time.monotonic() + self.resume_seconds
         while True:
             with self._out_lock:
-                endpoint = self._endpoints.get(migration_id, migration_endpoint)
+                endpoint = self._endpoints.get(migration_id, order.target_migration_endpoint)
             sender = MigrationSender(
                 hosted.engine, migration_id=migration_id, cache_id=cache_id, epoch=epoch_to, target_endpoint=endpoint,
-                target_node_id=target_node_id, tls_context=self.client_context, progress=progress,
+                target_node_id=order.target_node_id, tls_context=self.client_context, progress=progress,
                 connect_timeout=min(30.0, self.resume_seconds),
                 max_bytes_per_second=self.max_bytes_per_second)  # fmt: skip
             current[:] = [sender]
@@ -169,13 +172,12 @@ class NodeMigration:
                 if (time.monotonic() >= deadline or self.registry.get(cache_id) is not hosted
                         or self.aborted(migration_id)):  # fmt: skip
                     logger.warning("migration %s of cache %s failed: %s", migration_id, cache_id, exc)
-                    return answer(MIGRATION_RESULT_TASK, [migration_id, self.node_id, False, type(exc).__name__,
-                                                          totals])  # fmt: skip
+                    return answer(self._result(migration_id, ok=False, reason=type(exc).__name__, info=dict(totals)))
                 logger.info("migration %s of cache %s broke (%s): resuming", migration_id, cache_id, exc)
                 time.sleep(0.5)
         info = {"blocks": totals["blocks_sent"], **totals}
         self.last_stats[migration_id] = info
-        answer(MIGRATION_RESULT_TASK, [migration_id, self.node_id, True, "", info])
+        answer(self._result(migration_id, ok=True, info=info))
 
 
 class MigrationAborted(RuntimeError):

@@ -4,7 +4,12 @@ The agent builds one Celery app of its own (no Django: configuration is the brok
 runs a worker inside the agent process, because the pool that holds the caches must run the tasks. Handlers are
 idempotent (CacheRegistry's epoch rules) and always answer, so the control plane's status guards settle the cache:
 provisioning answers ok (with this node's data-plane endpoint) or failed with a machine-readable reason.
-Message names and arguments: kcaas/node_messages.py. The keys an order carries are boxes sealed to this node's
+Messages: kcaas/node_messages.py, keyword arguments only: every task parses its order through its message class
+(`node_task`) and every answer is built as one. A malformed order (positional arguments, a missing, unknown or
+mistyped field, another version) runs nothing: an order that expects an answer and names what it is about (the
+cache of provision_cache, the migration of migrate_in / migrate_out) is answered failed with the reason
+`invalid_message: <what is wrong>`; any other is logged and left unanswered (a detach or purge answer would say the
+work was done: the control plane's re-sends and reconcilers end those). The keys an order carries are boxes sealed to this node's
 sealing key (kcaas/sealing.py): a key in clear, an altered box or one sealed for another message is answered as
 failed (`key_not_sealed`, `sealed_key_invalid`) and provisions nothing; a box sealed to a node key this node does not
 hold is not answered (the control plane re-sends the order under the key the node last registered).
@@ -21,17 +26,21 @@ from kcaas import fs_broker  # noqa: F401 - registers kcaasfs://, the embedded d
 from gpu_node.tokens import RevocationList
 from kcaas.node_messages import (
     CONTROL_QUEUE,
-    DETACH_RESULT_TASK,
-    DETACH_TASK,
-    MIGRATE_ABORT_TASK,
-    MIGRATE_IN_TASK,
-    MIGRATE_OUT_TASK,
-    MIGRATION_RESULT_TASK,
-    PROVISION_RESULT_TASK,
+    INVALID_MESSAGE,
     PROVISION_TASK,
-    PURGE_RESULT_TASK,
-    PURGE_TENANT_TASK,
-    REVOKE_TOKENS_TASK,
+    DetachCache,
+    DetachResult,
+    MessageError,
+    MigrateAbort,
+    MigrateIn,
+    MigrateOut,
+    MigrationResult,
+    NodeMessage,
+    ProvisionCache,
+    ProvisionResult,
+    PurgeResult,
+    PurgeTenant,
+    RevokeTokens,
 )
 from kcaas.sealing import NO_SEALING_KEY, SEALED_FOR_OTHER_KEY, NodeSealingKey, SealedKeyError
 from kcaas.spec import KVCacheSpec, SpecError
@@ -112,6 +121,50 @@ def provision(registry: CacheRegistry, cache_id: str, spec: dict, capacity: dict
     return True, ""
 
 
+def refusal_answer(message_class: type[NodeMessage], fields: dict, node_id: str,
+                   error: MessageError) -> NodeMessage | None:  # fmt: skip
+    """The failure answer to a malformed order, or None when it gets none: only provision_cache, migrate_in and
+    migrate_out are answered (failed, reason `invalid_message: ...`), and only when the id they are about is there
+    (an answer about nothing settles nothing)."""
+    reason = f"{INVALID_MESSAGE}: {error}"[:300]
+    try:
+        if message_class is ProvisionCache:
+            return ProvisionResult(cache_id=fields.get("cache_id"), node_id=node_id, ok=False, reason=reason,
+                                   endpoint="")  # fmt: skip
+        if message_class in (MigrateIn, MigrateOut):
+            return MigrationResult(migration_id=fields.get("migration_id"), node_id=node_id, ok=False, reason=reason,
+                                   info={})  # fmt: skip
+    except MessageError:  # the id itself is missing or malformed
+        return None
+    return None
+
+
+def node_task(app: Celery, message_class: type[NodeMessage], answer, node_id: str):
+    """Register the decorated `handler(order)` as `message_class`'s task of `app` (this app's only: several agents
+    may share a process in tests). The task takes keyword arguments only and calls the handler with the parsed
+    message; a malformed order is refused (refusal_answer) and the handler never runs."""
+
+    def register(handler):
+        def run(*args, **fields):
+            try:
+                order = message_class.from_call(args, fields)
+            except MessageError as error:
+                named = {**dict(zip(message_class.field_names(), args)), **fields}  # an old sender's list too
+                refusal = refusal_answer(message_class, named, node_id, error)
+                logger.warning("refused a malformed order (%s)", error if refusal is None else f"{error}; answered "
+                                                                                               f"failed")  # fmt: skip
+                if refusal is not None:
+                    answer(refusal)
+                return False
+            return handler(order)
+
+        run.__name__ = run.__qualname__ = handler.__name__
+        run.__doc__ = handler.__doc__
+        return app.task(name=message_class.TASK, shared=False)(run)
+
+    return register
+
+
 def build_node_app(
     *, broker_url: str, node_id: str, endpoint: str, registry: CacheRegistry, transport_options: dict | None = None,
     revocations: RevocationList | None = None, migration=None, sealing_key: NodeSealingKey | None = None,
@@ -135,39 +188,42 @@ def build_node_app(
     app.conf.broker_transport_options = {**(REDIS_REDELIVERY if broker_url.startswith(("redis", "rediss")) else {}),
                                          **(transport_options or {})}  # fmt: skip
 
-    def answer(task_name: str, args: list) -> None:
-        """Publish an answer, riding out a broker outage of a few minutes (ANSWER_RETRY_POLICY). An answer that is
-        lost anyway is not lost work: the control plane sends the order again until it is answered."""
-        app.send_task(task_name, args=args, queue=CONTROL_QUEUE, retry=True, retry_policy=ANSWER_RETRY_POLICY)
+    def answer(message: NodeMessage) -> None:
+        """Publish an answer (keyword arguments: kcaas/node_messages.py), riding out a broker outage of a few minutes
+        (ANSWER_RETRY_POLICY). An answer that is lost anyway is not lost work: the control plane sends the order
+        again until it is answered."""
+        app.send_task(message.TASK, kwargs=message.to_dict(), queue=CONTROL_QUEUE, retry=True,
+                      retry_policy=ANSWER_RETRY_POLICY)  # fmt: skip
 
-    @app.task(name=PROVISION_TASK, shared=False)  # tasks of this app only (several agents may share a process in tests)
-    def provision_cache(cache_id: str, spec: dict, capacity: dict, hash_key_box: str, epoch: int,
-                        tenant_id: str = "", ssd_key_box: str = "") -> bool:  # fmt: skip
-        hash_key, ssd_key, reason = unsealed_keys(keys, task=PROVISION_TASK, cache_id=cache_id,
-                                                  hash_key_box=hash_key_box, ssd_key_box=ssd_key_box)  # fmt: skip
+    @node_task(app, ProvisionCache, answer, node_id)
+    def provision_cache(order: ProvisionCache) -> bool:
+        hash_key, ssd_key, reason = unsealed_keys(keys, task=PROVISION_TASK, cache_id=order.cache_id,
+                                                  hash_key_box=order.hash_key_box, ssd_key_box=order.ssd_key_box)
         if reason is None:
             return False  # sealed to a key this node does not hold: not answered (see unsealed_keys)
         ok = False
         if not reason:
-            ok, reason = provision(registry, cache_id, spec, capacity, hash_key, epoch, tenant_id, ssd_key)
-        answer(PROVISION_RESULT_TASK, [cache_id, node_id, ok, reason, endpoint if ok else ""])
+            ok, reason = provision(registry, order.cache_id, order.spec, order.capacity, hash_key, order.epoch,
+                                   order.tenant_id, ssd_key)  # fmt: skip
+        answer(ProvisionResult(cache_id=order.cache_id, node_id=node_id, ok=ok, reason=reason,
+                               endpoint=endpoint if ok else ""))  # fmt: skip
         return ok
 
-    @app.task(name=DETACH_TASK, shared=False)
-    def detach_cache(cache_id: str, epoch: int) -> bool:
-        detached = registry.detach(cache_id=cache_id, epoch=int(epoch))
-        answer(DETACH_RESULT_TASK, [cache_id, node_id])
+    @node_task(app, DetachCache, answer, node_id)
+    def detach_cache(order: DetachCache) -> bool:
+        detached = registry.detach(cache_id=order.cache_id, epoch=order.epoch)
+        answer(DetachResult(cache_id=order.cache_id, node_id=node_id))
         return detached
 
-    @app.task(name=REVOKE_TOKENS_TASK, shared=False)
-    def revoke_tokens(entries: list) -> int:
-        return revocations.update(entries) if revocations is not None else 0
+    @node_task(app, RevokeTokens, answer, node_id)
+    def revoke_tokens(order: RevokeTokens) -> int:
+        return revocations.update(order.entries) if revocations is not None else 0
 
-    @app.task(name=PURGE_TENANT_TASK, shared=False)
-    def purge_tenant(tenant_id: str, job_id: str) -> int:
-        purged = registry.purge_tenant(str(tenant_id))
-        logger.info("purged %d caches of a tenant (job %s)", len(purged), job_id)
-        answer(PURGE_RESULT_TASK, [job_id, node_id, str(tenant_id), purged])
+    @node_task(app, PurgeTenant, answer, node_id)
+    def purge_tenant(order: PurgeTenant) -> int:
+        purged = registry.purge_tenant(order.tenant_id)
+        logger.info("purged %d caches of a tenant (job %s)", len(purged), order.job_id)
+        answer(PurgeResult(job_id=order.job_id, node_id=node_id, tenant_id=order.tenant_id, purged=purged))
         return len(purged)
 
     if migration is not None:  # gpu_node.migration_tasks.NodeMigration: migrate_in / migrate_out / migrate_cutover
@@ -181,16 +237,18 @@ def _refuse_migrations(app: Celery, answer, node_id: str) -> None:
     """A node without a migration listener (KCAAS_NODE_MIGRATION_LISTEN unset) answers every migration order with a
     failure at once, so the control plane rolls the move back instead of waiting for it to stall."""
 
-    @app.task(name=MIGRATE_IN_TASK, shared=False)
-    def migrate_in(migration_id, *_args) -> bool:
-        answer(MIGRATION_RESULT_TASK, [migration_id, node_id, False, MIGRATION_UNAVAILABLE, {}])
+    @node_task(app, MigrateIn, answer, node_id)
+    def migrate_in(order: MigrateIn) -> bool:
+        answer(MigrationResult(migration_id=order.migration_id, node_id=node_id, ok=False,
+                               reason=MIGRATION_UNAVAILABLE, info={}))  # fmt: skip
         return False
 
-    @app.task(name=MIGRATE_OUT_TASK, shared=False)
-    def migrate_out(migration_id, *_args) -> bool:
-        answer(MIGRATION_RESULT_TASK, [migration_id, node_id, False, MIGRATION_UNAVAILABLE, {}])
+    @node_task(app, MigrateOut, answer, node_id)
+    def migrate_out(order: MigrateOut) -> bool:
+        answer(MigrationResult(migration_id=order.migration_id, node_id=node_id, ok=False,
+                               reason=MIGRATION_UNAVAILABLE, info={}))  # fmt: skip
         return False
 
-    @app.task(name=MIGRATE_ABORT_TASK, shared=False)
-    def migrate_abort(migration_id, cache_id) -> bool:
+    @node_task(app, MigrateAbort, answer, node_id)
+    def migrate_abort(order: MigrateAbort) -> bool:
         return False  # nothing was fenced here: this node never sends a migration

@@ -39,11 +39,12 @@ from fleet.models import Node, NodeState
 from fleet.outbox import order_enqueue, orders_acknowledge, orders_close, seal_for_node
 from fleet.services import node_drain, node_place, node_unreserve, nodes_lock
 from kcaas.node_messages import (
-    DETACH_TASK,
-    MIGRATE_ABORT_TASK,
-    MIGRATE_CUTOVER_TASK,
     MIGRATE_IN_TASK,
-    MIGRATE_OUT_TASK,
+    DetachCache,
+    MigrateAbort,
+    MigrateCutover,
+    MigrateIn,
+    MigrateOut,
 )
 
 logger = logging.getLogger("kcaas.caches.migration")
@@ -103,11 +104,11 @@ def _key(migration: Migration, leg: str) -> str:
 
 
 def _order_migrate_in(migration: Migration) -> None:
-    order_enqueue(node_id=migration.target_id, task=MIGRATE_IN_TASK, args=[str(migration.pk)],
-                  key=_key(migration, "in"), builder="caches.migration.migrate_in_order_args")  # fmt: skip
+    order_enqueue(node_id=migration.target_id, task=MIGRATE_IN_TASK, builder="caches.migration.migrate_in_order_message",
+                  builder_args=[str(migration.pk)], key=_key(migration, "in"))  # fmt: skip
 
 
-def migrate_in_order_args(migration_id: str) -> list | None:
+def migrate_in_order_message(migration_id: str) -> MigrateIn | None:
     """The outbox builder of migrate_in (it carries the cache's keys, sealed to the target): None once
     the migration is no longer pending, once its cache left service (a detach, an erasure: the target must not host
     it again after the purge) or when its keys no longer open (shredded)."""
@@ -115,15 +116,15 @@ def migrate_in_order_args(migration_id: str) -> list | None:
     if migration is None or migration.cache.state not in (CacheState.READY, CacheState.PROVISIONING):
         return None
     try:
-        return _migrate_in_args(migration, migration.cache)
+        return _migrate_in_message(migration, migration.cache)
     except SealError:
         logger.warning("migration %s: the keys of cache %s do not open; migrate_in not sent", migration.pk,
                        migration.cache_id)  # fmt: skip
         return None
 
 
-def _migrate_in_args(migration: Migration, cache: Cache) -> list:
-    """migrate_in's arguments: the same keys for one migration (epoch_to, hash key, SSD key), so a re-sent order
+def _migrate_in_message(migration: Migration, cache: Cache) -> MigrateIn:
+    """migrate_in's message: the same keys for one migration (epoch_to, hash key, SSD key), so a re-sent order
     re-provisions the very cache the target had (its SSD directory rescans under the same key). The keys are sealed
     to the target node at send time (fleet.outbox.seal_for_node), never in clear on the broker."""
     hash_key = hash_key_unseal(cache_id=cache.pk, sealed=cache.hash_key_sealed)
@@ -132,11 +133,20 @@ def _migrate_in_args(migration: Migration, cache: Cache) -> list:
         return seal_for_node(node_id=migration.target_id, task=MIGRATE_IN_TASK, cache_id=cache.pk, field=field,
                              plaintext=key)  # fmt: skip
 
-    args = [str(migration.pk), str(cache.pk), cache.spec_dict(), cache.capacity(), sealed("hash_key", hash_key),
-            migration.epoch_to, str(migration.source_id), str(cache.tenant_id)]  # fmt: skip
+    ssd_key_box = ""
     if cache.ssd_key_sealed:  # the target's SSD tier encrypts under the cache's own data key, as the source's did
-        args.append(sealed("ssd_key", ssd_key_unseal(cache_id=cache.pk, sealed=cache.ssd_key_sealed)))
-    return args
+        ssd_key_box = sealed("ssd_key", ssd_key_unseal(cache_id=cache.pk, sealed=cache.ssd_key_sealed))
+    return MigrateIn(
+        migration_id=str(migration.pk),
+        cache_id=str(cache.pk),
+        spec=cache.spec_dict(),
+        capacity=cache.capacity(),
+        hash_key_box=sealed("hash_key", hash_key),
+        epoch_to=migration.epoch_to,
+        source_node_id=str(migration.source_id),
+        tenant_id=str(cache.tenant_id),
+        ssd_key_box=ssd_key_box,
+    )
 
 
 def _lock_migration(migration_id, node_id, *, role: str, states) -> Migration | None:
@@ -161,10 +171,16 @@ def migration_progress(*, migration_id, node_id, phase: str, info: dict) -> Migr
             orders_acknowledge(node_id=migration.target_id, key=_key(migration, "in"), tasks=(MIGRATE_IN_TASK,))
             migration.state = MigrationState.COPYING
             migration.save(update_fields=["state", "updated_at"])
-            order_enqueue(node_id=migration.source_id, task=MIGRATE_OUT_TASK, key=_key(migration, "out"), args=[
-                str(migration.pk), str(migration.cache_id), migration.epoch_from, migration.epoch_to,
-                str(migration.target_id), str(info.get("migration_endpoint", "")),
-                str(info.get("endpoint") or migration.target.endpoint)])  # fmt: skip
+            message = MigrateOut(
+                migration_id=str(migration.pk),
+                cache_id=str(migration.cache_id),
+                epoch_from=migration.epoch_from,
+                epoch_to=migration.epoch_to,
+                target_node_id=str(migration.target_id),
+                target_migration_endpoint=str(info.get("migration_endpoint", "")),
+                target_endpoint=str(info.get("endpoint") or migration.target.endpoint),
+            )
+            order_enqueue(node_id=migration.source_id, message=message, key=_key(migration, "out"))
         return migration
     active = (MigrationState.COPYING, MigrationState.CUTOVER)
     migration = _lock_migration(migration_id, node_id, role="source", states=active)
@@ -219,9 +235,9 @@ def _cutover(migration: Migration, cache: Cache, info: dict) -> Migration:
     migration.save(update_fields=["state", "blocks_copied", "bytes_copied", "updated_at"])
     _close_orders(migration, "complete")
     # no answer to wait for: the source answers MOVED from then on, and detaches its copy
-    order_enqueue(node_id=migration.source_id, task=MIGRATE_CUTOVER_TASK, key=_key(migration, "cutover"),
-                  args=[str(migration.pk), str(cache.pk), migration.epoch_from, cache.endpoint, migration.epoch_to],
-                  expects_answer=False)  # fmt: skip
+    cutover = MigrateCutover(migration_id=str(migration.pk), cache_id=str(cache.pk), epoch_from=migration.epoch_from,
+                             target_endpoint=cache.endpoint, epoch_to=migration.epoch_to)  # fmt: skip
+    order_enqueue(node_id=migration.source_id, message=cutover, key=_key(migration, "cutover"), expects_answer=False)
     new = {"node": str(cache.node_id), "endpoint": cache.endpoint, "epoch": cache.epoch}
     audit_record(action=AuditAction.CACHE_MIGRATED, target_type="cache", target_id=cache.pk, tenant_id=cache.tenant_id,
                  old=old, new={**new, "migration": str(migration.pk), "reason": migration.reason})  # fmt: skip
@@ -247,12 +263,11 @@ def _fail_orders(migration: Migration) -> None:
     target's copy."""
     _close_orders(migration, "failed")
     # the source may have fenced writes (or will, when its sender gets there): it takes them again
-    order_enqueue(node_id=migration.source_id, task=MIGRATE_ABORT_TASK,
-                  args=[str(migration.pk), str(migration.cache_id)],
-                  key=_key(migration, "abort"), expects_answer=False)  # fmt: skip
+    abort = MigrateAbort(migration_id=str(migration.pk), cache_id=str(migration.cache_id))
+    order_enqueue(node_id=migration.source_id, message=abort, key=_key(migration, "abort"), expects_answer=False)
     cache = migration.cache  # the target's copy goes, at the target's epoch (the cache row keeps its own)
-    order_enqueue(node_id=migration.target_id, task=DETACH_TASK, args=[str(cache.pk), migration.epoch_to],
-                  key=cache_key(cache.pk))  # fmt: skip
+    detach = DetachCache(cache_id=str(cache.pk), epoch=migration.epoch_to)
+    order_enqueue(node_id=migration.target_id, message=detach, key=cache_key(cache.pk))
 
 
 def _close_orders(migration: Migration, reason: str) -> None:

@@ -47,7 +47,7 @@ from tenants.models import Tenant
 from tenants.selectors import quota_limits
 from tenants.services import tenant_lock
 from core.ids import as_uuid
-from kcaas.node_messages import DETACH_TASK, PROVISION_TASK, REVOKE_TOKENS_TASK
+from kcaas.node_messages import DETACH_TASK, PROVISION_TASK, DetachCache, ProvisionCache, RevokeTokens
 
 logger = logging.getLogger("kcaas.caches")
 
@@ -68,8 +68,8 @@ def cache_key(cache_id) -> str:
 
 def _order_detach(cache: Cache, node_id=None) -> None:
     """Tell the node (default: the cache's) to drop the cache's pool at its epoch, until it confirms."""
-    order_enqueue(node_id=node_id or cache.node_id, task=DETACH_TASK, args=[str(cache.pk), cache.epoch],
-                  key=cache_key(cache.pk))  # fmt: skip
+    message = DetachCache(cache_id=str(cache.pk), epoch=cache.epoch)
+    order_enqueue(node_id=node_id or cache.node_id, message=message, key=cache_key(cache.pk))
 
 
 # ---- attach ---------------------------------------------------------------------------------------------------------
@@ -168,14 +168,14 @@ def _audit(action: AuditAction, cache: Cache, *, old: dict | None = None, new: d
 def _provision(cache: Cache) -> None:
     """Order the cache's provisioning from its node (through the outbox) and mark it provisioning until the node
     answers. The order row holds only the cache id and epoch: the keys are unsealed into the message at send time
-    (provision_order_args), so no secret is ever stored in the outbox."""
-    order_enqueue(node_id=cache.node_id, task=PROVISION_TASK, args=[str(cache.pk), cache.epoch],
-                  key=cache_key(cache.pk), builder="caches.services.provision_order_args")  # fmt: skip
+    (provision_order_message), so no secret is ever stored in the outbox."""
+    order_enqueue(node_id=cache.node_id, task=PROVISION_TASK, builder="caches.services.provision_order_message",
+                  builder_args=[str(cache.pk), cache.epoch], key=cache_key(cache.pk))  # fmt: skip
     cache.state = CacheState.PROVISIONING
     cache.save(update_fields=["state", "updated_at"])
 
 
-def provision_order_args(cache_id: str, epoch: int) -> list | None:
+def provision_order_message(cache_id: str, epoch: int) -> ProvisionCache | None:
     """The provisioning message for the outbox, made at send time: None once it is moot (the cache is no longer
     provisioning at that epoch, or its keys were shredded by an erasure). Its keys are sealed to the cache's node
     (fleet.outbox.seal_for_node: bound to this task, node, cache and field): the broker never sees them in clear. A
@@ -193,11 +193,15 @@ def provision_order_args(cache_id: str, epoch: int) -> list | None:
     def sealed(field: str, key: bytes) -> str:
         return seal_for_node(node_id=cache.node_id, task=PROVISION_TASK, cache_id=cache.pk, field=field, plaintext=key)
 
-    args = [str(cache.pk), cache.spec_dict(), cache.capacity(), sealed("hash_key", hash_key), cache.epoch,
-            str(cache.tenant_id)]  # fmt: skip
-    if ssd_key is not None:  # the trailing ssd_key_box: only caches with an SSD tier send it
-        args.append(sealed("ssd_key", ssd_key))
-    return args
+    return ProvisionCache(
+        cache_id=str(cache.pk),
+        spec=cache.spec_dict(),
+        capacity=cache.capacity(),
+        hash_key_box=sealed("hash_key", hash_key),
+        epoch=cache.epoch,
+        tenant_id=str(cache.tenant_id),
+        ssd_key_box=sealed("ssd_key", ssd_key) if ssd_key is not None else "",  # only caches with an SSD tier
+    )
 
 
 @transaction.atomic
@@ -255,7 +259,7 @@ def _revoke_tokens(cache: Cache, now: datetime, *, jti: uuid.UUID | None = None)
     if cache.node_id is not None:
         entries = [{"jti": str(j), "exp": int(expires_at.timestamp())} for j, expires_at in revoked]
         # no answer: the node also learns them from every register/heartbeat answer
-        order_enqueue(node_id=cache.node_id, task=REVOKE_TOKENS_TASK, args=[entries], key=f"revoke:{uuid.uuid4()}",
+        order_enqueue(node_id=cache.node_id, message=RevokeTokens(entries=entries), key=f"revoke:{uuid.uuid4()}",
                       expects_answer=False)  # fmt: skip
     return len(revoked)
 

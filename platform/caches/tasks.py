@@ -1,6 +1,7 @@
 """Control-queue tasks of the caches room. Each takes ids, loads rows and calls one service; status guards in the
-services make redelivery and duplicates no-ops. The node agents send the two `*_result` tasks (by name, with
-`send_task`, to the `control` queue); beat runs the sweeps."""
+services make redelivery and duplicates no-ops. The node agents send the answers (typed messages of
+kcaas/node_messages.py, by name with `send_task`, as keyword arguments, to the `control` queue: core.node_answers);
+beat runs the sweeps."""
 
 import logging
 
@@ -10,55 +11,45 @@ from audit.context import SYSTEM, Actor, acting_as
 from caches import reconcile, services, token_cascade
 from caches.idempotency import idempotency_records_purge
 from caches import migration
-from core.transient import node_answer_retry
-from kcaas.node_messages import (
-    DETACH_RESULT_TASK,
-    MIGRATION_PROGRESS_TASK,
-    MIGRATION_RESULT_TASK,
-    PROVISION_RESULT_TASK,
-)
+from core.node_answers import node_answer_task
+from kcaas.node_messages import DetachResult, MigrationProgress, MigrationResult, ProvisionResult
 
 logger = logging.getLogger("kcaas.caches")
 
-# A node's answer that meets a database outage, a deadlock or an unwritable audit trail is rolled back and retried
-# (core.transient), never lost.
-_ANSWER_RETRY = node_answer_retry()
 
-
-@shared_task(name=PROVISION_RESULT_TASK, **_ANSWER_RETRY)
-def provision_result(cache_id: str, node_id: str, ok: bool, reason: str = "", endpoint: str = "") -> str | None:
+@node_answer_task(ProvisionResult)
+def provision_result(answer: ProvisionResult) -> str | None:
     """A node's answer to `kcaas.node.provision_cache`: ready (ok, with its data-plane endpoint) or failed.
     Audited as the node's own action."""
-    with acting_as(Actor("node", str(node_id))):
-        cache = services.cache_provision_result(
-            cache_id=cache_id, node_id=node_id, ok=bool(ok), reason=str(reason or ""), endpoint=str(endpoint or "")
-        )
+    with acting_as(Actor("node", answer.node_id)):
+        cache = services.cache_provision_result(cache_id=answer.cache_id, node_id=answer.node_id, ok=answer.ok,
+                                                reason=answer.reason, endpoint=answer.endpoint)  # fmt: skip
     return cache.state if cache is not None else None
 
 
-@shared_task(name=DETACH_RESULT_TASK, **_ANSWER_RETRY)
-def detach_result(cache_id: str, node_id: str) -> str | None:
+@node_answer_task(DetachResult)
+def detach_result(answer: DetachResult) -> str | None:
     """A node confirms `kcaas.node.detach_cache`: the pool is gone. Audited as the node's own action."""
-    with acting_as(Actor("node", str(node_id))):
-        cache = services.cache_detach_result(cache_id=cache_id, node_id=node_id)
+    with acting_as(Actor("node", answer.node_id)):
+        cache = services.cache_detach_result(cache_id=answer.cache_id, node_id=answer.node_id)
     return cache.state if cache is not None else None
 
 
-@shared_task(name=MIGRATION_PROGRESS_TASK, acks_late=True, **_ANSWER_RETRY)
-def migration_progress(migration_id: str, node_id: str, phase: str, info: dict | None = None) -> str | None:
+@node_answer_task(MigrationProgress, acks_late=True)
+def migration_progress(answer: MigrationProgress) -> str | None:
     """A node's migration progress (status-guarded in caches.migration: duplicates and strays are no-ops)."""
-    with acting_as(Actor("node", str(node_id))):
-        row = migration.migration_progress(migration_id=migration_id, node_id=node_id, phase=str(phase),
-                                           info=dict(info or {}))  # fmt: skip
+    with acting_as(Actor("node", answer.node_id)):
+        row = migration.migration_progress(migration_id=answer.migration_id, node_id=answer.node_id,
+                                           phase=answer.phase, info=dict(answer.info))  # fmt: skip
     return row.state if row is not None else None
 
 
-@shared_task(name=MIGRATION_RESULT_TASK, acks_late=True, **_ANSWER_RETRY)
-def migration_result(migration_id: str, node_id: str, ok: bool, reason: str = "", info: dict | None = None):
+@node_answer_task(MigrationResult, acks_late=True)
+def migration_result(answer: MigrationResult) -> str | None:
     """The source's last word on a migration: cutover (audited CACHE_MIGRATED as the node) or failure."""
-    with acting_as(Actor("node", str(node_id))):
-        row = migration.migration_result(migration_id=migration_id, node_id=node_id, ok=bool(ok),
-                                         reason=str(reason or ""), info=dict(info or {}))  # fmt: skip
+    with acting_as(Actor("node", answer.node_id)):
+        row = migration.migration_result(migration_id=answer.migration_id, node_id=answer.node_id, ok=answer.ok,
+                                         reason=answer.reason, info=dict(answer.info))  # fmt: skip
     return row.state if row is not None else None
 
 

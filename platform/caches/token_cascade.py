@@ -30,7 +30,7 @@ from audit.services import audit_record
 from caches.models import DataToken
 from caches.selectors import data_tokens_cut_off
 from fleet.outbox import order_enqueue
-from kcaas.node_messages import REVOKE_TOKENS_TASK
+from kcaas.node_messages import RevokeTokens
 
 MAX_PER_RUN = 10_000  # tokens revoked per run; the rest are listed in heartbeats until the next run
 
@@ -54,7 +54,7 @@ def data_tokens_revoke_cascade(*, tenant_id: uuid.UUID | None = None, now: datet
         if node_id is not None:
             by_node[node_id].append({"jti": str(jti), "exp": int(expires_at.timestamp())})
     for node_id, entries in by_node.items():  # no answer: the node also learns them from every heartbeat answer
-        order_enqueue(node_id=node_id, task=REVOKE_TOKENS_TASK, args=[entries], key=f"revoke:{uuid.uuid4()}",
+        order_enqueue(node_id=node_id, message=RevokeTokens(entries=entries), key=f"revoke:{uuid.uuid4()}",
                       expects_answer=False)  # fmt: skip
     for (cache_id, tenant), count in sorted(by_cache.items(), key=lambda item: str(item[0][0])):
         audit_record(action=AuditAction.DATA_TOKENS_REVOKED, target_type="cache", target_id=cache_id,

@@ -116,8 +116,9 @@ class NodeOrder(models.Model):
       always has its order and a rolled-back one never sends;
     - at most one open (pending/sent) order per (node, key): a newer order with the same key supersedes the older
       one (a cache's detach supersedes its provisioning, a re-provisioning the previous one);
-    - `args` never holds a secret: an order whose message carries keys names a `builder` (dotted path) that makes
-      the message's arguments from `args` at send time, and returns None once the order is moot;
+    - `args` never holds a secret: it is the message's to_dict() (kcaas/node_messages.py), or, for an order whose
+      message carries keys, the ids its `builder` (dotted path) makes the message from at send time (None once the
+      order is moot); a list without a builder is a row written before messages were typed (read positionally);
     - an open order is sent until it is done: the node's handlers are idempotent (by cache id and epoch, by
       migration id), so a duplicate delivery changes nothing.
     """

@@ -9,6 +9,7 @@
     orders_acknowledge(...)   the node's answer arrived: the order is done (called in the answer's transaction)
     orders_close(...)         the owner moved on (a cache that failed, a migration that ended): no more sends
 
+Every order is a typed message of kcaas/node_messages.py, sent as keyword arguments (`message.to_dict()`).
 Keys never travel in clear: a builder seals each key its message carries to the receiving node's registered X25519
 key (`seal_for_node`, kcaas/sealing.py), bound to the task, node, cache and field, so the broker (Redis, or the
 embedded file broker's files) never holds a usable key. A node with no key on record is sent nothing: the builder
@@ -36,10 +37,9 @@ from django.utils import timezone
 from django.utils.module_loading import import_string
 
 from core.celery import app as celery_app
-
-from kcaas.node_messages import node_queue
 from fleet.errors import NodeSealingKeyMissing
 from fleet.models import OPEN_ORDER_STATES, Node, NodeOrder, NodeState, OrderState
+from kcaas.node_messages import NodeMessage, message_class, node_queue
 from kcaas.sealing import seal
 
 logger = logging.getLogger("kcaas.fleet.outbox")
@@ -51,17 +51,40 @@ FAST_PATH_CONNECT_RETRIES = 0
 DISPATCH_CONNECT_RETRIES = 1
 
 
-def order_enqueue(*, node_id, task: str, args: list, key: str, expects_answer: bool = True,
-                  builder: str = "") -> NodeOrder:  # fmt: skip
+def order_enqueue(
+    *,
+    node_id,
+    key: str,
+    message: NodeMessage | None = None,
+    task: str = "",
+    builder: str = "",
+    builder_args: list | None = None,
+    expects_answer: bool = True,
+) -> NodeOrder:
     """Write the order in the current transaction (it must be one: the order commits with the change it carries
-    out) and publish it right after commit. `builder`: see NodeOrder (orders whose message carries secrets)."""
+    out) and publish it right after commit. Either `message` (a kcaas.node_messages message without secrets: stored
+    as its to_dict()) or, for a message that carries keys, `task`, `builder` (dotted path) and `builder_args` (ids
+    only): the builder makes the message at send time (see NodeOrder)."""
     assert transaction.get_connection().in_atomic_block, "an order is written in the transaction of its change"
+    assert (message is None) != (not builder), "an order is a message or a builder's, not both"
+    if message is not None:
+        task, args = message.TASK, message.to_dict()
+    else:
+        message_class(task)  # a task that is no control -> node message is a bug here, not at send time
+        args = list(builder_args or [])
     now = timezone.now()
     NodeOrder.objects.filter(node_id=node_id, key=key, state__in=OPEN_ORDER_STATES).update(
         state=OrderState.DONE, closed_at=now, last_error="superseded"
     )
-    order = NodeOrder.objects.create(node_id=node_id, task=task, key=key, args=args, builder=builder,
-                                     expects_answer=expects_answer, next_attempt_at=now)  # fmt: skip
+    order = NodeOrder.objects.create(
+        node_id=node_id,
+        task=task,
+        key=key,
+        args=args,
+        builder=builder,
+        expects_answer=expects_answer,
+        next_attempt_at=now,
+    )
     transaction.on_commit(lambda: _publish_after_commit(order.pk), robust=True)
     return order
 
@@ -141,31 +164,44 @@ def _broker(connect_retries: int):
     return celery_app.connection_for_write(transport_options={"max_retries": connect_retries})
 
 
+def _order_message(order: NodeOrder) -> NodeMessage | None:
+    """The message an order sends: its builder's (None: moot), else the stored to_dict(), else (a row written
+    before messages were typed) its positional argument list read in the message's field order."""
+    if order.builder:
+        message = import_string(order.builder)(*order.args)
+        assert message is None or message.TASK == order.task, "a builder makes its order's message"
+        return message
+    kind = message_class(order.task)
+    if isinstance(order.args, dict):
+        return kind.from_dict(order.args)
+    return kind.from_dict({"v": kind.VERSION, **dict(zip(kind.field_names(), order.args))})
+
+
 def _send(order: NodeOrder, now: datetime, connection) -> str:
     """Publish one locked order; "sent", "moot" (its builder found nothing left to do), "failed" (the broker) or
-    "error" (its builder raised: the order is tried again after a backoff, and the other due orders still go)."""
-    args = order.args
-    if order.builder:
-        try:
-            with transaction.atomic():  # a savepoint: a builder's database error leaves the run's transaction usable
-                args = import_string(order.builder)(*order.args)
-        except Exception as error:  # noqa: BLE001 - one order that cannot be built must not hold up every other
-            if isinstance(error, NodeSealingKeyMissing):
-                logger.warning("order %s (%s to node %s) not sent: %s", order.pk, order.task, order.node_id, error)
-            else:
-                logger.exception("order %s (%s to node %s): its builder failed", order.pk, order.task, order.node_id)
-            order.attempts += 1
-            order.last_error = f"builder: {type(error).__name__}: {error}"[:MAX_ERROR_LENGTH]
-            backoff = _backoff(order.attempts, settings.KCAAS_ORDER_RESEND_SECONDS)
-            order.next_attempt_at = now + timedelta(seconds=backoff)
-            order.save(update_fields=["attempts", "last_error", "next_attempt_at"])
-            return "error"
-        if args is None:
-            _finish(order, OrderState.DONE, now, "moot")
-            return "moot"
+    "error" (its message could not be made: the order is tried again after a backoff, and the other due orders
+    still go)."""
     try:
-        celery_app.send_task(order.task, args=args, queue=node_queue(order.node_id), connection=connection,
-                             retry=False)  # fmt: skip
+        with transaction.atomic():  # a savepoint: a builder's database error leaves the run's transaction usable
+            message = _order_message(order)
+    except Exception as error:  # noqa: BLE001 - one order that cannot be built must not hold up every other
+        if isinstance(error, NodeSealingKeyMissing):
+            logger.warning("order %s (%s to node %s) not sent: %s", order.pk, order.task, order.node_id, error)
+        else:
+            logger.exception("order %s (%s to node %s): its message failed", order.pk, order.task, order.node_id)
+        order.attempts += 1
+        order.last_error = f"builder: {type(error).__name__}: {error}"[:MAX_ERROR_LENGTH]
+        backoff = _backoff(order.attempts, settings.KCAAS_ORDER_RESEND_SECONDS)
+        order.next_attempt_at = now + timedelta(seconds=backoff)
+        order.save(update_fields=["attempts", "last_error", "next_attempt_at"])
+        return "error"
+    if message is None:
+        _finish(order, OrderState.DONE, now, "moot")
+        return "moot"
+    try:
+        celery_app.send_task(
+            message.TASK, kwargs=message.to_dict(), queue=node_queue(order.node_id), connection=connection, retry=False
+        )
     except Exception as error:  # noqa: BLE001 - kombu/redis raise many types for a broker that is not there
         order.attempts += 1
         order.last_error = f"{type(error).__name__}: {error}"[:MAX_ERROR_LENGTH]

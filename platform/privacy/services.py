@@ -34,7 +34,7 @@ from core.celery import app as celery_app
 from core.errors import ConflictError, NotFoundError
 from fleet.models import Node, NodeState
 from fleet.outbox import order_enqueue
-from kcaas.node_messages import CONTROL_QUEUE, PURGE_TENANT_TASK
+from kcaas.node_messages import CONTROL_QUEUE, PurgeTenant
 from privacy import receipt as receipts
 from privacy.erasure import erase_tenant_data
 from privacy.models import CANCELLABLE_STATES, ErasureJob, ErasurePurge, ErasureState, PurgeState
@@ -169,7 +169,7 @@ def _send_purges(job: ErasureJob, purges: list[ErasurePurge], now: datetime) -> 
         if purge.node_id in lost:
             continue
         # through the outbox (no answer awaited there: the purge rows resend after KCAAS_ERASURE_RESEND_SECONDS)
-        order_enqueue(node_id=purge.node_id, task=PURGE_TENANT_TASK, args=[str(job.tenant_id), str(job.pk)],
+        order_enqueue(node_id=purge.node_id, message=PurgeTenant(tenant_id=str(job.tenant_id), job_id=str(job.pk)),
                       key=f"purge:{job.pk}", expects_answer=False)  # fmt: skip
         purge.send_count, purge.last_sent_at = purge.send_count + 1, now
         purge.save(update_fields=["send_count", "last_sent_at"])

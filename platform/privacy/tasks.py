@@ -5,17 +5,18 @@ privacy.run_erasures every KCAAS_ERASURE_TICK_SECONDS."""
 from celery import shared_task
 
 from audit.context import Actor, acting_as
-from core.transient import node_answer_retry
-from kcaas.node_messages import PURGE_RESULT_TASK
+from core.node_answers import node_answer_task
+from kcaas.node_messages import PurgeResult
 from privacy import services
 
 
-@shared_task(name=PURGE_RESULT_TASK, **node_answer_retry())
-def purge_result(job_id: str, node_id: str, tenant_id: str, purged: list) -> str | None:
+@node_answer_task(PurgeResult)
+def purge_result(answer: PurgeResult) -> str | None:
     """A node's answer to kcaas.node.purge_tenant: its pools of the tenant are gone, `purged` says which, with the
     bytes freed. Recorded as that node's act."""
-    with acting_as(Actor("node", str(node_id))):
-        purge = services.erasure_purge_confirmed(job_id=job_id, node_id=node_id, tenant_id=tenant_id, purged=purged)
+    with acting_as(Actor("node", answer.node_id)):
+        purge = services.erasure_purge_confirmed(job_id=answer.job_id, node_id=answer.node_id,
+                                                 tenant_id=answer.tenant_id, purged=answer.purged)  # fmt: skip
     return purge.state if purge is not None else None
 
 

@@ -26,6 +26,7 @@ from tests.audit.events_support import (
     only_event_since,
 )
 from tests.caches.conftest import attach_body
+from kcaas.node_messages import DetachResult, ProvisionResult
 
 pytestmark = pytest.mark.django_db
 
@@ -45,7 +46,9 @@ def attach(handle, name="c1", **headers):
 
 def answer_provisioning(cache_id, node, ok=True, reason=""):
     """The body of the control-queue task the node's answer runs (acting as that node)."""
-    return caches_tasks.provision_result(str(cache_id), str(node.pk), ok, reason, node.endpoint if ok else "")
+    answer = ProvisionResult(cache_id=str(cache_id), node_id=str(node.pk), ok=ok, reason=reason,
+                             endpoint=node.endpoint if ok else "")  # fmt: skip
+    return caches_tasks.provision_result(**answer.to_dict())
 
 
 @pytest.fixture
@@ -123,14 +126,15 @@ def test_detach_then_the_nodes_confirmation_each_write_one_event(ready_cache, ma
     seq = mark()
     assert handle.client.delete(f"/api/v1/caches/{cache.pk}").status_code == 202  # already detaching: no-op
     assert events_since(seq) == []
-    assert caches_tasks.detach_result(str(cache.pk), str(node.node.pk)) == "detached"
+    detached = DetachResult(cache_id=str(cache.pk), node_id=str(node.node.pk)).to_dict()
+    assert caches_tasks.detach_result(**detached) == "detached"
     assert_event(only_event_since(seq), action=AuditAction.CACHE_DETACHED, actor=node.actor, target_type="cache",
                  target_id=cache.pk, tenant_id=handle.tenant.pk, old={"state": "detaching"},
                  new={"state": "detached"})  # fmt: skip
     assert reserved(node.node) == NOTHING
 
     seq = mark()
-    assert caches_tasks.detach_result(str(cache.pk), str(node.node.pk)) == "detached"  # duplicate answer
+    assert caches_tasks.detach_result(**detached) == "detached"  # duplicate answer
     assert handle.client.delete(f"/api/v1/caches/{cache.pk}").status_code in (200, 202)  # already detached
     assert events_since(seq) == []
 
@@ -265,12 +269,13 @@ def test_token_issue_revoke_and_detach_fail_closed(ready_cache):
 def test_a_nodes_answer_whose_event_cannot_be_written_is_retried_not_applied_then_applied(make_tenant, make_node):
     handle, node = make_tenant(), make_node()
     cache_id = attach(handle).json()["id"]
-    args = [cache_id, str(node.node.pk), True, "", node.node.endpoint]
+    kwargs = ProvisionResult(cache_id=cache_id, node_id=str(node.node.pk), ok=True, reason="",
+                             endpoint=node.node.endpoint).to_dict()  # fmt: skip
     seq = mark()
     with audit_insert_fails():
-        outcome = caches_tasks.provision_result.apply(args=args)  # eager: its retries run at once, all refused
+        outcome = caches_tasks.provision_result.apply(kwargs=kwargs)  # eager: its retries run at once, all refused
     assert outcome.failed() and isinstance(outcome.result, AuditWriteError)
     assert outcome.result is not None and caches_tasks.provision_result.max_retries == 30
     assert Cache.objects.get(pk=cache_id).state == "provisioning" and events_since(seq) == []
-    assert caches_tasks.provision_result.apply(args=args).get() == "ready"  # the trail is back: the answer lands
+    assert caches_tasks.provision_result.apply(kwargs=kwargs).get() == "ready"  # the trail is back: the answer lands
     assert only_event_since(seq).action == AuditAction.CACHE_READY

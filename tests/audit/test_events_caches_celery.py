@@ -20,6 +20,7 @@ from tests.audit.events_support import (
 from tests.caches import node_consumer
 from tests.waiting import eventually
 from tests.caches.conftest import attach_body, wait_for_state
+from kcaas.node_messages import ProvisionResult
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -64,8 +65,8 @@ def test_the_nodes_answers_through_the_broker_are_recorded_as_the_node(make_tena
 
     # A duplicate answer through the broker changes nothing and writes nothing.
     seq = mark()
-    node_consumer.node_app.send_task("caches.provision_result", args=[cache_id, str(NODE_ID), False, "late", ""],
-                                     queue="control")  # fmt: skip
+    late = ProvisionResult(cache_id=cache_id, node_id=str(NODE_ID), ok=False, reason="late", endpoint="")
+    node_consumer.node_app.send_task(late.TASK, kwargs=late.to_dict(), queue="control")
     detaching = handle.client.delete(f"/api/v1/caches/{cache_id}")
     assert detaching.status_code == 202
     wait_for_state(handle.client, cache_id, "detached")

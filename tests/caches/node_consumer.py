@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 from celery import Celery
 
+from kcaas.node_messages import CONTROL_QUEUE, DetachCache, DetachResult, NodeMessage, ProvisionCache, ProvisionResult
 from kcaas.spec import KVCacheSpec
 from tests.fleet.node_keys import TEST_SEALING_PUBLIC_KEY, opened
 
-CONTROL_QUEUE = "control"
 
 node_app = Celery("kcaas-test-node", broker=os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/14"))
 node_app.conf.update(
@@ -42,28 +42,36 @@ class NodeBehaviour:
 behaviour = NodeBehaviour()
 
 
-def _answer(task_name: str, args: list) -> None:
-    node_app.send_task(task_name, args=args, queue=CONTROL_QUEUE)
+def _answer(message: NodeMessage) -> None:
+    node_app.send_task(message.TASK, kwargs=message.to_dict(), queue=CONTROL_QUEUE)
 
 
-@node_app.task(name="kcaas.node.provision_cache", shared=False)
-def provision_cache(cache_id: str, spec: dict, capacity: dict, hash_key_box: str, epoch: int, tenant_id: str = "") -> None:
+def _received(order: NodeMessage) -> None:
+    """Record an order as (task's short name, its field values in order)."""
     with behaviour.lock:
-        behaviour.received.append(("provision_cache", [cache_id, spec, capacity, hash_key_box, epoch, tenant_id]))
+        behaviour.received.append((order.TASK.rsplit(".", 1)[-1], [getattr(order, n) for n in order.field_names()]))
+
+
+@node_app.task(name=ProvisionCache.TASK, shared=False)
+def provision_cache(*args, **fields) -> None:
+    order = ProvisionCache.from_call(args, fields)
+    _received(order)
+    with behaviour.lock:
         fail_reason = behaviour.fail_reason
     # What a real agent checks before allocating: a valid layout and a 32-byte key sealed to it for this message.
-    layout = KVCacheSpec.from_dict(spec)
-    hash_key = opened(hash_key_box, task="kcaas.node.provision_cache", node_id=behaviour.node_id, cache_id=cache_id)
-    ok = fail_reason is None and len(hash_key) == 32 and capacity["device"] >= layout.block_bytes
+    layout = KVCacheSpec.from_dict(order.spec)
+    hash_key = opened(order.hash_key_box, task=order.TASK, node_id=behaviour.node_id, cache_id=order.cache_id)
+    ok = fail_reason is None and len(hash_key) == 32 and order.capacity["device"] >= layout.block_bytes
     reason = "" if ok else (fail_reason or "bad provisioning request")
-    _answer("caches.provision_result", [cache_id, behaviour.node_id, ok, reason, behaviour.endpoint if ok else ""])
+    endpoint = behaviour.endpoint if ok else ""
+    _answer(ProvisionResult(cache_id=order.cache_id, node_id=behaviour.node_id, ok=ok, reason=reason, endpoint=endpoint))
 
 
-@node_app.task(name="kcaas.node.detach_cache", shared=False)
-def detach_cache(cache_id: str, epoch: int) -> None:
-    with behaviour.lock:
-        behaviour.received.append(("detach_cache", [cache_id, epoch]))
-    _answer("caches.detach_result", [cache_id, behaviour.node_id])
+@node_app.task(name=DetachCache.TASK, shared=False)
+def detach_cache(*args, **fields) -> None:
+    order = DetachCache.from_call(args, fields)
+    _received(order)
+    _answer(DetachResult(cache_id=order.cache_id, node_id=behaviour.node_id))
 
 
 # ---- the fixtures' shared part: module-long workers serving one fixed node id ----------------------------------------

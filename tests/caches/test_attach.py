@@ -7,7 +7,7 @@ from caches.models import Cache, CacheState
 from caches.sealing import hash_key_unseal
 from core.celery import app as celery_app
 from kcaas.node_messages import node_queue
-from kcaas.node_messages import PROVISION_TASK
+from kcaas.node_messages import PROVISION_TASK, ProvisionCache
 from tests.fleet.node_keys import opened
 from tests.caches.conftest import BLOCK_BYTES, GIB, SPEC, attach_body, purge_node_queue, reserved
 
@@ -123,10 +123,13 @@ def test_provisioning_is_sent_to_the_nodes_queue_on_commit(tenant_a, node, djang
     finally:
         purge_node_queue(node.pk)
     assert message.headers["task"] == "kcaas.node.provision_cache"
-    (cache_id, spec, capacity, hash_key_box, epoch, tenant_id), kwargs, _ = message.decode()
-    assert cache_id == str(cache.pk) and spec == SPEC and epoch == 1 and tenant_id == str(cache.tenant_id)
-    assert capacity == {"device": 64 * BLOCK_BYTES, "dram": 0, "ssd": 0}
-    assert opened(hash_key_box, task=PROVISION_TASK, node_id=node.pk, cache_id=cache.pk) == hash_key_unseal(
+    args, kwargs, _ = message.decode()
+    assert args == []  # keyword arguments only (kcaas/node_messages.py)
+    order = ProvisionCache.from_dict(kwargs)
+    assert order.cache_id == str(cache.pk) and order.spec == SPEC and order.epoch == 1
+    assert order.tenant_id == str(cache.tenant_id) and order.ssd_key_box == ""
+    assert order.capacity == {"device": 64 * BLOCK_BYTES, "dram": 0, "ssd": 0}
+    assert opened(order.hash_key_box, task=PROVISION_TASK, node_id=node.pk, cache_id=cache.pk) == hash_key_unseal(
         cache_id=cache.pk, sealed=cache.hash_key_sealed)
 
 

@@ -5,6 +5,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from kcaas.node_messages import DetachResult, ProvisionResult
 from caches import services, tasks
 from caches.models import Cache, CacheState
 from fleet.models import NodeState
@@ -32,28 +33,55 @@ def test_ready_only_from_provisioning_and_from_its_own_node(tenant_a, make_node)
     cache = _attach(tenant_a)
     assert cache.node_id == node.pk or cache.node_id == other.pk
     wrong = other if cache.node_id == node.pk else node
-    tasks.provision_result.apply(args=[str(cache.pk), str(wrong.pk), True, "", "1.2.3.4:1"])
+    _provision_answer(str(cache.pk), str(wrong.pk), True, "", "1.2.3.4:1")
     assert _state(cache) == CacheState.PROVISIONING  # a message from another node changes nothing
-    tasks.provision_result.apply(args=[str(cache.pk), str(cache.node_id), True, "", "10.9.9.9:7000"])
+    _provision_answer(str(cache.pk), str(cache.node_id), True, "", "10.9.9.9:7000")
     assert _state(cache) == CacheState.READY and cache.endpoint == "10.9.9.9:7000"
     # Duplicate and stale deliveries are no-ops.
-    tasks.provision_result.apply(args=[str(cache.pk), str(cache.node_id), False, "late failure", ""])
+    _provision_answer(str(cache.pk), str(cache.node_id), False, "late failure", "")
     assert _state(cache) == CacheState.READY and cache.failure_reason == ""
     assert reserved(cache.node)["device"] == DEVICE
 
 
+def _provision_answer(cache_id, node_id, ok, reason, endpoint):
+    answer = ProvisionResult(cache_id=cache_id, node_id=node_id, ok=ok, reason=reason, endpoint=endpoint)
+    return tasks.provision_result.apply(kwargs=answer.to_dict()).get()
+
+
+def _detach_answer(cache_id, node_id):
+    return tasks.detach_result.apply(kwargs=DetachResult(cache_id=cache_id, node_id=node_id).to_dict()).get()
+
+
 def test_unknown_or_malformed_ids_are_ignored(db):
-    assert tasks.provision_result.apply(args=["00000000-0000-0000-0000-000000000000", "x", True]).get() is None
-    assert tasks.detach_result.apply(args=["not-a-uuid", "x"]).get() is None
+    assert _provision_answer("00000000-0000-0000-0000-000000000000", "x", True, "", "x:1") is None
+    assert _detach_answer("not-a-uuid", "x") is None
+
+
+def test_malformed_answers_change_nothing_and_are_not_retried(tenant_a, node):
+    """Positional arguments, a missing, unknown or mistyped field, another version: dropped, the cache unchanged."""
+    cache = _attach(tenant_a)
+    good = ProvisionResult(cache_id=str(cache.pk), node_id=str(node.pk), ok=True, reason="", endpoint="x:1").to_dict()
+    malformed = [
+        ((str(cache.pk), str(node.pk), True, "", "x:1"), {}),
+        ((), {k: v for k, v in good.items() if k != "endpoint"}),
+        ((), {**good, "extra": 1}),
+        ((), {**good, "ok": "yes"}),
+        ((), {**good, "v": 2}),
+    ]
+    for args, kwargs in malformed:
+        outcome = tasks.provision_result.apply(args=args, kwargs=kwargs)
+        assert outcome.successful() and outcome.get() is None, (args, kwargs)
+        assert _state(cache) == CacheState.PROVISIONING
+    assert tasks.provision_result.apply(kwargs=good).get() == CacheState.READY
 
 
 def test_failed_provisioning_keeps_the_reason_and_releases_the_reservation(tenant_a, node):
     cache = _attach(tenant_a)
     assert reserved(node)["device"] == DEVICE
-    tasks.provision_result.apply(args=[str(cache.pk), str(node.pk), False, "cuda out of memory", ""])
+    _provision_answer(str(cache.pk), str(node.pk), False, "cuda out of memory", "")
     assert _state(cache) == CacheState.FAILED and cache.failure_reason == "cuda out of memory"
     assert reserved(node) == NOTHING
-    tasks.provision_result.apply(args=[str(cache.pk), str(node.pk), False, "cuda out of memory", ""])
+    _provision_answer(str(cache.pk), str(node.pk), False, "cuda out of memory", "")
     assert reserved(node) == NOTHING  # released once
     # Detaching a failed cache finishes at once (it holds nothing) and is idempotent.
     response = tenant_a.client.delete(f"/api/v1/caches/{cache.pk}")
@@ -71,11 +99,11 @@ def test_detach_then_node_confirms(tenant_a, node, django_capture_on_commit_call
     again = tenant_a.client.delete(f"/api/v1/caches/{cache.pk}")
     assert again.status_code == 202 and again.json()["state"] == "detaching"
     assert reserved(node)["device"] == DEVICE  # held until the node confirms
-    tasks.provision_result.apply(args=[str(cache.pk), str(node.pk), True, "", "x:1"])
+    _provision_answer(str(cache.pk), str(node.pk), True, "", "x:1")
     assert _state(cache) == CacheState.DETACHING  # a late provisioning answer does not resurrect it
-    tasks.detach_result.apply(args=[str(cache.pk), str(node.pk)])
+    _detach_answer(str(cache.pk), str(node.pk))
     assert _state(cache) == CacheState.DETACHED and reserved(node) == NOTHING
-    tasks.detach_result.apply(args=[str(cache.pk), str(node.pk)])
+    _detach_answer(str(cache.pk), str(node.pk))
     assert reserved(node) == NOTHING
     final = tenant_a.client.delete(f"/api/v1/caches/{cache.pk}")
     assert final.status_code == 200 and final.json()["state"] == "detached"

@@ -9,6 +9,7 @@ import pytest
 from caches.migration import MigrationConflict, migration_progress, migration_result, migration_start
 from caches.models import Cache, Migration
 from tests.caches.conftest import BLOCK_BYTES, reserved
+from kcaas.node_messages import MigrateAbort
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -92,7 +93,7 @@ def test_a_migration_stuck_in_cutover_or_on_a_lost_node_ends_and_the_source_is_t
     assert migrations_expire() == [migration.pk]
     assert Migration.objects.get(pk=migration.pk).failure_reason == "stalled"
     abort = NodeOrder.objects.get(node=source, task=MIGRATE_ABORT_TASK)
-    assert abort.args == [str(migration.pk), str(cache.pk)]
+    assert abort.args == MigrateAbort(migration_id=str(migration.pk), cache_id=str(cache.pk)).to_dict()
     assert reserved(target)["device"] == 0 and Cache.objects.get(pk=cache.pk).state == "ready"
 
     again = migration_start(cache_id=cache.pk, target_node_id=target.pk)

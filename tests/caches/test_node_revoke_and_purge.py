@@ -25,6 +25,7 @@ from kcaas.node_messages import PURGE_TENANT_TASK
 from tests.caches.conftest import BLOCK_BYTES, attach_body, purge_node_queue, running_workers, wait_for_state
 from tests.fleet.node_keys import TEST_SEALING_KEY, TEST_SEALING_PUBLIC_KEY
 from tests.waiting import eventually
+from kcaas.node_messages import PurgeTenant
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -115,7 +116,8 @@ def test_purge_tenant_drops_and_zeroes_only_that_tenants_caches(tenant_a, tenant
         engine.put(tokens, kv)
     tenant_id = str(tenant_a.tenant.pk)
 
-    control_app.send_task(PURGE_TENANT_TASK, args=[tenant_id, "job-1"], queue=node_queue(NODE_ID))
+    purge = PurgeTenant(tenant_id=tenant_id, job_id="job-1")
+    control_app.send_task(PURGE_TENANT_TASK, kwargs=purge.to_dict(), queue=node_queue(NODE_ID))
     assert eventually(lambda: registry.get(a1) is None and registry.get(a2) is None)
     for cache_id in (a1, a2):
         assert not engines[cache_id].pool.any()  # nothing of A's KV left in that memory

@@ -13,7 +13,7 @@ from caches.migration import migration_progress, migration_result, migration_sta
 from caches.models import Cache, CacheState
 from fleet.models import NodeOrder, OrderState
 from fleet.outbox import open_orders, orders_dispatch
-from kcaas.node_messages import DETACH_TASK, MIGRATE_IN_TASK
+from kcaas.node_messages import DETACH_TASK, MIGRATE_IN_TASK, DetachCache
 from privacy import services as privacy
 from privacy.models import ErasureState
 from tenants import tenant_keys
@@ -31,13 +31,14 @@ def test_a_failed_migrations_detach_does_not_outlive_a_new_migration_to_the_same
     migration_progress(migration_id=first.pk, node_id=target.pk, phase="ready", info={})
     migration_result(migration_id=first.pk, node_id=source.pk, ok=False, reason="ConnectionError")
     (detach,) = [o for o in open_orders(node_id=target.pk) if o.task == DETACH_TASK]
-    assert detach.args == [str(cache.pk), 2]  # the target's copy at epoch_to; its answer is lost, it is re-sent
+    assert detach.args == DetachCache(cache_id=str(cache.pk), epoch=2).to_dict()  # the target's copy at epoch_to; its answer is lost, it is re-sent
     second = migration_start(cache_id=cache.pk, target_node_id=target.pk)  # the same target, the same epoch_to
     migration_progress(migration_id=second.pk, node_id=target.pk, phase="ready", info={})
     migration_result(migration_id=second.pk, node_id=source.pk, ok=True, info={"blocks": 3})
     cache.refresh_from_db()
     assert (cache.node_id, cache.epoch, cache.state) == (target.pk, 2, CacheState.READY)
-    stale = [o for o in open_orders(node_id=target.pk) if o.task == DETACH_TASK and o.args == [str(cache.pk), 2]]
+    old_detach = DetachCache(cache_id=str(cache.pk), epoch=2).to_dict()
+    stale = [o for o in open_orders(node_id=target.pk) if o.task == DETACH_TASK and o.args == old_detach]
     assert stale == [], "a re-send of the old detach would drop the cache the target now serves at epoch 2"
 
 
@@ -58,7 +59,7 @@ def test_an_order_whose_keys_no_longer_open_does_not_stop_the_dispatcher(placed,
     migration_start(cache_id=cache.pk, target_node_id=target.pk)  # migrate_in: keys unsealed at send time
     tenant_keys.tenant_key_destroy(tenant_id=tenant_a.tenant.pk)  # its keys are shredded while it waits
     other = make_node()
-    NodeOrder.objects.create(node=other, task=DETACH_TASK, key="cache:other", args=["x", 1], state=OrderState.PENDING,
+    NodeOrder.objects.create(node=other, task=DETACH_TASK, key="cache:other", args=["x", 1], state=OrderState.PENDING,  # a row from before typed messages
                              next_attempt_at=timezone.now() + timedelta(minutes=2))  # fmt: skip - due after it
     counts = orders_dispatch(now=later(5))  # raised SealError, rolling back every send of the run
     assert counts["sent"] >= 1

@@ -43,7 +43,7 @@ def test_attach_provision_ready_then_detach(tenant_a, node, workers):
 
     ready = wait_for_state(tenant_a.client, cache_id, "ready")
     assert ready["endpoint"] == node.endpoint and ready["node_id"] == str(node.pk)
-    (name, (sent_id, spec, capacity, hash_key_box, epoch, tenant_id)), = workers.received
+    (name, (sent_id, spec, capacity, hash_key_box, epoch, tenant_id, ssd_key_box)), = workers.received
     cache = Cache.objects.get(pk=cache_id)
     assert (name, sent_id, spec, epoch, tenant_id) == ("provision_cache", cache_id, SPEC, 1, str(cache.tenant_id))
     assert capacity == cache.capacity()

@@ -3,6 +3,7 @@ real broker: attach -> the node allocates a PagedKVCache with the cache's sealed
 a request the node cannot fit is answered failed with the node's reason."""
 
 import base64
+import dataclasses
 import os
 import time
 import uuid
@@ -18,7 +19,7 @@ from fleet.models import Node
 from gpu_node.block_hash import BlockHasher, tokens_as_int32
 from gpu_node.node_tasks import build_node_app
 from gpu_node.registry import CacheRegistry
-from kcaas.node_messages import MIGRATE_IN_TASK, PROVISION_TASK
+from kcaas.node_messages import MIGRATE_IN_TASK, PROVISION_TASK, ProvisionCache
 from kcaas.sealing import NodeSealingKey, seal
 from tests.waiting import eventually
 from tests.fleet.node_keys import TEST_SEALING_KEY, TEST_SEALING_PUBLIC_KEY
@@ -110,16 +111,16 @@ def test_a_move_to_a_node_without_a_migration_listener_fails_at_once(tenant_a, n
 
 
 # ---- keys sealed to the node (kcaas/sealing.py) ----------------------------------------------------------------------
-def _attach_unsent(tenant, monkeypatch, name: str) -> tuple[str, list]:
+def _attach_unsent(tenant, monkeypatch, name: str) -> tuple[str, ProvisionCache]:
     """An attached cache whose provisioning order the outbox keeps (not published): the test sends the message
-    itself. Returns (cache id, the provisioning arguments the outbox would send, keys sealed to this node)."""
-    from caches.services import provision_order_args
+    itself. Returns (cache id, the provisioning message the outbox would send, keys sealed to this node)."""
+    from caches.services import provision_order_message
 
     monkeypatch.setattr("fleet.outbox._publish_after_commit", lambda order_id: None)
     response = tenant.client.post("/api/v1/caches", attach_body(name, device=8 * BLOCK_BYTES), format="json")
     assert response.status_code == 201, response.content
     cache_id = response.json()["id"]
-    return cache_id, provision_order_args(cache_id, 1)
+    return cache_id, provision_order_message(cache_id, 1)
 
 
 def _flip_ciphertext(box: str) -> str:
@@ -135,18 +136,18 @@ def _key_of(cache_id) -> bytes:
 
 
 @pytest.mark.parametrize("forge, reason", [
-    (lambda args, key: _flip_ciphertext(args[3]), "sealed_key_invalid"),  # altered on the broker
-    (lambda args, key: seal(key, public_key_b64=TEST_SEALING_PUBLIC_KEY, task=PROVISION_TASK, node_id=NODE_ID,
+    (lambda order, key: _flip_ciphertext(order.hash_key_box), "sealed_key_invalid"),  # altered on the broker
+    (lambda order, key: seal(key, public_key_b64=TEST_SEALING_PUBLIC_KEY, task=PROVISION_TASK, node_id=NODE_ID,
                             cache_id=uuid.uuid4(), field="hash_key"), "sealed_key_invalid"),  # another cache's box
-    (lambda args, key: seal(key, public_key_b64=TEST_SEALING_PUBLIC_KEY, task=MIGRATE_IN_TASK, node_id=NODE_ID,
-                            cache_id=args[0], field="hash_key"), "sealed_key_invalid"),  # another task's box
-    (lambda args, key: base64.b64encode(key).decode(), "key_not_sealed"),  # the key in clear (an old control plane)
+    (lambda order, key: seal(key, public_key_b64=TEST_SEALING_PUBLIC_KEY, task=MIGRATE_IN_TASK, node_id=NODE_ID,
+                             cache_id=order.cache_id, field="hash_key"), "sealed_key_invalid"),  # another task's box
+    (lambda order, key: base64.b64encode(key).decode(), "key_not_sealed"),  # the key in clear (an old control plane)
 ], ids=["altered", "another_cache", "another_task", "in_clear"])  # fmt: skip
 def test_a_key_box_that_does_not_open_is_answered_failed_and_provisions_nothing(tenant_a, node, node_registry,
                                                                                 monkeypatch, forge, reason):  # fmt: skip
-    cache_id, args = _attach_unsent(tenant_a, monkeypatch, "forged")
-    forged = [*args[:3], forge(args, _key_of(cache_id)), *args[4:]]
-    control_app.send_task(PROVISION_TASK, args=forged, queue=node_queue(NODE_ID))
+    cache_id, order = _attach_unsent(tenant_a, monkeypatch, "forged")
+    forged = dataclasses.replace(order, hash_key_box=forge(order, _key_of(cache_id)))
+    control_app.send_task(PROVISION_TASK, kwargs=forged.to_dict(), queue=node_queue(NODE_ID))
     failed = wait_for_state(tenant_a.client, cache_id, "failed")
     assert failed["failure_reason"] == reason
     assert node_registry.get(cache_id) is None  # never provisioned, with a wrong key or any other
@@ -155,14 +156,33 @@ def test_a_key_box_that_does_not_open_is_answered_failed_and_provisions_nothing(
 def test_a_box_sealed_to_another_nodes_key_is_not_opened_nor_answered(tenant_a, node, node_registry, monkeypatch):
     """Sealed to a key this node does not hold (another node's, or its own before a restart without a kept key): it
     opens nothing and is not answered, so the order that follows, under this node's key, provisions the cache."""
-    cache_id, args = _attach_unsent(tenant_a, monkeypatch, "elsewhere")
+    cache_id, order = _attach_unsent(tenant_a, monkeypatch, "elsewhere")
     other = seal(_key_of(cache_id), public_key_b64=NodeSealingKey().public_key_b64, task=PROVISION_TASK,
                  node_id=NODE_ID, cache_id=cache_id, field="hash_key")  # fmt: skip
-    control_app.send_task(PROVISION_TASK, args=[*args[:3], other, *args[4:]], queue=node_queue(NODE_ID))
-    control_app.send_task(PROVISION_TASK, args=args, queue=node_queue(NODE_ID))  # after it, in order (solo worker)
+    elsewhere = dataclasses.replace(order, hash_key_box=other)
+    control_app.send_task(PROVISION_TASK, kwargs=elsewhere.to_dict(), queue=node_queue(NODE_ID))
+    control_app.send_task(PROVISION_TASK, kwargs=order.to_dict(), queue=node_queue(NODE_ID))  # after it, in order (solo worker)
     wait_for_state(tenant_a.client, cache_id, "ready")  # a failure answer to the first would have failed it
     hosted = node_registry.get(cache_id)
     tokens = tokens_as_int32(list(range(16)))
     hosted.engine.put(tokens, torch.randn(2, 2, 16, 2, 8).to(torch.float16))
     expected = BlockHasher(_key_of(cache_id), 16, hosted.spec.model_fingerprint).block_hashes(tokens)
     assert set(expected) <= set(hosted.engine._blocks.cached_hash_to_block)  # keyed with the cache's own key
+
+
+# ---- typed messages (kcaas/node_messages.py): the node refuses what is not exactly one ------------------------------
+@pytest.mark.parametrize("malform, problem", [
+    (lambda fields: (tuple(v for k, v in fields.items() if k != "v"), {}), "positional"),  # an old sender's list
+    (lambda fields: ((), {k: v for k, v in fields.items() if k != "epoch"}), "'epoch': missing"),
+    (lambda fields: ((), {**fields, "epoch": "1"}), "'epoch': must be an integer"),
+    (lambda fields: ((), {**fields, "v": 2}), "'v': version 2"),
+], ids=["positional", "missing", "mistyped", "version"])  # fmt: skip
+def test_a_malformed_provisioning_order_is_answered_failed_and_provisions_nothing(tenant_a, node, node_registry,
+                                                                                  monkeypatch, malform, problem):
+    cache_id, order = _attach_unsent(tenant_a, monkeypatch, "malformed")
+    args, kwargs = malform(order.to_dict())
+    control_app.send_task(PROVISION_TASK, args=args, kwargs=kwargs, queue=node_queue(NODE_ID))
+    failed = wait_for_state(tenant_a.client, cache_id, "failed")
+    assert failed["failure_reason"].startswith("invalid_message: kcaas.node.provision_cache")
+    assert problem in failed["failure_reason"]
+    assert node_registry.get(cache_id) is None

@@ -28,23 +28,24 @@ def _attach_and_read_message(tenant, node, capture, **capacity):
             queue.close()
     finally:
         purge_node_queue(node.pk)
-    return Cache.objects.get(pk=response.json()["id"]), message.decode()[0]
+    args, kwargs, _ = message.decode()
+    assert args == []  # keyword arguments only
+    return Cache.objects.get(pk=response.json()["id"]), kwargs
 
 
-def test_a_cache_with_an_ssd_tier_gets_its_own_sealed_key_sent_as_the_trailing_argument(
+def test_a_cache_with_an_ssd_tier_gets_its_own_sealed_key_in_ssd_key_box(
     tenant_a, node, django_capture_on_commit_callbacks
 ):
     cache, args = _attach_and_read_message(tenant_a, node, django_capture_on_commit_callbacks, ssd=64 * BLOCK_BYTES)
-    assert len(args) == 7
-    ssd_key = opened(args[6], task=PROVISION_TASK, node_id=node.pk, cache_id=cache.pk, field="ssd_key")
+    ssd_key = opened(args["ssd_key_box"], task=PROVISION_TASK, node_id=node.pk, cache_id=cache.pk, field="ssd_key")
     assert len(ssd_key) == 32 and ssd_key == ssd_key_unseal(cache_id=cache.pk, sealed=cache.ssd_key_sealed)
     assert ssd_key != hash_key_unseal(cache_id=cache.pk, sealed=cache.hash_key_sealed)
     assert ssd_key not in bytes(cache.ssd_key_sealed)  # stored sealed only
 
 
-def test_a_cache_without_an_ssd_tier_sends_the_old_six_arguments(tenant_a, node, django_capture_on_commit_callbacks):
+def test_a_cache_without_an_ssd_tier_sends_no_ssd_key(tenant_a, node, django_capture_on_commit_callbacks):
     cache, args = _attach_and_read_message(tenant_a, node, django_capture_on_commit_callbacks)
-    assert len(args) == 6 and cache.ssd_key_sealed is None
+    assert args["ssd_key_box"] == "" and cache.ssd_key_sealed is None
 
 
 def test_after_the_tenant_key_is_destroyed_the_ssd_key_does_not_open(tenant_a, node):

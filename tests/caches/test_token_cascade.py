@@ -37,7 +37,7 @@ def listed(node) -> set[str]:
 
 def revoke_orders(node) -> list[set[str]]:
     orders = NodeOrder.objects.filter(node_id=node.pk, task=REVOKE_TOKENS_TASK).order_by("created_at")
-    return [{entry["jti"] for entry in order.args[0]} for order in orders]
+    return [{entry["jti"] for entry in order.args["entries"]} for order in orders]
 
 
 def test_a_revoked_keys_tokens_are_listed_at_once_then_revoked_and_pushed_and_no_other(make_tenant, node):

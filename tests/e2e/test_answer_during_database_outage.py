@@ -17,7 +17,7 @@ import psycopg
 import pytest
 from celery import Celery
 
-from kcaas.node_messages import CONTROL_QUEUE, PROVISION_RESULT_TASK
+from kcaas.node_messages import CONTROL_QUEUE, PROVISION_RESULT_TASK, ProvisionResult
 from tests.faults import PrivatePostgres, PrivateRedis, stop_process
 from tests.waiting import eventually
 
@@ -70,8 +70,8 @@ def test_a_provisioning_answer_handled_while_postgresql_is_down_is_retried_until
         assert cache_state(env["DATABASE_URL"], cache_id)[0] == "provisioning"
 
         node_app = Celery("outage-node", broker=broker.url, fixups=[])  # the node answers, as an agent does
-        node_app.send_task(PROVISION_RESULT_TASK, args=[cache_id, node_id, True, "", "10.9.0.1:7000"],
-                           queue=CONTROL_QUEUE)  # fmt: skip
+        answer = ProvisionResult(cache_id=cache_id, node_id=node_id, ok=True, reason="", endpoint="10.9.0.1:7000")
+        node_app.send_task(PROVISION_RESULT_TASK, kwargs=answer.to_dict(), queue=CONTROL_QUEUE)
         database.stop()
         log = tmp_path / "worker.log"
         with open(log, "wb") as sink:

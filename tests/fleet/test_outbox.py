@@ -22,6 +22,7 @@ from tests.caches.conftest import attach_body, make_node, make_tenant, node, ten
 from tests.control_broker import use_broker
 from tests.faults import PrivateRedis
 from tests.fleet.node_keys import opened
+from kcaas.node_messages import DetachCache
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -41,7 +42,7 @@ def broker(tmp_path):
 
 
 def queued(server: PrivateRedis, node_id) -> list[dict]:
-    """The messages waiting on the node's queue: [{"task", "args"}] in publish order (kombu pushes to the left)."""
+    """The messages waiting on the node's queue: [{"task", "kwargs"}] in publish order (kombu pushes to the left)."""
     client = redis.Redis.from_url(server.url)
     try:
         raw = client.lrange(node_queue(node_id), 0, -1)
@@ -51,7 +52,8 @@ def queued(server: PrivateRedis, node_id) -> list[dict]:
     for item in reversed(raw):
         envelope = json.loads(item)
         body = json.loads(base64.b64decode(envelope["body"]))
-        messages.append({"task": envelope["headers"]["task"], "args": body[0]})
+        assert body[0] == []  # typed messages travel as keyword arguments only
+        messages.append({"task": envelope["headers"]["task"], "kwargs": body[1]})
     return messages
 
 
@@ -71,7 +73,7 @@ def test_an_attach_while_the_broker_is_down_is_sent_once_it_is_back(broker, tena
     broker.start()
     assert orders_dispatch()["sent"] == 1
     (message,) = queued(broker, node.pk)
-    assert message["task"] == PROVISION_TASK and message["args"][0] == cache["id"]
+    assert message["task"] == PROVISION_TASK and message["kwargs"]["cache_id"] == cache["id"]
     order.refresh_from_db()
     assert order.state == OrderState.SENT
 
@@ -82,8 +84,8 @@ def test_the_order_row_never_holds_the_keys_its_message_carries(broker, tenant_a
     assert order.args == [cache["id"], 1]  # the cache id and epoch only
     (message,) = queued(broker, node.pk)
     # the hash key, unsealed into the message at send time, sealed to the node (tests/fleet/test_sealed_orders.py)
-    assert len(opened(message["args"][3], task=PROVISION_TASK, node_id=node.pk, cache_id=cache["id"])) == 32
-    assert message["args"][3] not in json.dumps(order.args)
+    assert len(opened(message["kwargs"]["hash_key_box"], task=PROVISION_TASK, node_id=node.pk, cache_id=cache["id"])) == 32
+    assert message["kwargs"]["hash_key_box"] not in json.dumps(order.args)
 
 
 def test_an_unanswered_order_is_sent_again_until_the_node_answers(broker, tenant_a, node):
@@ -104,7 +106,7 @@ def test_a_detach_supersedes_the_provisioning_it_follows(broker, tenant_a, node)
     response = tenant_a.client.delete(f"/api/v1/caches/{cache['id']}")
     assert response.status_code == 202
     (order,) = open_orders(node_id=node.pk)
-    assert order.task == DETACH_TASK and order.args == [cache["id"], 1]
+    assert order.task == DETACH_TASK and order.args == DetachCache(cache_id=cache["id"], epoch=1).to_dict()
     broker.start()
     orders_dispatch()
     assert [m["task"] for m in queued(broker, node.pk)] == [DETACH_TASK]  # the provisioning is never sent

@@ -60,9 +60,12 @@ def raw_queue(server: PrivateRedis, node_id) -> list[bytes]:
         client.close()
 
 
-def message_args(raw: bytes) -> list:
+def message_args(raw: bytes) -> dict:
+    """The message's keyword arguments (typed messages carry no positional ones)."""
     envelope = json.loads(raw)
-    return json.loads(base64.b64decode(envelope["body"]))[0]
+    args, kwargs, _ = json.loads(base64.b64decode(envelope["body"]))
+    assert args == []
+    return kwargs
 
 
 def encodings(key: bytes) -> list[bytes]:
@@ -94,8 +97,8 @@ def test_provision_cache_on_the_broker_holds_no_usable_key(broker, tenant_a, mak
     assert_nowhere(hash_key, raw)
     assert_nowhere(ssd_key, raw)
     args = message_args(raw)
-    assert opened(args[3], task=PROVISION_TASK, node_id=node.pk, cache_id=cache.pk) == hash_key
-    assert opened(args[6], task=PROVISION_TASK, node_id=node.pk, cache_id=cache.pk, field="ssd_key") == ssd_key
+    assert opened(args["hash_key_box"], task=PROVISION_TASK, node_id=node.pk, cache_id=cache.pk) == hash_key
+    assert opened(args["ssd_key_box"], task=PROVISION_TASK, node_id=node.pk, cache_id=cache.pk, field="ssd_key") == ssd_key
     assert NodeOrder.objects.get(node=node, task=PROVISION_TASK).args == [str(cache.pk), 1]  # nor in the outbox
 
 
@@ -113,8 +116,8 @@ def test_migrate_in_on_the_broker_holds_no_usable_key(broker, tenant_a, make_nod
     assert_nowhere(hash_key, raw)
     assert_nowhere(ssd_key, raw)
     args = message_args(raw)
-    assert opened(args[4], task=MIGRATE_IN_TASK, node_id=target.pk, cache_id=cache.pk) == hash_key
-    assert opened(args[8], task=MIGRATE_IN_TASK, node_id=target.pk, cache_id=cache.pk, field="ssd_key") == ssd_key
+    assert opened(args["hash_key_box"], task=MIGRATE_IN_TASK, node_id=target.pk, cache_id=cache.pk) == hash_key
+    assert opened(args["ssd_key_box"], task=MIGRATE_IN_TASK, node_id=target.pk, cache_id=cache.pk, field="ssd_key") == ssd_key
 
 
 def test_a_resent_order_is_sealed_to_the_key_the_node_registered_last(broker, tenant_a, make_node):
@@ -124,7 +127,7 @@ def test_a_resent_order_is_sealed_to_the_key_the_node_registered_last(broker, te
     fleet_services.node_register(node_id=node.pk, endpoint=node.endpoint, capacity=node.capacity,
                                  sealing_public_key=restarted.public_key_b64)  # fmt: skip
     assert orders_dispatch(now=later(5))["sent"] == 1
-    first, again = (message_args(raw)[3] for raw in raw_queue(broker, node.pk))
+    first, again = (message_args(raw)["hash_key_box"] for raw in raw_queue(broker, node.pk))
     assert opened(first, task=PROVISION_TASK, node_id=node.pk, cache_id=cache_id) == opened(
         again, task=PROVISION_TASK, node_id=node.pk, cache_id=cache_id, key=restarted)
 
@@ -155,7 +158,7 @@ def test_an_order_waiting_for_a_key_goes_once_the_node_registers_one(broker, ten
     assert orders_dispatch(now=later(5))["sent"] == 1
     (raw,) = raw_queue(broker, node.pk)
     cache = Cache.objects.get(pk=cache_id)
-    assert opened(message_args(raw)[3], task=PROVISION_TASK, node_id=node.pk, cache_id=cache_id) == hash_key_unseal(
+    assert opened(message_args(raw)["hash_key_box"], task=PROVISION_TASK, node_id=node.pk, cache_id=cache_id) == hash_key_unseal(
         cache_id=cache.pk, sealed=cache.hash_key_sealed)
 
 

@@ -22,7 +22,7 @@ from celery import Celery
 
 from gpu_node.node_tasks import build_node_app
 from gpu_node.registry import CacheRegistry
-from kcaas.node_messages import PROVISION_TASK, node_queue
+from kcaas.node_messages import ProvisionCache, PROVISION_TASK, node_queue
 from kcaas.sealing import seal
 from tests.faults import PrivateRedis
 from tests.fleet.node_keys import TEST_SEALING_KEY, TEST_SEALING_PUBLIC_KEY
@@ -43,17 +43,19 @@ def private_redis(tmp_path, monkeypatch):
     server.stop()
 
 
-def provision_args(cache_id: str) -> list:
+def provision_order(cache_id: str) -> dict:
     spec = tiny_spec()
     box = seal(b"k" * 32, public_key_b64=TEST_SEALING_PUBLIC_KEY, task=PROVISION_TASK, node_id=NODE_ID,
                cache_id=cache_id, field="hash_key")  # fmt: skip
-    return [cache_id, spec.to_dict(), {"device": 8 * spec.block_bytes}, box, 1]
+    order = ProvisionCache(cache_id=cache_id, spec=spec.to_dict(), capacity={"device": 8 * spec.block_bytes},
+                           hash_key_box=box, epoch=1, tenant_id="tenant-1", ssd_key_box="")  # fmt: skip
+    return order.to_dict()
 
 
 def send_provision(broker_url: str, cache_id: str) -> None:
     sender = Celery("test-control", broker=broker_url, fixups=[])
     sender.conf.broker_transport_options = VISIBILITY  # the score the unacked index keeps is the delivery time
-    sender.send_task(PROVISION_TASK, args=provision_args(cache_id), queue=node_queue(NODE_ID))
+    sender.send_task(PROVISION_TASK, kwargs=provision_order(cache_id), queue=node_queue(NODE_ID))
     sender.close()
 
 

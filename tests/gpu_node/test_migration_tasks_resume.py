@@ -2,12 +2,13 @@
 while the first one's sender runs starts no second sender, only re-points it; the running sender retries a transfer
 the target refused and completes on the new endpoint. Real listeners, real mutual TLS 1.3."""
 
+import dataclasses
 import logging
 
 from gpu_node import block_transfer as bt
 from gpu_node.migration import MigrationListener
 from gpu_node.migration_tasks import NodeMigration
-from kcaas.node_messages import MIGRATION_RESULT_TASK
+from kcaas.node_messages import MIGRATION_RESULT_TASK, MigrateOut
 from tests.gpu_node.kv_fixtures import tiny_spec
 from tests.gpu_node.test_migration_transfer import (  # noqa: F401 (pki is a fixture)
     DST,
@@ -24,7 +25,7 @@ from tests.waiting import eventually
 
 
 def results(answers):
-    return [args for task, args in answers if task == MIGRATION_RESULT_TASK]
+    return [answer for answer in answers if answer.TASK == MIGRATION_RESULT_TASK]
 
 
 def test_second_migrate_out_repoints_the_running_sender_instead_of_starting_another(pki, caplog):  # noqa: F811
@@ -38,20 +39,21 @@ def test_second_migrate_out_repoints_the_running_sender_instead_of_starting_anot
     node = NodeMigration(registry=source, node_id=SRC, listener=own, client_context=client_ctx(pki["src"]),
                          resume_seconds=20)  # fmt: skip
     answers = []
-    args = ("m1", "c1", 1, 2, DST)
+    order = MigrateOut(migration_id="m1", cache_id="c1", epoch_from=1, epoch_to=2, target_node_id=DST,
+                       target_migration_endpoint=stale.endpoint, target_endpoint="10.0.0.2:7000")  # fmt: skip
     try:
-        assert node.start_sender(lambda task, a: answers.append((task, a)), *args, stale.endpoint, "10.0.0.2:7000")
+        assert node.start_sender(answers.append, order)
         first = node.senders["m1"]
         assert eventually(lambda: any("resuming" in r.getMessage() for r in caplog.records)), "never refused"
         assert first.is_alive() and not results(answers)  # refused at least once: it is retrying, not failed
-        assert not node.start_sender(lambda task, a: answers.append((task, a)), *args, listener.endpoint,
-                                     "10.0.0.2:7000")  # fmt: skip
+        repointed = dataclasses.replace(order, target_migration_endpoint=listener.endpoint)
+        assert not node.start_sender(answers.append, repointed)
         assert node.senders["m1"] is first  # no second sender
         first.join(20)
     finally:
         for one in (stale, listener, own):
             one.stop()
     (result,) = results(answers)
-    assert result[2] is True and result[4]["attempts"] >= 2  # refused, then completed on the re-pointed endpoint
-    assert result[4]["blocks_sent"] == len(bt.snapshot(src)) == listener.stats.blocks_stored  # each block once
+    assert result.ok is True and result.info["attempts"] >= 2  # refused, then completed on the re-pointed endpoint
+    assert result.info["blocks_sent"] == len(bt.snapshot(src)) == listener.stats.blocks_stored  # each block once
     assert_same(dst, spec, seqs)
