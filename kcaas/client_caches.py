@@ -59,20 +59,7 @@ class CacheMethods(RestTransport):
                 progress(cache)
             if cache.state == state:
                 return cache
-            if cache.state == "failed" and state != "failed":
-                raise CacheFailedError(
-                    f"Cache {cache.id} failed: {cache.failure_reason or 'no reason given'}",
-                    code="cache_failed",
-                    details={"cache_id": cache.id, "failure_reason": cache.failure_reason},
-                    cache=cache,
-                )
-            if cache.state in ("detaching", "detached") and state not in ("detaching", "detached"):
-                raise CacheFailedError(
-                    f"Cache {cache.id} is {cache.state}",
-                    code="cache_detached",
-                    details={"cache_id": cache.id},
-                    cache=cache,
-                )
+            _check_can_reach(cache, state)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise WaitTimeoutError(
@@ -113,3 +100,21 @@ class CacheMethods(RestTransport):
         tail = f"/{_segment(jti)}/revoke" if jti is not None else "/revoke"
         path = f"{API_PREFIX}/caches/{_segment(cache_id)}/tokens{tail}"
         return int(self._request("POST", path, json_body={}).body["revoked"])
+
+
+def _check_can_reach(cache: Cache, state: str) -> None:
+    """CacheFailedError when `cache` can no longer get to `state`: it failed, or it is being detached."""
+    if cache.state == "failed" and state != "failed":
+        raise CacheFailedError(
+            f"Cache {cache.id} failed: {cache.failure_reason or 'no reason given'}",
+            code="cache_failed",
+            details={"cache_id": cache.id, "failure_reason": cache.failure_reason},
+            cache=cache,
+        )
+    if cache.state in ("detaching", "detached") and state not in ("detaching", "detached"):
+        raise CacheFailedError(
+            f"Cache {cache.id} is {cache.state}",
+            code="cache_detached",
+            details={"cache_id": cache.id},
+            cache=cache,
+        )
