@@ -47,7 +47,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.device.type != "cpu":
         t = t.cpu()
-    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+    return t.view(torch.uint8).reshape(-1).numpy().data  # the array's buffer as a byte view, no copy
 
 
 def send_buffers(sock, buffers: list) -> None:

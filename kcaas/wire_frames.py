@@ -439,7 +439,9 @@ class FrameDecoder:
         self._payload_got = 0
         sink = None
         if self.payload_sink is not None:
-            head = FrameHead(self._opcode, self._flags, self._request_id, self._meta, self._payload_len)
+            opcode, request_id = self._opcode, self._request_id
+            assert opcode is not None and request_id is not None  # _parse_header set them
+            head = FrameHead(opcode, self._flags, request_id, self._meta, self._payload_len)
             try:
                 sink = self.payload_sink(head)
             except ProtocolError as exc:  # a bad request, not a bad stream: drop its payload, report it with the frame
@@ -494,7 +496,9 @@ class FrameDecoder:
                 self._emit(tuple(self._sink_views))
 
     def _emit(self, payload: tuple[memoryview, ...], *, discarded: bool = False) -> None:
-        frame = Frame(self._opcode, self._request_id, self._meta, payload, self._flags, discarded, self._sink_error)
+        opcode, request_id = self._opcode, self._request_id
+        assert opcode is not None and request_id is not None  # _parse_header set them
+        frame = Frame(opcode, request_id, self._meta, payload, self._flags, discarded, self._sink_error)
         self._frames.append(frame)
         self._reset()
 

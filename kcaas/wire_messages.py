@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -165,7 +166,7 @@ def _bool_list(meta: dict, key: str, n: int, request_id: int | None) -> tuple[bo
     return tuple(value)
 
 
-def _check_keys(meta: dict, allowed: set[str], request_id: int | None) -> None:
+def _check_keys(meta: dict, allowed: AbstractSet[str], request_id: int | None) -> None:
     unknown = set(meta) - allowed
     if unknown:
         raise _bad(ErrorCode.BAD_REQUEST, f"unknown metadata fields {sorted(unknown)}", request_id)
@@ -321,6 +322,7 @@ def encode_request(
     if identity is not None:
         meta["identity"] = identity.to_dict()
     layout = identity if identity is not None else session_identity
+    assert layout is not None  # one of them, checked above
     op = OP_NAMES[Opcode(opcode & ~BATCH_BIT)]
     payload: list[Any] = list(token_views)
     if op in ("put", "get"):
