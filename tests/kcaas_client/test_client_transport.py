@@ -3,6 +3,7 @@ retried, for which requests, how long it waits, and what an error carries. The c
 test_client_live.py."""
 
 import json
+import select
 import threading
 from datetime import datetime, timedelta, timezone
 from email.utils import format_datetime
@@ -14,6 +15,7 @@ import kcaas
 from kcaas import errors
 from kcaas.client import Cache, DataToken, _retry_after
 from kcaas.tokens import TokenSource
+from tests.waiting import eventually
 
 RAW_KEY = "kc_live_CCCCCCCCCCCCCCCC_" + "q" * 43 + "CRC123"
 
@@ -47,10 +49,27 @@ class Scripted(BaseHTTPRequestHandler):
         pass
 
 
+class _Server(ThreadingHTTPServer):
+    """Says when it has closed a connection (after the handler's close_connection, or the client's close)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.closed_one = threading.Event()
+
+    def shutdown_request(self, request):
+        super().shutdown_request(request)  # shut down for writing, then closed
+        self.closed_one.set()
+
+
+def _readable(sock) -> bool:
+    """The idle socket has something to read: here, the server's FIN (checked here, not with the client's helper)."""
+    return bool(select.select([sock], [], [], 0)[0])
+
+
 @pytest.fixture
 def server():
     Scripted.script, Scripted.seen, Scripted.peers = [], [], []
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Scripted)
+    httpd = _Server(("127.0.0.1", 0), Scripted)
     thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
     thread.start()
     yield httpd
@@ -210,9 +229,10 @@ def test_an_idle_connection_the_server_dropped_is_replaced_before_a_post(server)
     Scripted.script = [(200, {"X-Then-Close": "1"}, WHOAMI), (201, {}, issued), (200, {}, WHOAMI), (200, {}, WHOAMI)]
     client = _client(server, retries=0)
     client.whoami()
-    import time
-
-    time.sleep(0.05)  # let the server's close reach us
+    assert server.closed_one.wait(10), "the scripted server did not close the first connection within 10 s"
+    pooled = client._local.conn.sock  # still in the client's pool: nothing told it the connection went away
+    assert pooled is not None, "the client did not keep the first connection"
+    assert eventually(lambda: _readable(pooled), timeout=10), "the server's close did not reach the client in 10 s"
     assert client.create_key(["caches:read"]).id == "k2"  # not retried: it must go out on a fresh connection
     client.whoami()
     client.whoami()
