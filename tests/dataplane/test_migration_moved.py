@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +22,7 @@ from kcaas import wire
 from kcaas.dataplane import DataPlaneClient
 from tests.dataplane.conftest import CACHE_A, EPOCH, NODE_ID
 from tests.gpu_node.kv_fixtures import prefix_kv
+from tests.waiting import eventually
 
 TARGET_NODE = "node-2"
 # the nodes' platform identities (SPIFFE ids are node UUIDs) for the migration transfer
@@ -40,13 +40,14 @@ class PlacementTokens:
 
     def __init__(self, make_token):
         self.make_token, self.node, self.epoch, self.issued = make_token, NODE_ID, EPOCH, 0
+        self.invalidated = 0  # the SDK drops its token on MOVED (and on an expired or unknown token)
 
     def get(self) -> Tok:
         self.issued += 1
         return Tok(self.make_token(CACHE_A, node=self.node, epoch=self.epoch), self.epoch)
 
     def invalidate(self) -> None:
-        pass
+        self.invalidated += 1
 
 
 @pytest.fixture
@@ -119,12 +120,21 @@ def test_client_putting_during_migration_loses_no_acknowledged_put(server, regis
             errors.append(exc)
 
     writer = threading.Thread(target=keep_writing)
+
+    def until_a_put_is_moved():  # the fence stays up until a put of the writer was answered MOVED
+        acked, moved = len(acknowledged), tokens.invalidated  # reads are still served here: only a put is refused
+        eventually(lambda: tokens.invalidated > moved or not writer.is_alive(), timeout=60)
+        assert tokens.invalidated > moved, f"no put was answered MOVED while the cache was fenced (60 s): {errors}"
+        assert len(acknowledged) <= acked + 1  # at most the put that finished as the fence went up
+
     writer.start()
-    while len(acknowledged) < 15:
-        time.sleep(0.005)
-    stats = migrate(registry, target_registry, target_srv, node_pki, tokens, while_fenced=lambda: time.sleep(0.3))
-    stop.set()
-    writer.join(60)
+    try:
+        eventually(lambda: len(acknowledged) >= 15 or not writer.is_alive(), timeout=60)
+        assert len(acknowledged) >= 15, f"the writer acknowledged {len(acknowledged)} puts in 60 s: {errors}"
+        stats = migrate(registry, target_registry, target_srv, node_pki, tokens, while_fenced=until_a_put_is_moved)
+    finally:
+        stop.set()
+        writer.join(60)
     assert not errors and not writer.is_alive()
     assert stats.blocks_sent > 0
     assert client.endpoint == target_srv.endpoint  # the SDK followed MOVED
