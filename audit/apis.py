@@ -72,8 +72,12 @@ class AuditReadPermission(BasePermission):
             return False  # DRF answers 401 without credentials, 403 for other principals
         if user.has_scope("audit", "read"):
             return True
-        raise ApplicationError("This key lacks the audit:read scope.", code="permission_denied", status_code=403,
-                               details={"required_scope": "audit:read"})  # fmt: skip
+        raise ApplicationError(
+            "This key lacks the audit:read scope.",
+            code="permission_denied",
+            status_code=403,
+            details={"required_scope": "audit:read"},
+        )
 
 
 class StaffOnlyPermission(BasePermission):
@@ -121,9 +125,12 @@ _RANGE_PARAMS = [
     OpenApiParameter("from", OpenApiTypes.DATETIME, required=False, description="Inclusive start (RFC 3339)."),
     OpenApiParameter("to", OpenApiTypes.DATETIME, required=False, description="Exclusive end (RFC 3339)."),
 ]
-_TENANT_PARAM = OpenApiParameter("tenant_id", OpenApiTypes.UUID, required=False,
-                                 description="Staff: confine to this tenant. A tenant key reads only its own (another "
-                                 "tenant's id is a 404).")  # fmt: skip
+_TENANT_PARAM = OpenApiParameter(
+    "tenant_id",
+    OpenApiTypes.UUID,
+    required=False,
+    description="Staff: confine to this tenant. A tenant key reads only its own (another tenant's id is a 404).",
+)
 
 
 # ---- events ----------------------------------------------------------------------------------------------------------
@@ -173,11 +180,17 @@ class AuditEventListApi(APIView):
         parameters=[
             *_RANGE_PARAMS,
             _TENANT_PARAM,
-            OpenApiParameter("actor", str, required=False, pattern=ACTOR_PATTERN,
-                             description="`kind` or `kind:id`, e.g. `key:<public id>`, `user:7`, `system`."),
-            OpenApiParameter("action", int, required=False, enum=[int(a) for a in AuditAction],
-                             description="An action code."),
-        ],  # fmt: skip
+            OpenApiParameter(
+                "actor",
+                str,
+                required=False,
+                pattern=ACTOR_PATTERN,
+                description="`kind` or `kind:id`, e.g. `key:<public id>`, `user:7`, `system`.",
+            ),
+            OpenApiParameter(
+                "action", int, required=False, enum=[int(a) for a in AuditAction], description="An action code."
+            ),
+        ],
         responses={200: AuditEventSerializer(many=True), **_errors(400, 401, 403, 404, 429)},
         description="The audit trail in seq order. Staff read every tenant's events; a tenant key with audit:read "
         "reads its own tenant's. 400 invalid_range when from is not before to.",
@@ -236,8 +249,12 @@ class AuditExportApi(APIView):
     )
     def get(self, request):
         filters = _validated(self.FilterSerializer, request.query_params)
-        download = exports.audit_export_begin(fmt=filters["format"], start=filters.get("from"), end=filters.get("to"),
-                                              tenant_id=tenant_scope(request, filters.get("tenant_id")))  # fmt: skip
+        download = exports.audit_export_begin(
+            fmt=filters["format"],
+            start=filters.get("from"),
+            end=filters.get("to"),
+            tenant_id=tenant_scope(request, filters.get("tenant_id")),
+        )
         return exports.export_response(download)
 
 

@@ -22,6 +22,7 @@ import hashlib
 import io
 import json
 import sys
+from datetime import UTC
 from typing import Any
 
 GENESIS_HASH = "0" * 64
@@ -63,13 +64,13 @@ TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 
 def format_period_time(moment) -> str:
     """A period bound (an aware datetime) as the digest body writes it."""
-    from datetime import timezone
 
-    return moment.astimezone(timezone.utc).strftime(TIME_FORMAT)
+    return moment.astimezone(UTC).strftime(TIME_FORMAT)
 
 
-def digest_body(*, period_start: str, period_end: str, head_seq: int, head_hash: str, prev_digest_hash: str,
-                key_id: str) -> dict:  # fmt: skip
+def digest_body(
+    *, period_start: str, period_end: str, head_seq: int, head_hash: str, prev_digest_hash: str, key_id: str
+) -> dict:
     return {
         "format": DIGEST_FORMAT,
         "version": FORMAT_VERSION,
@@ -119,12 +120,36 @@ def signature_valid(jwk: dict, payload: bytes, signature_b64: str) -> bool:
 # source_ip and salt may be null; old_values/new_values hold the JSON `null`); the header row carries the header
 # object as JSON in the `header` column.
 
-EVENT_FIELDS = ("seq", "occurred_at", "actor_kind", "actor_id", "tenant_id", "action", "action_name", "target_type",
-                "target_id", "request_id", "source_ip", "old_values", "new_values", "salt", "commitments",
-                "prev_hash", "hash")  # fmt: skip
+EVENT_FIELDS = (
+    "seq",
+    "occurred_at",
+    "actor_kind",
+    "actor_id",
+    "tenant_id",
+    "action",
+    "action_name",
+    "target_type",
+    "target_id",
+    "request_id",
+    "source_ip",
+    "old_values",
+    "new_values",
+    "salt",
+    "commitments",
+    "prev_hash",
+    "hash",
+)
 WITNESS_FIELDS = ("seq", "prev_hash", "hash")
-DIGEST_FIELDS = ("period_start", "period_end", "head_seq", "head_hash", "prev_digest_hash", "key_id", "digest_hash",
-                 "signature")  # fmt: skip
+DIGEST_FIELDS = (
+    "period_start",
+    "period_end",
+    "head_seq",
+    "head_hash",
+    "prev_digest_hash",
+    "key_id",
+    "digest_hash",
+    "signature",
+)
 RECORD_FIELDS = {"event": EVENT_FIELDS, "witness": WITNESS_FIELDS, "digest": DIGEST_FIELDS, "header": ("header",)}
 CSV_COLUMNS = ("record_type", *EVENT_FIELDS, *DIGEST_FIELDS, "header")
 _CSV_INT = frozenset({"seq", "action", "head_seq"})
@@ -324,10 +349,12 @@ def _check_sequence(records: list[dict], report: Report) -> list[dict]:
 def _check_header(header: dict, ordered: list[dict], report: Report) -> None:
     if header.get("format") != EXPORT_FORMAT or header.get("version") != FORMAT_VERSION:
         report.add("malformed", f"not a {EXPORT_FORMAT} version {FORMAT_VERSION} export")
-    claimed = {"first_seq": header.get("first_seq"), "last_seq": header.get("last_seq"),
-               "counts": header.get("counts")}  # fmt: skip
-    found = {"first_seq": report.first_seq, "last_seq": report.last_seq,
-             "counts": {"event": report.events, "witness": report.witnesses, "digest": report.digests}}  # fmt: skip
+    claimed = {"first_seq": header.get("first_seq"), "last_seq": header.get("last_seq"), "counts": header.get("counts")}
+    found = {
+        "first_seq": report.first_seq,
+        "last_seq": report.last_seq,
+        "counts": {"event": report.events, "witness": report.witnesses, "digest": report.digests},
+    }
     for name, value in found.items():
         if claimed[name] != value:
             report.add("header_mismatch", f"the header says {name} {claimed[name]}, the records give {value}")
@@ -358,8 +385,13 @@ def _check_event(record: dict, report: Report) -> None:
         report.add("malformed", f"cannot hash the event: {error}", seq)
         return
     if recomputed != record["hash"]:
-        report.add("hash_mismatch", "the event's hashed fields (" + ", ".join(NON_PERSONAL_FIELDS)
-                   + ", commitments) do not match its hash (changed)", seq)  # fmt: skip
+        report.add(
+            "hash_mismatch",
+            "the event's hashed fields ("
+            + ", ".join(NON_PERSONAL_FIELDS)
+            + ", commitments) do not match its hash (changed)",
+            seq,
+        )
 
 
 def _check_filter(header: dict, ordered: list[dict], report: Report) -> None:
@@ -408,8 +440,11 @@ def _check_key(export_key, trusted_key: dict | None, report: Report) -> dict | N
         report.notes.append("platform key not pinned (pass --key): digests checked against the key in the export")
         return export_key
     if export_key is not None and export_key.get("x") != trusted_key.get("x"):
-        report.add("untrusted_key", f"the export's platform key (kid {export_key.get('kid')}) is not the trusted "
-                   f"key (kid {trusted_key.get('kid')})")  # fmt: skip
+        report.add(
+            "untrusted_key",
+            f"the export's platform key (kid {export_key.get('kid')}) is not the trusted "
+            f"key (kid {trusted_key.get('kid')})",
+        )
     return trusted_key
 
 
@@ -419,8 +454,9 @@ def _check_digests(digests: list[dict], key: dict | None, ordered: list[dict], r
     for digest in digests:
         period = f"digest {digest['period_start']}..{digest['period_end']}"
         _check_digest_signature(digest, key, period, report)
-        if previous is not None and (digest["prev_digest_hash"] != previous["digest_hash"]
-                                     or digest["period_start"] != previous["period_end"]):  # fmt: skip
+        if previous is not None and (
+            digest["prev_digest_hash"] != previous["digest_hash"] or digest["period_start"] != previous["period_end"]
+        ):
             report.add("digest_chain_broken", f"{period} does not follow the digest before it")
         _check_digest_head(digest, by_seq, period, report)
         previous = digest
@@ -428,8 +464,12 @@ def _check_digests(digests: list[dict], key: dict | None, ordered: list[dict], r
 
 
 def _check_digest_signature(digest: dict, key: dict | None, period: str, report: Report) -> None:
-    body = digest_body(**{name: digest[name] for name in ("period_start", "period_end", "head_seq", "head_hash",
-                                                           "prev_digest_hash", "key_id")})  # fmt: skip
+    body = digest_body(
+        **{
+            name: digest[name]
+            for name in ("period_start", "period_end", "head_seq", "head_hash", "prev_digest_hash", "key_id")
+        }
+    )
     if digest_hash(body) != digest["digest_hash"]:
         report.add("digest_hash_mismatch", f"{period}: digest_hash is not the hash of its body (changed)")
     if key is None:
@@ -459,12 +499,18 @@ def _check_digest_head(digest: dict, by_seq: dict, period: str, report: Report) 
         actual = by_seq[head_seq + 1]["prev_hash"]
     else:
         if by_seq:
-            report.add("digest_not_covered", f"{period}: its head is not in the export's chain (records removed "
-                       "at an end?)", head_seq)  # fmt: skip
+            report.add(
+                "digest_not_covered",
+                f"{period}: its head is not in the export's chain (records removed at an end?)",
+                head_seq,
+            )
         return
     if actual != head_hash:
-        report.add("digest_head_mismatch", f"{period}: signs head hash {head_hash[:16]}…, the chain has "
-                   f"{actual[:16]}…", head_seq)  # fmt: skip
+        report.add(
+            "digest_head_mismatch",
+            f"{period}: signs head hash {head_hash[:16]}…, the chain has {actual[:16]}…",
+            head_seq,
+        )
 
 
 def _note_anchoring(digests: list[dict], ordered: list[dict], report: Report) -> None:

@@ -17,7 +17,7 @@ table is itself the record of signing, and every digest is in every export that 
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone as dt_timezone
+from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
@@ -37,7 +37,7 @@ def period_seconds() -> int:
 def period_floor(moment: datetime, seconds: int) -> datetime:
     """The start of the period containing `moment`."""
     stamp = int(moment.timestamp()) // seconds * seconds
-    return datetime.fromtimestamp(stamp, tz=dt_timezone.utc)
+    return datetime.fromtimestamp(stamp, tz=UTC)
 
 
 def audit_digest_sign(now: datetime | None = None) -> list[AuditDigest]:

@@ -24,7 +24,7 @@ import dataclasses
 import io
 import uuid
 from collections.abc import Iterator
-from datetime import datetime, timezone as dt_timezone
+from datetime import UTC, datetime
 
 from django.db import transaction
 from django.db.models import Max, Min
@@ -40,7 +40,7 @@ from core.errors import ApplicationError
 
 FORMATS = {"jsonl": "application/x-ndjson", "csv": "text/csv"}
 CHUNK = 1000
-EPOCH = datetime(1970, 1, 1, tzinfo=dt_timezone.utc)  # an export's default start
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)  # an export's default start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,8 +177,13 @@ class ExportDownload:
         return export_lines(self.plan, self.fmt)
 
 
-def audit_export_begin(*, fmt: str = "jsonl", start: datetime | None = None, end: datetime | None = None,
-                       tenant_id: uuid.UUID | None = None) -> ExportDownload:  # fmt: skip
+def audit_export_begin(
+    *,
+    fmt: str = "jsonl",
+    start: datetime | None = None,
+    end: datetime | None = None,
+    tenant_id: uuid.UUID | None = None,
+) -> ExportDownload:
     """Start an export of [start, end) (default: EPOCH until now), optionally confined to one tenant.
 
     Raises ApplicationError `invalid_range` unless start < end (nothing recorded then). The plan is fixed first,
@@ -192,9 +197,19 @@ def audit_export_begin(*, fmt: str = "jsonl", start: datetime | None = None, end
         raise ApplicationError("`from` must be before `to`.", code="invalid_range")
     plan = export_plan(start=start, end=end, tenant_id=tenant_id)
     with transaction.atomic():
-        audit_record(action=AuditAction.AUDIT_EXPORTED, target_type="audit_export", tenant_id=tenant_id,
-                     new={"format": fmt, "from": start, "to": end, "tenant_id": tenant_id,
-                          "first_seq": plan.lo, "last_seq": plan.hi})  # fmt: skip
+        audit_record(
+            action=AuditAction.AUDIT_EXPORTED,
+            target_type="audit_export",
+            tenant_id=tenant_id,
+            new={
+                "format": fmt,
+                "from": start,
+                "to": end,
+                "tenant_id": tenant_id,
+                "first_seq": plan.lo,
+                "last_seq": plan.hi,
+            },
+        )
     return ExportDownload(plan, fmt)
 
 

@@ -11,9 +11,15 @@ from django.db.models import QuerySet
 from audit.models import AuditDigest, AuditEvent
 
 
-def audit_event_list(*, start: datetime | None = None, end: datetime | None = None,
-                     tenant_id: uuid.UUID | None = None, actor_kind: str | None = None, actor_id: str | None = None,
-                     action: int | None = None) -> QuerySet[AuditEvent]:  # fmt: skip
+def audit_event_list(
+    *,
+    start: datetime | None = None,
+    end: datetime | None = None,
+    tenant_id: uuid.UUID | None = None,
+    actor_kind: str | None = None,
+    actor_id: str | None = None,
+    action: int | None = None,
+) -> QuerySet[AuditEvent]:
     """Events in seq order; each filter applies when given (time range [start, end), actor kind and id)."""
     events = AuditEvent.objects.order_by("seq")
     if start is not None:

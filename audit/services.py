@@ -18,11 +18,11 @@ from django.db import connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from core.errors import TransientError
 from audit import chain
 from audit.actions import AuditAction
 from audit.context import Actor, current_actor, current_request
 from audit.models import AuditChainHead, AuditEvent
+from core.errors import TransientError
 
 SALT_BYTES = 16
 
@@ -132,8 +132,9 @@ def audit_record(
 def tenant_pseudonym(tenant_id: Any) -> uuid.UUID:
     """The stable pseudonym an erased tenant keeps in the trail: a UUID from an HMAC of its id under the audit key
     (the same tenant always maps to the same pseudonym; without the key it cannot be linked back)."""
-    digest = hmac.new(settings.KCAAS_AUDIT_HMAC_KEY.encode(), b"tenant-pseudonym:" + str(tenant_id).encode(),
-                      hashlib.sha256).digest()  # fmt: skip
+    digest = hmac.new(
+        settings.KCAAS_AUDIT_HMAC_KEY.encode(), b"tenant-pseudonym:" + str(tenant_id).encode(), hashlib.sha256
+    ).digest()
     return uuid.UUID(bytes=digest[:16], version=4)
 
 
@@ -163,11 +164,26 @@ def audit_pseudonymise_tenant(*, tenant_id: Any, actor_ids: frozenset[str] | set
             event.new_values = None if event.new_values is None else {"pseudonymised": True}
             event.salt = None
             event.pseudonymised_at = now
-            event.save(update_fields=["tenant_id", "actor_id", "target_id", "source_ip", "old_values", "new_values",
-                                      "salt", "pseudonymised_at"])  # fmt: skip
+            event.save(
+                update_fields=[
+                    "tenant_id",
+                    "actor_id",
+                    "target_id",
+                    "source_ip",
+                    "old_values",
+                    "new_values",
+                    "salt",
+                    "pseudonymised_at",
+                ]
+            )
             changed += 1
-        audit_record(action=AuditAction.AUDIT_PSEUDONYMISED, target_type="tenant", target_id=pseudonym,
-                     tenant_id=pseudonym, new={"events": changed})  # fmt: skip
+        audit_record(
+            action=AuditAction.AUDIT_PSEUDONYMISED,
+            target_type="tenant",
+            target_id=pseudonym,
+            tenant_id=pseudonym,
+            new={"events": changed},
+        )
     return changed
 
 

@@ -84,12 +84,18 @@ def contenders(tls, uds, raw_tls, raw_uds, spec, n_ops: int, redis, get_ids: lis
         return fn
 
     found = {
-        "put_gbps": sdk_put(tls), "raw_tls_gbps": raw_push(raw_tls), "get_gbps": sdk_get(tls, staging),
-        "raw_tls_pull_gbps": raw_pull(raw_tls), "raw_tls_pull_reused_gbps": raw_pull(raw_tls, reused),
-        "uds_put_gbps": sdk_put(uds), "raw_uds_gbps": raw_push(raw_uds), "uds_get_gbps": sdk_get(uds, staging),
-        "raw_uds_pull_gbps": raw_pull(raw_uds), "raw_uds_pull_reused_gbps": raw_pull(raw_uds, reused),
+        "put_gbps": sdk_put(tls),
+        "raw_tls_gbps": raw_push(raw_tls),
+        "get_gbps": sdk_get(tls, staging),
+        "raw_tls_pull_gbps": raw_pull(raw_tls),
+        "raw_tls_pull_reused_gbps": raw_pull(raw_tls, reused),
+        "uds_put_gbps": sdk_put(uds),
+        "raw_uds_gbps": raw_push(raw_uds),
+        "uds_get_gbps": sdk_get(uds, staging),
+        "raw_uds_pull_gbps": raw_pull(raw_uds),
+        "raw_uds_pull_reused_gbps": raw_pull(raw_uds, reused),
         "uds_get_fresh_gbps": sdk_get(uds, None),  # a fresh result per get, as Redis's GET returns
-    }  # fmt: skip
+    }
     if redis is not None:
         found.update(_redis_contenders(redis, spec, kv_views, n_ops, op_bytes))
     return found
@@ -101,8 +107,9 @@ def _redis_contenders(redis, spec, kv_views: list, n_ops: int, op_bytes: int) ->
 
     prefix = f"kcaas-bench-dp:{os.getpid()}:"
     keys = [[f"{prefix}{i}:{b}" for b in range(BLOCKS_PER_OP)] for i in range(n_ops)]
-    chunks = [[bytes(v[b * spec.block_bytes : (b + 1) * spec.block_bytes]) for b in range(BLOCKS_PER_OP)]
-              for v in kv_views]  # fmt: skip
+    chunks = [
+        [bytes(v[b * spec.block_bytes : (b + 1) * spec.block_bytes]) for b in range(BLOCKS_PER_OP)] for v in kv_views
+    ]
 
     def redis_set():
         start = time.perf_counter()
@@ -162,8 +169,15 @@ def engine_half_hit_ratio(num_tokens: int) -> float:
     from gpu_node.paged_cache import PagedKVCache
     from kcaas.spec import KVCacheSpec
 
-    spec = KVCacheSpec(model_fingerprint="lookup", num_layers=1, num_kv_heads=1, head_dim=1, block_size=16,
-                       kv_dtype="float16", storage_dtype="float16")  # fmt: skip
+    spec = KVCacheSpec(
+        model_fingerprint="lookup",
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=1,
+        block_size=16,
+        kv_dtype="float16",
+        storage_dtype="float16",
+    )
     cache = PagedKVCache(spec, hash_key=os.urandom(32), num_blocks=num_tokens // 8, device="cpu")
     rng = np.random.default_rng(7)
     full = rng.integers(0, 128_000, num_tokens).astype(np.int32)

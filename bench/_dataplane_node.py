@@ -57,9 +57,19 @@ def make_token(private, jwks: dict, cache_id: str, ttl: int = 3600) -> str:
     import jwt
 
     now = int(time.time())
-    claims = {"iss": ISSUER, "aud": f"cache:{cache_id}", "sub": "tenant:bench", "iat": now, "nbf": now,
-              "exp": now + ttl, "jti": str(uuid.uuid4()), "epoch": EPOCH, "node": NODE_ID, "access": "readwrite",
-              "scope": "kv:read kv:write"}  # fmt: skip
+    claims = {
+        "iss": ISSUER,
+        "aud": f"cache:{cache_id}",
+        "sub": "tenant:bench",
+        "iat": now,
+        "nbf": now,
+        "exp": now + ttl,
+        "jti": str(uuid.uuid4()),
+        "epoch": EPOCH,
+        "node": NODE_ID,
+        "access": "readwrite",
+        "scope": "kv:read kv:write",
+    }
     return jwt.encode(claims, private, algorithm="EdDSA", headers={"kid": jwks["keys"][0]["kid"], "typ": "JWT"})
 
 
@@ -106,8 +116,9 @@ def _raw_listener(listener, tls_ctx, buf_bytes: int) -> None:
         if tls_ctx is not None:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = tls_ctx.wrap_socket(conn, server_side=True)
-        threading.Thread(target=_raw_serve, args=(conn, bytearray(os.urandom(1024)) * (buf_bytes // 1024)),
-                         daemon=True).start()  # fmt: skip
+        threading.Thread(
+            target=_raw_serve, args=(conn, bytearray(os.urandom(1024)) * (buf_bytes // 1024)), daemon=True
+        ).start()
 
 
 def node_main(conn, pki: dict, jwks: dict, workdir: str, config: dict) -> None:
@@ -125,12 +136,25 @@ def node_main(conn, pki: dict, jwks: dict, workdir: str, config: dict) -> None:
     caches = config["caches"]
     registry = CacheRegistry(device_capacity_bytes=sum(cap for _, cap in caches.values()), device="cpu")
     for cache_id, (fields, capacity) in caches.items():
-        registry.provision(cache_id=cache_id, spec=spec_from(fields), capacity={"device": capacity},
-                           hash_key=os.urandom(32), epoch=EPOCH)  # fmt: skip
+        registry.provision(
+            cache_id=cache_id,
+            spec=spec_from(fields),
+            capacity={"device": capacity},
+            hash_key=os.urandom(32),
+            epoch=EPOCH,
+        )
     uds_path = os.path.join(workdir, f"dp-{os.getpid()}.sock")
-    server = DataPlaneServer(registry, NODE_ID, TokenVerifier(jwks, issuer=ISSUER),
-                             server_tls_context(pki["cert"], pki["key"]), "127.0.0.1", 0, uds_path=uds_path,
-                             max_frame_bytes=config["max_frame_bytes"], max_connections=64)  # fmt: skip
+    server = DataPlaneServer(
+        registry,
+        NODE_ID,
+        TokenVerifier(jwks, issuer=ISSUER),
+        server_tls_context(pki["cert"], pki["key"]),
+        "127.0.0.1",
+        0,
+        uds_path=uds_path,
+        max_frame_bytes=config["max_frame_bytes"],
+        max_connections=64,
+    )
     server.start()
     info = {"endpoint": server.endpoint, "uds": uds_path, "pid": os.getpid()}
     if config.get("raw_bytes"):

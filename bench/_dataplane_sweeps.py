@@ -63,8 +63,10 @@ def by_tokens(client, spec, lengths: list[int], rounds: int) -> dict:
             assert got[0][0] == n and same, f"get of {n} tokens returned other bytes"
             client.delete(ids)
             kv = got = None  # freed before the next round allocates (not del: the timed closures name them)
-    return {"put_gbps_by_tokens": {str(n): statistics.median(v) for n, v in put.items()},
-            "get_gbps_by_tokens": {str(n): statistics.median(v) for n, v in get.items()}}  # fmt: skip
+    return {
+        "put_gbps_by_tokens": {str(n): statistics.median(v) for n, v in put.items()},
+        "get_gbps_by_tokens": {str(n): statistics.median(v) for n, v in get.items()},
+    }
 
 
 def _expect(got, want) -> None:
@@ -110,8 +112,16 @@ def by_size(client, redis, spec, sizes: list[int], rounds: int, budget_s: float)
         def redis_set():
             return _timed(lambda: [redis.set(key + ":w", value) for _ in range(reps)])
 
-        times = _median_rounds({"get": kcaas_get, "get_out": kcaas_get_out, "redis_get": redis_get,
-                                "put": kcaas_put, "redis_set": redis_set}, rounds)  # fmt: skip
+        times = _median_rounds(
+            {
+                "get": kcaas_get,
+                "get_out": kcaas_get_out,
+                "redis_get": redis_get,
+                "put": kcaas_put,
+                "redis_set": redis_set,
+            },
+            rounds,
+        )
         rows[size_label(size)] = {name: seconds / reps * 1e6 for name, seconds in times.items()}  # us per operation
         redis.delete(key, key + ":w")
         client.delete(ids)
@@ -207,8 +217,10 @@ def by_clients(clients: Clients, node, counts: list[int], seconds: float, rounds
             cpu = node.cpu_seconds() - cpu
             rate[n].append(received / seconds / 1e9)
             cost[n].append(cpu / (received / 1e9) if received else float("nan"))
-    return {"get_gbps_by_clients": {str(n): statistics.median(v) for n, v in rate.items()},
-            "server_cpu_s_per_gb_by_clients": {str(n): statistics.median(v) for n, v in cost.items()}}  # fmt: skip
+    return {
+        "get_gbps_by_clients": {str(n): statistics.median(v) for n, v in rate.items()},
+        "server_cpu_s_per_gb_by_clients": {str(n): statistics.median(v) for n, v in cost.items()},
+    }
 
 
 def pin(pid: int, cpus: set[int]) -> None:
@@ -220,8 +232,9 @@ def pin(pid: int, cpus: set[int]) -> None:
             pass
 
 
-def processes_vs_one(clients: Clients, one, two, pair_in_one: list[int], pair_in_two: list[int], seconds: float,
-                     rounds: int) -> dict:  # fmt: skip
+def processes_vs_one(
+    clients: Clients, one, two, pair_in_one: list[int], pair_in_two: list[int], seconds: float, rounds: int
+) -> dict:
     """Two client processes, each on its own cache: both caches in one node process pinned to one core, against each
     cache in its own node process pinned to its own core (and one node process allowed both cores: its threads)."""
     cpus = sorted(os.sched_getaffinity(0))

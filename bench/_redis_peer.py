@@ -24,10 +24,26 @@ class PrivateRedis:
         self.directory = tempfile.mkdtemp(prefix="kcaas-bench-redis-")
         self.socket_path = os.path.join(self.directory, "redis.sock")
         self.process = subprocess.Popen(
-            [binary, "--port", "0", "--unixsocket", self.socket_path, "--unixsocketperm", "700", "--save", "",
-             "--appendonly", "no", "--dir", self.directory, "--proto-max-bulk-len", "1gb"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                binary,
+                "--port",
+                "0",
+                "--unixsocket",
+                self.socket_path,
+                "--unixsocketperm",
+                "700",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.directory,
+                "--proto-max-bulk-len",
+                "1gb",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         self.hiredis = bool(HIREDIS_AVAILABLE)
         self.client = redis.Redis(unix_socket_path=self.socket_path, socket_timeout=60)
         deadline = time.monotonic() + startup_seconds

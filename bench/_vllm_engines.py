@@ -42,9 +42,10 @@ class ModelConfig:
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * 4  # float32
 
     def key(self) -> str:
-        return (f"llama-l{self.num_layers}-h{self.hidden_size}-a{self.num_heads}-kv{self.num_kv_heads}"
-                f"-i{self.intermediate_size}-v{self.vocab_size}-p{self.max_position_embeddings}-s{self.seed}")
-
+        return (
+            f"llama-l{self.num_layers}-h{self.hidden_size}-a{self.num_heads}-kv{self.num_kv_heads}"
+            f"-i{self.intermediate_size}-v{self.vocab_size}-p{self.max_position_embeddings}-s{self.seed}"
+        )
 
 
 # ---- the vLLM side (runs in vLLM's venv: `python -m bench.vllm_connector --build-model/--serve ...`) -----------------
@@ -54,11 +55,16 @@ def build_model(directory: str, model: ModelConfig) -> None:
 
     torch.manual_seed(model.seed)
     config = transformers.LlamaConfig(
-        vocab_size=model.vocab_size, hidden_size=model.hidden_size, intermediate_size=model.intermediate_size,
-        num_hidden_layers=model.num_layers, num_attention_heads=model.num_heads,
-        num_key_value_heads=model.num_kv_heads, head_dim=model.head_dim,
-        max_position_embeddings=model.max_position_embeddings, torch_dtype="float32",
-    )  # fmt: skip
+        vocab_size=model.vocab_size,
+        hidden_size=model.hidden_size,
+        intermediate_size=model.intermediate_size,
+        num_hidden_layers=model.num_layers,
+        num_attention_heads=model.num_heads,
+        num_key_value_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        max_position_embeddings=model.max_position_embeddings,
+        torch_dtype="float32",
+    )
     m = transformers.LlamaForCausalLM(config)
     tmp = directory + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -73,14 +79,29 @@ def make_llm(job: dict):
     kwargs = {}
     if job["mode"] == "kcaas":
         kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KCaaSConnector", kv_connector_module_path="kcaas.connectors.vllm", kv_role="kv_both",
-            kv_connector_extra_config=job["extra_config"])  # fmt: skip
+            kv_connector="KCaaSConnector",
+            kv_connector_module_path="kcaas.connectors.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config=job["extra_config"],
+        )
     elif job["mode"] == "lmcache":
-        kwargs["kv_transfer_config"] = KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both",
-                                                        kv_connector_extra_config=job.get("extra_config") or {})
-    return LLM(model=job["model_dir"], skip_tokenizer_init=True, dtype="float32", max_model_len=job["max_model_len"],
-               max_num_batched_tokens=job["max_model_len"], max_num_seqs=4, enforce_eager=True,
-               enable_prefix_caching=False, seed=0, **kwargs)  # fmt: skip
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="LMCacheConnectorV1",
+            kv_role="kv_both",
+            kv_connector_extra_config=job.get("extra_config") or {},
+        )
+    return LLM(
+        model=job["model_dir"],
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=job["max_model_len"],
+        max_num_batched_tokens=job["max_model_len"],
+        max_num_seqs=4,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        seed=0,
+        **kwargs,
+    )
 
 
 def serve(job_file: str, address: str) -> int:
@@ -108,8 +129,14 @@ def serve(job_file: str, address: str) -> int:
             t0 = time.perf_counter()
             (request,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
             ttft_ms = (time.perf_counter() - t0) * 1e3
-            conn.send({"ttft_ms": ttft_ms, "cached_tokens": request.num_cached_tokens or 0,
-                       "prompt_tokens": len(prompt), "first_token": request.outputs[0].token_ids[0]})  # fmt: skip
+            conn.send(
+                {
+                    "ttft_ms": ttft_ms,
+                    "cached_tokens": request.num_cached_tokens or 0,
+                    "prompt_tokens": len(prompt),
+                    "first_token": request.outputs[0].token_ids[0],
+                }
+            )
         else:
             time.sleep(message.get("drain_s", 0))  # an async save still queued finishes first
             conn.send({"bye": True})
@@ -135,9 +162,14 @@ class Engine:
             json.dump({**job, "authkey": self.authkey}, f)
         self.log_path = os.path.join(workdir, f"{name}.log")
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([str(python), "-m", "bench.vllm_connector", "--serve", job_file, self.address],
-                                     cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [str(python), "-m", "bench.vllm_connector", "--serve", job_file, self.address],
+            cwd=REPO,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.conn = None
         self.startup_s = None
         self.started = time.perf_counter()
@@ -151,11 +183,13 @@ class Engine:
         deadline = time.monotonic() + timeout
         while self.conn is None:
             if self.proc.poll() is not None:
-                raise EngineFailed(f"{self.name} engine exited {self.proc.returncode} while starting; log tail:\n"
-                                   f"{self.log_tail()}")  # fmt: skip
+                raise EngineFailed(
+                    f"{self.name} engine exited {self.proc.returncode} while starting; log tail:\n{self.log_tail()}"
+                )
             if time.monotonic() > deadline:
-                raise EngineFailed(f"{self.name} engine did not start within {timeout:g} s; log tail:\n"
-                                   f"{self.log_tail()}")  # fmt: skip
+                raise EngineFailed(
+                    f"{self.name} engine did not start within {timeout:g} s; log tail:\n{self.log_tail()}"
+                )
             if os.path.exists(self.address):
                 try:
                     self.conn = Client(self.address, family="AF_UNIX", authkey=self.authkey.encode())
@@ -230,8 +264,12 @@ def model_dir(model: ModelConfig, python: Path, log) -> str:
     if not (directory / "config.json").exists():
         root.mkdir(parents=True, exist_ok=True)
         log(f"building the random-init model in {directory} ...")
-        done = subprocess.run([str(python), "-m", "bench.vllm_connector", "--build-model", str(directory),
-                               json.dumps(asdict(model))], cwd=REPO, capture_output=True, text=True)  # fmt: skip
+        done = subprocess.run(
+            [str(python), "-m", "bench.vllm_connector", "--build-model", str(directory), json.dumps(asdict(model))],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0:
             raise RuntimeError(f"building the model failed:\n{done.stderr[-3000:]}")
     return str(directory)
@@ -247,9 +285,15 @@ def omp_bind() -> str:
 
 
 def engine_env(extra: dict | None = None) -> dict:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-           "VLLM_CPU_OMP_THREADS_BIND": omp_bind(), "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false",
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}  # fmt: skip
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        "VLLM_CPU_OMP_THREADS_BIND": omp_bind(),
+        "PYTHONPATH": str(REPO),
+        "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
     env.update(extra or {})
     return env
 
@@ -313,4 +357,3 @@ def interleave(run: Run, round_index: int, calls: list[tuple]) -> None:
     """One round: every (engine, contender, prompt) once, the order reversed on odd rounds."""
     for name, contender, prompt in calls if round_index % 2 == 0 else reversed(calls):
         run.ask(name, contender, prompt)
-

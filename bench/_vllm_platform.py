@@ -51,8 +51,15 @@ class Platform:
         env.update(KCAAS_VAR_DIR=str(self.var), KCAAS_PORT=str(self.port), KCAAS_NODE_DEVICE_BYTES=str(device_bytes))
         self.log_path = Path(workdir) / "up.log"
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "scripts/up.py"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                     stderr=self._log, text=True, start_new_session=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, "scripts/up.py"],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            start_new_session=True,
+        )
         banner = ""
         deadline = time.monotonic() + 180
         while BANNER_END not in banner:

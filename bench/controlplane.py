@@ -105,8 +105,12 @@ def bench_node():
     from kcaas.sealing import NodeSealingKey
 
     # The stand-in agent reads no key, but orders carrying keys go only to a node that registered a sealing key.
-    fleet_services.node_register(node_id=node.id, endpoint=BENCH_NODE_ENDPOINT, capacity=NODE_CAPACITY,
-                                 sealing_public_key=NodeSealingKey().public_key_b64)  # fmt: skip
+    fleet_services.node_register(
+        node_id=node.id,
+        endpoint=BENCH_NODE_ENDPOINT,
+        capacity=NODE_CAPACITY,
+        sealing_public_key=NodeSealingKey().public_key_b64,
+    )
     for other in Node.objects.filter(state=NodeState.READY).exclude(pk=node.pk).values_list("pk", flat=True):
         fleet_services.node_cordon(node_id=other)
     return Node.objects.get(pk=node.pk)
@@ -149,7 +153,10 @@ def set_up(num_caches: int, max_caches: int) -> BenchSetup:
     run = uuid.uuid4().hex[:8]
     tenant = tenant_services.tenant_create(name=f"bench-{run}")
     tenant_services.quota_update(
-        tenant=tenant, max_requests_per_second=100_000, max_data_tokens_outstanding=1_000_000, max_caches=max_caches,
+        tenant=tenant,
+        max_requests_per_second=100_000,
+        max_data_tokens_outstanding=1_000_000,
+        max_caches=max_caches,
         max_device_bytes=NODE_CAPACITY["device"],
     )
     key = tenant_services.api_key_issue(tenant=tenant, scopes=["caches:read", "caches:write"]).raw_key
@@ -175,9 +182,24 @@ def free_port() -> int:
 def start_server(env: dict, port: int) -> subprocess.Popen:
     server_env = {**os.environ, **env, "PYTHONPATH": f"{REPO / 'platform'}:{REPO}"}
     command = [
-        sys.executable, "-m", "gunicorn", "controlplane.wsgi:application", "--bind", f"127.0.0.1:{port}",
-        "--workers", "2", "--worker-class", "gthread", "--threads", "4", "--keep-alive", "30",
-        "--log-level", "warning", "--chdir", str(REPO),
+        sys.executable,
+        "-m",
+        "gunicorn",
+        "controlplane.wsgi:application",
+        "--bind",
+        f"127.0.0.1:{port}",
+        "--workers",
+        "2",
+        "--worker-class",
+        "gthread",
+        "--threads",
+        "4",
+        "--keep-alive",
+        "30",
+        "--log-level",
+        "warning",
+        "--chdir",
+        str(REPO),
     ]
     server = subprocess.Popen(command, env=server_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 30
@@ -197,8 +219,21 @@ def start_control_worker(env: dict, log) -> subprocess.Popen:
     """The control plane's Celery worker on the `control` queue: it records the node's answers (ready, detached)."""
     worker_env = {**os.environ, **env, "PYTHONPATH": f"{REPO / 'platform'}:{REPO}"}
     command = [
-        sys.executable, "-m", "celery", "-A", "controlplane", "worker", "-Q", "control", "-P", "solo",
-        "--without-mingle", "--without-gossip", "--without-heartbeat", "-l", "warning",
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "controlplane",
+        "worker",
+        "-Q",
+        "control",
+        "-P",
+        "solo",
+        "--without-mingle",
+        "--without-gossip",
+        "--without-heartbeat",
+        "-l",
+        "warning",
     ]
     return subprocess.Popen(command, env=worker_env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=log)
 
@@ -234,7 +269,12 @@ class StandInNode(threading.Thread):
 
         from fleet import services as fleet_services
         from kcaas.node_messages import (
-            CONTROL_QUEUE, DETACH_RESULT_TASK, DETACH_TASK, PROVISION_RESULT_TASK, PROVISION_TASK, node_queue,
+            CONTROL_QUEUE,
+            DETACH_RESULT_TASK,
+            DETACH_TASK,
+            PROVISION_RESULT_TASK,
+            PROVISION_TASK,
+            node_queue,
         )
 
         sender = Celery("kcaas-bench-node", broker=self.broker_url)
@@ -245,8 +285,9 @@ class StandInNode(threading.Thread):
         def answer(body, message) -> None:
             task, args = message.headers.get("task"), body[0]
             if task == PROVISION_TASK:
-                sender.send_task(PROVISION_RESULT_TASK, args=[args[0], self.node_id, True, "", self.endpoint],
-                                 queue=CONTROL_QUEUE)  # fmt: skip
+                sender.send_task(
+                    PROVISION_RESULT_TASK, args=[args[0], self.node_id, True, "", self.endpoint], queue=CONTROL_QUEUE
+                )
             elif task == DETACH_TASK:
                 sender.send_task(DETACH_RESULT_TASK, args=[args[0], self.node_id], queue=CONTROL_QUEUE)
             message.ack()
@@ -259,7 +300,7 @@ class StandInNode(threading.Thread):
                 while not self.stopping.is_set():
                     try:
                         broker.drain_events(timeout=0.1)
-                    except socket.timeout:
+                    except TimeoutError:
                         pass
                     if time.monotonic() >= next_heartbeat:
                         fleet_services.node_heartbeat(node_id=uuid.UUID(self.node_id), capacity=NODE_CAPACITY)
@@ -275,8 +316,9 @@ class StandInNode(threading.Thread):
         self.join(timeout=10)
 
 
-def _json_call(connection: http.client.HTTPConnection, method: str, path: str, headers: dict,
-               body: bytes | None = None) -> tuple[int, dict]:  # fmt: skip
+def _json_call(
+    connection: http.client.HTTPConnection, method: str, path: str, headers: dict, body: bytes | None = None
+) -> tuple[int, dict]:
     connection.request(method, path, body=body, headers=headers)
     response = connection.getresponse()
     payload = response.read()
@@ -294,8 +336,14 @@ def attach_connection(port: int):
         connection.close()
 
 
-def attach_once(connection: http.client.HTTPConnection, raw_key: str, name: str, *, ready_timeout: float,
-                poll_seconds: float = 0.005) -> tuple[float, float]:  # fmt: skip
+def attach_once(
+    connection: http.client.HTTPConnection,
+    raw_key: str,
+    name: str,
+    *,
+    ready_timeout: float,
+    poll_seconds: float = 0.005,
+) -> tuple[float, float]:
     """POST /api/v1/caches, then GET the cache until it is ready: (seconds until the 201, seconds until ready)."""
     from kcaas.spec import KVCacheSpec
 
@@ -303,8 +351,9 @@ def attach_once(connection: http.client.HTTPConnection, raw_key: str, name: str,
     spec = KVCacheSpec("bench-model@1", 32, 8, 128, 16, "float16", "float16").to_dict()
     body = json.dumps({"name": name, "spec": spec, "capacity": ATTACH_CAPACITY}).encode()
     begin = time.perf_counter()
-    status, attached = _json_call(connection, "POST", "/api/v1/caches", {**auth, "Content-Type": "application/json"},
-                                  body)  # fmt: skip
+    status, attached = _json_call(
+        connection, "POST", "/api/v1/caches", {**auth, "Content-Type": "application/json"}, body
+    )
     answered = time.perf_counter() - begin
     if status != 201:
         raise SystemExit(f"attach: HTTP {status} {attached}")
@@ -371,8 +420,11 @@ def operations(raw_key: str, cache_id: str) -> list[Operation]:
         Operation("whoami", "GET", "/api/v1/whoami", auth),
         Operation("list", "GET", "/api/v1/caches?limit=20", auth),
         Operation(
-            "token", "POST", f"/api/v1/caches/{cache_id}/tokens",
-            {**auth, "Content-Type": "application/json"}, json.dumps({"access": "read"}).encode(),
+            "token",
+            "POST",
+            f"/api/v1/caches/{cache_id}/tokens",
+            {**auth, "Content-Type": "application/json"},
+            json.dumps({"access": "read"}).encode(),
         ),
     ]
 
@@ -416,8 +468,9 @@ def main(argv: list[str] | None = None) -> int:
                     runs[op.name].append(drive(port, op, num_requests, concurrency))
                 with attach_connection(port) as attacher:  # a new one: the server closes a connection idle for 30 s
                     for index in range(attaches_per_round):
-                        answered, ready = attach_once(attacher, setup.raw_key, f"attach-{run}-{round_index}-{index}",
-                                                      ready_timeout=20)  # fmt: skip
+                        answered, ready = attach_once(
+                            attacher, setup.raw_key, f"attach-{run}-{round_index}-{index}", ready_timeout=20
+                        )
                         attach_s.append(answered)
                         ready_s.append(ready)
         except BaseException:
@@ -439,20 +492,28 @@ def main(argv: list[str] | None = None) -> int:
     }
     attach_s.sort()
     ready_s.sort()
-    print(f"bench.controlplane ({'quick' if args.quick else 'full'}): gunicorn 2 gthread workers x 4 threads, "
-          f"{concurrency} keep-alive client connections, median of {rounds} rounds of {num_requests} requests; "
-          f"{len(attach_s)} attaches one at a time")
+    print(
+        f"bench.controlplane ({'quick' if args.quick else 'full'}): gunicorn 2 gthread workers x 4 threads, "
+        f"{concurrency} keep-alive client connections, median of {rounds} rounds of {num_requests} requests; "
+        f"{len(attach_s)} attaches one at a time"
+    )
     print(f"  {'operation':<14}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}")
     for name, values in figures.items():
         print(f"  {name:<14}{values['rps']:>10.0f}{values['p50_ms']:>10.2f}{values['p99_ms']:>10.2f}")
     attach_rows = {"attach": attach_s, "attach->ready": ready_s}
     for name, values in attach_rows.items():
-        print(f"  {name:<14}{len(values) / sum(values):>10.1f}{statistics.median(values) * 1e3:>10.2f}"
-              f"{percentile(values, 0.99) * 1e3:>10.2f}")  # fmt: skip
-    print("  attach: POST /api/v1/caches until 201; attach->ready: until GET shows ready (a stand-in node answers "
-          "at once, a real control worker records it; polled every 5 ms)")
-    print(f"  node {BENCH_NODE} registered again; caches earlier runs left on it, released at the start: "
-          f"{setup.released}; this run's {num_caches + warmup_attaches + len(attach_s)}, released at the end")
+        print(
+            f"  {name:<14}{len(values) / sum(values):>10.1f}{statistics.median(values) * 1e3:>10.2f}"
+            f"{percentile(values, 0.99) * 1e3:>10.2f}"
+        )
+    print(
+        "  attach: POST /api/v1/caches until 201; attach->ready: until GET shows ready (a stand-in node answers "
+        "at once, a real control worker records it; polled every 5 ms)"
+    )
+    print(
+        f"  node {BENCH_NODE} registered again; caches earlier runs left on it, released at the start: "
+        f"{setup.released}; this run's {num_caches + warmup_attaches + len(attach_s)}, released at the end"
+    )
     result = {
         "auth_overhead_ms": figures["whoami"]["p50_ms"] - figures["healthz"]["p50_ms"],
         "list_p99_ms": figures["list"]["p99_ms"],

@@ -56,15 +56,31 @@ class BenchConfig:
 
 
 QUICK = BenchConfig(rounds=5, warmup_rounds=1, ops_per_round=3, lookup_samples=300)
-FULL = BenchConfig(rounds=11, warmup_rounds=2, ops_per_round=8, lookup_samples=2000, sweep_rounds=5, size_rounds=7,
-                   size_budget_s=0.4, client_seconds=2.0, client_rounds=5)  # fmt: skip
+FULL = BenchConfig(
+    rounds=11,
+    warmup_rounds=2,
+    ops_per_round=8,
+    lookup_samples=2000,
+    sweep_rounds=5,
+    size_rounds=7,
+    size_budget_s=0.4,
+    client_seconds=2.0,
+    client_rounds=5,
+)
 
 
 def llama3_8b_like_spec(num_layers: int = 32):
     from kcaas.spec import KVCacheSpec
 
-    return KVCacheSpec(model_fingerprint="llama-3-8b-like", num_layers=num_layers, num_kv_heads=8, head_dim=128,
-                       block_size=16, kv_dtype="float16", storage_dtype="float16")  # fmt: skip
+    return KVCacheSpec(
+        model_fingerprint="llama-3-8b-like",
+        num_layers=num_layers,
+        num_kv_heads=8,
+        head_dim=128,
+        block_size=16,
+        kv_dtype="float16",
+        storage_dtype="float16",
+    )
 
 
 # ---- pure helpers (tested in tests/bench/test_dataplane_bench.py) -------------------------------------------------
@@ -100,8 +116,6 @@ def median_rounds(contenders: dict, rounds: int, warmup_rounds: int) -> dict[str
     return {name: statistics.median(v) for name, v in values.items()}
 
 
-
-
 # ---- the run --------------------------------------------------------------------------------------------------------
 SWEEP_FRAME_BYTES = 32 * MIB  # with 4 layers: a frame of 2,047 tokens, as 256 MiB frames are for all 32
 PAIR_TOKENS = 64  # the two-client comparisons move 8 MiB gets (one frame on either node)
@@ -118,9 +132,16 @@ def _node_configs(cfg: BenchConfig) -> tuple[dict, dict]:
     size_cache = 6 * max(cfg.sizes) + cfg.half_hit_tokens * (4 << 10) + (64 << 20)
     sweep = (max(cfg.sweep_lengths) + 4096) * (16 << 10)
     pair = 4 * PAIR_TOKENS * (128 << 10)
-    one_config = {"caches": {CACHE_ID: (full, headline), "c_size": (one, size_cache), "c_pair_a": (full, pair),
-                             "c_pair_b": (full, pair)},
-                  "max_frame_bytes": 256 * MIB, "raw_bytes": op_bytes}  # fmt: skip
+    one_config = {
+        "caches": {
+            CACHE_ID: (full, headline),
+            "c_size": (one, size_cache),
+            "c_pair_a": (full, pair),
+            "c_pair_b": (full, pair),
+        },
+        "max_frame_bytes": 256 * MIB,
+        "raw_bytes": op_bytes,
+    }
     two_config = {"caches": {"c_sweep": (four, sweep), "c_pair_b2": (full, pair)}, "max_frame_bytes": SWEEP_FRAME_BYTES}
     return one_config, two_config
 
@@ -136,7 +157,8 @@ def run(cfg: BenchConfig, mode: str) -> dict:
     import numpy as np
     import torch
 
-    from bench import _dataplane_headline as headline, _dataplane_sweeps as sweeps
+    from bench import _dataplane_headline as headline
+    from bench import _dataplane_sweeps as sweeps
     from bench._dataplane_node import NodeProcess, make_pki, make_signing, make_token
     from bench._redis_peer import PrivateRedis
     from kcaas.dataplane import DataPlaneClient
@@ -144,11 +166,21 @@ def run(cfg: BenchConfig, mode: str) -> dict:
     spec = llama3_8b_like_spec()
     op_tokens = BLOCKS_PER_OP * spec.block_size
     n_ops = cfg.ops_per_round
-    r: dict = {"mode": mode, "cpu_count": os.cpu_count(), "loadavg_1min_at_start": os.getloadavg()[0],
-               "torch": torch.__version__, "op_tokens": op_tokens, "op_bytes": op_tokens * spec.kv_bytes_per_token,
-               "block_bytes": spec.block_bytes, "kv_bytes_per_token": spec.kv_bytes_per_token, "ops_per_round": n_ops,
-               "rounds": cfg.rounds, "warmup_rounds": cfg.warmup_rounds, "ssl": ssl.OPENSSL_VERSION,
-               "ktls": _ktls_note()}  # fmt: skip
+    r: dict = {
+        "mode": mode,
+        "cpu_count": os.cpu_count(),
+        "loadavg_1min_at_start": os.getloadavg()[0],
+        "torch": torch.__version__,
+        "op_tokens": op_tokens,
+        "op_bytes": op_tokens * spec.kv_bytes_per_token,
+        "block_bytes": spec.block_bytes,
+        "kv_bytes_per_token": spec.kv_bytes_per_token,
+        "ops_per_round": n_ops,
+        "rounds": cfg.rounds,
+        "warmup_rounds": cfg.warmup_rounds,
+        "ssl": ssl.OPENSSL_VERSION,
+        "ktls": _ktls_note(),
+    }
     started = time.perf_counter()
     workdir = tempfile.mkdtemp(prefix="kcaas-bench-dp-")
     pki = make_pki(workdir)
@@ -163,9 +195,14 @@ def run(cfg: BenchConfig, mode: str) -> dict:
         client_ctx.minimum_version = ssl.TLSVersion.TLSv1_3
 
         def client(node, cache_id, layers=32, tls=False):
-            made = DataPlaneClient(node.info["endpoint"] if tls else None, make_token(private, jwks, cache_id), cache_id,
-                                   llama3_8b_like_spec(layers), ssl_context=client_ctx if tls else None,
-                                   uds_path=None if tls else node.info["uds"])  # fmt: skip
+            made = DataPlaneClient(
+                node.info["endpoint"] if tls else None,
+                make_token(private, jwks, cache_id),
+                cache_id,
+                llama3_8b_like_spec(layers),
+                ssl_context=client_ctx if tls else None,
+                uds_path=None if tls else node.info["uds"],
+            )
             closers.append(made.close)
             return made
 
@@ -187,32 +224,50 @@ def run(cfg: BenchConfig, mode: str) -> dict:
         shape = (spec.num_layers, 2, op_tokens, spec.num_kv_heads, spec.head_dim)
         kvs = [torch.randn(shape, generator=gen, dtype=torch.float32).to(torch.float16) for _ in range(n_ops)]
         lookup_ids = np.arange(10, 10 + cfg.lookup_tokens, dtype=np.int32)
-        assert uds.put(lookup_ids, torch.zeros((32, 2, cfg.lookup_tokens, 8, 128), dtype=torch.float16))[
-            "num_cached"] == cfg.lookup_tokens  # fmt: skip
+        assert (
+            uds.put(lookup_ids, torch.zeros((32, 2, cfg.lookup_tokens, 8, 128), dtype=torch.float16))["num_cached"]
+            == cfg.lookup_tokens
+        )
         get_ids = [np.asarray(token_range(i, op_tokens, base=200_000), dtype=np.int32) for i in range(n_ops)]
         uds.put_batch(list(zip(get_ids, kvs)))
         n, got = tls.get(get_ids[0])
         assert n == op_tokens and torch.equal(got, kvs[0]), "get over TLS returned other bytes"
         del got
 
-        found = headline.contenders(tls, uds, raw_tls, raw_uds, spec, n_ops, redis.client if redis else None,
-                                    get_ids, kvs)  # fmt: skip
+        found = headline.contenders(
+            tls, uds, raw_tls, raw_uds, spec, n_ops, redis.client if redis else None, get_ids, kvs
+        )
         r.update(median_rounds(found, cfg.rounds, cfg.warmup_rounds))
         latency = headline.lookup_latency(tls, lookup_ids, cfg.lookup_samples, percentile)
-        r.update(lookup_p50_us=latency["p50"], lookup_p99_us=latency["p99"], lookup_tokens=cfg.lookup_tokens,
-                 lookup_samples=cfg.lookup_samples)  # fmt: skip
+        r.update(
+            lookup_p50_us=latency["p50"],
+            lookup_p99_us=latency["p99"],
+            lookup_tokens=cfg.lookup_tokens,
+            lookup_samples=cfg.lookup_samples,
+        )
 
         print("bench.dataplane: by request length ...", file=sys.stderr)
-        r.update(sweeps.by_tokens(client(two, "c_sweep", layers=4), llama3_8b_like_spec(4), list(cfg.sweep_lengths),
-                                  cfg.sweep_rounds))  # fmt: skip
+        r.update(
+            sweeps.by_tokens(
+                client(two, "c_sweep", layers=4), llama3_8b_like_spec(4), list(cfg.sweep_lengths), cfg.sweep_rounds
+            )
+        )
         by = r["put_gbps_by_tokens"]
         r["long_put_vs_short_put"] = ratio(by.get("8192", float("nan")), by.get("1024", float("nan")))
 
         size_client = client(one, "c_size", layers=1)
         if redis is not None:
             print("bench.dataplane: by operation size against Redis ...", file=sys.stderr)
-            r.update(sweeps.by_size(size_client, redis.client, llama3_8b_like_spec(1), list(cfg.sizes),
-                                    cfg.size_rounds, cfg.size_budget_s))  # fmt: skip
+            r.update(
+                sweeps.by_size(
+                    size_client,
+                    redis.client,
+                    llama3_8b_like_spec(1),
+                    list(cfg.sizes),
+                    cfg.size_rounds,
+                    cfg.size_budget_s,
+                )
+            )
             r["small_get_vs_redis"] = r["get_vs_redis_by_size"].get("64KiB")
         full = np.arange(3_000_000, 3_000_000 + cfg.half_hit_tokens, dtype=np.int32)
         half = np.concatenate([full[: cfg.half_hit_tokens // 2], full[cfg.half_hit_tokens // 2 :] + 10_000_000])
@@ -248,21 +303,29 @@ def _client_phases(ctx, cfg: BenchConfig, one, two, private, jwks, get_ids: list
     full = dataclasses.asdict(llama3_8b_like_spec())
     pair_ids = [list(range(7_000_000 + i * 1000, 7_000_000 + i * 1000 + PAIR_TOKENS)) for i in range(2)]
     for node, cache_id in ((one, "c_pair_a"), (one, "c_pair_b"), (two, "c_pair_b2")):
-        with DataPlaneClient(None, make_token(private, jwks, cache_id), cache_id, llama3_8b_like_spec(),
-                             uds_path=node.info["uds"]) as filler:  # fmt: skip
+        with DataPlaneClient(
+            None, make_token(private, jwks, cache_id), cache_id, llama3_8b_like_spec(), uds_path=node.info["uds"]
+        ) as filler:
             kv = torch.ones((32, 2, PAIR_TOKENS, 8, 128), dtype=torch.float16)
             filler.put_batch([(np.asarray(ids, dtype=np.int32), kv) for ids in pair_ids])
     headline_ids = [ids.tolist() for ids in get_ids]
-    specs = [(one.info["uds"], make_token(private, jwks, CACHE_ID), CACHE_ID, full, headline_ids, None)
-             for _ in range(max(cfg.client_counts))]  # fmt: skip
-    specs += [(node.info["uds"], make_token(private, jwks, cache_id), cache_id, full, pair_ids, None)
-              for node, cache_id in ((one, "c_pair_a"), (one, "c_pair_b"), (two, "c_pair_b2"))]  # fmt: skip
+    specs = [
+        (one.info["uds"], make_token(private, jwks, CACHE_ID), CACHE_ID, full, headline_ids, None)
+        for _ in range(max(cfg.client_counts))
+    ]
+    specs += [
+        (node.info["uds"], make_token(private, jwks, cache_id), cache_id, full, pair_ids, None)
+        for node, cache_id in ((one, "c_pair_a"), (one, "c_pair_b"), (two, "c_pair_b2"))
+    ]
     clients = sweeps.Clients(ctx, specs)
     try:
         found = sweeps.by_clients(clients, one, list(cfg.client_counts), cfg.client_seconds, cfg.client_rounds)
         pa = max(cfg.client_counts)
-        found.update(sweeps.processes_vs_one(clients, one, two, [pa, pa + 1], [pa, pa + 2], cfg.client_seconds,
-                                             cfg.client_rounds))  # fmt: skip
+        found.update(
+            sweeps.processes_vs_one(
+                clients, one, two, [pa, pa + 1], [pa, pa + 2], cfg.client_seconds, cfg.client_rounds
+            )
+        )
     finally:
         clients.close()
     return found
@@ -291,7 +354,9 @@ def _ktls_note() -> str:
             available = ulp.read().split()
     except OSError:
         return "unknown (no /proc/sys/net/ipv4/tcp_available_ulp)"
-    return "available (tls ULP)" if "tls" in available else f"not on this kernel (ULPs: {' '.join(available) or 'none'})"
+    return (
+        "available (tls ULP)" if "tls" in available else f"not on this kernel (ULPs: {' '.join(available) or 'none'})"
+    )
 
 
 def _table(r: dict) -> str:

@@ -81,13 +81,31 @@ class BenchConfig:
 
 
 QUICK = BenchConfig(
-    pool_bytes=3 * GIB // 2, seq_tokens=2048, rounds=7, warmup_rounds=2, lookup_num_seqs=64, lookup_seq_tokens=4096,
-    sim_pool_blocks=8192, sim_num_requests=4000, alloc_pool_blocks=100_000, alloc_batch=256, alloc_cycles=200,
+    pool_bytes=3 * GIB // 2,
+    seq_tokens=2048,
+    rounds=7,
+    warmup_rounds=2,
+    lookup_num_seqs=64,
+    lookup_seq_tokens=4096,
+    sim_pool_blocks=8192,
+    sim_num_requests=4000,
+    alloc_pool_blocks=100_000,
+    alloc_batch=256,
+    alloc_cycles=200,
     churn_pool_bytes=3 * GIB // 2,
 )
 FULL = BenchConfig(
-    pool_bytes=7 * GIB, seq_tokens=2048, rounds=15, warmup_rounds=3, lookup_num_seqs=256, lookup_seq_tokens=4096,
-    sim_pool_blocks=16384, sim_num_requests=12000, alloc_pool_blocks=100_000, alloc_batch=256, alloc_cycles=400,
+    pool_bytes=7 * GIB,
+    seq_tokens=2048,
+    rounds=15,
+    warmup_rounds=3,
+    lookup_num_seqs=256,
+    lookup_seq_tokens=4096,
+    sim_pool_blocks=16384,
+    sim_num_requests=12000,
+    alloc_pool_blocks=100_000,
+    alloc_batch=256,
+    alloc_cycles=400,
     churn_pool_bytes=3 * GIB,
 )
 
@@ -472,8 +490,12 @@ def measure_lookup(cfg: BenchConfig, device: torch.device, main_spec: KVCacheSpe
         return _timed(lambda: [_expect(prehashed_probe(h, spec.block_size, sha_index), full) for h in prehashed])
 
     contenders = {
-        "engine": engine, "engine_lists": engine_lists, "engine_half": engine_half, "sha256": sha256,
-        "sha256_hash_once": sha256_hash_once, "probe": probe,
+        "engine": engine,
+        "engine_lists": engine_lists,
+        "engine_half": engine_half,
+        "sha256": sha256,
+        "sha256_hash_once": sha256_hash_once,
+        "probe": probe,
     }
     seconds = _median_rounds(contenders, cfg.rounds, cfg.warmup_rounds)
     total = num_seqs * seq_tokens
@@ -733,52 +755,108 @@ def _or_never(value: float | None) -> str:
 def _table(results: dict) -> str:
     r = results
     rows = [
-        (f"put (new {r['put_get_seq_tokens']}-token seqs)", f"{r['put_gbps']:.2f} GB/s",
-         f"{r['put_vs_memcpy']:.2f} x memcpy (>= 0.8)"),
-        ("put, churned pool", f"{r['put_churned_gbps']:.2f} GB/s",
-         f"{r['put_churned_vs_memcpy']:.2f} x memcpy, {r['put_churned_vs_put']:.2f} x put into free blocks; "
-         f"{r['put_churned_evicted_blocks_per_put']:.0f} blocks evicted per put"),
-        ("get (cached seqs, out=)", f"{r['get_gbps']:.2f} GB/s",
-         f"{r['get_vs_memcpy']:.2f} x memcpy (>= 0.8); into a reused staging buffer"),
+        (
+            f"put (new {r['put_get_seq_tokens']}-token seqs)",
+            f"{r['put_gbps']:.2f} GB/s",
+            f"{r['put_vs_memcpy']:.2f} x memcpy (>= 0.8)",
+        ),
+        (
+            "put, churned pool",
+            f"{r['put_churned_gbps']:.2f} GB/s",
+            f"{r['put_churned_vs_memcpy']:.2f} x memcpy, {r['put_churned_vs_put']:.2f} x put into free blocks; "
+            f"{r['put_churned_evicted_blocks_per_put']:.0f} blocks evicted per put",
+        ),
+        (
+            "get (cached seqs, out=)",
+            f"{r['get_gbps']:.2f} GB/s",
+            f"{r['get_vs_memcpy']:.2f} x memcpy (>= 0.8); into a reused staging buffer",
+        ),
         ("memcpy (touched dst)", f"{r['memcpy_gbps']:.2f} GB/s", "dst.copy_(src), same bytes"),
-        ("get, fresh output", f"{r['get_fresh_out_gbps']:.2f} GB/s",
-         f"{r['get_fresh_out_vs_memcpy_fresh']:.2f} x memcpy into fresh memory"),
+        (
+            "get, fresh output",
+            f"{r['get_fresh_out_gbps']:.2f} GB/s",
+            f"{r['get_fresh_out_vs_memcpy_fresh']:.2f} x memcpy into fresh memory",
+        ),
         ("memcpy (fresh dst)", f"{r['memcpy_fresh_gbps']:.2f} GB/s", "first touch of new pages"),
-        ("  put: write_kv share", f"{r['put_write_kv_fraction']:.0%}",
-         f"the engine's own work: {r['put_engine_overhead_ms']:.2f} ms/put"),
-        ("  churned put: write_kv", f"{r['put_churned_write_kv_fraction']:.0%}",
-         f"the engine's own work: {r['put_churned_engine_overhead_ms']:.2f} ms/put"),
-        ("  get: read_kv share", f"{r['get_read_kv_fraction']:.0%}",
-         f"the engine's own work: {r['get_engine_overhead_ms']:.2f} ms/get"),
-        ("lookup, list input", f"{r['lookup_tokens_per_s_list_input'] / 1e6:.1f} M tok/s",
-         f"{r['lookup_speedup_vs_sha256']:.2f} x sha256 loop, both on Python lists (>= 5)"),
-        ("  vs hash once + probe", f"{r['lookup_vs_prehashed_probe']:.2f} x",
-         f"vLLM hashes a request once, then probes; {r['lookup_prehashed_lookups_per_request']} lookups/request "
-         f"(1 lookup: {r['lookup_vs_prehashed_probe_1_lookup']:.2f} x; break-even at "
-         f"{_or_never(r['lookup_prehashed_breakeven_lookups'])} lookups/request)"),
-        ("lookup, numpy input", f"{r['lookup_tokens_per_s'] / 1e6:.1f} M tok/s",
-         f"{r['lookup_speedup_vs_sha256_numpy_input']:.2f} x sha256 loop on lists (not like for like)"),
-        ("lookup, half cached", f"{r['lookup_half_hit_vs_full_hit']:.2f} x full hit",
-         f"{r['lookup_half_hit_us']:.0f} us vs {r['lookup_full_hit_us']:.0f} us, same length, numpy input (<= 0.6)"),
+        (
+            "  put: write_kv share",
+            f"{r['put_write_kv_fraction']:.0%}",
+            f"the engine's own work: {r['put_engine_overhead_ms']:.2f} ms/put",
+        ),
+        (
+            "  churned put: write_kv",
+            f"{r['put_churned_write_kv_fraction']:.0%}",
+            f"the engine's own work: {r['put_churned_engine_overhead_ms']:.2f} ms/put",
+        ),
+        (
+            "  get: read_kv share",
+            f"{r['get_read_kv_fraction']:.0%}",
+            f"the engine's own work: {r['get_engine_overhead_ms']:.2f} ms/get",
+        ),
+        (
+            "lookup, list input",
+            f"{r['lookup_tokens_per_s_list_input'] / 1e6:.1f} M tok/s",
+            f"{r['lookup_speedup_vs_sha256']:.2f} x sha256 loop, both on Python lists (>= 5)",
+        ),
+        (
+            "  vs hash once + probe",
+            f"{r['lookup_vs_prehashed_probe']:.2f} x",
+            f"vLLM hashes a request once, then probes; {r['lookup_prehashed_lookups_per_request']} lookups/request "
+            f"(1 lookup: {r['lookup_vs_prehashed_probe_1_lookup']:.2f} x; break-even at "
+            f"{_or_never(r['lookup_prehashed_breakeven_lookups'])} lookups/request)",
+        ),
+        (
+            "lookup, numpy input",
+            f"{r['lookup_tokens_per_s'] / 1e6:.1f} M tok/s",
+            f"{r['lookup_speedup_vs_sha256_numpy_input']:.2f} x sha256 loop on lists (not like for like)",
+        ),
+        (
+            "lookup, half cached",
+            f"{r['lookup_half_hit_vs_full_hit']:.2f} x full hit",
+            f"{r['lookup_half_hit_us']:.0f} us vs {r['lookup_full_hit_us']:.0f} us, same length, numpy input (<= 0.6)",
+        ),
         ("sha256 chain + dict", f"{r['sha256_baseline_tokens_per_s'] / 1e6:.1f} M tok/s", "vLLM-style, per full block"),
-        ("sha256, hashing once", f"{r['sha256_hash_once_tokens_per_s'] / 1e6:.1f} M tok/s",
-         "vLLM's per-request hashing (on arrival)"),
-        ("probe of prehashed", f"{r['prehashed_probe_tokens_per_s'] / 1e6:.1f} M tok/s",
-         "vLLM's lookup of a hashed request: dict.get per block"),
-        ("utilization (paged)", f"{r['utilization']:.4f}",
-         f"{r['utilization_vs_paged_baseline']:.3f} x paged baseline (>= 0.97 absolute)"),
-        ("paged baseline util.", f"{r['paged_baseline_utilization']:.4f}",
-         "vLLM-style paging, no prefix sharing, same requests and steps"),
-        ("pool occupancy", f"{r['pool_occupancy']:.4f}",
-         f"blocks in use / pool blocks; {r['sim_preemptions']} preemptions, {r['sim_num_requests']} requests"),
-        ("utilization, 1% watermark", f"{r['utilization_watermark_1pct']:.4f}",
-         f"occupancy {r['pool_occupancy_watermark_1pct']:.4f}, {r['sim_preemptions_watermark_1pct']} preemptions"),
-        ("static prealloc util.", f"{r['static_prealloc_utilization']:.4f}",
-         f"strawman: reserve prompt + (2048 - prompt); paged is {r['utilization_vs_static_prealloc']:.2f} x"),
-        ("static, output->256", f"{r['static_prealloc_round256_utilization']:.4f}",
-         "reserve prompt + output rounded up to 256"),
-        ("alloc+release", f"{r['alloc_free_blocks_per_s'] / 1e6:.2f} M blocks/s",
-         f"batch {r['alloc_batch']} (>= 1 M)"),
+        (
+            "sha256, hashing once",
+            f"{r['sha256_hash_once_tokens_per_s'] / 1e6:.1f} M tok/s",
+            "vLLM's per-request hashing (on arrival)",
+        ),
+        (
+            "probe of prehashed",
+            f"{r['prehashed_probe_tokens_per_s'] / 1e6:.1f} M tok/s",
+            "vLLM's lookup of a hashed request: dict.get per block",
+        ),
+        (
+            "utilization (paged)",
+            f"{r['utilization']:.4f}",
+            f"{r['utilization_vs_paged_baseline']:.3f} x paged baseline (>= 0.97 absolute)",
+        ),
+        (
+            "paged baseline util.",
+            f"{r['paged_baseline_utilization']:.4f}",
+            "vLLM-style paging, no prefix sharing, same requests and steps",
+        ),
+        (
+            "pool occupancy",
+            f"{r['pool_occupancy']:.4f}",
+            f"blocks in use / pool blocks; {r['sim_preemptions']} preemptions, {r['sim_num_requests']} requests",
+        ),
+        (
+            "utilization, 1% watermark",
+            f"{r['utilization_watermark_1pct']:.4f}",
+            f"occupancy {r['pool_occupancy_watermark_1pct']:.4f}, {r['sim_preemptions_watermark_1pct']} preemptions",
+        ),
+        (
+            "static prealloc util.",
+            f"{r['static_prealloc_utilization']:.4f}",
+            f"strawman: reserve prompt + (2048 - prompt); paged is {r['utilization_vs_static_prealloc']:.2f} x",
+        ),
+        (
+            "static, output->256",
+            f"{r['static_prealloc_round256_utilization']:.4f}",
+            "reserve prompt + output rounded up to 256",
+        ),
+        ("alloc+release", f"{r['alloc_free_blocks_per_s'] / 1e6:.2f} M blocks/s", f"batch {r['alloc_batch']} (>= 1 M)"),
         ("alloc with eviction", f"{r['alloc_evict_blocks_per_s'] / 1e6:.2f} M blocks/s", "every block evicted"),
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]

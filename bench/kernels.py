@@ -104,8 +104,9 @@ def bench_attention(device, batch: int, seq_len: int, reps: int, measure) -> dic
     seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
     q = torch.randn((batch, NUM_Q_HEADS, HEAD_DIM), device=device).to(DTYPE)
     gathered = pool[block_tables.long(), 0]  # [B, pages, 2, bs, H, D]
-    k, v = (gathered[:, :, i].reshape(batch, seq_len, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
-            for i in range(2))
+    k, v = (
+        gathered[:, :, i].reshape(batch, seq_len, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2).contiguous() for i in range(2)
+    )
     q4 = q[:, :, None, :]
     out = paged_decode_attention(q, pool, None, 0, block_tables, seq_lens)
     expected = F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)[:, :, 0]
@@ -141,12 +142,23 @@ def bench_attention(device, batch: int, seq_len: int, reps: int, measure) -> dic
 def _print_table(result: dict) -> None:
     print(f"device {result['device']}  impl {result['impl']}  ({result['layout']})")
     print(f"{'op':<18}{'GB/s':>10}{'x memcpy':>10}")
-    for op in ("memcpy", "write", "read", "read_alloc", "copy", "write_scattered", "read_scattered", "write_int8",
-               "read_int8"):
+    for op in (
+        "memcpy",
+        "write",
+        "read",
+        "read_alloc",
+        "copy",
+        "write_scattered",
+        "read_scattered",
+        "write_int8",
+        "read_int8",
+    ):
         gbps = result[f"{op}_gbps"]
         print(f"{op:<18}{gbps:>10.2f}{gbps / result['memcpy_gbps']:>10.2f}")
-    print(f"{'paged attention':<18}{result['attn_ms']:>9.3f} ms   ({result['attn_gbps']:.1f} GB/s of K/V; "
-          f"{result['attn_kernel_ms']:.3f} ms without input checks)")
+    print(
+        f"{'paged attention':<18}{result['attn_ms']:>9.3f} ms   ({result['attn_gbps']:.1f} GB/s of K/V; "
+        f"{result['attn_kernel_ms']:.3f} ms without input checks)"
+    )
     print(f"{'sdpa (gathered)':<18}{result['sdpa_ms']:>9.3f} ms   sdpa/attn = {result['attn_vs_sdpa']:.2f}")
 
 

@@ -34,8 +34,15 @@ QUICK = {"num_blocks": 96, "rounds": 3}
 FULL = {"num_blocks": 512, "rounds": 5}
 # A Llama-3-8B-like layout: 32 layers x 8 KV heads x 128 dims, fp16, 16 tokens per block = 2 MiB per block.
 IDS = {"src": "6e0de000-0000-4000-8000-0000000000c1", "dst": "6e0de000-0000-4000-8000-0000000000c2"}
-SPEC = KVCacheSpec(model_fingerprint="bench-llama@1", num_layers=32, num_kv_heads=8, head_dim=128, block_size=16,
-                   kv_dtype="float16", storage_dtype="float16")  # fmt: skip
+SPEC = KVCacheSpec(
+    model_fingerprint="bench-llama@1",
+    num_layers=32,
+    num_kv_heads=8,
+    head_dim=128,
+    block_size=16,
+    kv_dtype="float16",
+    storage_dtype="float16",
+)
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -66,9 +73,15 @@ def migration_round(engine, target, pki, round_id: int) -> tuple[int, float]:
     listener = MigrationListener(target, mtls_server_context(**_files(pki["dst"]))).start()
     listener.expect(Incoming(f"m{round_id}", "c", IDS["src"], 2))
     try:
-        sender = MigrationSender(engine, migration_id=f"m{round_id}", cache_id="c", epoch=2,
-                                 target_endpoint=listener.endpoint, target_node_id=IDS["dst"],
-                                 tls_context=mtls_client_context(**_files(pki["src"])))  # fmt: skip
+        sender = MigrationSender(
+            engine,
+            migration_id=f"m{round_id}",
+            cache_id="c",
+            epoch=2,
+            target_endpoint=listener.endpoint,
+            target_node_id=IDS["dst"],
+            tls_context=mtls_client_context(**_files(pki["src"])),
+        )
         started = time.perf_counter()
         stats = sender.run()
         elapsed = time.perf_counter() - started
@@ -130,10 +143,17 @@ def run(config: dict, mode: str) -> dict:
             mig.append(gbps(*migration_round(engine, target, pki, round_id)))
             raw.append(gbps(*raw_tls_round(engine, pki)))
     migration_gbps, raw_tls_gbps = statistics.median(mig), statistics.median(raw)
-    return {"bench": "migration", "mode": mode, "num_blocks": config["num_blocks"], "block_bytes": SPEC.block_bytes,
-            "bytes_per_round": config["num_blocks"] * SPEC.block_bytes, "migration_gbps": round(migration_gbps, 3),
-            "raw_tls_gbps": round(raw_tls_gbps, 3), "migration_vs_raw_tls": round(migration_gbps / raw_tls_gbps, 3),
-            "rounds": config["rounds"]}  # fmt: skip
+    return {
+        "bench": "migration",
+        "mode": mode,
+        "num_blocks": config["num_blocks"],
+        "block_bytes": SPEC.block_bytes,
+        "bytes_per_round": config["num_blocks"] * SPEC.block_bytes,
+        "migration_gbps": round(migration_gbps, 3),
+        "raw_tls_gbps": round(raw_tls_gbps, 3),
+        "migration_vs_raw_tls": round(migration_gbps / raw_tls_gbps, 3),
+        "rounds": config["rounds"],
+    }
 
 
 def main() -> None:

@@ -71,8 +71,15 @@ def tiny_llama_kv(seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq_len + 8)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=seq_len + 8,
+    )
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         out = model(torch.randint(0, 256, (1, seq_len)), use_cache=True)

@@ -32,8 +32,15 @@ from gpu_node.ssd_store import SsdStore
 from gpu_node.tiers import LowerTiers
 from kcaas.spec import KVCacheSpec
 
-SPEC = KVCacheSpec(model_fingerprint="llama-3-8b-like", num_layers=32, num_kv_heads=8, head_dim=128, block_size=16,
-                   kv_dtype="float16", storage_dtype="float16")  # fmt: skip
+SPEC = KVCacheSpec(
+    model_fingerprint="llama-3-8b-like",
+    num_layers=32,
+    num_kv_heads=8,
+    head_dim=128,
+    block_size=16,
+    kv_dtype="float16",
+    storage_dtype="float16",
+)
 GIB = 1 << 30
 KEY = os.urandom(32)
 
@@ -174,8 +181,16 @@ def main() -> None:
     torch.set_num_threads(min(4, os.cpu_count() or 1))
     r = run(args.quick, args.dir)
     rows = [
-        ("SSD store write", f"{r['ssd_write_gbps']:.2f} GB/s", f"plain write+fsync {r['disk_baseline_write_gbps']:.2f} GB/s"),
-        ("SSD store read (cold)", f"{r['ssd_read_gbps']:.2f} GB/s", f"plain cold read {r['disk_baseline_read_gbps']:.2f} GB/s"),
+        (
+            "SSD store write",
+            f"{r['ssd_write_gbps']:.2f} GB/s",
+            f"plain write+fsync {r['disk_baseline_write_gbps']:.2f} GB/s",
+        ),
+        (
+            "SSD store read (cold)",
+            f"{r['ssd_read_gbps']:.2f} GB/s",
+            f"plain cold read {r['disk_baseline_read_gbps']:.2f} GB/s",
+        ),
         ("SSD store read (page cache)", f"{r['ssd_read_pagecache_gbps']:.2f} GB/s", "RAM, not the disk"),
         ("warm restart rescan", f"{r['warm_restart_s_per_gib']:.2f} s/GiB", "every block decrypted and verified"),
         ("get, block in DRAM", f"{r['dram_hit_p50_us']:.0f} us p50", f"p99 {r['dram_hit_p99_us']:.0f} us"),

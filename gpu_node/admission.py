@@ -130,8 +130,9 @@ class TenantAdmission:
     def _refuse(self, limit: str, message: str):
         if self._on_refusal is not None:
             self._on_refusal(limit)
-        raise ProtocolError(ErrorCode.OVERLOADED, message,
-                            details={"limit": limit, "retry_after_ms": DEFAULT_RETRY_AFTER_MS})  # fmt: skip
+        raise ProtocolError(
+            ErrorCode.OVERLOADED, message, details={"limit": limit, "retry_after_ms": DEFAULT_RETRY_AFTER_MS}
+        )
 
     def usage(self, tenant: str) -> tuple[int, int, int]:
         """(connections, requests, bytes) of `tenant` now."""

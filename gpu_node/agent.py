@@ -159,7 +159,9 @@ class ControlPlane:
 
     def _post(self, path: str, body: dict) -> dict:
         request = urllib.request.Request(
-            self._base_url + path, data=json.dumps(body).encode(), method="POST",
+            self._base_url + path,
+            data=json.dumps(body).encode(),
+            method="POST",
             headers={"Authorization": f"Bearer {self._credential}", "Content-Type": "application/json"},
         )
         try:
@@ -172,8 +174,15 @@ class ControlPlane:
                 detail = {"code": "http_error", "message": error.reason}
             raise ControlPlaneError(error.code, detail.get("code", ""), detail.get("message", "")) from None
 
-    def register(self, *, endpoint: str, capacity: dict, caches: list[str] = (), csr: str | None = None,
-                 sealing_public_key: str | None = None) -> dict:  # fmt: skip
+    def register(
+        self,
+        *,
+        endpoint: str,
+        capacity: dict,
+        caches: list[str] = (),
+        csr: str | None = None,
+        sealing_public_key: str | None = None,
+    ) -> dict:
         body = {"endpoint": endpoint, "capacity": capacity, "caches": list(caches)}
         if csr is not None:
             body["csr"] = csr
@@ -255,8 +264,9 @@ class NodeAgent:
     # ---- steps ----------------------------------------------------------------------------------------------------
     def start(self) -> None:
         config = self.config
-        self.registry = CacheRegistry(device_capacity_bytes=config.device_capacity_bytes, device=config.device,
-                                      ssd_dir=config.ssd_dir)  # fmt: skip
+        self.registry = CacheRegistry(
+            device_capacity_bytes=config.device_capacity_bytes, device=config.device, ssd_dir=config.ssd_dir
+        )
         self.metrics = NodeMetrics(self.registry)
         if config.metrics_port is not None:
             self._metrics_server, _ = self.metrics.serve(config.metrics_port, config.metrics_addr)
@@ -297,8 +307,11 @@ class NodeAgent:
         those again). The answer names the caches whose blocks the node may keep (`stored_caches`): the SSD
         directories of all others are deleted (a cache detached, failed or moved away while the node was down)."""
         registration = self.control.register(
-            endpoint=self.config.endpoint, capacity=self.config.capacity, caches=self.registry.cache_ids(),
-            csr=self._register_csr(), sealing_public_key=self.sealing_key.public_key_b64,
+            endpoint=self.config.endpoint,
+            capacity=self.config.capacity,
+            caches=self.registry.cache_ids(),
+            csr=self._register_csr(),
+            sealing_public_key=self.sealing_key.public_key_b64,
         )
         self.node_id = registration["node"]["id"]
         self._install_certificate(registration)
@@ -368,36 +381,61 @@ class NodeAgent:
         to dial KCAAS_NODE_MIGRATION_ENDPOINT, else the data-plane endpoint's host at the listener's bound port (port
         0 in the listen address: any free port, still advertised right)."""
         if not self.config.migration_listen or self.identity is None or not self.identity.has_certificate:
-            logger.warning("no migration listener (KCAAS_NODE_MIGRATION_LISTEN and a node identity are needed): caches "
-                           "cannot be migrated to or from this node, so a drain of another node cannot move here")
+            logger.warning(
+                "no migration listener (KCAAS_NODE_MIGRATION_LISTEN and a node identity are needed): caches "
+                "cannot be migrated to or from this node, so a drain of another node cannot move here"
+            )
             return None
         from gpu_node.migration import MigrationListener
         from gpu_node.migration_tasks import NodeMigration
 
         host, _, port = self.config.migration_listen.rpartition(":")
-        listener = MigrationListener(self.registry, self.identity.server_context(), host.strip("[]") or "0.0.0.0",
-                                     int(port), metrics=self.metrics).start()  # fmt: skip
+        listener = MigrationListener(
+            self.registry,
+            self.identity.server_context(),
+            host.strip("[]") or "0.0.0.0",
+            int(port),
+            metrics=self.metrics,
+        ).start()
         self._migration_listener = listener
-        advertise = (self.config.migration_endpoint
-                     or f"{self.config.endpoint.rpartition(':')[0]}:{listener.address[1]}")  # the data plane's host
+        advertise = (
+            self.config.migration_endpoint or f"{self.config.endpoint.rpartition(':')[0]}:{listener.address[1]}"
+        )  # the data plane's host
         logger.info("migration listener on %s:%s, advertised as %s", *listener.address[:2], advertise)
-        return NodeMigration(registry=self.registry, node_id=self.node_id, listener=listener,
-                             client_context=self.identity.client_context(), advertise=advertise,
-                             max_bytes_per_second=self.config.migration_max_bytes_per_second)  # fmt: skip
+        return NodeMigration(
+            registry=self.registry,
+            node_id=self.node_id,
+            listener=listener,
+            client_context=self.identity.client_context(),
+            advertise=advertise,
+            max_bytes_per_second=self.config.migration_max_bytes_per_second,
+        )
 
     def _start_worker(self) -> None:
         app = build_node_app(
-            broker_url=self.config.broker_url, node_id=self.node_id, endpoint=self.config.endpoint,
-            registry=self.registry, transport_options=self.config.broker_transport_options,
-            revocations=self.revocations, migration=self._migration(), sealing_key=self.sealing_key,
+            broker_url=self.config.broker_url,
+            node_id=self.node_id,
+            endpoint=self.config.endpoint,
+            registry=self.registry,
+            transport_options=self.config.broker_transport_options,
+            revocations=self.revocations,
+            migration=self._migration(),
+            sealing_key=self.sealing_key,
         )
         # A bare WorkController (not the `celery worker` program): no signal handlers of its own (they belong to
         # the main thread), a solo pool so tasks run in this process next to the pools they act on.
         self._worker = app.WorkController(
-            app=app, queues=[node_queue(self.node_id)], pool_cls="solo", concurrency=1,
-            without_heartbeat=True, without_mingle=True, without_gossip=True, use_eventloop=False,
+            app=app,
+            queues=[node_queue(self.node_id)],
+            pool_cls="solo",
+            concurrency=1,
+            without_heartbeat=True,
+            without_mingle=True,
+            without_gossip=True,
+            use_eventloop=False,
             hostname=f"kcaas-node-{self.node_id}@localhost",
         )
+
         def run() -> None:
             app.set_current()  # the consumer resolves tasks through the current app, which is per thread
             app.set_default()
@@ -423,16 +461,21 @@ class NodeAgent:
     # ---- the data plane ---------------------------------------------------------------------------------------------
     def _start_dataplane(self) -> None:
         config = self.config
-        from_identity = bool(config.tls_from_identity and self.identity is not None and self.identity.has_certificate
-                             and not (config.tls_cert_file and config.tls_key_file))  # fmt: skip
+        from_identity = bool(
+            config.tls_from_identity
+            and self.identity is not None
+            and self.identity.has_certificate
+            and not (config.tls_cert_file and config.tls_key_file)
+        )
         tls = bool(config.tls_cert_file and config.tls_key_file) or from_identity
         if not tls and not config.uds_path:
             logger.warning("no data plane: set KCAAS_NODE_TLS_CERT and KCAAS_NODE_TLS_KEY (and/or KCAAS_NODE_UDS)")
             return
         from gpu_node.dataplane import DataPlaneServer, TokenVerifier, server_tls_context
 
-        verifier = TokenVerifier(self.control.jwks(), issuer=config.token_issuer, fetch_jwks=self.control.jwks,
-                                 revocations=self.revocations)  # fmt: skip
+        verifier = TokenVerifier(
+            self.control.jwks(), issuer=config.token_issuer, fetch_jwks=self.control.jwks, revocations=self.revocations
+        )
         host = port = None
         if tls:
             host, _, port_text = (config.listen or config.endpoint).rpartition(":")
@@ -440,17 +483,28 @@ class NodeAgent:
         context = server_tls_context(config.tls_cert_file, config.tls_key_file) if tls and not from_identity else None
         if from_identity:
             context = self.identity.dataplane_server_context()  # follows renewals; clients verify with the CA
-        self.dataplane = DataPlaneServer(self.registry, self.node_id, verifier, context, host, port or 0,
-                                         uds_path=config.uds_path, metrics=self.metrics,
-                                         tenant_limits=config.tenant_limits,
-                                         node_limits=config.node_limits).start()  # fmt: skip
+        self.dataplane = DataPlaneServer(
+            self.registry,
+            self.node_id,
+            verifier,
+            context,
+            host,
+            port or 0,
+            uds_path=config.uds_path,
+            metrics=self.metrics,
+            tenant_limits=config.tenant_limits,
+            node_limits=config.node_limits,
+        ).start()
 
     def _stop_dataplane(self) -> None:
         if self.dataplane is not None:
             still_busy = self.dataplane.drain(self.config.drain_seconds)
             if still_busy:
-                logger.warning("%d data-plane requests did not finish within %s s; cutting them", still_busy,
-                               self.config.drain_seconds)  # fmt: skip
+                logger.warning(
+                    "%d data-plane requests did not finish within %s s; cutting them",
+                    still_busy,
+                    self.config.drain_seconds,
+                )
             self.dataplane.stop()
 
     def _stop_metrics(self) -> None:
@@ -471,7 +525,9 @@ class NodeAgent:
 
 def main() -> int:
     logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s %(message)s")
-    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack: a stuck agent explains itself
+    faulthandler.register(
+        signal.SIGUSR1
+    )  # `kill -USR1 <pid>` prints every thread's stack: a stuck agent explains itself
     stop_requested = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop_requested.set())  # handlers only set a flag

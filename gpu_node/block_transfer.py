@@ -104,8 +104,9 @@ def _not_ours(engine: PagedKVCache, parent: bytes, key: bytes, full: bool, token
     return full and engine.chained_hash(parent, tokens) != bytes(key)
 
 
-def insert_block(engine: PagedKVCache, parent: bytes, key: bytes, full: bool, tokens: np.ndarray, checksum: int,
-                 data: memoryview) -> str:  # fmt: skip
+def insert_block(
+    engine: PagedKVCache, parent: bytes, key: bytes, full: bool, tokens: np.ndarray, checksum: int, data: memoryview
+) -> str:
     """Verify and publish one block: "stored", "have" (already cached), "checksum" (bytes do not match: refused),
     "orphan" (its parent is not cached), "full" (no block to put it in), or "bad" (not a block of this cache)."""
     if len(data) != engine.block_nbytes or not 0 < len(tokens) <= engine.block_size:
@@ -119,8 +120,16 @@ def insert_block(engine: PagedKVCache, parent: bytes, key: bytes, full: bool, to
     return engine.store_block(parent, key, full, tokens, data)
 
 
-def receive_block(engine: PagedKVCache, parent: bytes, key: bytes, full: bool, tokens: np.ndarray, checksum: int,
-                  fill, staging: bytearray) -> str:  # fmt: skip
+def receive_block(
+    engine: PagedKVCache,
+    parent: bytes,
+    key: bytes,
+    full: bool,
+    tokens: np.ndarray,
+    checksum: int,
+    fill,
+    staging: bytearray,
+) -> str:
     """insert_block for bytes still on the wire: `fill(view)` reads exactly one block's bytes into `view`. On a host
     pool without scales they land straight in a freshly allocated (held, unpublished) block: one copy fewer; the
     block is published only after its checksum matched, else freed unseen. Same verdicts as insert_block."""

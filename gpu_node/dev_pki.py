@@ -23,18 +23,33 @@ def _name(common_name: str) -> x509.Name:
 def new_ca(common_name: str, *, valid_for: dt.timedelta):
     """(private key, self-signed CA certificate) allowed to sign certificates only."""
     key = ec.generate_private_key(ec.SECP256R1())
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     cert = (
-        x509.CertificateBuilder().subject_name(_name(common_name)).issuer_name(_name(common_name))
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + valid_for)
+        x509.CertificateBuilder()
+        .subject_name(_name(common_name))
+        .issuer_name(_name(common_name))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + valid_for)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
-                                     data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                                     crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
-    )  # fmt: skip
+    )
     return key, cert
 
 
@@ -51,22 +66,27 @@ def _host_names(hosts) -> list:
 def _leaf_cert(ca_key, ca_cert, common_name: str, names: list, usages: list, valid_for: dt.timedelta):
     """(private key, certificate): a fresh P-256 key, `names` as SANs, `usages` as extended key usages."""
     key = ec.generate_private_key(ec.SECP256R1())
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     cert = (
-        x509.CertificateBuilder().subject_name(_name(common_name)).issuer_name(ca_cert.subject)
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + valid_for)
+        x509.CertificateBuilder()
+        .subject_name(_name(common_name))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + valid_for)
         .add_extension(x509.SubjectAlternativeName(names), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
+    )
     return key, cert
 
 
-def new_server_cert(ca_key, ca_cert, common_name: str, *, valid_for: dt.timedelta,
-                    hosts: tuple[str, ...] = ("localhost", "127.0.0.1")):  # fmt: skip
+def new_server_cert(
+    ca_key, ca_cert, common_name: str, *, valid_for: dt.timedelta, hosts: tuple[str, ...] = ("localhost", "127.0.0.1")
+):
     """(private key, certificate) for a TLS server answering on `hosts`, signed by the CA."""
     return _leaf_cert(ca_key, ca_cert, common_name, _host_names(hosts), [ExtendedKeyUsageOID.SERVER_AUTH], valid_for)
 
@@ -76,8 +96,9 @@ def pem_cert(cert) -> bytes:
 
 
 def pem_key(key) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())  # fmt: skip
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def write_private(path: Path, data: bytes) -> None:
@@ -97,15 +118,18 @@ def private_directory(directory: Path) -> Path:
     return directory
 
 
-def write_dev_pki(directory: Path, *, server_name: str = "kcaas node",
-                  valid_for: dt.timedelta = dt.timedelta(hours=1)) -> dict[str, str]:  # fmt: skip
+def write_dev_pki(
+    directory: Path, *, server_name: str = "kcaas node", valid_for: dt.timedelta = dt.timedelta(hours=1)
+) -> dict[str, str]:
     """A fresh CA and server certificate as files in `directory`: {"ca", "ca_key", "cert", "key"} -> path. Every
     file 0600 (certificates too: dev PKI files are the one user's), the directory 0700 when made here."""
     directory = private_directory(directory)
     ca_key, ca_cert = new_ca("KCaaS dev CA", valid_for=valid_for)
     key, cert = new_server_cert(ca_key, ca_cert, server_name, valid_for=valid_for)
-    paths = {name: directory / file for name, file in
-             (("ca", "ca.pem"), ("ca_key", "ca.key"), ("cert", "server.pem"), ("key", "server.key"))}  # fmt: skip
+    paths = {
+        name: directory / file
+        for name, file in (("ca", "ca.pem"), ("ca_key", "ca.key"), ("cert", "server.pem"), ("key", "server.key"))
+    }
     write_private(paths["ca"], pem_cert(ca_cert))
     write_private(paths["ca_key"], pem_key(ca_key))
     write_private(paths["cert"], pem_cert(cert))
@@ -113,8 +137,14 @@ def write_dev_pki(directory: Path, *, server_name: str = "kcaas node",
     return {name: str(path) for name, path in paths.items()}
 
 
-def new_node_cert(ca_key, ca_cert, node_id: str, *, valid_for: dt.timedelta = dt.timedelta(hours=1),
-                  hosts: tuple[str, ...] = ("localhost", "127.0.0.1")):  # fmt: skip
+def new_node_cert(
+    ca_key,
+    ca_cert,
+    node_id: str,
+    *,
+    valid_for: dt.timedelta = dt.timedelta(hours=1),
+    hosts: tuple[str, ...] = ("localhost", "127.0.0.1"),
+):
     """(private key, certificate) of a node as the platform CA issues it: one URI SAN `spiffe://kcaas/node/<id>`
     plus the hosts, usable as TLS server and client (node-to-node mutual TLS)."""
     names = [x509.UniformResourceIdentifier(f"spiffe://kcaas/node/{node_id}"), *_host_names(hosts)]
@@ -126,7 +156,11 @@ def write_node_pki(directory: Path, ca_key, ca_cert, node_id: str) -> dict[str, 
     """A node certificate of `node_id` as files in `directory`: {"ca", "cert", "key"} -> path (0600 each)."""
     directory = private_directory(directory)
     key, cert = new_node_cert(ca_key, ca_cert, node_id)
-    paths = {"ca": directory / "ca.pem", "cert": directory / f"node-{node_id}.pem", "key": directory / f"node-{node_id}.key"}
+    paths = {
+        "ca": directory / "ca.pem",
+        "cert": directory / f"node-{node_id}.pem",
+        "key": directory / f"node-{node_id}.key",
+    }
     write_private(paths["ca"], pem_cert(ca_cert))
     write_private(paths["cert"], pem_cert(cert))
     write_private(paths["key"], pem_key(key))

@@ -122,8 +122,11 @@ class BlockExchange:
         blocks = self._blocks
         block_hash = blocks.block_hash[meta.block_id]
         named = bytes(block_hash) if block_hash is not None else None
-        return (blocks.block_parent[meta.block_id] == meta.parent and named == (meta.key if meta.full else None)
-                and int(blocks.num_filled[meta.block_id]) == len(meta.tokens))  # fmt: skip
+        return (
+            blocks.block_parent[meta.block_id] == meta.parent
+            and named == (meta.key if meta.full else None)
+            and int(blocks.num_filled[meta.block_id]) == len(meta.tokens)
+        )
 
     def block_payload(self, key: bytes) -> bytearray | None:
         """A private copy of full block `key`'s stored bytes, from the device pool or a lower tier; None if gone."""
@@ -203,8 +206,9 @@ class BlockExchange:
         """A host pool without scales or tiers: received bytes can land straight in a device block."""
         return self.scales is None and self.pool.device.type == "cpu" and self._tiers is None
 
-    def receive_block_in_place(self, parent, key, full: bool, tokens: np.ndarray, checksum: int,
-                               fill) -> tuple[str, bool]:  # fmt: skip
+    def receive_block_in_place(
+        self, parent, key, full: bool, tokens: np.ndarray, checksum: int, fill
+    ) -> tuple[str, bool]:
         """The direct receive (can_receive_in_place): read one block's bytes with `fill(view)` straight into a
         freshly allocated (held, unpublished) block, published only if its checksum matches (else freed unseen).
         Returns (verdict, whether the bytes were read): a block refused before its bytes are read leaves them to

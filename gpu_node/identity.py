@@ -70,7 +70,7 @@ def node_id_of_uri(uri: str) -> str | None:
     if not uri.startswith(SPIFFE_NODE_PREFIX):
         return None
     try:
-        return str(uuid.UUID(uri[len(SPIFFE_NODE_PREFIX):]))
+        return str(uuid.UUID(uri[len(SPIFFE_NODE_PREFIX) :]))
     except ValueError:
         return None
 
@@ -117,14 +117,17 @@ def _new_key() -> ec.EllipticCurvePrivateKey:
 
 
 def _key_pem(key) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())  # fmt: skip
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _csr_pem(key, common_name: str) -> bytes:
-    csr = (x509.CertificateSigningRequestBuilder()
-           .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
-           .sign(key, hashes.SHA256()))  # fmt: skip
+    csr = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
+        .sign(key, hashes.SHA256())
+    )
     return csr.public_bytes(serialization.Encoding.PEM)
 
 
@@ -334,7 +337,8 @@ def load_sealing_key(directory: str | Path) -> NodeSealingKey:
     sealing_key = NodeSealingKey()
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     pem = x25519.X25519PrivateKey.from_private_bytes(sealing_key.private_bytes()).private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     _write_private(path, pem)
     return sealing_key
 
@@ -352,7 +356,7 @@ class RenewalLoop:
 
     def __init__(self, identity: NodeIdentity, *, send, save=None, retry_seconds: float = 30.0, clock=None):
         self._identity, self._send, self._save, self.retry_seconds = identity, send, save, retry_seconds
-        self._clock = clock or (lambda: dt.datetime.now(dt.timezone.utc))
+        self._clock = clock or (lambda: dt.datetime.now(dt.UTC))
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
 

@@ -25,12 +25,21 @@ class CacheStatsCollector:
     def collect(self):
         counters = {
             "hit_tokens": CounterMetricFamily("kcaas_cache_hit_tokens", "Tokens served from cache", labels=["cache"]),
-            "miss_tokens": CounterMetricFamily("kcaas_cache_miss_tokens", "Tokens asked and not cached", labels=["cache"]),
-            "stored_tokens": CounterMetricFamily("kcaas_cache_stored_tokens", "Tokens written by puts", labels=["cache"]),
-            "evictions": CounterMetricFamily("kcaas_cache_evictions", "Cached blocks evicted under pressure", labels=["cache"]),
-            "cow_copies": CounterMetricFamily("kcaas_cache_cow_copies", "Partial blocks copied on write", labels=["cache"]),
+            "miss_tokens": CounterMetricFamily(
+                "kcaas_cache_miss_tokens", "Tokens asked and not cached", labels=["cache"]
+            ),
+            "stored_tokens": CounterMetricFamily(
+                "kcaas_cache_stored_tokens", "Tokens written by puts", labels=["cache"]
+            ),
+            "evictions": CounterMetricFamily(
+                "kcaas_cache_evictions", "Cached blocks evicted under pressure", labels=["cache"]
+            ),
+            "cow_copies": CounterMetricFamily(
+                "kcaas_cache_cow_copies", "Partial blocks copied on write", labels=["cache"]
+            ),
             "checksum_failures": CounterMetricFamily(
-                "kcaas_block_checksum_failures", "Lower-tier blocks dropped for a checksum (or AES-GCM tag) mismatch",
+                "kcaas_block_checksum_failures",
+                "Lower-tier blocks dropped for a checksum (or AES-GCM tag) mismatch",
                 labels=["cache", "where"],
             ),
         }
@@ -78,7 +87,10 @@ class NodeMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(CacheStatsCollector(cache_registry))
         self.request_seconds = Histogram(
-            "kcaas_dataplane_request_seconds", "Data-plane request latency", ["op"], registry=self.registry,
+            "kcaas_dataplane_request_seconds",
+            "Data-plane request latency",
+            ["op"],
+            registry=self.registry,
             buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
         )
         self.tls_handshakes = Counter(
@@ -88,19 +100,26 @@ class NodeMetrics:
             "kcaas_dataplane_auth_failures", "Refused data tokens", ["reason"], registry=self.registry
         )
         self.migration_blocks_refused = Counter(
-            "kcaas_migration_blocks_refused", "Blocks a migration target refused (checksum, chain, ...): resent",
-            ["reason"], registry=self.registry,
+            "kcaas_migration_blocks_refused",
+            "Blocks a migration target refused (checksum, chain, ...): resent",
+            ["reason"],
+            registry=self.registry,
         )
         self.migration_blocks_received = Counter(
-            "kcaas_migration_blocks_received", "Blocks a migration target received, by verdict (stored, have, ...)",
-            ["verdict"], registry=self.registry,
+            "kcaas_migration_blocks_received",
+            "Blocks a migration target received, by verdict (stored, have, ...)",
+            ["verdict"],
+            registry=self.registry,
         )
         self.migration_blocks_restored = Counter(
-            "kcaas_migration_blocks_restored", "Blocks a restarted migration target republished from its SSD journal",
+            "kcaas_migration_blocks_restored",
+            "Blocks a restarted migration target republished from its SSD journal",
             registry=self.registry,
         )
         self.overloaded = Counter(
-            "kcaas_dataplane_overloaded", "Requests refused by an admission limit (connections, requests or bytes in flight)", ["limit"],
+            "kcaas_dataplane_overloaded",
+            "Requests refused by an admission limit (connections, requests or bytes in flight)",
+            ["limit"],
             registry=self.registry,
         )
 

@@ -25,12 +25,13 @@ import struct
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
-from gpu_node import block_transfer as bt, identity
+from gpu_node import block_transfer as bt
+from gpu_node import identity
 from gpu_node.block_hash import HASH_NUM_BYTES
 from gpu_node.migration_journal import IncomingJournal
 from gpu_node.zeroing import zero
@@ -142,8 +143,15 @@ class MigrationListener:
     resuming sender skips them. Without an SSD tier a killed target restarts empty (device memory does not survive).
     """
 
-    def __init__(self, registry, tls_context: ssl.SSLContext, host: str = "127.0.0.1", port: int = 0,
-                 metrics=None, durable_every: int = 64):  # fmt: skip
+    def __init__(
+        self,
+        registry,
+        tls_context: ssl.SSLContext,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        metrics=None,
+        durable_every: int = 64,
+    ):
         assert tls_context.verify_mode == ssl.CERT_REQUIRED, "the migration listener requires client certificates"
         self.registry, self.tls_context, self.metrics = registry, tls_context, metrics
         self.durable_every = durable_every
@@ -210,7 +218,7 @@ class MigrationListener:
         while not self._stop.is_set():
             try:
                 raw, _ = self._sock.accept()
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 continue
             except OSError:
                 return
@@ -265,8 +273,9 @@ class MigrationListener:
             raise MigrationError("a block with too many tokens")
         tokens = np.empty(num_tokens, dtype="<i4")
         _recv_exact(sock, memoryview(tokens.view(np.uint8)))
-        verdict = bt.receive_block(engine, parent, key, full, tokens, checksum, lambda view: _recv_exact(sock, view),
-                                   staging)  # fmt: skip
+        verdict = bt.receive_block(
+            engine, parent, key, full, tokens, checksum, lambda view: _recv_exact(sock, view), staging
+        )
         if verdict == "stored" and full and journal is not None:
             journal.write_through(engine, parent, key, tokens)
             if journal.unsynced >= self.durable_every:
@@ -309,11 +318,23 @@ class MigrationSender:
     (None: unpaced), so a migration leaves the node's network to the data plane.
     """
 
-    def __init__(self, engine, *, migration_id: str, cache_id: str, epoch: int, target_endpoint: str,
-                 target_node_id: str, tls_context: ssl.SSLContext, progress: Callable[[dict], None] | None = None,
-                 corrupt: Callable[[bytes], bool] | None = None, cut_after_blocks: int | None = None,
-                 connect_timeout: float = 30.0, max_rounds: int = 8,
-                 max_bytes_per_second: float | None = None):  # fmt: skip
+    def __init__(
+        self,
+        engine,
+        *,
+        migration_id: str,
+        cache_id: str,
+        epoch: int,
+        target_endpoint: str,
+        target_node_id: str,
+        tls_context: ssl.SSLContext,
+        progress: Callable[[dict], None] | None = None,
+        corrupt: Callable[[bytes], bool] | None = None,
+        cut_after_blocks: int | None = None,
+        connect_timeout: float = 30.0,
+        max_rounds: int = 8,
+        max_bytes_per_second: float | None = None,
+    ):
         self.engine, self.migration_id, self.cache_id, self.epoch = engine, migration_id, cache_id, int(epoch)
         self.target_endpoint, self.target_node_id, self.tls_context = target_endpoint, target_node_id, tls_context
         self.progress, self.corrupt, self.cut_after_blocks = progress, corrupt, cut_after_blocks
@@ -392,8 +413,9 @@ class MigrationSender:
                 parts = [memoryview(flipped)]
             nbytes = sum(len(p) for p in parts)
             tokens = np.ascontiguousarray(meta.tokens, dtype="<i4").tobytes()
-            head = MSG_HEAD.pack(b"B", nbytes) + BLOCK_HEAD.pack(meta.parent, meta.key, meta.full, len(meta.tokens),
-                                                                  held.checksum)  # fmt: skip
+            head = MSG_HEAD.pack(b"B", nbytes) + BLOCK_HEAD.pack(
+                meta.parent, meta.key, meta.full, len(meta.tokens), held.checksum
+            )
             sock.sendall(head + tokens)
             for part in parts:
                 sock.sendall(part)

@@ -43,9 +43,17 @@ logger = logging.getLogger("kcaas.node.migration")
 class NodeMigration:
     """One node's migration side: its listener (mutual TLS; started by the caller) and its client TLS context."""
 
-    def __init__(self, *, registry, node_id: str, listener: MigrationListener, client_context: ssl.SSLContext,
-                 advertise: str | None = None, resume_seconds: float = 60.0,
-                 max_bytes_per_second: float | None = None):  # fmt: skip
+    def __init__(
+        self,
+        *,
+        registry,
+        node_id: str,
+        listener: MigrationListener,
+        client_context: ssl.SSLContext,
+        advertise: str | None = None,
+        resume_seconds: float = 60.0,
+        max_bytes_per_second: float | None = None,
+    ):
         """`advertise`: host:port other nodes reach the listener at (default: its bound address).
         `resume_seconds`: how long a broken transfer keeps reconnecting before it is answered as failed.
         `max_bytes_per_second`: each sender's rate cap (KCAAS_NODE_MIGRATION_MAX_BYTES_PER_SECOND; None: unpaced)."""
@@ -53,7 +61,7 @@ class NodeMigration:
         self.registry, self.node_id, self.listener = registry, str(node_id), listener
         self.client_context, self.advertise, self.resume_seconds = client_context, advertise, resume_seconds
         self.senders: dict[str, threading.Thread] = {}
-        self.last_stats = {}
+        self.last_stats: dict[str, dict] = {}
         self._out_lock = threading.Lock()
         self._endpoints: dict[str, str] = {}  # migration id -> the target listener the sender (re)connects to
         self._aborted: set[str] = set()  # migrations the control plane gave up: their sender never fences again
@@ -64,14 +72,27 @@ class NodeMigration:
 
         @node_task(app, MigrateIn, answer, self.node_id)
         def migrate_in(order: MigrateIn) -> bool:
-            hash_key, ssd_key, reason = unsealed_keys(keys, task=MIGRATE_IN_TASK, cache_id=order.cache_id,
-                                                      hash_key_box=order.hash_key_box, ssd_key_box=order.ssd_key_box)
+            hash_key, ssd_key, reason = unsealed_keys(
+                keys,
+                task=MIGRATE_IN_TASK,
+                cache_id=order.cache_id,
+                hash_key_box=order.hash_key_box,
+                ssd_key_box=order.ssd_key_box,
+            )
             if reason is None:
                 return False  # sealed to a key this node does not hold: not answered (node_tasks.unsealed_keys)
             ok = False
             if not reason:
-                ok, reason = provision(self.registry, order.cache_id, order.spec, order.capacity, hash_key,
-                                       order.epoch_to, order.tenant_id, ssd_key)  # fmt: skip
+                ok, reason = provision(
+                    self.registry,
+                    order.cache_id,
+                    order.spec,
+                    order.capacity,
+                    hash_key,
+                    order.epoch_to,
+                    order.tenant_id,
+                    ssd_key,
+                )
             if not ok:
                 answer(self._result(order.migration_id, ok=False, reason=reason))
                 return False
@@ -120,8 +141,11 @@ class NodeMigration:
             self._endpoints[migration_id] = order.target_migration_endpoint
             running = self.senders.get(migration_id)
             if running is not None and running.is_alive():
-                logger.info("migration %s: a sender already runs; it reconnects to %s", migration_id,
-                            order.target_migration_endpoint)  # fmt: skip
+                logger.info(
+                    "migration %s: a sender already runs; it reconnects to %s",
+                    migration_id,
+                    order.target_migration_endpoint,
+                )
                 return False
             thread = threading.Thread(target=self.send, args=(answer, order), daemon=True, name="migration-send")
             self.senders[migration_id] = thread
@@ -141,8 +165,10 @@ class NodeMigration:
 
         def progress(info: dict) -> None:
             live = current[0].stats
-            sent = {"bytes_sent": totals["bytes_sent"] + live.bytes_sent,
-                    "blocks_sent": totals["blocks_sent"] + live.blocks_sent}  # fmt: skip
+            sent = {
+                "bytes_sent": totals["bytes_sent"] + live.bytes_sent,
+                "blocks_sent": totals["blocks_sent"] + live.blocks_sent,
+            }
             answer(self._progress(migration_id, "copying", {**info, **sent}))
 
         def fence() -> None:
@@ -157,10 +183,17 @@ class NodeMigration:
             with self._out_lock:
                 endpoint = self._endpoints.get(migration_id, order.target_migration_endpoint)
             sender = MigrationSender(
-                hosted.engine, migration_id=migration_id, cache_id=cache_id, epoch=epoch_to, target_endpoint=endpoint,
-                target_node_id=order.target_node_id, tls_context=self.client_context, progress=progress,
+                hosted.engine,
+                migration_id=migration_id,
+                cache_id=cache_id,
+                epoch=epoch_to,
+                target_endpoint=endpoint,
+                target_node_id=order.target_node_id,
+                tls_context=self.client_context,
+                progress=progress,
                 connect_timeout=min(30.0, self.resume_seconds),
-                max_bytes_per_second=self.max_bytes_per_second)  # fmt: skip
+                max_bytes_per_second=self.max_bytes_per_second,
+            )
             current[:] = [sender]
             try:
                 sender.run(fence=fence)
@@ -169,8 +202,11 @@ class NodeMigration:
             except Exception as exc:  # noqa: BLE001 - any failure is retried, then reported; writes resume here
                 _add_stats(totals, sender.stats)
                 fences.lift(cache_id)
-                if (time.monotonic() >= deadline or self.registry.get(cache_id) is not hosted
-                        or self.aborted(migration_id)):  # fmt: skip
+                if (
+                    time.monotonic() >= deadline
+                    or self.registry.get(cache_id) is not hosted
+                    or self.aborted(migration_id)
+                ):
                     logger.warning("migration %s of cache %s failed: %s", migration_id, cache_id, exc)
                     return answer(self._result(migration_id, ok=False, reason=type(exc).__name__, info=dict(totals)))
                 logger.info("migration %s of cache %s broke (%s): resuming", migration_id, cache_id, exc)

@@ -9,21 +9,22 @@ Messages: kcaas/node_messages.py, keyword arguments only: every task parses its 
 mistyped field, another version) runs nothing: an order that expects an answer and names what it is about (the
 cache of provision_cache, the migration of migrate_in / migrate_out) is answered failed with the reason
 `invalid_message: <what is wrong>`; any other is logged and left unanswered (a detach or purge answer would say the
-work was done: the control plane's re-sends and reconcilers end those). The keys an order carries are boxes sealed to this node's
-sealing key (kcaas/sealing.py): a key in clear, an altered box or one sealed for another message is answered as
-failed (`key_not_sealed`, `sealed_key_invalid`) and provisions nothing; a box sealed to a node key this node does not
-hold is not answered (the control plane re-sends the order under the key the node last registered).
+work was done: the control plane's re-sends and reconcilers end those). The keys an order carries are boxes sealed
+to this node's sealing key (kcaas/sealing.py): a key in clear, an altered box or one sealed for another message is
+answered as failed (`key_not_sealed`, `sealed_key_invalid`) and provisions nothing; a box sealed to a node key this
+node does not hold is not answered (the control plane re-sends the order under the key the node last registered).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from celery import Celery
 
 from gpu_node.registry import CacheRegistry, ProvisionError
-from kcaas import fs_broker  # noqa: F401 - registers kcaasfs://, the embedded default's file broker
 from gpu_node.tokens import RevocationList
+from kcaas import fs_broker  # noqa: F401 - registers kcaasfs://, the embedded default's file broker
 from kcaas.node_messages import (
     CONTROL_QUEUE,
     INVALID_MESSAGE,
@@ -68,12 +69,14 @@ class NodeKeys:
 
     def open(self, *, task: str, cache_id: str, hash_key_box, ssd_key_box="") -> tuple[bytes, bytes | None]:
         """(hash key, SSD key or None); SealedKeyError (its `reason` is the answer's) when a box does not open."""
-        hash_key = self.sealing_key.open(hash_key_box, task=task, node_id=self.node_id, cache_id=cache_id,
-                                         field="hash_key")  # fmt: skip
+        hash_key = self.sealing_key.open(
+            hash_key_box, task=task, node_id=self.node_id, cache_id=cache_id, field="hash_key"
+        )
         ssd_key = None
         if ssd_key_box:
-            ssd_key = self.sealing_key.open(ssd_key_box, task=task, node_id=self.node_id, cache_id=cache_id,
-                                            field="ssd_key")  # fmt: skip
+            ssd_key = self.sealing_key.open(
+                ssd_key_box, task=task, node_id=self.node_id, cache_id=cache_id, field="ssd_key"
+            )
         return hash_key, ssd_key
 
 
@@ -85,20 +88,30 @@ def unsealed_keys(keys: NodeKeys | None, *, task: str, cache_id: str, hash_key_b
     try:
         if keys is None:
             raise SealedKeyError(NO_SEALING_KEY, "this node holds no sealing key")
-        hash_key, ssd_key = keys.open(task=task, cache_id=str(cache_id), hash_key_box=hash_key_box,
-                                      ssd_key_box=ssd_key_box)  # fmt: skip
+        hash_key, ssd_key = keys.open(
+            task=task, cache_id=str(cache_id), hash_key_box=hash_key_box, ssd_key_box=ssd_key_box
+        )
     except SealedKeyError as refusal:
         if refusal.reason == SEALED_FOR_OTHER_KEY:
-            logger.warning("%s for cache %s: %s; not answered (it comes again under this node's key)", task,
-                           cache_id, refusal)  # fmt: skip
+            logger.warning(
+                "%s for cache %s: %s; not answered (it comes again under this node's key)", task, cache_id, refusal
+            )
             return None, None, None
         logger.warning("%s for cache %s refused: %s", task, cache_id, refusal)
         return None, None, refusal.reason
     return hash_key, ssd_key, ""
 
 
-def provision(registry: CacheRegistry, cache_id: str, spec: dict, capacity: dict, hash_key: bytes, epoch: int,
-              tenant_id: str = "", ssd_key: bytes | None = None):  # fmt: skip
+def provision(
+    registry: CacheRegistry,
+    cache_id: str,
+    spec: dict,
+    capacity: dict,
+    hash_key: bytes,
+    epoch: int,
+    tenant_id: str = "",
+    ssd_key: bytes | None = None,
+):
     """(ok, reason) for one provisioning request with its keys already opened; never raises for a bad request (it
     is answered as failed)."""
     try:
@@ -107,8 +120,15 @@ def provision(registry: CacheRegistry, cache_id: str, spec: dict, capacity: dict
             return False, "invalid_hash_key"
         if ssd_key is not None and (not isinstance(ssd_key, bytes) or len(ssd_key) != SSD_KEY_BYTES):
             return False, "invalid_ssd_key"
-        registry.provision(cache_id=cache_id, spec=layout, capacity=capacity, hash_key=hash_key, epoch=int(epoch),
-                           tenant_id=tenant_id, ssd_key=ssd_key)  # fmt: skip
+        registry.provision(
+            cache_id=cache_id,
+            spec=layout,
+            capacity=capacity,
+            hash_key=hash_key,
+            epoch=int(epoch),
+            tenant_id=tenant_id,
+            ssd_key=ssd_key,
+        )
     except SpecError:
         return False, "invalid_spec"
     except (ValueError, TypeError):
@@ -121,19 +141,22 @@ def provision(registry: CacheRegistry, cache_id: str, spec: dict, capacity: dict
     return True, ""
 
 
-def refusal_answer(message_class: type[NodeMessage], fields: dict, node_id: str,
-                   error: MessageError) -> NodeMessage | None:  # fmt: skip
+def refusal_answer(
+    message_class: type[NodeMessage], fields: dict[str, Any], node_id: str, error: MessageError
+) -> NodeMessage | None:
     """The failure answer to a malformed order, or None when it gets none: only provision_cache, migrate_in and
     migrate_out are answered (failed, reason `invalid_message: ...`), and only when the id they are about is there
     (an answer about nothing settles nothing)."""
     reason = f"{INVALID_MESSAGE}: {error}"[:300]
     try:
         if message_class is ProvisionCache:
-            return ProvisionResult(cache_id=fields.get("cache_id"), node_id=node_id, ok=False, reason=reason,
-                                   endpoint="")  # fmt: skip
+            return ProvisionResult(
+                cache_id=fields.get("cache_id", ""), node_id=node_id, ok=False, reason=reason, endpoint=""
+            )
         if message_class in (MigrateIn, MigrateOut):
-            return MigrationResult(migration_id=fields.get("migration_id"), node_id=node_id, ok=False, reason=reason,
-                                   info={})  # fmt: skip
+            return MigrationResult(
+                migration_id=fields.get("migration_id", ""), node_id=node_id, ok=False, reason=reason, info={}
+            )
     except MessageError:  # the id itself is missing or malformed
         return None
     return None
@@ -151,8 +174,9 @@ def node_task(app: Celery, message_class: type[NodeMessage], answer, node_id: st
             except MessageError as error:
                 named = {**dict(zip(message_class.field_names(), args)), **fields}  # an old sender's list too
                 refusal = refusal_answer(message_class, named, node_id, error)
-                logger.warning("refused a malformed order (%s)", error if refusal is None else f"{error}; answered "
-                                                                                               f"failed")  # fmt: skip
+                logger.warning(
+                    "refused a malformed order (%s)", error if refusal is None else f"{error}; answered failed"
+                )
                 if refusal is not None:
                     answer(refusal)
                 return False
@@ -166,8 +190,15 @@ def node_task(app: Celery, message_class: type[NodeMessage], answer, node_id: st
 
 
 def build_node_app(
-    *, broker_url: str, node_id: str, endpoint: str, registry: CacheRegistry, transport_options: dict | None = None,
-    revocations: RevocationList | None = None, migration=None, sealing_key: NodeSealingKey | None = None,
+    *,
+    broker_url: str,
+    node_id: str,
+    endpoint: str,
+    registry: CacheRegistry,
+    transport_options: dict | None = None,
+    revocations: RevocationList | None = None,
+    migration=None,
+    sealing_key: NodeSealingKey | None = None,
 ) -> Celery:
     """A Celery app whose tasks act on `registry` (and `revocations`, the list the data plane's TokenVerifier
     reads) and answer on the control queue as node `node_id`. `sealing_key` opens the keys in its orders (the
@@ -185,28 +216,40 @@ def build_node_app(
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
     )
-    app.conf.broker_transport_options = {**(REDIS_REDELIVERY if broker_url.startswith(("redis", "rediss")) else {}),
-                                         **(transport_options or {})}  # fmt: skip
+    app.conf.broker_transport_options = {
+        **(REDIS_REDELIVERY if broker_url.startswith(("redis", "rediss")) else {}),
+        **(transport_options or {}),
+    }
 
     def answer(message: NodeMessage) -> None:
         """Publish an answer (keyword arguments: kcaas/node_messages.py), riding out a broker outage of a few minutes
         (ANSWER_RETRY_POLICY). An answer that is lost anyway is not lost work: the control plane sends the order
         again until it is answered."""
-        app.send_task(message.TASK, kwargs=message.to_dict(), queue=CONTROL_QUEUE, retry=True,
-                      retry_policy=ANSWER_RETRY_POLICY)  # fmt: skip
+        app.send_task(
+            message.TASK, kwargs=message.to_dict(), queue=CONTROL_QUEUE, retry=True, retry_policy=ANSWER_RETRY_POLICY
+        )
 
     @node_task(app, ProvisionCache, answer, node_id)
     def provision_cache(order: ProvisionCache) -> bool:
-        hash_key, ssd_key, reason = unsealed_keys(keys, task=PROVISION_TASK, cache_id=order.cache_id,
-                                                  hash_key_box=order.hash_key_box, ssd_key_box=order.ssd_key_box)
+        hash_key, ssd_key, reason = unsealed_keys(
+            keys,
+            task=PROVISION_TASK,
+            cache_id=order.cache_id,
+            hash_key_box=order.hash_key_box,
+            ssd_key_box=order.ssd_key_box,
+        )
         if reason is None:
             return False  # sealed to a key this node does not hold: not answered (see unsealed_keys)
         ok = False
         if not reason:
-            ok, reason = provision(registry, order.cache_id, order.spec, order.capacity, hash_key, order.epoch,
-                                   order.tenant_id, ssd_key)  # fmt: skip
-        answer(ProvisionResult(cache_id=order.cache_id, node_id=node_id, ok=ok, reason=reason,
-                               endpoint=endpoint if ok else ""))  # fmt: skip
+            ok, reason = provision(
+                registry, order.cache_id, order.spec, order.capacity, hash_key, order.epoch, order.tenant_id, ssd_key
+            )
+        answer(
+            ProvisionResult(
+                cache_id=order.cache_id, node_id=node_id, ok=ok, reason=reason, endpoint=endpoint if ok else ""
+            )
+        )
         return ok
 
     @node_task(app, DetachCache, answer, node_id)
@@ -239,14 +282,20 @@ def _refuse_migrations(app: Celery, answer, node_id: str) -> None:
 
     @node_task(app, MigrateIn, answer, node_id)
     def migrate_in(order: MigrateIn) -> bool:
-        answer(MigrationResult(migration_id=order.migration_id, node_id=node_id, ok=False,
-                               reason=MIGRATION_UNAVAILABLE, info={}))  # fmt: skip
+        answer(
+            MigrationResult(
+                migration_id=order.migration_id, node_id=node_id, ok=False, reason=MIGRATION_UNAVAILABLE, info={}
+            )
+        )
         return False
 
     @node_task(app, MigrateOut, answer, node_id)
     def migrate_out(order: MigrateOut) -> bool:
-        answer(MigrationResult(migration_id=order.migration_id, node_id=node_id, ok=False,
-                               reason=MIGRATION_UNAVAILABLE, info={}))  # fmt: skip
+        answer(
+            MigrationResult(
+                migration_id=order.migration_id, node_id=node_id, ok=False, reason=MIGRATION_UNAVAILABLE, info={}
+            )
+        )
         return False
 
     @node_task(app, MigrateAbort, answer, node_id)

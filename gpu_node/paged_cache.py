@@ -374,8 +374,9 @@ class PagedKVCache(PurgeFence, TierOperations, BlockExchange):
         with self._lock:
             self._check_not_purged()
             evicted: list | None = [] if self._tiers is not None else None
-            plan = plan_put(self._blocks, hashes, self._hasher.root, tokens, self._extending, evicted=evicted,
-                            start=start)  # fmt: skip
+            plan = plan_put(
+                self._blocks, hashes, self._hasher.root, tokens, self._extending, evicted=evicted, start=start
+            )
             self._active_io += 1  # the write below: a purge waits for it, then this put is discarded
             self._demote_evicted(evicted)
         try:
@@ -511,4 +512,3 @@ class PagedKVCache(PurgeFence, TierOperations, BlockExchange):
             assert self._active_io >= 0
         if self._tiers is not None and not self._purged:
             self._tiers.check_invariants()
-

@@ -107,8 +107,15 @@ class PutPlan:
         return self.hashes[position - 1] if position else self.parent
 
 
-def plan_put(blocks: BlockPool, hashes: list[BlockHash], root: BlockHash, tokens: np.ndarray, extending: set[int],
-             evicted: list | None = None, start: int = 0):  # fmt: skip
+def plan_put(
+    blocks: BlockPool,
+    hashes: list[BlockHash],
+    root: BlockHash,
+    tokens: np.ndarray,
+    extending: set[int],
+    evicted: list | None = None,
+    start: int = 0,
+):
     """Plan (and hold the blocks of) a put of `tokens`; call under the cache lock. `extending` is updated;
     `evicted` receives what the allocation evicts (BlockPool.allocate). `start`: the put carries the KV of
     tokens[start:] only, so a plan that would write before it raises PrefixNotCached — before anything is held,

@@ -61,8 +61,9 @@ class HostedCache:
 
 
 class CacheRegistry:
-    def __init__(self, *, device_capacity_bytes: int, device: torch.device | str | None = None,
-                 ssd_dir: str | None = None):  # fmt: skip
+    def __init__(
+        self, *, device_capacity_bytes: int, device: torch.device | str | None = None, ssd_dir: str | None = None
+    ):
         self.device_capacity_bytes = device_capacity_bytes
         self.device = device
         self.ssd_dir = ssd_dir or cache_dirs.default_ssd_root()
@@ -76,12 +77,21 @@ class CacheRegistry:
         self._provisioning: dict[str, int] = {}  # cache id -> provisionings in flight (their directory is in use)
 
     def provision(
-        self, *, cache_id: str, spec: KVCacheSpec, capacity: dict[str, int], hash_key: bytes, epoch: int,
-        tenant_id: str = "", ssd_key: bytes | None = None,
+        self,
+        *,
+        cache_id: str,
+        spec: KVCacheSpec,
+        capacity: dict[str, int],
+        hash_key: bytes,
+        epoch: int,
+        tenant_id: str = "",
+        ssd_key: bytes | None = None,
     ) -> HostedCache:
         device_bytes = int(capacity.get("device", 0))
         if device_bytes < spec.block_bytes:
-            raise ProvisionError("invalid_capacity", f"device capacity {device_bytes} holds no {spec.block_bytes}-byte block")
+            raise ProvisionError(
+                "invalid_capacity", f"device capacity {device_bytes} holds no {spec.block_bytes}-byte block"
+            )
         with self._lock:
             hosted = self._caches.get(cache_id)
             if hosted is not None and hosted.epoch >= epoch:
@@ -103,8 +113,9 @@ class CacheRegistry:
             with self._lock:
                 self._end_provisioning_locked(cache_id, device_bytes)
             raise
-        hosted = HostedCache(cache_id, epoch, spec, {t: int(capacity.get(t, 0)) for t in TIERS}, engine,
-                             str(tenant_id or ""))
+        hosted = HostedCache(
+            cache_id, epoch, spec, {t: int(capacity.get(t, 0)) for t in TIERS}, engine, str(tenant_id or "")
+        )
         with self._lock:
             self._end_provisioning_locked(cache_id, device_bytes)
             current = self._caches.get(cache_id)
@@ -182,7 +193,9 @@ class CacheRegistry:
                 listener(str(tenant_id))
             except Exception:  # noqa: BLE001 - the purge itself must go on
                 log.exception("a purge listener failed")
-        freed = [{"cache_id": h.cache_id, "freed_bytes": h.engine.wipe()} for h in sorted(purged, key=lambda h: h.cache_id)]
+        freed = [
+            {"cache_id": h.cache_id, "freed_bytes": h.engine.wipe()} for h in sorted(purged, key=lambda h: h.cache_id)
+        ]
         cache_dirs.purge_tenant_directories(self.ssd_dir, str(tenant_id))  # leftovers of caches not hosted now
         return freed
 
@@ -232,8 +245,7 @@ class CacheRegistry:
         for h in hosted:
             written, served = _engine_counts(h)
             base_written, base_served = retired.get(h.cache_id, (0, 0))
-            entries.append(_usage_entry(h.cache_id, _resident_by_tier(h), base_written + written,
-                                        base_served + served))  # fmt: skip
+            entries.append(_usage_entry(h.cache_id, _resident_by_tier(h), base_written + written, base_served + served))
         entries += [_usage_entry(cache_id, {}, *retired[cache_id]) for cache_id in sorted(gone)]
         return entries
 
@@ -247,8 +259,12 @@ class CacheRegistry:
 
 def _resident_entry(hosted: HostedCache) -> dict:
     stats = hosted.engine.stats()
-    return {"cache_id": hosted.cache_id, **_resident_fields(_resident_by_tier(hosted)),
-            "hit_tokens": stats.num_hit_tokens, "miss_tokens": stats.num_miss_tokens}  # fmt: skip
+    return {
+        "cache_id": hosted.cache_id,
+        **_resident_fields(_resident_by_tier(hosted)),
+        "hit_tokens": stats.num_hit_tokens,
+        "miss_tokens": stats.num_miss_tokens,
+    }
 
 
 def _engine_counts(hosted: HostedCache) -> tuple[int, int]:
@@ -268,5 +284,9 @@ def _resident_fields(resident: dict[str, int]) -> dict[str, int]:
 
 
 def _usage_entry(cache_id: str, resident: dict[str, int], written: int, served: int) -> dict:
-    return {"cache_id": cache_id, **_resident_fields(resident), "bytes_written_total": written,
-            "tokens_served_total": served}  # fmt: skip
+    return {
+        "cache_id": cache_id,
+        **_resident_fields(resident),
+        "bytes_written_total": written,
+        "tokens_served_total": served,
+    }

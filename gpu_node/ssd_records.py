@@ -37,8 +37,9 @@ def encode(aead: AESGCM, block_hash: bytes, payload, checksum: int, lineage: tup
     nonce, token_nonce = os.urandom(12), os.urandom(12)
     payload_end = HEADER.size + len(payload) + TAG_BYTES
     record = bytearray(payload_end + (len(token_bytes) + TAG_BYTES if len(tokens) else 0))
-    HEADER.pack_into(record, 0, MAGIC, len(payload) + TAG_BYTES, block_hash, nonce, checksum, bytes(parent),
-                     len(tokens), token_nonce)  # fmt: skip
+    HEADER.pack_into(
+        record, 0, MAGIC, len(payload) + TAG_BYTES, block_hash, nonce, checksum, bytes(parent), len(tokens), token_nonce
+    )
     aad = _aad(block_hash, bytes(parent), len(tokens))
     aead.encrypt_into(nonce, payload, b"kv" + aad, memoryview(record)[HEADER.size : payload_end])
     if len(tokens):
@@ -46,8 +47,9 @@ def encode(aead: AESGCM, block_hash: bytes, payload, checksum: int, lineage: tup
     return record
 
 
-def decode(aead: AESGCM, data, at: int, *, want_lineage: bool = True
-           ) -> tuple[bytes, bytearray, int, tuple | None] | None:  # fmt: skip
+def decode(
+    aead: AESGCM, data, at: int, *, want_lineage: bool = True
+) -> tuple[bytes, bytearray, int, tuple | None] | None:
     """(block hash, verified payload, record length, lineage) of the record at `at`, or None if torn/corrupt."""
     if len(data) - at < HEADER.size:
         return None

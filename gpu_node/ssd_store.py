@@ -111,8 +111,9 @@ class SsdStore:
         self._segment_fd: int | None = None
         self._queue: queue.Queue = queue.Queue()
         self._closed = False
-        self._writer = threading.Thread(target=self._write_loop, name=f"ssd-writer-{os.path.basename(directory)}",
-                                        daemon=True)  # fmt: skip
+        self._writer = threading.Thread(
+            target=self._write_loop, name=f"ssd-writer-{os.path.basename(directory)}", daemon=True
+        )
         self._writer.start()
 
     # ---- reads ----------------------------------------------------------------------------------------------------
@@ -152,8 +153,9 @@ class SsdStore:
             return None
         return parsed[0]
 
-    def _read_record(self, entry: Entry, block_hash: bytes, *, want_lineage: bool = False
-                     ) -> tuple[bytearray, tuple | None] | None:  # fmt: skip
+    def _read_record(
+        self, entry: Entry, block_hash: bytes, *, want_lineage: bool = False
+    ) -> tuple[bytearray, tuple | None] | None:
         """(payload, lineage) of the record an entry names, verified; None when unreadable."""
         record = bytearray(entry.record_length)
         try:
@@ -167,8 +169,9 @@ class SsdStore:
         return parsed[1], parsed[3]
 
     # ---- writes ---------------------------------------------------------------------------------------------------
-    def store(self, block_hash: bytes, payload: bytearray, checksum: int, lineage: tuple | None = None, *,
-              owned: bool = True) -> list:  # fmt: skip
+    def store(
+        self, block_hash: bytes, payload: bytearray, checksum: int, lineage: tuple | None = None, *, owned: bool = True
+    ) -> list:
         """Queue a block for the writer thread (no I/O here); readable at once from the pending set. `lineage`:
         (parent hash, tokens), kept in the record. With `owned`, the store zeroes `payload` once written or
         forgotten (the caller lets go of it). Returns [] (the SSD is the last tier: overflow is dropped). Raises
@@ -227,8 +230,13 @@ class SsdStore:
 
     def _fail(self, error: BaseException) -> None:
         self._failure = error
-        log.critical("the SSD writer of %s died: %r. This cache's SSD tier takes no more blocks; flush, sync and "
-                     "store raise from now on", self.directory, error, exc_info=error)  # fmt: skip
+        log.critical(
+            "the SSD writer of %s died: %r. This cache's SSD tier takes no more blocks; flush, sync and "
+            "store raise from now on",
+            self.directory,
+            error,
+            exc_info=error,
+        )
 
     def _forget_unwritten(self, hashes: list[bytes]) -> None:
         """After a writer failure: drop (and zero) these queued or half-written blocks; they are never indexed."""
@@ -405,7 +413,9 @@ class SsdStore:
         try:
             with open(os.path.join(self.directory, INDEX_NAME)) as file:
                 document = json.load(file)
-            entries = [(bytes.fromhex(h), Entry(int(s), int(o), int(n), int(r))) for h, s, o, n, r in document["entries"]]
+            entries = [
+                (bytes.fromhex(h), Entry(int(s), int(o), int(n), int(r))) for h, s, o, n, r in document["entries"]
+            ]
             return entries, {int(s): int(end) for s, end in document["committed_end"].items()}
         except (OSError, ValueError, KeyError, TypeError):
             return [], {}

@@ -58,8 +58,15 @@ class Lease:
 
 
 class StagingPool:
-    def __init__(self, max_bytes: int, *, max_idle_bytes: int | None = None, idle_seconds: float = 60.0,
-                 on_refusal=None, clock=time.monotonic):  # fmt: skip
+    def __init__(
+        self,
+        max_bytes: int,
+        *,
+        max_idle_bytes: int | None = None,
+        idle_seconds: float = 60.0,
+        on_refusal=None,
+        clock=time.monotonic,
+    ):
         self.max_bytes = max_bytes
         self.max_idle_bytes = max_bytes // 2 if max_idle_bytes is None else max_idle_bytes
         self.idle_seconds = idle_seconds
@@ -122,8 +129,11 @@ class StagingPool:
     def _refuse(self):
         if self._on_refusal is not None:
             self._on_refusal("node_bytes")
-        raise ProtocolError(ErrorCode.OVERLOADED, "the node's staging memory is in use: retry shortly",
-                            details={"limit": "node_bytes", "retry_after_ms": DEFAULT_RETRY_AFTER_MS})  # fmt: skip
+        raise ProtocolError(
+            ErrorCode.OVERLOADED,
+            "the node's staging memory is in use: retry shortly",
+            details={"limit": "node_bytes", "retry_after_ms": DEFAULT_RETRY_AFTER_MS},
+        )
 
     def _give_back(self, buffer: _Buffer, nbytes: int) -> None:
         now = self._clock()

@@ -396,8 +396,10 @@ class LowerTiers:
         return {"dram": self.dram.bytes_resident, "ssd": self.ssd.bytes_resident if self.ssd is not None else 0}
 
     def checksum_failures(self) -> dict[str, int]:
-        return {"dram": self.dram.num_checksum_failures,
-                "ssd": self.ssd.num_checksum_failures if self.ssd is not None else 0}  # fmt: skip
+        return {
+            "dram": self.dram.num_checksum_failures,
+            "ssd": self.ssd.num_checksum_failures if self.ssd is not None else 0,
+        }
 
     def wipe(self) -> int:
         """Erasure: zero DRAM, delete the SSD directory; returns the bytes that were resident in both."""
@@ -415,8 +417,9 @@ class LowerTiers:
 
 
 # ---- setting tiers up for a hosted cache (the registry calls this) --------------------------------------------------
-def open_tiers(ssd_root: str, cache_id: str, tenant_id: str, capacity: dict, block_bytes: int,
-               ssd_key: bytes | None) -> LowerTiers | None:  # fmt: skip
+def open_tiers(
+    ssd_root: str, cache_id: str, tenant_id: str, capacity: dict, block_bytes: int, ssd_key: bytes | None
+) -> LowerTiers | None:
     """The lower tiers a capacity asks for (None when it asks for none that can hold a block). The SSD tier needs
     a data key; opening an existing directory rescans it (warm restart)."""
     from gpu_node.ssd_store import SsdStore  # cryptography: only nodes with an SSD tier load it

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import jwt
 
@@ -106,8 +107,16 @@ class TokenVerifier:
     the server's check (audience, node, epoch), so every "not for this cache" answers alike.
     """
 
-    def __init__(self, jwks: dict, *, issuer: str = DEFAULT_ISSUER, leeway: float = 5.0, fetch_jwks=None,
-                 refetch_interval: float = 30.0, revocations: RevocationList | None = None):  # fmt: skip
+    def __init__(
+        self,
+        jwks: dict,
+        *,
+        issuer: str = DEFAULT_ISSUER,
+        leeway: float = 5.0,
+        fetch_jwks=None,
+        refetch_interval: float = 30.0,
+        revocations: RevocationList | None = None,
+    ):
         """`revocations`: the node's RevocationList (the agent shares one with its Celery tasks); a fresh one if
         None. `fetch_jwks()` (optional) reloads the JWKS when a token names an unknown `kid` (key rotation), at most
         once per `refetch_interval` seconds, so forged kids cannot make the node hammer the control plane."""
@@ -181,5 +190,3 @@ class TokenVerifier:
         if self.is_revoked(claims["jti"]):
             raise ProtocolError(ErrorCode.UNAUTHENTICATED, "the data token has been revoked")
         return claims
-
-

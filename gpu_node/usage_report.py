@@ -41,8 +41,14 @@ class UsageReporter:
     """Builds reports from `snapshot()` ([{"cache_id", "device_bytes", "dram_bytes", "ssd_bytes",
     "bytes_written_total", "tokens_served_total"}]) and sends them with `send(report)` (ControlPlane.usage)."""
 
-    def __init__(self, *, snapshot: Callable[[], list[dict]], send: Callable[[dict], dict],
-                 max_queued: int = DEFAULT_MAX_QUEUED, clock: Callable[[], datetime] = _utc_now):  # fmt: skip
+    def __init__(
+        self,
+        *,
+        snapshot: Callable[[], list[dict]],
+        send: Callable[[dict], dict],
+        max_queued: int = DEFAULT_MAX_QUEUED,
+        clock: Callable[[], datetime] = _utc_now,
+    ):
         self.boot_id = str(uuid.uuid4())
         self._snapshot, self._send, self._clock = snapshot, send, clock
         self._sequence = 0

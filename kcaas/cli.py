@@ -27,8 +27,9 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from kcaas.client import Client
 from kcaas.errors import APIConnectionError, KcaasError
@@ -220,8 +221,16 @@ def cmd_token(client, args, out: _Out) -> None:
 
 def _key_rows(keys) -> list[tuple]:
     return [
-        (k.id, k.name, k.public_id, ",".join(k.scopes), k.state, _when(k.created_at), _when(k.last_used_at),
-         _when(k.expires_at))
+        (
+            k.id,
+            k.name,
+            k.public_id,
+            ",".join(k.scopes),
+            k.state,
+            _when(k.created_at),
+            _when(k.last_used_at),
+            _when(k.expires_at),
+        )
         for k in keys
     ]
 

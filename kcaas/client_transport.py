@@ -248,8 +248,9 @@ class RestTransport:
             self._sleep(delay)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _retry_delay(self, response: _Response, error: KcaasError, attempt: int, repeatable: bool,
-                     hintless: int) -> float | None:  # fmt: skip
+    def _retry_delay(
+        self, response: _Response, error: KcaasError, attempt: int, repeatable: bool, hintless: int
+    ) -> float | None:
         """How long to wait before trying an answered request again, or None when it must not be repeated."""
         retry_code = _in_progress(response, error)
         # 429 is retried for every request: the throttle refuses before the view runs, so nothing happened

@@ -65,9 +65,18 @@ class DataPlaneClient:
         self.identity = identity
         self.cache_id = str(cache_id)
         self._views = _Recent()  # the bytes of recent `out` tensors, and the result views made of them
-        self._t = Transport(endpoint, uds_path, token, self.cache_id, identity, ssl_context=ssl_context,
-                            server_hostname=server_hostname, timeout=timeout, max_frame_bytes=max_frame_bytes,
-                            max_overloaded_retries=max_overloaded_retries)  # fmt: skip
+        self._t = Transport(
+            endpoint,
+            uds_path,
+            token,
+            self.cache_id,
+            identity,
+            ssl_context=ssl_context,
+            server_hostname=server_hostname,
+            timeout=timeout,
+            max_frame_bytes=max_frame_bytes,
+            max_overloaded_retries=max_overloaded_retries,
+        )
 
     def __repr__(self) -> str:
         where = self._t.endpoint or self._t.uds_path
@@ -172,15 +181,20 @@ class DataPlaneClient:
         for seq, start in zip(ids, starts):
             if not 0 <= start <= len(seq):
                 raise ValueError(f"start must be within 0..{len(seq)}")
-        states = [_Received(self._out_bytes(out, dtype, len(seq) - start), start, len(seq), spec, out, self._views)
-                  for out, seq, start in zip(outs, ids, starts)]  # fmt: skip
+        states = [
+            _Received(self._out_bytes(out, dtype, len(seq) - start), start, len(seq), spec, out, self._views)
+            for out, seq, start in zip(outs, ids, starts)
+        ]
         with self._t.lock:
             pending = list(range(len(ids)))
             while pending:
                 for chunk in self._chunks(pending, ids) if len(pending) > 1 else (pending,):
-                    reply = self._t.call(Opcode.GET if len(chunk) == 1 else Opcode.GET_BATCH, [ids[i] for i in chunk],
-                                         kv_start=[states[i].next_token for i in chunk],
-                                         receive_into=[states[i] for i in chunk])  # fmt: skip
+                    reply = self._t.call(
+                        Opcode.GET if len(chunk) == 1 else Opcode.GET_BATCH,
+                        [ids[i] for i in chunk],
+                        kv_start=[states[i].next_token for i in chunk],
+                        receive_into=[states[i] for i in chunk],
+                    )
                     for slot, i in enumerate(chunk):
                         sent = reply.kv_end[slot] - reply.kv_start[slot]
                         states[i].arrived(reply.num_cached[slot], sent)
@@ -204,12 +218,18 @@ class DataPlaneClient:
                 if i not in small:
                     results[i] = self._put_long(*prepared[i])
             for chunk in self._chunks(small, [p[0] for p in prepared], put=prepared):
-                reply = self._t.call(Opcode.PUT if len(chunk) == 1 else Opcode.PUT_BATCH,
-                                     [prepared[i][0] for i in chunk], kv=[_kv_bytes(prepared[i][1]) for i in chunk],
-                                     kv_start=[prepared[i][2] for i in chunk])  # fmt: skip
+                reply = self._t.call(
+                    Opcode.PUT if len(chunk) == 1 else Opcode.PUT_BATCH,
+                    [prepared[i][0] for i in chunk],
+                    kv=[_kv_bytes(prepared[i][1]) for i in chunk],
+                    kv_start=[prepared[i][2] for i in chunk],
+                )
                 for slot, i in enumerate(chunk):
-                    results[i] = {"num_cached": reply.num_cached[slot], "num_written": reply.num_written[slot],
-                                  "out_of_space": reply.out_of_space[slot]}  # fmt: skip
+                    results[i] = {
+                        "num_cached": reply.num_cached[slot],
+                        "num_written": reply.num_written[slot],
+                        "out_of_space": reply.out_of_space[slot],
+                    }
         return results
 
     # ---- plumbing ---------------------------------------------------------------------------------------------------
@@ -278,7 +298,9 @@ class DataPlaneClient:
         """One sequence in several frames, each carrying only its own tokens' KV: appended after what the node holds
         (a prefix it evicted between frames is sent again from what it still holds, a few times at most)."""
         spec, n = self.identity, len(ids)
-        per_frame = max(1, (self._t.max_frame_bytes - wire.HEADER_SIZE - _FRAME_SLACK - 4 * n) // spec.kv_bytes_per_token)
+        per_frame = max(
+            1, (self._t.max_frame_bytes - wire.HEADER_SIZE - _FRAME_SLACK - 4 * n) // spec.kv_bytes_per_token
+        )
         start, written, retries = first, 0, 0
         reply = None
         if start == n:
@@ -286,8 +308,9 @@ class DataPlaneClient:
         while start < n:
             end = min(n, start + per_frame)
             try:
-                reply = self._t.call(Opcode.PUT, [ids[:end]], kv=[_kv_bytes(kv[:, :, start - first : end - first])],
-                                     kv_start=[start])  # fmt: skip
+                reply = self._t.call(
+                    Opcode.PUT, [ids[:end]], kv=[_kv_bytes(kv[:, :, start - first : end - first])], kv_start=[start]
+                )
             except DataPlaneError as exc:
                 held = exc.details.get("num_cached") if exc.code == ErrorCode.PREFIX_NOT_CACHED else None
                 if not isinstance(held, int) or held < first or held >= start or retries >= _MAX_PREFIX_RETRIES:

@@ -62,9 +62,20 @@ class Transport:
     """One connection with its retry policy. Not thread safe on its own: DataPlaneClient holds `lock` around each
     operation (an operation may be several requests: the frames of a long put or get)."""
 
-    def __init__(self, endpoint: str | None, uds_path: str | None, token_source: Any, cache_id: str,
-                 identity: KVCacheSpec, *, ssl_context: ssl.SSLContext | None, server_hostname: str | None,
-                 timeout: float, max_frame_bytes: int, max_overloaded_retries: int):  # fmt: skip
+    def __init__(
+        self,
+        endpoint: str | None,
+        uds_path: str | None,
+        token_source: Any,
+        cache_id: str,
+        identity: KVCacheSpec,
+        *,
+        ssl_context: ssl.SSLContext | None,
+        server_hostname: str | None,
+        timeout: float,
+        max_frame_bytes: int,
+        max_overloaded_retries: int,
+    ):
         self.endpoint, self.uds_path = endpoint, uds_path
         self.token_source = token_source
         self.cache_id = cache_id
@@ -85,12 +96,20 @@ class Transport:
         self._receive_into: list | None = None  # the GET in flight: one receiver per sequence
 
     # ---- operations ---------------------------------------------------------------------------------------------
-    def call(self, opcode: Opcode, token_ids: list, *, kv: list | None = None, kv_start: list | None = None,
-             receive_into: list | None = None):  # fmt: skip
+    def call(
+        self,
+        opcode: Opcode,
+        token_ids: list,
+        *,
+        kv: list | None = None,
+        kv_start: list | None = None,
+        receive_into: list | None = None,
+    ):
         """One request (any data opcode, single or batch) under the retry policy; returns its typed reply.
 
         GET: `receive_into[i].views_for(num_cached, kv_start, kv_end)` says where sequence i's KV goes, once the
         answer's metadata has arrived (writable views whose sizes add up to that KV)."""
+
         def attempt():
             self._receive_into = receive_into
             try:
@@ -179,8 +198,9 @@ class Transport:
         if self._sock is not None:
             return
         self._sock = self._open_socket()
-        self._decoder = wire.FrameDecoder(max_frame_bytes=max(self.max_frame_bytes, wire.DEFAULT_MAX_FRAME_BYTES),
-                                          payload_sink=self._sink)  # fmt: skip
+        self._decoder = wire.FrameDecoder(
+            max_frame_bytes=max(self.max_frame_bytes, wire.DEFAULT_MAX_FRAME_BYTES), payload_sink=self._sink
+        )
         try:
             try:
                 reply = self._hello()
@@ -202,9 +222,16 @@ class Transport:
     def _hello(self) -> wire.HelloOk:
         rid = self._new_id()
         modern = self.identity_in_hello  # an older node refuses both fields
-        self._send(wire.encode_hello(rid, cache_id=self.cache_id, token=self._token(), client=CLIENT_NAME,
-                                     identity=self.identity if modern else None,
-                                     max_answer_bytes=MAX_ANSWER_BYTES if modern else None))  # fmt: skip
+        self._send(
+            wire.encode_hello(
+                rid,
+                cache_id=self.cache_id,
+                token=self._token(),
+                client=CLIENT_NAME,
+                identity=self.identity if modern else None,
+                max_answer_bytes=MAX_ANSWER_BYTES if modern else None,
+            )
+        )
         return self._response(rid, Opcode.HELLO, 1)
 
     def _open_socket(self) -> socket.socket:
@@ -239,16 +266,25 @@ class Transport:
         meta, views = head.meta, []
         for index, receiver in enumerate(self._receive_into):
             if sizes[index]:
-                views += receiver.views_for(int(meta["num_cached"][index]), int(meta["kv_start"][index]),
-                                            int(meta["kv_end"][index]))  # fmt: skip
+                views += receiver.views_for(
+                    int(meta["num_cached"][index]), int(meta["kv_start"][index]), int(meta["kv_end"][index])
+                )
         return views
 
     def _request(self, opcode: Opcode, token_ids: list, *, kv=None, kv_start=None):
         rid = self._new_id()
         identity = None if self.identity_in_hello else self.identity
-        frame = wire.encode_request(opcode, rid, cache_id=self.cache_id, identity=identity, token_ids=token_ids,
-                                    kv=kv, kv_start=kv_start, max_frame_bytes=self.max_frame_bytes,
-                                    session_identity=self.identity)  # fmt: skip
+        frame = wire.encode_request(
+            opcode,
+            rid,
+            cache_id=self.cache_id,
+            identity=identity,
+            token_ids=token_ids,
+            kv=kv,
+            kv_start=kv_start,
+            max_frame_bytes=self.max_frame_bytes,
+            session_identity=self.identity,
+        )
         self._send(frame)
         return self._response(rid, opcode, len(token_ids))
 
@@ -266,8 +302,11 @@ class Transport:
             raise DataPlaneError(reply.message, code=reply.code, details=reply.details)
         if isinstance(reply, wire.Moved):
             self._drop()
-            raise DataPlaneError(f"the cache moved to {reply.endpoint} (epoch {reply.epoch})", code="moved",
-                                 details={"endpoint": reply.endpoint, "epoch": reply.epoch})  # fmt: skip
+            raise DataPlaneError(
+                f"the cache moved to {reply.endpoint} (epoch {reply.epoch})",
+                code="moved",
+                details={"endpoint": reply.endpoint, "epoch": reply.epoch},
+            )
         return reply
 
     def _read_frame(self) -> wire.Frame:

@@ -68,10 +68,13 @@ def folder_options(celery_dir: str | Path) -> dict:
     written by every process, exchange tables under control/, nothing kept once consumed."""
     root = Path(celery_dir)
     return {
-        "data_folder_in": str(root / "queue"), "data_folder_out": str(root / "queue"),
-        "processed_folder": str(root / "processed"), "control_folder": str(root / "control"),
-        "quarantine_folder": str(root / "quarantine"), "store_processed": False,
-    }  # fmt: skip
+        "data_folder_in": str(root / "queue"),
+        "data_folder_out": str(root / "queue"),
+        "processed_folder": str(root / "processed"),
+        "control_folder": str(root / "control"),
+        "quarantine_folder": str(root / "quarantine"),
+        "store_processed": False,
+    }
 
 
 def decoded(raw: bytes) -> dict | None:

@@ -52,8 +52,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 VERSION = 1
 VERSION_FIELD = "v"
@@ -220,7 +221,7 @@ class NodeMessage:
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
-            problem = _CHECKS[field.type](getattr(self, field.name))
+            problem = _CHECKS[str(field.type)](getattr(self, field.name))  # annotations are strings here
             if problem:
                 raise MessageError(self.TASK, field.name, problem)
 
@@ -230,7 +231,10 @@ class NodeMessage:
 
     def to_dict(self) -> dict[str, Any]:
         """The Celery keyword arguments: the version and every field (copies: the message stays as it was)."""
-        return {VERSION_FIELD: self.VERSION, **{name: copy.deepcopy(getattr(self, name)) for name in self.field_names()}}
+        return {
+            VERSION_FIELD: self.VERSION,
+            **{name: copy.deepcopy(getattr(self, name)) for name in self.field_names()},
+        }
 
     @classmethod
     def from_dict(cls, data: Any):
@@ -242,8 +246,9 @@ class NodeMessage:
         version = data[VERSION_FIELD]
         if not _is_int(version) or version != cls.VERSION:
             shown = version if _is_int(version) else _type_name(version)
-            raise MessageError(cls.TASK, VERSION_FIELD, f"version {shown} is not understood (this side speaks "
-                                                        f"{cls.VERSION})")  # fmt: skip
+            raise MessageError(
+                cls.TASK, VERSION_FIELD, f"version {shown} is not understood (this side speaks {cls.VERSION})"
+            )
         names = cls.field_names()
         unknown = sorted(str(key) for key in data if key not in names and key != VERSION_FIELD)
         if unknown:
@@ -259,12 +264,13 @@ class NodeMessage:
     def from_call(cls, args: tuple | list, kwargs: dict):
         """The message a Celery task was called with: keyword arguments only (a positional list is refused)."""
         if args:
-            raise MessageError(cls.TASK, None, f"{len(args)} positional argument(s): messages travel as keyword "
-                                               f"arguments only")  # fmt: skip
+            raise MessageError(
+                cls.TASK, None, f"{len(args)} positional argument(s): messages travel as keyword arguments only"
+            )
         return cls.from_dict(kwargs)
 
 
-# ---- control -> node ---------------------------------------------------------------------------------------------------
+# ---- control -> node -------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ProvisionCache(NodeMessage):
     TASK: ClassVar[str] = PROVISION_TASK
@@ -340,7 +346,7 @@ class MigrateAbort(NodeMessage):
     cache_id: Id
 
 
-# ---- node -> control -----------------------------------------------------------------------------------------------
+# ---- node -> control -------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ProvisionResult(NodeMessage):
     TASK: ClassVar[str] = PROVISION_RESULT_TASK
@@ -386,10 +392,23 @@ class MigrationResult(NodeMessage):
     info: Info  # {"blocks", "blocks_sent", "bytes_sent", "rounds", "attempts"} (what is known)
 
 
-ORDERS: tuple[type[NodeMessage], ...] = (ProvisionCache, DetachCache, RevokeTokens, PurgeTenant, MigrateIn,
-                                         MigrateOut, MigrateCutover, MigrateAbort)  # fmt: skip
-ANSWERS: tuple[type[NodeMessage], ...] = (ProvisionResult, DetachResult, PurgeResult, MigrationProgress,
-                                          MigrationResult)  # fmt: skip
+ORDERS: tuple[type[NodeMessage], ...] = (
+    ProvisionCache,
+    DetachCache,
+    RevokeTokens,
+    PurgeTenant,
+    MigrateIn,
+    MigrateOut,
+    MigrateCutover,
+    MigrateAbort,
+)
+ANSWERS: tuple[type[NodeMessage], ...] = (
+    ProvisionResult,
+    DetachResult,
+    PurgeResult,
+    MigrationProgress,
+    MigrationResult,
+)
 MESSAGES: dict[str, type[NodeMessage]] = {message.TASK: message for message in (*ORDERS, *ANSWERS)}
 
 

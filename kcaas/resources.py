@@ -10,9 +10,10 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Mapping
+from typing import Any
 
 from kcaas.spec import KVCacheSpec
 

@@ -90,14 +90,21 @@ def _canonical_id(value) -> str:
 
 
 def _aad(*, task: str, node_id, cache_id, field: str, kid: bytes) -> bytes:
-    parts = (_AAD_LABEL, task.encode(), _canonical_id(node_id).encode(), _canonical_id(cache_id).encode(),
-             field.encode(), kid.hex().encode())  # fmt: skip
+    parts = (
+        _AAD_LABEL,
+        task.encode(),
+        _canonical_id(node_id).encode(),
+        _canonical_id(cache_id).encode(),
+        field.encode(),
+        kid.hex().encode(),
+    )
     return b"\x00".join(parts)
 
 
 def _aes_key(shared: bytes, ephemeral_public: bytes, node_public: bytes) -> bytes:
-    return HKDF(algorithm=hashes.SHA256(), length=32, salt=ephemeral_public + node_public,
-                info=_HKDF_INFO).derive(shared)  # fmt: skip
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=ephemeral_public + node_public, info=_HKDF_INFO).derive(
+        shared
+    )
 
 
 def seal(plaintext: bytes, *, public_key_b64: str, task: str, node_id, cache_id, field: str) -> str:
@@ -109,8 +116,9 @@ def seal(plaintext: bytes, *, public_key_b64: str, task: str, node_id, cache_id,
     ephemeral_public = ephemeral.public_key().public_bytes(*_RAW)
     key = _aes_key(ephemeral.exchange(X25519PublicKey.from_public_bytes(node_public)), ephemeral_public, node_public)
     nonce = os.urandom(NONCE_BYTES)
-    body = AESGCM(key).encrypt(nonce, plaintext, _aad(task=task, node_id=node_id, cache_id=cache_id, field=field,
-                                                      kid=kid))  # fmt: skip
+    body = AESGCM(key).encrypt(
+        nonce, plaintext, _aad(task=task, node_id=node_id, cache_id=cache_id, field=field, kid=kid)
+    )
     return BOX_PREFIX + base64.urlsafe_b64encode(kid + ephemeral_public + nonce + body).decode().rstrip("=")
 
 
@@ -132,8 +140,9 @@ class NodeSealingKey:
 
     def private_bytes(self) -> bytes:
         """The 32 raw private bytes, for the node's own 0600 key file only."""
-        return self._private.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
-                                           serialization.NoEncryption())  # fmt: skip
+        return self._private.private_bytes(
+            serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
+        )
 
     @property
     def public_key_b64(self) -> str:
@@ -149,7 +158,7 @@ class NodeSealingKey:
         otherwise (KEY_NOT_SEALED, SEALED_FOR_OTHER_KEY or SEALED_KEY_INVALID)."""
         if not is_box(box):
             raise SealedKeyError(KEY_NOT_SEALED, f"{field}: not a sealed box")
-        text = box[len(BOX_PREFIX):]
+        text = box[len(BOX_PREFIX) :]
         try:
             raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
         except (binascii.Error, ValueError):
@@ -158,14 +167,19 @@ class NodeSealingKey:
             raise SealedKeyError(SEALED_KEY_INVALID, f"{field}: a truncated box")
         kid, raw = raw[:KID_BYTES], raw[KID_BYTES:]
         if kid != self._kid:
-            raise SealedKeyError(SEALED_FOR_OTHER_KEY, f"{field}: sealed to node key {kid.hex()}, this node holds "
-                                                       f"{self._kid.hex()}")  # fmt: skip
-        ephemeral_public, nonce, body = (raw[:PUBLIC_KEY_BYTES], raw[PUBLIC_KEY_BYTES:PUBLIC_KEY_BYTES + NONCE_BYTES],
-                                         raw[PUBLIC_KEY_BYTES + NONCE_BYTES:])  # fmt: skip
+            raise SealedKeyError(
+                SEALED_FOR_OTHER_KEY, f"{field}: sealed to node key {kid.hex()}, this node holds {self._kid.hex()}"
+            )
+        ephemeral_public, nonce, body = (
+            raw[:PUBLIC_KEY_BYTES],
+            raw[PUBLIC_KEY_BYTES : PUBLIC_KEY_BYTES + NONCE_BYTES],
+            raw[PUBLIC_KEY_BYTES + NONCE_BYTES :],
+        )
         try:
             shared = self._private.exchange(X25519PublicKey.from_public_bytes(ephemeral_public))
             key = _aes_key(shared, ephemeral_public, self._public)
-            return AESGCM(key).decrypt(nonce, body, _aad(task=task, node_id=node_id, cache_id=cache_id, field=field,
-                                                         kid=kid))  # fmt: skip
+            return AESGCM(key).decrypt(
+                nonce, body, _aad(task=task, node_id=node_id, cache_id=cache_id, field=field, kid=kid)
+            )
         except (InvalidTag, ValueError):
             raise SealedKeyError(SEALED_KEY_INVALID, f"{field}: the box does not open for this message") from None

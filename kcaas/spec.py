@@ -119,7 +119,9 @@ class KVCacheSpec:
         unknown = set(data) - names
         missing = names - set(data)
         if unknown or missing:
-            raise SpecError(f"invalid KV cache spec: unknown fields {sorted(unknown)}, missing fields {sorted(missing)}")
+            raise SpecError(
+                f"invalid KV cache spec: unknown fields {sorted(unknown)}, missing fields {sorted(missing)}"
+            )
         return cls(**data)
 
 

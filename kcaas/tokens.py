@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
-from datetime import datetime, timezone
-from typing import Callable
+from collections.abc import Callable
+from datetime import UTC, datetime
 
 from kcaas.client import Client, DataToken
 from kcaas.errors import KcaasError
@@ -69,7 +69,7 @@ class TokenSource:
         try:
             lifetime = float(claims["exp"]) - float(claims["iat"])
         except (KeyError, TypeError, ValueError):
-            lifetime = (token.expires_at - datetime.now(timezone.utc)).total_seconds()
+            lifetime = (token.expires_at - datetime.now(UTC)).total_seconds()
         lifetime = max(0.0, lifetime)
         margin = max(lifetime * self.refresh_fraction, min(self.min_margin_seconds, lifetime / 2))
         self._token = token

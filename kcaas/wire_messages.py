@@ -12,7 +12,7 @@ from array import array
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from kcaas.spec import KVCacheSpec, SpecError
 from kcaas.wire_frames import (
@@ -465,7 +465,7 @@ class Moved:
     epoch: int  # its new epoch: get a fresh data token for it, HELLO there, retry
 
 
-Response = Union[HelloOk, LookupOk, PutOk, GetOk, DeleteOk, ErrorReply, Moved]
+Response = HelloOk | LookupOk | PutOk | GetOk | DeleteOk | ErrorReply | Moved
 
 
 def encode_hello_ok(

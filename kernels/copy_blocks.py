@@ -54,8 +54,9 @@ def _as_ids(ids, name: str) -> torch.Tensor:
     if not isinstance(ids, torch.Tensor):
         ids = torch.as_tensor(list(ids), dtype=torch.int64)
     if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name} must be a 1-D int32/int64 tensor or a sequence of ints, got {ids.dtype} "
-                         f"{ids.dim()}-D")
+        raise ValueError(
+            f"{name} must be a 1-D int32/int64 tensor or a sequence of ints, got {ids.dtype} {ids.dim()}-D"
+        )
     return ids.to(torch.int64)
 
 

@@ -42,8 +42,14 @@ MAX_SPLITS = 64
 
 @triton.jit
 def _load_kv_tile(
-    cache_ptr, scale_ptr, rows, scale_rows, valid, dim,
-    HEAD_DIM: tl.constexpr, QUANTIZED: tl.constexpr,
+    cache_ptr,
+    scale_ptr,
+    rows,
+    scale_rows,
+    valid,
+    dim,
+    HEAD_DIM: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     """[TILE_N, BLOCK_D] fp32 K or V of the tile's tokens (dequantized); zeros where not valid."""
     x = tl.load(cache_ptr + rows[:, None] + dim[None, :], mask=valid[:, None] & (dim[None, :] < HEAD_DIM), other=0.0)
@@ -55,10 +61,29 @@ def _load_kv_tile(
 
 @triton.jit
 def _attend_tile(
-    q, m_i, l_i, acc, tile_start, end, seq, kv_head,
-    k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_ptr,
-    cache_s_blk, cache_s_slot, cache_s_head, sc_s_blk, sc_s_slot, bt_s_b,
-    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
+    q,
+    m_i,
+    l_i,
+    acc,
+    tile_start,
+    end,
+    seq,
+    kv_head,
+    k_ptr,
+    v_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    bt_ptr,
+    cache_s_blk,
+    cache_s_slot,
+    cache_s_head,
+    sc_s_blk,
+    sc_s_slot,
+    bt_s_b,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    TILE_N: tl.constexpr,
     QUANTIZED: tl.constexpr,
 ):
     """One online-softmax step over tokens [tile_start, tile_start + TILE_N) clipped to ``end``."""
@@ -82,12 +107,38 @@ def _attend_tile(
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
     qk_scale_log2,
-    q_s_b, q_s_h, cache_s_blk, cache_s_slot, cache_s_head, sc_s_blk, sc_s_slot, bt_s_b,
-    out_s_b, out_s_h, part_s_b, part_s_h, part_s_split,
-    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, QUANTIZED: tl.constexpr,
+    q_s_b,
+    q_s_h,
+    cache_s_blk,
+    cache_s_slot,
+    cache_s_head,
+    sc_s_blk,
+    sc_s_slot,
+    bt_s_b,
+    out_s_b,
+    out_s_h,
+    part_s_b,
+    part_s_h,
+    part_s_split,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -109,16 +160,39 @@ def _paged_decode_kernel(
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
     for tile_start in range(start, end, TILE_N):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, tile_start, end, seq, kv_head,
-            k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_ptr,
-            cache_s_blk, cache_s_slot, cache_s_head, sc_s_blk, sc_s_slot, bt_s_b,
-            BLOCK_SIZE, HEAD_DIM, BLOCK_D, TILE_N, QUANTIZED,
+            q,
+            m_i,
+            l_i,
+            acc,
+            tile_start,
+            end,
+            seq,
+            kv_head,
+            k_ptr,
+            v_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
+            bt_ptr,
+            cache_s_blk,
+            cache_s_slot,
+            cache_s_head,
+            sc_s_blk,
+            sc_s_slot,
+            bt_s_b,
+            BLOCK_SIZE,
+            HEAD_DIM,
+            BLOCK_D,
+            TILE_N,
+            QUANTIZED,
         )
     # An empty split (start >= end) has l_i == 0: it stores zeros and a log-sum-exp of -inf (weight 0).
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
-        tl.store(out_ptr + seq * out_s_b + heads[:, None] * out_s_h + dim[None, :],
-                 _cast_rne(o, out_ptr.dtype.element_ty), mask=io_mask)
+        tl.store(
+            out_ptr + seq * out_s_b + heads[:, None] * out_s_h + dim[None, :],
+            _cast_rne(o, out_ptr.dtype.element_ty),
+            mask=io_mask,
+        )
     else:
         part = seq * part_s_b + heads * part_s_h + split * part_s_split
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dim[None, :], o, mask=io_mask)
@@ -128,9 +202,18 @@ def _paged_decode_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr,
-    part_s_b, part_s_h, part_s_split, out_s_b, out_s_h,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    part_s_b,
+    part_s_h,
+    part_s_split,
+    out_s_b,
+    out_s_h,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
@@ -143,8 +226,9 @@ def _merge_splits_kernel(
     mask = (split[:, None] < NUM_SPLITS) & (dim[None, :] < HEAD_DIM)
     parts = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + dim[None, :], mask=mask, other=0.0)
     o = tl.sum(weights[:, None] * parts, axis=0)
-    tl.store(out_ptr + seq * out_s_b + head * out_s_h + dim, _cast_rne(o, out_ptr.dtype.element_ty),
-             mask=dim < HEAD_DIM)
+    tl.store(
+        out_ptr + seq * out_s_b + head * out_s_h + dim, _cast_rne(o, out_ptr.dtype.element_ty), mask=dim < HEAD_DIM
+    )
 
 
 def _tile_n(group_pad: int, block_d: int) -> int:
@@ -181,19 +265,49 @@ def _launch(q, pool, scales, layer, block_tables, seq_lens, sm_scale, max_seq_le
     part_out = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, out, part_out, part_lse,
+        q,
+        k_cache,
+        v_cache,
+        k_scales,
+        v_scales,
+        block_tables,
+        seq_lens,
+        out,
+        part_out,
+        part_lse,
         sm_scale * LOG2_E,
-        q.stride(0), q.stride(1), *k_cache.stride()[:3], *(k_scales.stride()[:2] if quantized else (0, 0)),
-        block_tables.stride(0), out.stride(0), out.stride(1), *part_lse.stride(),
-        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        TILE_N=tile_n, NUM_SPLITS=num_splits, QUANTIZED=quantized,
-        num_warps=_num_warps(group_pad, tile_n, block_d), enable_fp_fusion=True,
+        q.stride(0),
+        q.stride(1),
+        *k_cache.stride()[:3],
+        *(k_scales.stride()[:2] if quantized else (0, 0)),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        *part_lse.stride(),
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        TILE_N=tile_n,
+        NUM_SPLITS=num_splits,
+        QUANTIZED=quantized,
+        num_warps=_num_warps(group_pad, tile_n, block_d),
+        enable_fp_fusion=True,
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_q_heads)](
-            part_out, part_lse, out, *part_lse.stride(), out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), enable_fp_fusion=True,
+            part_out,
+            part_lse,
+            out,
+            *part_lse.stride(),
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            enable_fp_fusion=True,
         )
     return out
 

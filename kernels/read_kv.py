@@ -27,11 +27,31 @@ from kernels.reference import read_kv_reference
 
 @triton.jit
 def _read_layer(
-    pool_ptr, scales_ptr, out_ptr, layer, token, block, offset, heads_here,
-    pool_s_blk, pool_s_layer, pool_s_kv, pool_s_slot, pool_s_head,
-    sc_s_blk, sc_s_layer, sc_s_kv, sc_s_slot,
-    out_s_layer, out_s_kv, out_s_tok, out_s_head,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    pool_ptr,
+    scales_ptr,
+    out_ptr,
+    layer,
+    token,
+    block,
+    offset,
+    heads_here,
+    pool_s_blk,
+    pool_s_layer,
+    pool_s_kv,
+    pool_s_slot,
+    pool_s_head,
+    sc_s_blk,
+    sc_s_layer,
+    sc_s_kv,
+    sc_s_slot,
+    out_s_layer,
+    out_s_kv,
+    out_s_tok,
+    out_s_head,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     QUANTIZED: tl.constexpr,
 ):
     kvi = tl.arange(0, 2)[:, None, None]
@@ -49,12 +69,31 @@ def _read_layer(
 
 @triton.jit
 def _read_kv_kernel(
-    pool_ptr, scales_ptr, slot_ptr, out_ptr, num_layers,
-    pool_s_blk, pool_s_layer, pool_s_kv, pool_s_slot, pool_s_head,
-    sc_s_blk, sc_s_layer, sc_s_kv, sc_s_slot,
-    out_s_layer, out_s_kv, out_s_tok, out_s_head,
-    BLOCK_SIZE: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, LAYERS_PER_PROGRAM: tl.constexpr, QUANTIZED: tl.constexpr,
+    pool_ptr,
+    scales_ptr,
+    slot_ptr,
+    out_ptr,
+    num_layers,
+    pool_s_blk,
+    pool_s_layer,
+    pool_s_kv,
+    pool_s_slot,
+    pool_s_head,
+    sc_s_blk,
+    sc_s_layer,
+    sc_s_kv,
+    sc_s_slot,
+    out_s_layer,
+    out_s_kv,
+    out_s_tok,
+    out_s_head,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    LAYERS_PER_PROGRAM: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     first_layer = tl.program_id(1) * LAYERS_PER_PROGRAM
@@ -65,17 +104,36 @@ def _read_kv_kernel(
     offset = tl.maximum(slot, 0) % BLOCK_SIZE
     for layer in range(first_layer, tl.minimum(first_layer + LAYERS_PER_PROGRAM, num_layers)):
         _read_layer(
-            pool_ptr, scales_ptr, out_ptr, layer, token, block, offset, heads_here,
-            pool_s_blk, pool_s_layer, pool_s_kv, pool_s_slot, pool_s_head,
-            sc_s_blk, sc_s_layer, sc_s_kv, sc_s_slot,
-            out_s_layer, out_s_kv, out_s_tok, out_s_head,
-            NUM_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D, QUANTIZED,
+            pool_ptr,
+            scales_ptr,
+            out_ptr,
+            layer,
+            token,
+            block,
+            offset,
+            heads_here,
+            pool_s_blk,
+            pool_s_layer,
+            pool_s_kv,
+            pool_s_slot,
+            pool_s_head,
+            sc_s_blk,
+            sc_s_layer,
+            sc_s_kv,
+            sc_s_slot,
+            out_s_layer,
+            out_s_kv,
+            out_s_tok,
+            out_s_head,
+            NUM_HEADS,
+            HEAD_DIM,
+            BLOCK_H,
+            BLOCK_D,
+            QUANTIZED,
         )
 
 
-def _launch(
-    pool: torch.Tensor, scales: torch.Tensor | None, slot_mapping: torch.Tensor, out: torch.Tensor
-) -> None:
+def _launch(pool: torch.Tensor, scales: torch.Tensor | None, slot_mapping: torch.Tensor, out: torch.Tensor) -> None:
     num_layers, _, num_tokens, num_heads, head_dim = out.shape
     quantized = pool.dtype in QUANT_DTYPES
     scale_strides: tuple[int, ...] = (0, 0, 0, 0)
@@ -85,19 +143,31 @@ def _launch(
     per_program = layers_per_program(num_layers, 2 * num_heads * head_dim * out.element_size(), _read_kv_kernel)
     grid = (num_tokens, triton.cdiv(num_layers, per_program))
     _read_kv_kernel[grid](
-        pool, scales if quantized else pool, slot_mapping, out, num_layers,
-        *pool.stride()[:5], *scale_strides, *out.stride()[:4],
-        BLOCK_SIZE=pool.shape[3], NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        LAYERS_PER_PROGRAM=per_program, QUANTIZED=quantized,
+        pool,
+        scales if quantized else pool,
+        slot_mapping,
+        out,
+        num_layers,
+        *pool.stride()[:5],
+        *scale_strides,
+        *out.stride()[:4],
+        BLOCK_SIZE=pool.shape[3],
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        LAYERS_PER_PROGRAM=per_program,
+        QUANTIZED=quantized,
         enable_fp_fusion=False,  # no mul+add contraction: bit-equality with the reference
     )
 
 
 def _check_out(out: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != dtype:
-        raise ValueError(f"out must be a {dtype} tensor of shape {shape}, got {getattr(out, 'dtype', out)} "
-                         f"{tuple(getattr(out, 'shape', ()))}")
+        raise ValueError(
+            f"out must be a {dtype} tensor of shape {shape}, got {getattr(out, 'dtype', out)} "
+            f"{tuple(getattr(out, 'shape', ()))}"
+        )
     if out.device != device or not out.is_contiguous():
         raise ValueError(f"out must be contiguous and on {device}")
 

@@ -23,7 +23,6 @@ import torch
 from kernels._common import QUANT_DTYPES, scrub
 from kernels.quant import dequantize, quantize
 
-
 # Whole blocks at least this large are written with one ``copy_`` per run of consecutive block ids (copied with one
 # per block): a strided memcpy that torch runs on all cores, where CPU ``index_copy_`` is single-threaded and
 # element-wise (~0.4-0.65x memcpy on this 2-core box). Each iteration moves >= 256 KiB, so the Python loop costs
@@ -200,12 +199,12 @@ def copy_blocks_reference(
     Within one pool the caller guarantees no block is both a source and a destination, so the copies of one call
     never read what another wrote, in any order.
     """
-    _copy_rows(_bits(src_pool).view(src_pool.shape[0], -1), _bits(dst_pool).view(dst_pool.shape[0], -1),
-               src_ids, dst_ids)
+    _copy_rows(
+        _bits(src_pool).view(src_pool.shape[0], -1), _bits(dst_pool).view(dst_pool.shape[0], -1), src_ids, dst_ids
+    )
     if src_scales is not None:
         assert dst_scales is not None, "both pools hold scales (quantized) or neither"
-        _copy_rows(src_scales.view(src_scales.shape[0], -1), dst_scales.view(dst_scales.shape[0], -1),
-                   src_ids, dst_ids)
+        _copy_rows(src_scales.view(src_scales.shape[0], -1), dst_scales.view(dst_scales.shape[0], -1), src_ids, dst_ids)
 
 
 def _gather_layer(pool, scales, layer: int, k_or_v: int, pages: torch.Tensor, seq_len: int) -> torch.Tensor:

@@ -34,8 +34,10 @@ def ensure_database(url: str) -> None:
 def main(argv: list[str]) -> int:
     url = os.environ.get("DATABASE_URL", "")
     if not url.startswith("postgres") or not os.environ.get("REDIS_URL"):
-        raise SystemExit("make cluster: set DATABASE_URL=postgres://... and REDIS_URL=redis://... "
-                         "(the Makefile takes them from scripts/services.sh)")  # fmt: skip
+        raise SystemExit(
+            "make cluster: set DATABASE_URL=postgres://... and REDIS_URL=redis://... "
+            "(the Makefile takes them from scripts/services.sh)"
+        )
     ensure_database(url)
     os.environ.setdefault("KCAAS_VAR_DIR", str(up.REPO / "var" / "cluster"))  # not make up's SQLite-bound var/
     return up.main(["--agents", os.environ.get("KCAAS_AGENTS") or "2", "--require-services", *argv])

@@ -63,18 +63,33 @@ def main() -> int:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=4, max_position_embeddings=512, attn_implementation="eager",
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        attn_implementation="eager",
+    )
     model = transformers.LlamaForCausalLM(config).eval()
     c = model.config
-    spec = KVCacheSpec("kcaas-demo-tiny-llama@seed0", c.num_hidden_layers, c.num_key_value_heads,
-                       c.hidden_size // c.num_attention_heads, 16, "float32", "float32")  # fmt: skip
+    spec = KVCacheSpec(
+        "kcaas-demo-tiny-llama@seed0",
+        c.num_hidden_layers,
+        c.num_key_value_heads,
+        c.hidden_size // c.num_attention_heads,
+        16,
+        "float32",
+        "float32",
+    )
 
     generator = torch.Generator().manual_seed(1)
     system = torch.randint(0, VOCAB, (SYSTEM_TOKENS,), generator=generator)
-    prompts = [torch.cat([system, torch.randint(0, VOCAB, (QUESTION_TOKENS,), generator=generator)])[None]
-               for _ in range(NUM_PROMPTS)]  # fmt: skip
+    prompts = [
+        torch.cat([system, torch.randint(0, VOCAB, (QUESTION_TOKENS,), generator=generator)])[None]
+        for _ in range(NUM_PROMPTS)
+    ]
     generate = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
 
     tls = ssl.create_default_context(cafile=str(ca_file))
@@ -82,14 +97,23 @@ def main() -> int:
 
     def connect(cache) -> DataPlaneClient:
         host = cache.endpoint.rpartition(":")[0].strip("[]")
-        return DataPlaneClient(cache.endpoint, TokenSource(client, cache.id), cache.id, spec, ssl_context=tls,
-                               server_hostname="localhost" if host in ("0.0.0.0", "::") else None,
-                               timeout=30.0)  # fmt: skip
+        return DataPlaneClient(
+            cache.endpoint,
+            TokenSource(client, cache.id),
+            cache.id,
+            spec,
+            ssl_context=tls,
+            server_hostname="localhost" if host in ("0.0.0.0", "::") else None,
+            timeout=30.0,
+        )
 
     try:
         client = kcaas.Client(url, api_key)
-        existing = [cache for cache in client.list_caches()
-                    if cache.name == CACHE_NAME and cache.state in ("pending", "provisioning", "ready")]  # fmt: skip
+        existing = [
+            cache
+            for cache in client.list_caches()
+            if cache.name == CACHE_NAME and cache.state in ("pending", "provisioning", "ready")
+        ]
         cache = data_plane = None
         for candidate in (c for c in existing if c.spec == spec):
             candidate = client.wait_for(candidate.id, "ready", timeout=60)
@@ -140,8 +164,9 @@ def main() -> int:
     finally:
         data_plane.close()
         client.close()
-    same = all(torch.equal(p if isinstance(p, torch.Tensor) else p.sequences, s.sequences)
-               for p, s in zip(plain, served))  # fmt: skip
+    same = all(
+        torch.equal(p if isinstance(p, torch.Tensor) else p.sequences, s.sequences) for p, s in zip(plain, served)
+    )
 
     saved = plain_seconds - served_seconds
     print(

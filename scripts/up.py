@@ -38,8 +38,8 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import secrets
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -69,8 +69,9 @@ def base_env() -> dict:
     var_dir = Path(os.environ.get("KCAAS_VAR_DIR", REPO / "var"))
     env = {**os.environ, "KCAAS_VAR_DIR": str(var_dir), "PYTHONPATH": f"{REPO / 'platform'}:{REPO}"}
     env.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
-    env["CELERY_BROKER_URL"] = fs_broker.broker_url(env.get("CELERY_BROKER_URL") or env.get("REDIS_URL")
-                                                    or fs_broker.URL)  # fmt: skip
+    env["CELERY_BROKER_URL"] = fs_broker.broker_url(
+        env.get("CELERY_BROKER_URL") or env.get("REDIS_URL") or fs_broker.URL
+    )
     if fs_broker.is_file_broker(env["CELERY_BROKER_URL"]):
         options = fs_broker.folder_options(var_dir / "celery")
         for folder in ("data_folder_in", "processed_folder", "control_folder", "quarantine_folder"):
@@ -134,10 +135,15 @@ def dev_tls(secrets_dir: Path, *, agents: int = 1, node_dir: Path | None = None)
     from gpu_node.dev_pki import new_ca, new_server_cert, pem_cert, pem_key
 
     node_dir = node_dir or secrets_dir
-    now = dt.datetime.now(dt.timezone.utc)
-    paths = {"ca": secrets_dir / "dev-ca.pem", "ca_key": secrets_dir / "dev-ca.key", "nodes": [
-        {"cert": node_dir / node_file(i, "pem"), "key": node_dir / node_file(i, "key")} for i in range(1, agents + 1)
-    ]}  # fmt: skip
+    now = dt.datetime.now(dt.UTC)
+    paths = {
+        "ca": secrets_dir / "dev-ca.pem",
+        "ca_key": secrets_dir / "dev-ca.key",
+        "nodes": [
+            {"cert": node_dir / node_file(i, "pem"), "key": node_dir / node_file(i, "key")}
+            for i in range(1, agents + 1)
+        ],
+    }
     if paths["ca"].exists() and paths["ca_key"].exists():
         ca_key = serialization.load_pem_private_key(paths["ca_key"].read_bytes(), password=None)
         ca_cert = x509.load_pem_x509_certificate(paths["ca"].read_bytes())
@@ -150,8 +156,9 @@ def dev_tls(secrets_dir: Path, *, agents: int = 1, node_dir: Path | None = None)
             cert = x509.load_pem_x509_certificate(node["cert"].read_bytes())
             if cert.issuer == ca_cert.subject and cert.not_valid_after_utc > now + dt.timedelta(days=1):
                 continue
-        key, cert = new_server_cert(ca_key, ca_cert, f"KCaaS make up node {index}", valid_for=dt.timedelta(days=365),
-                                    hosts=tls_hosts())  # fmt: skip
+        key, cert = new_server_cert(
+            ca_key, ca_cert, f"KCaaS make up node {index}", valid_for=dt.timedelta(days=365), hosts=tls_hosts()
+        )
         write_secret(node["key"], pem_key(key))
         write_secret(node["cert"], pem_cert(cert))
     return paths
@@ -173,15 +180,31 @@ def bootstrap(env: dict, agents: int) -> dict:
     console_password_file = secrets_dir / "console-password"
     if not console_password_file.exists():
         write_secret(console_password_file, secrets.token_urlsafe(18).encode() + b"\n")
-    manage(env, "console_user", "console", "--role", "operator", "--role", "compliance",
-           "--password-file", str(console_password_file))  # fmt: skip
+    manage(
+        env,
+        "console_user",
+        "console",
+        "--role",
+        "operator",
+        "--role",
+        "compliance",
+        "--password-file",
+        str(console_password_file),
+    )
     api_key = manage(env, "kcaas_create_tenant", "demo", "--reuse", "--replace", "--key-name", "make up")
     write_secret(secrets_dir / "demo-api-key", api_key.encode() + b"\n")  # for `make demo`
-    credentials = [manage(env, "kcaas_local_node", node_name(i), "--credential-file",
-                          str(node_dir / node_file(i, "credential"))) for i in range(1, agents + 1)]  # fmt: skip
+    credentials = [
+        manage(env, "kcaas_local_node", node_name(i), "--credential-file", str(node_dir / node_file(i, "credential")))
+        for i in range(1, agents + 1)
+    ]
     tls = dev_tls(secrets_dir, agents=agents, node_dir=node_dir)
-    return {"password": password, "api_key": api_key, "credentials": credentials, "tls": tls,
-            "console_password": console_password_file.read_text().strip()}
+    return {
+        "password": password,
+        "api_key": api_key,
+        "credentials": credentials,
+        "tls": tls,
+        "console_password": console_password_file.read_text().strip(),
+    }
 
 
 def agent_ssd_dir(env: dict, index: int) -> str:
@@ -237,12 +260,50 @@ def agent_envs(env: dict, boot: dict, agents: int, url: str, host: str, port: in
 def children(env: dict, host: str, port: int, agents: int = 1) -> dict[str, list[str]]:
     var_dir = Path(env["KCAAS_VAR_DIR"])
     commands = {
-        "web": [PYTHON, "-m", "gunicorn", "controlplane.wsgi:application", "--bind", f"{host}:{port}",
-                "--workers", "2", "--worker-class", "gthread", "--threads", "4", "--log-level", "warning"],
-        "worker": [PYTHON, "-m", "celery", "-A", "controlplane", "worker", "-Q", "control", "--pool", "solo",
-                   "--loglevel", "warning", "--hostname", "control@%h"],
-        "beat": [PYTHON, "-m", "celery", "-A", "controlplane", "beat", "--loglevel", "warning",
-                 "--schedule", str(var_dir / "celerybeat-schedule")],
+        "web": [
+            PYTHON,
+            "-m",
+            "gunicorn",
+            "controlplane.wsgi:application",
+            "--bind",
+            f"{host}:{port}",
+            "--workers",
+            "2",
+            "--worker-class",
+            "gthread",
+            "--threads",
+            "4",
+            "--log-level",
+            "warning",
+        ],
+        "worker": [
+            PYTHON,
+            "-m",
+            "celery",
+            "-A",
+            "controlplane",
+            "worker",
+            "-Q",
+            "control",
+            "--pool",
+            "solo",
+            "--loglevel",
+            "warning",
+            "--hostname",
+            "control@%h",
+        ],
+        "beat": [
+            PYTHON,
+            "-m",
+            "celery",
+            "-A",
+            "controlplane",
+            "beat",
+            "--loglevel",
+            "warning",
+            "--schedule",
+            str(var_dir / "celerybeat-schedule"),
+        ],
     }
     for index in range(1, agents + 1):
         commands[f"agent-{index}"] = [PYTHON, "-m", "gpu_node.agent"]
@@ -310,8 +371,9 @@ class Child:
 
     def start(self, now: float) -> subprocess.Popen:
         """Starts it (again); `now` is the supervisor's monotonic clock."""
-        self.proc = subprocess.Popen(self.command, env=self.env, cwd=REPO, text=True,
-                                     stdout=subprocess.PIPE if self.agent else None)  # fmt: skip
+        self.proc = subprocess.Popen(
+            self.command, env=self.env, cwd=REPO, text=True, stdout=subprocess.PIPE if self.agent else None
+        )
         self.started, self.restart_at = now, None
         return self.proc
 
@@ -374,8 +436,11 @@ class Supervisor:
         rc = child.proc.returncode
         child.restarts = [t for t in child.restarts if now - t < CRASH_WINDOW]
         if len(child.restarts) >= CRASH_RESTARTS:
-            raise GiveUp(f"{child.name} exited ({rc}) after {len(child.restarts)} restarts within {CRASH_WINDOW:g} s:"
-                         f" giving up, stopping the rest", status=1)  # fmt: skip
+            raise GiveUp(
+                f"{child.name} exited ({rc}) after {len(child.restarts)} restarts within {CRASH_WINDOW:g} s:"
+                f" giving up, stopping the rest",
+                status=1,
+            )
         if now - child.started >= CRASH_WINDOW:
             child.delay = RESTART_DELAY  # it had been running fine: a fresh crash, not a loop
         report(f"{child.name} exited ({rc}): restarting in {child.delay:g} s")
@@ -386,19 +451,33 @@ class Supervisor:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--agents", type=int, default=int(os.environ.get("KCAAS_AGENTS") or 1),
-                        help="node agents to run (default KCAAS_AGENTS, else 1)")
-    parser.add_argument("--require-services", action="store_true",
-                        help="refuse the embedded defaults: DATABASE_URL (PostgreSQL) and REDIS_URL must be set")
-    parser.add_argument("--survive-agent-loss", action="store_true",
-                        help="an agent that dies is reported, not a reason to stop the rest")
-    parser.add_argument("--bootstrap-only", action="store_true",
-                        help="migrate, make the login, key, node credentials and TLS files, print them and exit")
+    parser.add_argument(
+        "--agents",
+        type=int,
+        default=int(os.environ.get("KCAAS_AGENTS") or 1),
+        help="node agents to run (default KCAAS_AGENTS, else 1)",
+    )
+    parser.add_argument(
+        "--require-services",
+        action="store_true",
+        help="refuse the embedded defaults: DATABASE_URL (PostgreSQL) and REDIS_URL must be set",
+    )
+    parser.add_argument(
+        "--survive-agent-loss",
+        action="store_true",
+        help="an agent that dies is reported, not a reason to stop the rest",
+    )
+    parser.add_argument(
+        "--bootstrap-only",
+        action="store_true",
+        help="migrate, make the login, key, node credentials and TLS files, print them and exit",
+    )
     args = parser.parse_args(argv)
     if args.agents < 1:
         parser.error("--agents must be at least 1")
-    if args.require_services and not (os.environ.get("DATABASE_URL", "").startswith("postgres")
-                                      and os.environ.get("REDIS_URL")):  # fmt: skip
+    if args.require_services and not (
+        os.environ.get("DATABASE_URL", "").startswith("postgres") and os.environ.get("REDIS_URL")
+    ):
         parser.error("--require-services: set DATABASE_URL=postgres://... and REDIS_URL=redis://...")
     return args
 
@@ -408,9 +487,11 @@ def node_line(name: str, env: dict) -> str:
     migration = env["KCAAS_NODE_MIGRATION_LISTEN"]
     if migration.endswith(":0"):
         migration = migration[:-2] + " (a free port)"
-    return (f"  node {name:<11} {env['KCAAS_NODE_ENDPOINT']} (TLS 1.3 data plane), metrics "
-            f"http://127.0.0.1:{env['KCAAS_NODE_METRICS_PORT']}/metrics\n"
-            f"       {'':<11} migration {migration} (mutual TLS), SSD {env['KCAAS_NODE_SSD_DIR']}\n")
+    return (
+        f"  node {name:<11} {env['KCAAS_NODE_ENDPOINT']} (TLS 1.3 data plane), metrics "
+        f"http://127.0.0.1:{env['KCAAS_NODE_METRICS_PORT']}/metrics\n"
+        f"       {'':<11} migration {migration} (mutual TLS), SSD {env['KCAAS_NODE_SSD_DIR']}\n"
+    )
 
 
 def banner(url: str, boot: dict, node_envs: list[dict], processes: dict) -> str:
@@ -443,8 +524,11 @@ def main(argv: list[str] | None = None) -> int:
     boot = bootstrap(env, args.agents)
     if args.bootstrap_only:
         nodes = ", ".join(f"{node_name(i)} ({node_file(i, 'credential')})" for i in range(1, args.agents + 1))
-        print(f"bootstrapped: admin / {boot['password']}; demo API key {boot['api_key']}; nodes {nodes}; "
-              f"dev CA {boot['tls']['ca']}", flush=True)  # fmt: skip
+        print(
+            f"bootstrapped: admin / {boot['password']}; demo API key {boot['api_key']}; nodes {nodes}; "
+            f"dev CA {boot['tls']['ca']}",
+            flush=True,
+        )
         return 0
     node_envs = agent_envs(env, boot, args.agents, url, host, port)
     stop_requested: list[int] = []  # appended to by the signal handler; read between supervision steps

@@ -19,12 +19,13 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from core.errors import ApplicationError
-from tenants import scopes as scope_rules, selectors, services
-from tenants.models import Tenant
-from tenants.fields import StrictCharField, StrictIntegerField
 from core.openapi import AUTH_ERRORS, RATE_LIMIT_HEADERS, RejectUnknownFieldsMixin, error_responses
 from core.pagination import BoundedLimitOffsetPagination
 from core.permissions import IsStaff, ScopePermission
+from tenants import scopes as scope_rules
+from tenants import selectors, services
+from tenants.fields import StrictCharField, StrictIntegerField
+from tenants.models import Tenant
 from tenants.principals import TenantPrincipal, request_tenant
 
 DEFAULT_OVERLAP_SECONDS = 3600
@@ -396,8 +397,12 @@ class WhoAmIApi(JsonApi):
     def get(self, request):
         user = request.user
         if isinstance(user, TenantPrincipal):
-            data = {"kind": "tenant_key", "tenant_id": user.tenant.id, "key_id": user.api_key.id,
-                    "scopes": sorted(user.scopes)}
+            data = {
+                "kind": "tenant_key",
+                "tenant_id": user.tenant.id,
+                "key_id": user.api_key.id,
+                "scopes": sorted(user.scopes),
+            }
         elif getattr(user, "is_staff", False):
             data = {"kind": "staff", "tenant_id": None, "key_id": None, "scopes": []}
         else:

@@ -21,8 +21,8 @@ from django.utils import timezone
 from rest_framework import exceptions
 from rest_framework.authentication import BaseAuthentication, get_authorization_header
 
-from core.errors import ApplicationError
 from core import keys
+from core.errors import ApplicationError
 from tenants import usage
 from tenants.principals import TenantPrincipal
 from tenants.selectors import api_key_for_authentication
@@ -94,7 +94,8 @@ class ApiKeyAuthentication(BaseAuthentication):
             raise ApiKeyAuthError("The API key has expired.", code="api_key_expired")
         if not api_key.tenant.is_active:
             raise ApiKeyAuthError(
-                f"The tenant is {api_key.tenant.status}.", code="tenant_inactive",
+                f"The tenant is {api_key.tenant.status}.",
+                code="tenant_inactive",
                 details={"status": api_key.tenant.status},
             )
 

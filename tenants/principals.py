@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 
 from rest_framework.exceptions import PermissionDenied
 
-from core.errors import ApplicationError, NotFoundError
-from core.permissions import is_staff_user as _is_staff_user
 from audit.context import Actor
-from tenants import scopes as scope_rules
+from core.errors import ApplicationError, NotFoundError
 from core.ids import as_uuid
+from core.permissions import is_staff_user as _is_staff_user
+from tenants import scopes as scope_rules
 from tenants.models import ApiKey, Tenant
 
 

@@ -279,8 +279,10 @@ _redis_all_scripts: dict[int, tuple] = {}
 def _redis_scripts(client: redis.Redis):
     found = _redis_all_scripts.get(id(client))
     if found is None:
-        found = _redis_all_scripts[id(client)] = (client.register_script(_GCRA_ALL_LUA),
-                                                  client.register_script(_GCRA_GIVE_BACK_LUA))  # fmt: skip
+        found = _redis_all_scripts[id(client)] = (
+            client.register_script(_GCRA_ALL_LUA),
+            client.register_script(_GCRA_GIVE_BACK_LUA),
+        )
     return found
 
 

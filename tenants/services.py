@@ -27,9 +27,10 @@ from django.utils import timezone
 
 from audit.actions import AuditAction
 from audit.services import audit_record
-from core.errors import ApplicationError, ConflictError, NotFoundError, QuotaExceeded
 from core import keys
-from tenants import names, scopes as scope_rules, usage
+from core.errors import ApplicationError, ConflictError, NotFoundError, QuotaExceeded
+from tenants import names, usage
+from tenants import scopes as scope_rules
 from tenants.models import QUOTA_FIELDS, ApiKey, KeyUsageFlush, Quota, Tenant
 from tenants.redis_client import get_redis
 from tenants.selectors import api_keys_usable, quota_limits
@@ -100,9 +101,11 @@ def _check_not_confusable(name: str) -> None:
             raise ConflictError(
                 f"The name looks like the existing tenant name {existing!r}.",
                 code="tenant_name_confusable",
-                details={"fields": {"name": ["Confusable with an existing tenant name."]},
-                         "confusable_with": {"id": str(tenant_id), "name": existing}},
-            )  # fmt: skip
+                details={
+                    "fields": {"name": ["Confusable with an existing tenant name."]},
+                    "confusable_with": {"id": str(tenant_id), "name": existing},
+                },
+            )
 
 
 @transaction.atomic
@@ -118,8 +121,13 @@ def tenant_create(*, name: str) -> Tenant:
     except IntegrityError:
         raise ConflictError(f"A tenant named {name!r} exists.", code="tenant_name_taken") from None
     Quota.objects.create(tenant=tenant)
-    audit_record(action=AuditAction.TENANT_CREATED, target_type="tenant", target_id=tenant.pk, tenant_id=tenant.pk,
-                 new={"name": tenant.name, "status": tenant.status})  # fmt: skip
+    audit_record(
+        action=AuditAction.TENANT_CREATED,
+        target_type="tenant",
+        target_id=tenant.pk,
+        tenant_id=tenant.pk,
+        new={"name": tenant.name, "status": tenant.status},
+    )
     return tenant
 
 
@@ -149,8 +157,14 @@ def tenant_set_status(*, tenant: Tenant, status: str) -> Tenant:
         return locked  # no change, no event
     old_status, locked.status = locked.status, status
     locked.save(update_fields=["status"])
-    audit_record(action=AuditAction.TENANT_UPDATED, target_type="tenant", target_id=locked.pk, tenant_id=locked.pk,
-                 old={"status": old_status}, new={"status": status})  # fmt: skip
+    audit_record(
+        action=AuditAction.TENANT_UPDATED,
+        target_type="tenant",
+        target_id=locked.pk,
+        tenant_id=locked.pk,
+        old={"status": old_status},
+        new={"status": status},
+    )
     return locked
 
 
@@ -202,8 +216,13 @@ def api_key_issue(
         scopes=normalized,
         expires_at=expires_at,
     )
-    audit_record(action=AuditAction.KEY_ISSUED, target_type="api_key", target_id=api_key.pk, tenant_id=tenant.pk,
-                 new={"public_id": public_id, "scopes": normalized})  # fmt: skip - never the secret or its hash
+    audit_record(
+        action=AuditAction.KEY_ISSUED,
+        target_type="api_key",
+        target_id=api_key.pk,
+        tenant_id=tenant.pk,
+        new={"public_id": public_id, "scopes": normalized},
+    )  # never the secret or its hash
     return IssuedKey(api_key=api_key, raw_key=raw)
 
 
@@ -218,9 +237,14 @@ def api_key_revoke(*, api_key: ApiKey) -> ApiKey:
     if locked.revoked_at is None:
         locked.revoked_at = timezone.now()
         locked.save(update_fields=["revoked_at"])
-        audit_record(action=AuditAction.KEY_REVOKED, target_type="api_key", target_id=locked.pk,
-                     tenant_id=locked.tenant_id, old={"revoked_at": None},
-                     new={"revoked_at": locked.revoked_at})  # fmt: skip
+        audit_record(
+            action=AuditAction.KEY_REVOKED,
+            target_type="api_key",
+            target_id=locked.pk,
+            tenant_id=locked.tenant_id,
+            old={"revoked_at": None},
+            new={"revoked_at": locked.revoked_at},
+        )
     return locked
 
 
@@ -259,10 +283,14 @@ def api_key_rotate(*, api_key: ApiKey, overlap_seconds: int) -> IssuedKey:
     if locked.expires_at is None or overlap_end < locked.expires_at:
         locked.expires_at = overlap_end
         locked.save(update_fields=["expires_at"])
-    audit_record(action=AuditAction.KEY_ROTATED, target_type="api_key", target_id=locked.pk, tenant_id=locked.tenant_id,
-                 old={"expires_at": old_expiry, "successor": None},
-                 new={"expires_at": locked.expires_at, "successor": successor.public_id,
-                      "successor_scopes": successor.scopes})  # fmt: skip
+    audit_record(
+        action=AuditAction.KEY_ROTATED,
+        target_type="api_key",
+        target_id=locked.pk,
+        tenant_id=locked.tenant_id,
+        old={"expires_at": old_expiry, "successor": None},
+        new={"expires_at": locked.expires_at, "successor": successor.public_id, "successor_scopes": successor.scopes},
+    )
     return IssuedKey(api_key=successor, raw_key=raw)
 
 
@@ -305,8 +333,14 @@ def quota_update(*, tenant: Tenant, **limits) -> Quota:
     quota.updated_at = timezone.now()
     quota.save(update_fields=[*cleaned, "updated_at"])
     if old:  # stored overrides (None: the default); an update that changes nothing writes no event
-        audit_record(action=AuditAction.QUOTA_UPDATED, target_type="quota", target_id=tenant.pk, tenant_id=tenant.pk,
-                     old=old, new={field: cleaned[field] for field in old})  # fmt: skip
+        audit_record(
+            action=AuditAction.QUOTA_UPDATED,
+            target_type="quota",
+            target_id=tenant.pk,
+            tenant_id=tenant.pk,
+            old=old,
+            new={field: cleaned[field] for field in old},
+        )
     return quota
 
 

@@ -66,8 +66,10 @@ def _seal_aad(key_id: str, aad: bytes) -> bytes:
 def _new_key_row(tenant_id) -> TenantKey:
     key_id = "tk_" + secrets.token_hex(12)
     nonce = os.urandom(NONCE_NUM_BYTES)
-    wrapped = WRAP_VERSION + nonce + _kek_aead(settings.KCAAS_KEK).encrypt(
-        nonce, os.urandom(DATA_KEY_NUM_BYTES), _wrap_aad(tenant_id, key_id)
+    wrapped = (
+        WRAP_VERSION
+        + nonce
+        + _kek_aead(settings.KCAAS_KEK).encrypt(nonce, os.urandom(DATA_KEY_NUM_BYTES), _wrap_aad(tenant_id, key_id))
     )
     return TenantKey(tenant_id=tenant_id, key_id=key_id, wrapped_key=wrapped)
 

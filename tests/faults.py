@@ -46,8 +46,9 @@ def listening(port: int) -> bool:
         return False
 
 
-def stop_process(process: subprocess.Popen, timeout: float = 20, *, sig: int = signal.SIGTERM,
-                 group: bool = False) -> None:
+def stop_process(
+    process: subprocess.Popen, timeout: float = 20, *, sig: int = signal.SIGTERM, group: bool = False
+) -> None:
     """Stop a child process: `sig` (SIGTERM unless told), up to `timeout` seconds for it to exit, then SIGKILL (to
     its whole process group when `group`: a child started with start_new_session=True, with its own children) and
     reap it. A no-op for a process that has exited already."""
@@ -104,10 +105,26 @@ class PrivateRedis:
         import redis
 
         self.process = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
-             "--appendonly", "yes", "--appendfsync", "always", "--save", "", "--daemonize", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.directory),
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+                "--save",
+                "",
+                "--daemonize",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         client = redis.Redis.from_url(self.url)
         try:
             assert eventually(lambda: _redis_answers(client), timeout=10), "redis did not start"
@@ -222,8 +239,10 @@ class PrivatePostgres:
         if not self._initialised:
             self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", self.SUPERUSER, "-E", "UTF8", "--no-sync")
             self._initialised = True
-        options = (f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.data} -c fsync=off "
-                   "-c synchronous_commit=off -c full_page_writes=off")  # fmt: skip
+        options = (
+            f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.data} -c fsync=off "
+            "-c synchronous_commit=off -c full_page_writes=off"
+        )
         self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-w", "-t", "60", "-o", options, "start")
 
     def running(self) -> bool:

@@ -56,8 +56,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kcaas.connectors.vllm")
 
 # the worker's counters (lookups are vLLM's own: vllm:external_prefix_cache_queries / _hits)
-STAT_NAMES = ("loaded_tokens", "loaded_bytes", "load_seconds", "load_failures", "failed_tokens", "saved_tokens",
-              "saved_bytes", "save_failures", "saves_dropped")  # fmt: skip
+STAT_NAMES = (
+    "loaded_tokens",
+    "loaded_bytes",
+    "load_seconds",
+    "load_failures",
+    "failed_tokens",
+    "saved_tokens",
+    "saved_bytes",
+    "save_failures",
+    "saves_dropped",
+)
 
 
 class KCaaSConnectorStats(KVConnectorStats):
@@ -137,13 +146,21 @@ class KCaaSConnector(KVConnectorBase_V1):
         self._layout = engine_layout(vllm_config, kv_cache_config, self._config.model_fingerprint)
         self._block_size = self._layout.block_size
         self._session = CacheSession(self._config, self._layout)
-        logger.info("KCaaS connector (%s, %s): cache %s at %s", role.name.lower(), self._config.role,
-                    self._session.cache.id, self._session.cache.endpoint)  # fmt: skip
+        logger.info(
+            "KCaaS connector (%s, %s): cache %s at %s",
+            role.name.lower(),
+            self._config.role,
+            self._session.cache.id,
+            self._session.cache.endpoint,
+        )
         if role == KVConnectorRole.SCHEDULER:
             transfer.kv_load_failure_policy = "recompute"  # read by the scheduler after it made this connector
             session, config = self._session, self._config
-            self._lookup = BoundedLookup(lambda timeout: session.data_plane(timeout=timeout, overloaded_retries=0),
-                                         config.lookup_timeout_s, config.io_timeout_s)
+            self._lookup = BoundedLookup(
+                lambda timeout: session.data_plane(timeout=timeout, overloaded_retries=0),
+                config.lookup_timeout_s,
+                config.io_timeout_s,
+            )
             self._tracked: dict[str, _Tracked] = {}
             self._hits: dict[str, int] = {}  # request id -> tokens the cache holds (one lookup per request)
             self._pending_loads: dict[str, tuple[int, int]] = {}  # request id -> (local hit, tokens to load)
@@ -242,8 +259,14 @@ class KCaaSConnector(KVConnectorBase_V1):
             return
         local, count = planned
         first, last = local // self._block_size, (local + count) // self._block_size
-        meta.loads.append(Load(req_id, np.asarray(tracked.prompt[: local + count], dtype=np.int32), local,
-                               tracked.block_ids[first:last]))  # fmt: skip
+        meta.loads.append(
+            Load(
+                req_id,
+                np.asarray(tracked.prompt[: local + count], dtype=np.int32),
+                local,
+                tracked.block_ids[first:last],
+            )
+        )
 
     def _emit_save(self, tracked: _Tracked, computed: int, meta: KCaaSMetadata) -> None:
         if not self._config.writes or tracked.saved or computed < len(tracked.prompt):
@@ -252,8 +275,11 @@ class KCaaSConnector(KVConnectorBase_V1):
         end = savable_tokens(len(tracked.prompt), self._block_size)
         have = min(tracked.cached_in_kcaas, end) // self._block_size * self._block_size
         if end > have and end // self._block_size <= len(tracked.block_ids):
-            meta.saves.append(Save(np.asarray(tracked.prompt[:end], dtype=np.int32), have,
-                                   tracked.block_ids[: end // self._block_size]))  # fmt: skip
+            meta.saves.append(
+                Save(
+                    np.asarray(tracked.prompt[:end], dtype=np.int32), have, tracked.block_ids[: end // self._block_size]
+                )
+            )
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._tracked.pop(request.request_id, None)

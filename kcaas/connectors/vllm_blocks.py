@@ -44,8 +44,9 @@ class PagedLayout:
     def of(cls, kind: str, layer: torch.Tensor) -> PagedLayout:
         """The layout of `layer` ([num_blocks, num_kv_heads, block_size, 2 * head_dim]) for backend `kind`."""
         if layer.dim() != 4 or layer.shape[3] % 2:
-            raise ValueError(f"a paged KV layer must be [blocks, kv_heads, block_size, 2 * head_dim], got "
-                             f"{tuple(layer.shape)}")  # fmt: skip
+            raise ValueError(
+                f"a paged KV layer must be [blocks, kv_heads, block_size, 2 * head_dim], got {tuple(layer.shape)}"
+            )
         return cls(kind, layer.shape[1], layer.shape[2], layer.shape[3] // 2)
 
     def k_and_v(self, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,8 +57,9 @@ class PagedLayout:
         return layer[..., : self.head_dim], layer[..., self.head_dim :]
 
 
-def gather(layers: list[torch.Tensor], layout: PagedLayout, block_ids: list[int],
-           out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def gather(
+    layers: list[torch.Tensor], layout: PagedLayout, block_ids: list[int], out: torch.Tensor | None = None
+) -> torch.Tensor:
     """KV of the tokens in `block_ids` (in order, whole blocks) as [num_layers, 2, tokens, kv_heads, head_dim]:
     a fresh tensor (or `out`) on the layers' device, independent of vLLM's blocks once this returns."""
     nb, bs, heads, dim = len(block_ids), layout.block_size, layout.num_kv_heads, layout.head_dim

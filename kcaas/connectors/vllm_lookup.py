@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -24,8 +24,13 @@ class BoundedLookup:
 
     `open_client(timeout)` makes a DataPlaneClient of the cache with that socket timeout."""
 
-    def __init__(self, open_client: Callable[[float], DataPlaneClient], timeout_s: float, connect_timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
+    def __init__(
+        self,
+        open_client: Callable[[float], DataPlaneClient],
+        timeout_s: float,
+        connect_timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._open_client, self._timeout, self._clock = open_client, timeout_s, clock
         self._client: DataPlaneClient | None = None
         self._down_until, self._backoff = 0.0, 1.0
@@ -50,8 +55,9 @@ class BoundedLookup:
             found = self._client.lookup(np.asarray(prompt, dtype=np.int32))
         except Exception as exc:  # noqa: BLE001 - any failure of the node or the network is a miss, never a stall
             self._down_until, self._backoff = now + self._backoff, min(self._backoff * 2, MAX_BACKOFF_S)
-            logger.warning("KCaaS lookup failed (%s); lookups are misses for %.0f s", type(exc).__name__,
-                           self._down_until - now)  # fmt: skip
+            logger.warning(
+                "KCaaS lookup failed (%s); lookups are misses for %.0f s", type(exc).__name__, self._down_until - now
+            )
             self.close()
             return 0
         self._backoff = 1.0

@@ -24,8 +24,20 @@ from kcaas.tokens import TokenSource
 
 ROLES = ("kv_both", "kv_producer", "kv_consumer")
 SAVE_MODES = ("sync", "async")
-KNOWN_KEYS = frozenset({"kcaas_url", "cache", "api_key_env", "ca_file", "token_ttl_seconds", "lookup_timeout_ms",
-                        "io_timeout_s", "save", "model_fingerprint", "save_queue_bytes"})  # fmt: skip
+KNOWN_KEYS = frozenset(
+    {
+        "kcaas_url",
+        "cache",
+        "api_key_env",
+        "ca_file",
+        "token_ttl_seconds",
+        "lookup_timeout_ms",
+        "io_timeout_s",
+        "save",
+        "model_fingerprint",
+        "save_queue_bytes",
+    }
+)
 
 
 class ConnectorSetupError(RuntimeError):
@@ -67,14 +79,18 @@ class ConnectorConfig:
             raise ConnectorSetupError(f"save must be one of {SAVE_MODES}, not {save!r}")
         try:
             return cls(
-                url=str(url), cache=str(extra["cache"]), role=role, api_key_env=str(extra.get("api_key_env") or
-                "KCAAS_API_KEY"), ca_file=extra.get("ca_file"),
+                url=str(url),
+                cache=str(extra["cache"]),
+                role=role,
+                api_key_env=str(extra.get("api_key_env") or "KCAAS_API_KEY"),
+                ca_file=extra.get("ca_file"),
                 token_ttl_seconds=None if extra.get("token_ttl_seconds") is None else int(extra["token_ttl_seconds"]),
                 lookup_timeout_s=float(extra.get("lookup_timeout_ms", 100)) / 1000.0,
-                io_timeout_s=float(extra.get("io_timeout_s", 5.0)), save=save,
+                io_timeout_s=float(extra.get("io_timeout_s", 5.0)),
+                save=save,
                 save_queue_bytes=int(extra.get("save_queue_bytes", 1 << 30)),
                 model_fingerprint=extra.get("model_fingerprint"),
-            )  # fmt: skip
+            )
         except (TypeError, ValueError) as exc:
             raise ConnectorSetupError(f"a kv_connector_extra_config value has the wrong type: {exc}") from None
 
@@ -100,9 +116,15 @@ class EngineLayout:
 
     def spec_with(self, cache_spec: KVCacheSpec) -> KVCacheSpec:
         """This engine's identity in the cache's block size and storage dtype (what the cache must equal)."""
-        return KVCacheSpec(model_fingerprint=self.model_fingerprint, num_layers=self.num_layers,
-                           num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, block_size=cache_spec.block_size,
-                           kv_dtype=self.kv_dtype, storage_dtype=cache_spec.storage_dtype)  # fmt: skip
+        return KVCacheSpec(
+            model_fingerprint=self.model_fingerprint,
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            block_size=cache_spec.block_size,
+            kv_dtype=self.kv_dtype,
+            storage_dtype=cache_spec.storage_dtype,
+        )
 
 
 class CacheSession:
@@ -150,13 +172,17 @@ class CacheSession:
     def _checked_spec(self, engine: EngineLayout) -> KVCacheSpec:
         cache_spec = self.cache.spec
         if engine.block_size % cache_spec.block_size:
-            raise ConnectorSetupError(f"cache {self.config.cache!r} has block_size {cache_spec.block_size}, which "
-                                      f"does not divide vLLM's block size {engine.block_size}")  # fmt: skip
+            raise ConnectorSetupError(
+                f"cache {self.config.cache!r} has block_size {cache_spec.block_size}, which "
+                f"does not divide vLLM's block size {engine.block_size}"
+            )
         try:
             wanted = engine.spec_with(cache_spec)
             cache_spec.check_matches(wanted)
         except (IdentityMismatch, SpecError) as exc:
-            raise ConnectorSetupError(f"cache {self.config.cache!r} was attached for another KV layout: {exc}") from None
+            raise ConnectorSetupError(
+                f"cache {self.config.cache!r} was attached for another KV layout: {exc}"
+            ) from None
         return cache_spec
 
     def _ssl_context(self):
@@ -169,9 +195,15 @@ class CacheSession:
         return platform_ssl_context(self.config.url)
 
     def data_plane(self, *, timeout: float, overloaded_retries: int = 8) -> DataPlaneClient:
-        return DataPlaneClient(self.cache.endpoint, self.tokens, self.cache.id, self.spec,
-                               ssl_context=self.ssl_context, timeout=timeout,
-                               max_overloaded_retries=overloaded_retries)  # fmt: skip
+        return DataPlaneClient(
+            self.cache.endpoint,
+            self.tokens,
+            self.cache.id,
+            self.spec,
+            ssl_context=self.ssl_context,
+            timeout=timeout,
+            max_overloaded_retries=overloaded_retries,
+        )
 
     def close(self) -> None:
         self._keeper.stop()

@@ -33,8 +33,15 @@ def _config_dict(model_dir: str) -> dict:
     return config.get("text_config", config)  # multimodal configs keep the language model's under text_config
 
 
-def spec_from_hf_config(model: str, *, block_size: int, kv_dtype: str | None = None, storage_dtype: str | None = None,
-                        revision: str | None = None, model_fingerprint: str | None = None) -> KVCacheSpec:  # fmt: skip
+def spec_from_hf_config(
+    model: str,
+    *,
+    block_size: int,
+    kv_dtype: str | None = None,
+    storage_dtype: str | None = None,
+    revision: str | None = None,
+    model_fingerprint: str | None = None,
+) -> KVCacheSpec:
     """The spec for `model` (a directory holding config.json): layers, KV heads and head size from the config (an
     explicit head_dim wins over hidden_size // num_attention_heads, as for Gemma and Qwen3), the dtype from
     `kv_dtype` or the config's torch_dtype/dtype."""
@@ -56,16 +63,25 @@ def spec_from_hf_config(model: str, *, block_size: int, kv_dtype: str | None = N
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kcaas.connectors.vllm_spec", description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="the model directory (holding config.json), the string you give vLLM")
-    parser.add_argument("--block-size", type=int, default=16,
-                        help="tokens per KCaaS block; must divide vLLM's block size (CPU builds: 128, CUDA: 16)")
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        help="tokens per KCaaS block; must divide vLLM's block size (CPU builds: 128, CUDA: 16)",
+    )
     parser.add_argument("--kv-dtype", choices=sorted(set(_DTYPES.values())), help="default: the config's dtype")
     parser.add_argument("--storage-dtype", help="default: the kv dtype (int8/fp8_e4m3 quantize in the cache)")
     parser.add_argument("--revision")
     parser.add_argument("--model-fingerprint")
     args = parser.parse_args(argv)
-    spec = spec_from_hf_config(args.model, block_size=args.block_size, kv_dtype=args.kv_dtype,
-                               storage_dtype=args.storage_dtype, revision=args.revision,
-                               model_fingerprint=args.model_fingerprint)  # fmt: skip
+    spec = spec_from_hf_config(
+        args.model,
+        block_size=args.block_size,
+        kv_dtype=args.kv_dtype,
+        storage_dtype=args.storage_dtype,
+        revision=args.revision,
+        model_fingerprint=args.model_fingerprint,
+    )
     json.dump(spec.to_dict(), sys.stdout, indent=2)
     print()
     return 0

@@ -71,8 +71,9 @@ class ConnectorWorker:
         """vLLM's per-layer paged tensors, and the names of the attention backends that read them."""
         kinds = {BACKEND_LAYOUTS.get(name) for name in backends}
         if len(kinds) != 1 or None in kinds:
-            raise ConnectorSetupError(f"attention backend {sorted(backends)} is not supported (known: "
-                                      f"{sorted(BACKEND_LAYOUTS)})")  # fmt: skip
+            raise ConnectorSetupError(
+                f"attention backend {sorted(backends)} is not supported (known: {sorted(BACKEND_LAYOUTS)})"
+            )
         names = sorted(kv_caches, key=_layer_order)
         layers = [kv_caches[name] for name in names]
         paged = PagedLayout.of(kinds.pop(), layers[0])
@@ -80,8 +81,9 @@ class ConnectorWorker:
         found = (len(layers), paged.num_kv_heads, paged.head_dim, paged.block_size)
         wanted = (spec.num_layers, spec.num_kv_heads, spec.head_dim, layout.block_size)
         if found != wanted:
-            raise ConnectorSetupError(f"vLLM's KV tensors are (layers, kv heads, head size, block size) {found}, the "
-                                      f"cache's layout {wanted}")  # fmt: skip
+            raise ConnectorSetupError(
+                f"vLLM's KV tensors are (layers, kv heads, head size, block size) {found}, the cache's layout {wanted}"
+            )
         self._layers, self._paged = layers, paged
 
     # ---- loads --------------------------------------------------------------------------------------------------
@@ -95,8 +97,9 @@ class ConnectorWorker:
         try:
             end, kv = self._loader.get(load.tokens, start=load.start)
         except Exception as exc:  # noqa: BLE001 - the node or the network: those blocks are recomputed
-            logger.warning("KCaaS load of %d tokens failed (%s): vLLM recomputes them", len(load.tokens) - load.start,
-                           exc)  # fmt: skip
+            logger.warning(
+                "KCaaS load of %d tokens failed (%s): vLLM recomputes them", len(load.tokens) - load.start, exc
+            )
             end, kv = load.start, None
         filled = max(min(end, len(load.tokens)) - load.start, 0) // bs
         filled = min(filled, len(load.block_ids))
@@ -105,9 +108,13 @@ class ConnectorWorker:
         missed = load.block_ids[filled:]
         with self._lock:
             self._failed.update(missed)
-            self._count(loaded_tokens=filled * bs, loaded_bytes=filled * bs * self._session.spec.kv_bytes_per_token,
-                        load_seconds=time.perf_counter() - started, load_failures=1 if missed else 0,
-                        failed_tokens=len(missed) * bs)  # fmt: skip
+            self._count(
+                loaded_tokens=filled * bs,
+                loaded_bytes=filled * bs * self._session.spec.kv_bytes_per_token,
+                load_seconds=time.perf_counter() - started,
+                load_failures=1 if missed else 0,
+                failed_tokens=len(missed) * bs,
+            )
 
     def take_failed_blocks(self) -> set[int]:
         with self._lock:

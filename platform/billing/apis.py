@@ -12,6 +12,7 @@ import dataclasses
 import io
 from datetime import timedelta
 
+from django.http import HttpResponse
 from drf_spectacular.extensions import OpenApiSerializerExtension
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import (
@@ -21,7 +22,6 @@ from drf_spectacular.utils import (
     extend_schema_serializer,
     inline_serializer,
 )
-from django.http import HttpResponse
 from rest_framework import serializers, status
 from rest_framework.negotiation import DefaultContentNegotiation
 from rest_framework.parsers import JSONParser
@@ -34,19 +34,18 @@ from billing.errors import InvalidPeriod
 from billing.models import METERS, TIERS, InvoiceStatus
 from caches import selectors as cache_selectors
 from core.errors import ApplicationError
-from fleet.authentication import NodeCredentialAuthentication
-from fleet.permissions import IsNode
-from tenants.fields import StrictIntegerField
 from core.openapi import AUTH_ERRORS, RATE_LIMIT_HEADERS, RejectUnknownFieldsMixin, error_responses
 from core.pagination import MAX_LIMIT, MAX_OFFSET, BoundedLimitOffsetPagination
 from core.permissions import IsStaff, ScopePermission
-from tenants.principals import TenantPrincipal, is_staff_user, request_tenant
+from fleet.authentication import NodeCredentialAuthentication
+from fleet.permissions import IsNode
 from tenants import selectors as tenant_selectors
+from tenants.fields import StrictIntegerField
+from tenants.principals import TenantPrincipal, is_staff_user, request_tenant
 
 MAX_REPORT_ENTRIES = 10_000  # caches in one node report
 MAX_COUNTER = 2**62  # bytes and counters: far above any node, inside PostgreSQL's bigint
 MAX_SERIES_DAYS = {"hour": 400, "day": 3660, "month": 3660}  # at most ~10 000 buckets per answer
-
 
 
 @extend_schema_serializer(component_name="PageQuery")
@@ -54,8 +53,9 @@ class PageQuerySerializer(serializers.Serializer):
     """The bounds BoundedLimitOffsetPagination enforces, published as query parameters."""
 
     limit = serializers.IntegerField(min_value=1, max_value=MAX_LIMIT, required=False, help_text="page size")
-    offset = serializers.IntegerField(min_value=0, max_value=MAX_OFFSET, required=False,
-                                      help_text="index of the first item")  # fmt: skip
+    offset = serializers.IntegerField(
+        min_value=0, max_value=MAX_OFFSET, required=False, help_text="index of the first item"
+    )
 
 
 PAGE_PARAMS = [PageQuerySerializer]
@@ -66,10 +66,15 @@ _TENANT_ID_PARAM = OpenApiParameter(
 
 def _page_of(serializer, name: str):
     """The schema of a BoundedLimitOffsetPagination page of `serializer` items."""
-    return inline_serializer(name=name, fields={
-        "count": serializers.IntegerField(), "next": serializers.URLField(allow_null=True),
-        "previous": serializers.URLField(allow_null=True), "results": serializer(many=True),
-    })  # fmt: skip
+    return inline_serializer(
+        name=name,
+        fields={
+            "count": serializers.IntegerField(),
+            "next": serializers.URLField(allow_null=True),
+            "previous": serializers.URLField(allow_null=True),
+            "results": serializer(many=True),
+        },
+    )
 
 
 def _validated(serializer_class, data) -> dict:
@@ -96,10 +101,12 @@ class UsageEntrySerializer(serializers.Serializer):
     device_bytes = StrictIntegerField(min_value=0, max_value=MAX_COUNTER)
     dram_bytes = StrictIntegerField(min_value=0, max_value=MAX_COUNTER)
     ssd_bytes = StrictIntegerField(min_value=0, max_value=MAX_COUNTER)
-    bytes_written_total = StrictIntegerField(min_value=0, max_value=MAX_COUNTER,
-                                         help_text="KV bytes written by puts since the agent's boot")
-    tokens_served_total = StrictIntegerField(min_value=0, max_value=MAX_COUNTER,
-                                         help_text="tokens of KV sent by GET answers since the boot")
+    bytes_written_total = StrictIntegerField(
+        min_value=0, max_value=MAX_COUNTER, help_text="KV bytes written by puts since the agent's boot"
+    )
+    tokens_served_total = StrictIntegerField(
+        min_value=0, max_value=MAX_COUNTER, help_text="tokens of KV sent by GET answers since the boot"
+    )
 
 
 class RefusedEntrySerializer(serializers.Serializer):
@@ -145,9 +152,12 @@ class NodeUsageReportApi(APIView):
     def post(self, request):
         data = _validated(self.InputSerializer, request.data)
         outcome = services.usage_report_record(
-            node_id=request.user.node.pk, boot_id=data["boot_id"], sequence=data["sequence"],
-            sampled_at=data["sampled_at"], entries=[dict(entry) for entry in data["caches"]],
-        )  # fmt: skip
+            node_id=request.user.node.pk,
+            boot_id=data["boot_id"],
+            sequence=data["sequence"],
+            sampled_at=data["sampled_at"],
+            entries=[dict(entry) for entry in data["caches"]],
+        )
         return Response(self.OutputSerializer(dataclasses.asdict(outcome)).data)
 
 
@@ -165,8 +175,12 @@ class UsagePermission(BasePermission):
             return False  # DRF answers 401 for no credentials, 403 for other principals
         if user.has_scope("caches", "read") or user.has_scope("usage", "read"):
             return True
-        raise ApplicationError("This key lacks the caches:read scope.", code="permission_denied", status_code=403,
-                               details={"required_scope": "caches:read"})  # fmt: skip
+        raise ApplicationError(
+            "This key lacks the caches:read scope.",
+            code="permission_denied",
+            status_code=403,
+            details={"required_scope": "caches:read"},
+        )
 
 
 class _FormatIsAParameter(DefaultContentNegotiation):
@@ -268,8 +282,13 @@ class UsageAnswerSchema(OpenApiSerializerExtension):
         return {"anyOf": [auto_schema.resolve_serializer(branch, direction).ref for branch in branches]}
 
 
-CSV_COLUMNS = ["period_start", *(f"{t}_byte_seconds" for t in TIERS), *(f"{t}_gb_hours" for t in TIERS),
-               "bytes_written", "tokens_served"]  # fmt: skip
+CSV_COLUMNS = [
+    "period_start",
+    *(f"{t}_byte_seconds" for t in TIERS),
+    *(f"{t}_gb_hours" for t in TIERS),
+    "bytes_written",
+    "tokens_served",
+]
 
 
 class UsageApi(APIView):
@@ -306,10 +325,20 @@ class UsageApi(APIView):
             _TENANT_ID_PARAM,
             OpenApiParameter("from", OpenApiTypes.DATETIME, required=False, description="series start (inclusive)"),
             OpenApiParameter("to", OpenApiTypes.DATETIME, required=False, description="series end (exclusive)"),
-            OpenApiParameter("granularity", str, enum=list(selectors.GRANULARITIES), required=False,
-                             description="series buckets (UTC), default day"),
-            OpenApiParameter("format", str, enum=["json", "csv"], required=False,
-                             description="csv: the series as CSV (needs from and to)"),
+            OpenApiParameter(
+                "granularity",
+                str,
+                enum=list(selectors.GRANULARITIES),
+                required=False,
+                description="series buckets (UTC), default day",
+            ),
+            OpenApiParameter(
+                "format",
+                str,
+                enum=["json", "csv"],
+                required=False,
+                description="csv: the series as CSV (needs from and to)",
+            ),
             *RATE_LIMIT_HEADERS,
         ],
         responses={
@@ -339,8 +368,10 @@ def _check_period(start, end, granularity: str) -> None:
     if end <= start:
         raise InvalidPeriod("to must be after from.", details={"from": str(start), "to": str(end)})
     if end - start > timedelta(days=MAX_SERIES_DAYS[granularity]):
-        raise InvalidPeriod(f"A series by {granularity} spans at most {MAX_SERIES_DAYS[granularity]} days.",
-                            details={"max_days": MAX_SERIES_DAYS[granularity]})  # fmt: skip
+        raise InvalidPeriod(
+            f"A series by {granularity} spans at most {MAX_SERIES_DAYS[granularity]} days.",
+            details={"max_days": MAX_SERIES_DAYS[granularity]},
+        )
 
 
 def _snapshot(tenant) -> dict:
@@ -359,10 +390,15 @@ def _snapshot(tenant) -> dict:
 
 
 def _series(tenant_id, query: dict) -> dict:
-    buckets = selectors.usage_series(tenant_id=tenant_id, start=query["from"], end=query["to"],
-                                     granularity=query["granularity"])  # fmt: skip
-    return {"from": query["from"], "to": query["to"], "granularity": query["granularity"],
-            "buckets": [bucket.as_dict() for bucket in buckets]}  # fmt: skip
+    buckets = selectors.usage_series(
+        tenant_id=tenant_id, start=query["from"], end=query["to"], granularity=query["granularity"]
+    )
+    return {
+        "from": query["from"],
+        "to": query["to"],
+        "granularity": query["granularity"],
+        "buckets": [bucket.as_dict() for bucket in buckets],
+    }
 
 
 def _csv_response(tenant_id, series: dict) -> HttpResponse:
@@ -398,8 +434,9 @@ class InvoiceSerializer(serializers.Serializer):
     status = serializers.ChoiceField(choices=InvoiceStatus.choices)
     currency = serializers.CharField()
     subtotal = ExactDecimalField(help_text="the sum of the line amounts, unrounded")
-    total = serializers.DecimalField(max_digits=20, decimal_places=2, help_text="subtotal rounded once "
-                                     "to the cent, half to even")  # fmt: skip
+    total = serializers.DecimalField(
+        max_digits=20, decimal_places=2, help_text="subtotal rounded once to the cent, half to even"
+    )
     generated_at = serializers.DateTimeField()
     finalised_at = serializers.DateTimeField(allow_null=True)
     lines = InvoiceLineSerializer(many=True, source="lines.all")
@@ -419,12 +456,13 @@ class InvoiceListApi(_InvoiceApi):
         tenant_id = serializers.UUIDField(required=False)
 
     @extend_schema(
-        operation_id="invoices_list", tags=["invoices"],
+        operation_id="invoices_list",
+        tags=["invoices"],
         parameters=[_TENANT_ID_PARAM, *PAGE_PARAMS, *RATE_LIMIT_HEADERS],
         responses={200: _page_of(InvoiceSerializer, "PaginatedInvoiceList"), **error_responses(*AUTH_ERRORS, 404)},
         description="The tenant's invoices, newest month first (staff: every tenant's, or tenant_id's). Needs "
         "usage:read.",
-    )  # fmt: skip
+    )
     def get(self, request):
         tenant_id = _tenant_scope(request, _validated(self.FilterSerializer, request.query_params).get("tenant_id"))
         paginator = BoundedLimitOffsetPagination()
@@ -433,8 +471,12 @@ class InvoiceListApi(_InvoiceApi):
 
 
 class InvoiceDetailApi(_InvoiceApi):
-    @extend_schema(operation_id="invoices_retrieve", tags=["invoices"], parameters=RATE_LIMIT_HEADERS,
-                   responses={200: InvoiceSerializer, **error_responses(*AUTH_ERRORS, 404)})  # fmt: skip
+    @extend_schema(
+        operation_id="invoices_retrieve",
+        tags=["invoices"],
+        parameters=RATE_LIMIT_HEADERS,
+        responses={200: InvoiceSerializer, **error_responses(*AUTH_ERRORS, 404)},
+    )
     def get(self, request, invoice_id):
         tenant_id = None if is_staff_user(request.user) else request_tenant(request).pk
         return Response(InvoiceSerializer(selectors.invoice_get(invoice_id=invoice_id, tenant_id=tenant_id)).data)
@@ -467,21 +509,29 @@ class AdminRatesApi(APIView):
     class FilterSerializer(serializers.Serializer):
         meter = serializers.ChoiceField(choices=list(METERS), required=False)
 
-    @extend_schema(operation_id="admin_rates_list", tags=["admin"], parameters=[FilterSerializer, *PAGE_PARAMS],
-                   responses={200: _page_of(RateSerializer, "PaginatedRateList"),
-                              **error_responses(*AUTH_ERRORS)})  # fmt: skip
+    @extend_schema(
+        operation_id="admin_rates_list",
+        tags=["admin"],
+        parameters=[FilterSerializer, *PAGE_PARAMS],
+        responses={200: _page_of(RateSerializer, "PaginatedRateList"), **error_responses(*AUTH_ERRORS)},
+    )
     def get(self, request):
         rates = selectors.rate_list(meter=_validated(self.FilterSerializer, request.query_params).get("meter"))
         paginator = BoundedLimitOffsetPagination()
         page = paginator.paginate_queryset(rates, request, view=self)
         return paginator.get_paginated_response(RateSerializer(page, many=True).data)
 
-    @extend_schema(operation_id="admin_rates_create", tags=["admin"], request=RateSerializer,
-                   responses={201: RateSerializer, **error_responses(*AUTH_ERRORS, 409)},
-                   description="Audited (rate.created). 400 invalid_rate (effective_from not a whole UTC hour); "
-                   "409 rate_exists (same meter and time: rates are never edited, a later supersedes).")  # fmt: skip
+    @extend_schema(
+        operation_id="admin_rates_create",
+        tags=["admin"],
+        request=RateSerializer,
+        responses={201: RateSerializer, **error_responses(*AUTH_ERRORS, 409)},
+        description="Audited (rate.created). 400 invalid_rate (effective_from not a whole UTC hour); "
+        "409 rate_exists (same meter and time: rates are never edited, a later supersedes).",
+    )
     def post(self, request):
         data = _validated(RateSerializer, request.data)
-        rate = services.rate_create(meter=data["meter"], unit_price=data["unit_price"],
-                                    effective_from=data["effective_from"])  # fmt: skip
+        rate = services.rate_create(
+            meter=data["meter"], unit_price=data["unit_price"], effective_from=data["effective_from"]
+        )
         return Response(RateSerializer(rate).data, status=status.HTTP_201_CREATED)

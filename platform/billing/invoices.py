@@ -73,8 +73,13 @@ def _priced_usage(tenant_id, start: datetime, end: datetime) -> dict[tuple, int]
 def _lines(invoice: Invoice, usage: dict[tuple, int]) -> list[InvoiceLine]:
     return [
         InvoiceLine(
-            invoice=invoice, cache_id=cache_id, meter=meter, usage=units, quantity=money.quantity(meter, units),
-            unit_price=rate.unit_price, rate_effective_from=rate.effective_from,
+            invoice=invoice,
+            cache_id=cache_id,
+            meter=meter,
+            usage=units,
+            quantity=money.quantity(meter, units),
+            unit_price=rate.unit_price,
+            rate_effective_from=rate.effective_from,
             amount=money.amount(meter, units, rate.unit_price),
         )
         for (cache_id, meter, rate), units in sorted(usage.items(), key=lambda item: _line_order(item[0]))
@@ -92,8 +97,9 @@ def _lock_or_create(tenant_id, month: datetime, now: datetime) -> Invoice:
         return found
     try:
         with transaction.atomic():
-            return Invoice.objects.create(tenant_id=tenant_id, month=month.date(), generated_at=now,
-                                          currency=settings.KCAAS_BILLING_CURRENCY)  # fmt: skip
+            return Invoice.objects.create(
+                tenant_id=tenant_id, month=month.date(), generated_at=now, currency=settings.KCAAS_BILLING_CURRENCY
+            )
     except IntegrityError:  # a concurrent generation created it: wait for its lock
         return Invoice.objects.select_for_update(no_key=True).get(tenant_id=tenant_id, month=month.date())
 
@@ -120,10 +126,19 @@ def invoice_generate(*, tenant_id: uuid.UUID, month: date | datetime, now: datet
 
 def _finalise(invoice: Invoice, now: datetime) -> None:
     invoice.status, invoice.finalised_at = InvoiceStatus.FINAL, now
-    audit_record(action=AuditAction.INVOICE_FINALISED, target_type="invoice", target_id=invoice.pk,
-                 tenant_id=invoice.tenant_id, old={"status": InvoiceStatus.DRAFT},
-                 new={"status": InvoiceStatus.FINAL, "month": invoice.month.strftime("%Y-%m"),
-                      "total": invoice.total, "currency": invoice.currency})  # fmt: skip
+    audit_record(
+        action=AuditAction.INVOICE_FINALISED,
+        target_type="invoice",
+        target_id=invoice.pk,
+        tenant_id=invoice.tenant_id,
+        old={"status": InvoiceStatus.DRAFT},
+        new={
+            "status": InvoiceStatus.FINAL,
+            "month": invoice.month.strftime("%Y-%m"),
+            "total": invoice.total,
+            "currency": invoice.currency,
+        },
+    )
 
 
 def invoices_generate_due(*, now: datetime | None = None) -> int:
@@ -134,10 +149,10 @@ def invoices_generate_due(*, now: datetime | None = None) -> int:
     previous = month_start(current - timedelta(days=1))
     recent = LedgerHour.objects.filter(hour__gte=previous, hour__lt=next_month(current))
     with_usage = set(recent.values_list("tenant_id", "hour__year", "hour__month").distinct())
-    drafts = set(Invoice.objects.filter(status=InvoiceStatus.DRAFT)
-                 .values_list("tenant_id", "month__year", "month__month"))  # fmt: skip
+    drafts = set(
+        Invoice.objects.filter(status=InvoiceStatus.DRAFT).values_list("tenant_id", "month__year", "month__month")
+    )
     due = sorted(with_usage | drafts, key=lambda key: (key[1], key[2], str(key[0])))
     for tenant_id, year, month in due:
         invoice_generate(tenant_id=tenant_id, month=date(year, month, 1), now=now)
     return len(due)
-

@@ -91,10 +91,8 @@ def _integrate_counters(samples: list[Sample], start: int, end: int, usage: dict
         for sample in sorted(boot_samples, key=lambda s: s.sequence):
             if start <= sample.sampled_at < end:
                 bucket = usage.setdefault(hour_floor(sample.sampled_at), HourUsage())
-                bucket.bytes_written += _increase(previous and previous.bytes_written_total,
-                                                  sample.bytes_written_total)  # fmt: skip
-                bucket.tokens_served += _increase(previous and previous.tokens_served_total,
-                                                  sample.tokens_served_total)  # fmt: skip
+                bucket.bytes_written += _increase(previous and previous.bytes_written_total, sample.bytes_written_total)
+                bucket.tokens_served += _increase(previous and previous.tokens_served_total, sample.tokens_served_total)
             previous = sample
 
 

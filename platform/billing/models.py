@@ -61,8 +61,11 @@ class UsageSample(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["node", "boot_id", "sequence", "cache"], name="billing_sample_once"),
             models.CheckConstraint(
-                condition=Q(device_bytes__gte=0) & Q(dram_bytes__gte=0) & Q(ssd_bytes__gte=0)
-                & Q(bytes_written_total__gte=0) & Q(tokens_served_total__gte=0),
+                condition=Q(device_bytes__gte=0)
+                & Q(dram_bytes__gte=0)
+                & Q(ssd_bytes__gte=0)
+                & Q(bytes_written_total__gte=0)
+                & Q(tokens_served_total__gte=0),
                 name="billing_sample_nonneg",
             ),
         ]

@@ -61,9 +61,11 @@ def usage_series(*, tenant_id: uuid.UUID, start: datetime, end: datetime, granul
     )
     return [
         UsageBucket(
-            period_start=row["period"], byte_seconds={tier: int(row[tier]) for tier in TIERS},
-            bytes_written=int(row["written"]), tokens_served=int(row["served"]),
-        )  # fmt: skip
+            period_start=row["period"],
+            byte_seconds={tier: int(row[tier]) for tier in TIERS},
+            bytes_written=int(row["written"]),
+            tokens_served=int(row["served"]),
+        )
         for row in rows
     ]
 

@@ -68,10 +68,17 @@ def _placed(node_id: uuid.UUID, cache_ids: list[uuid.UUID]) -> dict[uuid.UUID, u
 def _samples(report: UsageReport, entries: list[dict], placed: dict) -> list[UsageSample]:
     return [
         UsageSample(
-            cache_id=entry["cache_id"], tenant_id=placed[entry["cache_id"]], node_id=report.node_id,
-            boot_id=report.boot_id, sequence=report.sequence, sampled_at=report.sampled_at,
-            device_bytes=entry["device_bytes"], dram_bytes=entry["dram_bytes"], ssd_bytes=entry["ssd_bytes"],
-            bytes_written_total=entry["bytes_written_total"], tokens_served_total=entry["tokens_served_total"],
+            cache_id=entry["cache_id"],
+            tenant_id=placed[entry["cache_id"]],
+            node_id=report.node_id,
+            boot_id=report.boot_id,
+            sequence=report.sequence,
+            sampled_at=report.sampled_at,
+            device_bytes=entry["device_bytes"],
+            dram_bytes=entry["dram_bytes"],
+            ssd_bytes=entry["ssd_bytes"],
+            bytes_written_total=entry["bytes_written_total"],
+            tokens_served_total=entry["tokens_served_total"],
         )
         for entry in entries
         if entry["cache_id"] in placed
@@ -80,7 +87,12 @@ def _samples(report: UsageReport, entries: list[dict], placed: dict) -> list[Usa
 
 @transaction.atomic
 def usage_report_record(
-    *, node_id: uuid.UUID, boot_id: uuid.UUID, sequence: int, sampled_at: datetime, entries: list[dict],
+    *,
+    node_id: uuid.UUID,
+    boot_id: uuid.UUID,
+    sequence: int,
+    sampled_at: datetime,
+    entries: list[dict],
     now: datetime | None = None,
 ) -> ReportOutcome:
     """Store one node report's samples, once per (node, boot_id, sequence).
@@ -99,10 +111,18 @@ def usage_report_record(
         logger.warning("node %s: late usage report %s/%s (%s) ignored", node_id, boot_id, sequence, sampled_at)
         return ReportOutcome(late=True)
     placed = _placed(node_id, [entry["cache_id"] for entry in entries])
-    refused = [{"cache_id": str(e["cache_id"]), "reason": REFUSED_NOT_PLACED} for e in entries
-               if e["cache_id"] not in placed]  # fmt: skip
-    report = UsageReport(node_id=node_id, boot_id=boot_id, sequence=sequence, sampled_at=sampled_at,
-                         received_at=now, accepted=len(entries) - len(refused), refused=len(refused))  # fmt: skip
+    refused = [
+        {"cache_id": str(e["cache_id"]), "reason": REFUSED_NOT_PLACED} for e in entries if e["cache_id"] not in placed
+    ]
+    report = UsageReport(
+        node_id=node_id,
+        boot_id=boot_id,
+        sequence=sequence,
+        sampled_at=sampled_at,
+        received_at=now,
+        accepted=len(entries) - len(refused),
+        refused=len(refused),
+    )
     try:
         with transaction.atomic():
             report.save(force_insert=True)
@@ -116,10 +136,17 @@ def usage_report_record(
 
 def _audit_refused(report: UsageReport, refused: list[dict]) -> None:
     audit_record(
-        action=AuditAction.USAGE_REPORT_REFUSED, target_type="node", target_id=report.node_id,
-        new={"boot_id": report.boot_id, "sequence": report.sequence, "sampled_at": report.sampled_at,
-             "refused_cache_ids": [entry["cache_id"] for entry in refused], "reason": REFUSED_NOT_PLACED},
-    )  # fmt: skip
+        action=AuditAction.USAGE_REPORT_REFUSED,
+        target_type="node",
+        target_id=report.node_id,
+        new={
+            "boot_id": report.boot_id,
+            "sequence": report.sequence,
+            "sampled_at": report.sampled_at,
+            "refused_cache_ids": [entry["cache_id"] for entry in refused],
+            "reason": REFUSED_NOT_PLACED,
+        },
+    )
 
 
 # ---- the ledger -----------------------------------------------------------------------------------------------------
@@ -141,11 +168,16 @@ def frozen_before(now: datetime) -> datetime:
 
 def _as_sample(row: UsageSample) -> ledger.Sample:
     return ledger.Sample(
-        node_id=str(row.node_id), boot_id=str(row.boot_id), sequence=row.sequence,
-        sampled_at=_epoch(row.sampled_at), device_bytes=row.device_bytes, dram_bytes=row.dram_bytes,
-        ssd_bytes=row.ssd_bytes, bytes_written_total=row.bytes_written_total,
+        node_id=str(row.node_id),
+        boot_id=str(row.boot_id),
+        sequence=row.sequence,
+        sampled_at=_epoch(row.sampled_at),
+        device_bytes=row.device_bytes,
+        dram_bytes=row.dram_bytes,
+        ssd_bytes=row.ssd_bytes,
+        bytes_written_total=row.bytes_written_total,
         tokens_served_total=row.tokens_served_total,
-    )  # fmt: skip
+    )
 
 
 def _cache_samples(cache_id, lower: datetime, end: datetime) -> list[ledger.Sample]:
@@ -174,8 +206,11 @@ def ledger_rollup(*, start: datetime, end: datetime) -> int:
             with connection.cursor() as cursor:
                 cursor.execute("SELECT pg_advisory_xact_lock(%s)", [_ROLLUP_LOCK])
         LedgerHour.objects.filter(hour__gte=start, hour__lt=end).delete()
-        caches = (UsageSample.objects.filter(sampled_at__gte=lower, sampled_at__lt=end)
-                  .values_list("cache_id", "tenant_id").distinct())  # fmt: skip
+        caches = (
+            UsageSample.objects.filter(sampled_at__gte=lower, sampled_at__lt=end)
+            .values_list("cache_id", "tenant_id")
+            .distinct()
+        )
         rows = []
         for cache_id, tenant_id in caches:
             hours = ledger.integrate(_cache_samples(cache_id, lower, end), start=start_s, end=end_s, max_gap=max_gap)
@@ -186,11 +221,15 @@ def ledger_rollup(*, start: datetime, end: datetime) -> int:
 
 def _ledger_row(cache_id, tenant_id, hour: int, usage: ledger.HourUsage) -> LedgerHour:
     return LedgerHour(
-        cache_id=cache_id, tenant_id=tenant_id, hour=_moment(hour),
-        device_byte_seconds=usage.byte_seconds["device"], dram_byte_seconds=usage.byte_seconds["dram"],
-        ssd_byte_seconds=usage.byte_seconds["ssd"], bytes_written=usage.bytes_written,
+        cache_id=cache_id,
+        tenant_id=tenant_id,
+        hour=_moment(hour),
+        device_byte_seconds=usage.byte_seconds["device"],
+        dram_byte_seconds=usage.byte_seconds["dram"],
+        ssd_byte_seconds=usage.byte_seconds["ssd"],
+        bytes_written=usage.bytes_written,
         tokens_served=usage.tokens_served,
-    )  # fmt: skip
+    )
 
 
 def ledger_rollup_open_hours(*, now: datetime | None = None) -> int:
@@ -241,9 +280,14 @@ def rate_create(*, meter: str, unit_price: Decimal, effective_from: datetime) ->
         with transaction.atomic():
             rate.save(force_insert=True)
     except IntegrityError:
-        raise RateExists("A rate of this meter takes effect at that time already.",
-                         details={"meter": meter, "effective_from": effective_from.isoformat()}) from None  # fmt: skip
-    audit_record(action=AuditAction.RATE_CREATED, target_type="rate", target_id=rate.pk,
-                 new={"meter": meter, "unit_price": money.decimal_text(unit_price),
-                      "effective_from": effective_from})  # fmt: skip
+        raise RateExists(
+            "A rate of this meter takes effect at that time already.",
+            details={"meter": meter, "effective_from": effective_from.isoformat()},
+        ) from None
+    audit_record(
+        action=AuditAction.RATE_CREATED,
+        target_type="rate",
+        target_id=rate.pk,
+        new={"meter": meter, "unit_price": money.decimal_text(unit_price), "effective_from": effective_from},
+    )
     return rate

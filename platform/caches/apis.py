@@ -16,14 +16,15 @@ from rest_framework.views import APIView
 
 from caches import selectors, services, signing
 from caches.errors import InvalidCapacity, InvalidSpec
-from caches.idempotency import HEADER as IDEMPOTENCY_HEADER, KEY_PATTERN, REPLAYED_HEADER, idempotent
-from caches.models import TIERS, CacheState
-from core.pagination import BoundedLimitOffsetPagination
+from caches.idempotency import HEADER as IDEMPOTENCY_HEADER
+from caches.idempotency import KEY_PATTERN, REPLAYED_HEADER, idempotent
+from caches.models import CacheState
 from core.errors import ApplicationError
+from core.openapi import AUTH_ERRORS, RATE_LIMIT_HEADERS, RejectUnknownFieldsMixin, error_responses
+from core.pagination import BoundedLimitOffsetPagination
+from core.permissions import ScopePermission
 from kcaas.spec import KV_DTYPES, MAX_BLOCK_SIZE, MAX_FINGERPRINT_LEN, STORAGE_DTYPES, KVCacheSpec, SpecError
 from tenants.fields import StrictIntegerField
-from core.openapi import AUTH_ERRORS, RATE_LIMIT_HEADERS, RejectUnknownFieldsMixin, error_responses
-from core.permissions import ScopePermission
 from tenants.principals import TenantPrincipal, is_staff_user, request_tenant
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"

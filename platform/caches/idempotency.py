@@ -84,9 +84,7 @@ def idempotency_claim(*, tenant_id: uuid.UUID, key: str, fingerprint: str) -> Cl
                     details={"idempotency_key": key},
                 )
         # Expired, or abandoned by a holder that never committed: take it over, unless someone else just did.
-        taken = IdempotencyRecord.objects.filter(
-            pk=record.pk, lock_token=record.lock_token, state=record.state
-        ).update(
+        taken = IdempotencyRecord.objects.filter(pk=record.pk, lock_token=record.lock_token, state=record.state).update(
             fingerprint=fingerprint,
             state=IdempotencyState.IN_PROGRESS,
             lock_token=token,

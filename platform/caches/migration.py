@@ -60,13 +60,15 @@ def _reserve_on(node_id, capacity: dict[str, int]) -> Node:
     node = Node.objects.select_for_update(no_key=True).filter(pk=node_id).first()
     if node is None:
         raise NotFoundError("No such node.")
-    fits = all(getattr(node, f"{t}_capacity_bytes") - getattr(node, f"{t}_reserved_bytes") >= n
-               for t, n in capacity.items())  # fmt: skip
+    fits = all(
+        getattr(node, f"{t}_capacity_bytes") - getattr(node, f"{t}_reserved_bytes") >= n for t, n in capacity.items()
+    )
     live = node.lease_expires_at is not None and node.lease_expires_at > timezone.now()
     if node.state != NodeState.READY or not live or not fits:
         raise NoCapacity("The target node cannot take this cache.", details={"node": str(node_id)})
-    Node.objects.filter(pk=node.pk).update(**{f"{t}_reserved_bytes": F(f"{t}_reserved_bytes") + n
-                                              for t, n in capacity.items()}, updated_at=timezone.now())  # fmt: skip
+    Node.objects.filter(pk=node.pk).update(
+        **{f"{t}_reserved_bytes": F(f"{t}_reserved_bytes") + n for t, n in capacity.items()}, updated_at=timezone.now()
+    )
     return node
 
 
@@ -86,8 +88,14 @@ def migration_start(*, cache_id, target_node_id=None, reason: str = "rebalance")
         raise MigrationConflict("The cache is already on that node.")  # rolls the reservation back
     try:
         with transaction.atomic():
-            migration = Migration.objects.create(cache=cache, source_id=cache.node_id, target=target, reason=reason,
-                                                 epoch_from=cache.epoch, epoch_to=cache.epoch + 1)  # fmt: skip
+            migration = Migration.objects.create(
+                cache=cache,
+                source_id=cache.node_id,
+                target=target,
+                reason=reason,
+                epoch_from=cache.epoch,
+                epoch_to=cache.epoch + 1,
+            )
     except IntegrityError:
         raise MigrationConflict("The cache is already being migrated.") from None
     # An earlier failed migration to this node may still be re-sending its detach of the copy it left there, at
@@ -104,8 +112,13 @@ def _key(migration: Migration, leg: str) -> str:
 
 
 def _order_migrate_in(migration: Migration) -> None:
-    order_enqueue(node_id=migration.target_id, task=MIGRATE_IN_TASK, builder="caches.migration.migrate_in_order_message",
-                  builder_args=[str(migration.pk)], key=_key(migration, "in"))  # fmt: skip
+    order_enqueue(
+        node_id=migration.target_id,
+        task=MIGRATE_IN_TASK,
+        builder="caches.migration.migrate_in_order_message",
+        builder_args=[str(migration.pk)],
+        key=_key(migration, "in"),
+    )
 
 
 def migrate_in_order_message(migration_id: str) -> MigrateIn | None:
@@ -118,8 +131,9 @@ def migrate_in_order_message(migration_id: str) -> MigrateIn | None:
     try:
         return _migrate_in_message(migration, migration.cache)
     except SealError:
-        logger.warning("migration %s: the keys of cache %s do not open; migrate_in not sent", migration.pk,
-                       migration.cache_id)  # fmt: skip
+        logger.warning(
+            "migration %s: the keys of cache %s do not open; migrate_in not sent", migration.pk, migration.cache_id
+        )
         return None
 
 
@@ -130,8 +144,9 @@ def _migrate_in_message(migration: Migration, cache: Cache) -> MigrateIn:
     hash_key = hash_key_unseal(cache_id=cache.pk, sealed=cache.hash_key_sealed)
 
     def sealed(field: str, key: bytes) -> str:
-        return seal_for_node(node_id=migration.target_id, task=MIGRATE_IN_TASK, cache_id=cache.pk, field=field,
-                             plaintext=key)  # fmt: skip
+        return seal_for_node(
+            node_id=migration.target_id, task=MIGRATE_IN_TASK, cache_id=cache.pk, field=field, plaintext=key
+        )
 
     ssd_key_box = ""
     if cache.ssd_key_sealed:  # the target's SSD tier encrypts under the cache's own data key, as the source's did
@@ -200,8 +215,9 @@ def migration_result(*, migration_id, node_id, ok: bool, reason: str = "", info:
     active = (MigrationState.PENDING, MigrationState.COPYING, MigrationState.CUTOVER)
     row = Migration.objects.filter(pk=migration_id).values("cache_id").first() if _is_uuid(migration_id) else None
     cache = _lock_cache(row["cache_id"]) if row is not None else None
-    migration = _lock_migration(migration_id, node_id, role="source" if ok else _failing_role(migration_id, node_id),
-                                states=active)  # fmt: skip
+    migration = _lock_migration(
+        migration_id, node_id, role="source" if ok else _failing_role(migration_id, node_id), states=active
+    )
     if migration is None:
         return None
     if ok and cache is not None and cache.state == CacheState.READY and cache.epoch == migration.epoch_from:
@@ -235,12 +251,23 @@ def _cutover(migration: Migration, cache: Cache, info: dict) -> Migration:
     migration.save(update_fields=["state", "blocks_copied", "bytes_copied", "updated_at"])
     _close_orders(migration, "complete")
     # no answer to wait for: the source answers MOVED from then on, and detaches its copy
-    cutover = MigrateCutover(migration_id=str(migration.pk), cache_id=str(cache.pk), epoch_from=migration.epoch_from,
-                             target_endpoint=cache.endpoint, epoch_to=migration.epoch_to)  # fmt: skip
+    cutover = MigrateCutover(
+        migration_id=str(migration.pk),
+        cache_id=str(cache.pk),
+        epoch_from=migration.epoch_from,
+        target_endpoint=cache.endpoint,
+        epoch_to=migration.epoch_to,
+    )
     order_enqueue(node_id=migration.source_id, message=cutover, key=_key(migration, "cutover"), expects_answer=False)
     new = {"node": str(cache.node_id), "endpoint": cache.endpoint, "epoch": cache.epoch}
-    audit_record(action=AuditAction.CACHE_MIGRATED, target_type="cache", target_id=cache.pk, tenant_id=cache.tenant_id,
-                 old=old, new={**new, "migration": str(migration.pk), "reason": migration.reason})  # fmt: skip
+    audit_record(
+        action=AuditAction.CACHE_MIGRATED,
+        target_type="cache",
+        target_id=cache.pk,
+        tenant_id=cache.tenant_id,
+        old=old,
+        new={**new, "migration": str(migration.pk), "reason": migration.reason},
+    )
     return migration
 
 
@@ -286,8 +313,10 @@ def migrations_expire(*, now=None) -> list[uuid.UUID]:
     cutoff = (now or timezone.now()) - timedelta(seconds=settings.KCAAS_MIGRATION_STALL_SECONDS)
     active = [MigrationState.PENDING, MigrationState.COPYING, MigrationState.CUTOVER]
     lost = Q(source__state=NodeState.LOST) | Q(target__state=NodeState.LOST)
-    ending = Migration.objects.select_for_update(of=("self",), no_key=True).select_related("cache").filter(
-        Q(updated_at__lt=cutoff) | lost, state__in=active
+    ending = (
+        Migration.objects.select_for_update(of=("self",), no_key=True)
+        .select_related("cache")
+        .filter(Q(updated_at__lt=cutoff) | lost, state__in=active)
     )
     ending = list(ending.order_by("id"))
     nodes_lock(node_ids=[migration.target_id for migration in ending])  # the migrations, then their targets
@@ -313,8 +342,9 @@ def migrations_redrive_node(*, node_id) -> list[uuid.UUID]:
     )
     for migration in active.select_related("cache").order_by("id"):
         cache = migration.cache
-        if cache.state != CacheState.READY and not (cache.state == CacheState.PROVISIONING
-                                                    and cache.node_id == migration.source_id):  # fmt: skip
+        if cache.state != CacheState.READY and not (
+            cache.state == CacheState.PROVISIONING and cache.node_id == migration.source_id
+        ):
             continue  # the cache is going away: migration_result will fail the move
         migration.state = MigrationState.PENDING
         migration.save(update_fields=["state", "updated_at"])

@@ -30,9 +30,13 @@ class AdminNodeDrainApi(APIView):
         operation_id="admin_nodes_drain",
         tags=["admin"],
         request=None,
-        responses={200: inline_serializer(name="NodeDrained", fields={"node_id": serializers.UUIDField(),
-                                          "migrations": MigrationSerializer(many=True)}),  # fmt: skip
-                   **error_responses(401, 403, 404, 409)},
+        responses={
+            200: inline_serializer(
+                name="NodeDrained",
+                fields={"node_id": serializers.UUIDField(), "migrations": MigrationSerializer(many=True)},
+            ),
+            **error_responses(401, 403, 404, 409),
+        },
         summary="Drain a node: no new placements, every ready cache on it migrated away (staff; audited)",
     )
     def post(self, request, node_id):

@@ -185,9 +185,13 @@ class Migration(models.Model):
     class Meta:
         ordering = ["-created_at", "id"]
         constraints = [
-            models.UniqueConstraint(fields=["cache"], condition=Q(state__in=["pending", "copying", "cutover"]),
-                                    name="caches_migration_one_active"),
-            models.CheckConstraint(condition=Q(epoch_to=models.F("epoch_from") + 1),
-                                   name="caches_migration_epoch_step"),
+            models.UniqueConstraint(
+                fields=["cache"],
+                condition=Q(state__in=["pending", "copying", "cutover"]),
+                name="caches_migration_one_active",
+            ),
+            models.CheckConstraint(
+                condition=Q(epoch_to=models.F("epoch_from") + 1), name="caches_migration_epoch_step"
+            ),
             models.CheckConstraint(condition=~Q(source=models.F("target")), name="caches_migration_moves"),
         ]

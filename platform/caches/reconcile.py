@@ -75,11 +75,11 @@ def caches_reconcile_stuck(*, now: datetime | None = None) -> list[uuid.UUID]:
         if cache.state == CacheState.FAILED and cache.node_id is not None:
             _order_detach(cache)
     for cache, old in events:  # audit events last: every cache, node and order lock is taken by now
-        logger.warning("cache %s: %s for too long, now %s (%s)", cache.pk, old["state"], cache.state,
-                       cache.failure_reason)  # fmt: skip
+        logger.warning(
+            "cache %s: %s for too long, now %s (%s)", cache.pk, old["state"], cache.state, cache.failure_reason
+        )
         action = AuditAction.CACHE_DETACHED if cache.state == CacheState.DETACHED else AuditAction.CACHE_FAILED
-        _audit(action, cache, old=old, new={"state": cache.state, "failure_reason": cache.failure_reason},
-               actor=SYSTEM)  # fmt: skip
+        _audit(action, cache, old=old, new={"state": cache.state, "failure_reason": cache.failure_reason}, actor=SYSTEM)
     return [cache.pk for cache, _ in events]
 
 
@@ -102,13 +102,22 @@ def caches_reconcile_resident(*, node_id, resident_cache_ids, now: datetime | No
     now = now or timezone.now()
     settled = now - timedelta(seconds=RESIDENT_GRACE_HEARTBEATS * settings.KCAAS_NODE_HEARTBEAT_SECONDS)
     held = {str(cache_id) for cache_id in resident_cache_ids}
-    missing = [cache for cache in Cache.objects.select_for_update(of=("self",), no_key=True)
-               .filter(node_id=node_id, state=CacheState.READY, updated_at__lt=settled).order_by("id")
-               if str(cache.pk) not in held]  # fmt: skip
+    missing = [
+        cache
+        for cache in Cache.objects.select_for_update(of=("self",), no_key=True)
+        .filter(node_id=node_id, state=CacheState.READY, updated_at__lt=settled)
+        .order_by("id")
+        if str(cache.pk) not in held
+    ]
     for cache in missing:
         logger.warning("node %s no longer reports cache %s: provisioning it again", node_id, cache.pk)
         _provision(cache)
     for cache in missing:
-        _audit(AuditAction.CACHE_REPROVISIONED, cache, old={"state": CacheState.READY}, new={"state": cache.state},
-               actor=SYSTEM)  # fmt: skip
+        _audit(
+            AuditAction.CACHE_REPROVISIONED,
+            cache,
+            old={"state": CacheState.READY},
+            new={"state": cache.state},
+            actor=SYSTEM,
+        )
     return [cache.pk for cache in missing]

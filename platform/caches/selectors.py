@@ -8,8 +8,8 @@ from django.utils import timezone
 
 from caches.models import ACTIVE_MIGRATION_STATES, RESERVING_STATES, TIERS, Cache, CacheState, DataToken, Migration
 from core.errors import NotFoundError
-from fleet.models import Node
 from core.ids import as_uuid
+from fleet.models import Node
 from tenants.models import Tenant
 from tenants.selectors import QuotaLimits, quota_limits
 
@@ -144,9 +144,7 @@ def data_tokens_cut_off(*, now=None) -> Q:
     (caches.token_cascade) marks them revoked; until it has, every register and heartbeat answer lists them anyway."""
     now = now or timezone.now()
     return (
-        ~Q(tenant__status=Tenant.Status.ACTIVE)
-        | Q(api_key__revoked_at__isnull=False)
-        | Q(api_key__expires_at__lte=now)
+        ~Q(tenant__status=Tenant.Status.ACTIVE) | Q(api_key__revoked_at__isnull=False) | Q(api_key__expires_at__lte=now)
     )
 
 
@@ -156,8 +154,9 @@ def data_tokens_revoked_on_node(*, node_id: uuid.UUID, now=None) -> list[dict]:
     heartbeat so a node that missed a push, or restarted, refuses them too."""
     now = now or timezone.now()
     rows = (
-        DataToken.objects.filter(Q(revoked_at__isnull=False) | data_tokens_cut_off(now=now), cache__node_id=node_id,
-                                 expires_at__gt=now)  # fmt: skip
+        DataToken.objects.filter(
+            Q(revoked_at__isnull=False) | data_tokens_cut_off(now=now), cache__node_id=node_id, expires_at__gt=now
+        )
         .order_by("expires_at")
         .values_list("jti", "expires_at")[:MAX_REVOKED_LISTED]
     )
@@ -210,10 +209,14 @@ def caches_hosted_on(*, node: Node) -> list[HostedCache]:
     )
     return [
         HostedCache(
-            id=c.id, name=c.name, state=c.state, tenant_id=c.tenant_id, tenant_name=c.tenant.name,
+            id=c.id,
+            name=c.name,
+            state=c.state,
+            tenant_id=c.tenant_id,
+            tenant_name=c.tenant.name,
             capacity_bytes=c.capacity(),
             resident_bytes={tier: int((reported.get(str(c.id)) or {}).get(tier, 0) or 0) for tier in TIERS},
-        )  # fmt: skip
+        )
         for c in caches
     ]
 

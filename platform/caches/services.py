@@ -39,15 +39,15 @@ from caches.models import RESERVING_STATES, TIERS, Cache, CacheState, DataToken
 from caches.sealing import SealError, hash_key_new_sealed, hash_key_unseal, ssd_key_new_sealed, ssd_key_unseal
 from caches.signing import token_sign
 from core.errors import ConflictError, NotFoundError, QuotaExceeded
+from core.ids import as_uuid
 from fleet.models import NodeState
 from fleet.outbox import order_enqueue, orders_acknowledge, seal_for_node
 from fleet.services import node_place, node_unreserve, nodes_expire_unrecorded, nodes_lock, nodes_lost_record
+from kcaas.node_messages import DETACH_TASK, PROVISION_TASK, DetachCache, ProvisionCache, RevokeTokens
 from kcaas.spec import KVCacheSpec
 from tenants.models import Tenant
 from tenants.selectors import quota_limits
 from tenants.services import tenant_lock
-from core.ids import as_uuid
-from kcaas.node_messages import DETACH_TASK, PROVISION_TASK, DetachCache, ProvisionCache, RevokeTokens
 
 logger = logging.getLogger("kcaas.caches")
 
@@ -72,7 +72,7 @@ def _order_detach(cache: Cache, node_id=None) -> None:
     order_enqueue(node_id=node_id or cache.node_id, message=message, key=cache_key(cache.pk))
 
 
-# ---- attach ---------------------------------------------------------------------------------------------------------
+# ---- attach ----------------------------------------------------------------------------------------------------------
 
 
 def capacity_check(*, spec: KVCacheSpec, capacity: dict[str, int]) -> dict[str, int]:
@@ -152,25 +152,39 @@ def cache_attach(*, tenant_id: uuid.UUID, name: str, spec: KVCacheSpec, capacity
     except IntegrityError:  # the partial unique index: cannot happen under the tenant lock, but never a 500
         raise CacheNameTaken("A cache with this name is attached.", details={"name": name}) from None
     _provision(cache)
-    _audit(AuditAction.CACHE_ATTACHED, cache, new={
-        "name": cache.name, "spec": cache.spec_dict(), "capacity": cache.capacity(), "node_id": cache.node_id,
-        "epoch": cache.epoch, "state": cache.state,
-    })  # fmt: skip
+    _audit(
+        AuditAction.CACHE_ATTACHED,
+        cache,
+        new={
+            "name": cache.name,
+            "spec": cache.spec_dict(),
+            "capacity": cache.capacity(),
+            "node_id": cache.node_id,
+            "epoch": cache.epoch,
+            "state": cache.state,
+        },
+    )
     return cache
 
 
 def _audit(action: AuditAction, cache: Cache, *, old: dict | None = None, new: dict | None = None, actor=None) -> None:
     """One audit event about `cache` (its tenant's), last in the transaction: every lock is taken by now."""
-    audit_record(action=action, target_type="cache", target_id=cache.pk, tenant_id=cache.tenant_id, old=old, new=new,
-                 actor=actor)  # fmt: skip
+    audit_record(
+        action=action, target_type="cache", target_id=cache.pk, tenant_id=cache.tenant_id, old=old, new=new, actor=actor
+    )
 
 
 def _provision(cache: Cache) -> None:
     """Order the cache's provisioning from its node (through the outbox) and mark it provisioning until the node
     answers. The order row holds only the cache id and epoch: the keys are unsealed into the message at send time
     (provision_order_message), so no secret is ever stored in the outbox."""
-    order_enqueue(node_id=cache.node_id, task=PROVISION_TASK, builder="caches.services.provision_order_message",
-                  builder_args=[str(cache.pk), cache.epoch], key=cache_key(cache.pk))  # fmt: skip
+    order_enqueue(
+        node_id=cache.node_id,
+        task=PROVISION_TASK,
+        builder="caches.services.provision_order_message",
+        builder_args=[str(cache.pk), cache.epoch],
+        key=cache_key(cache.pk),
+    )
     cache.state = CacheState.PROVISIONING
     cache.save(update_fields=["state", "updated_at"])
 
@@ -227,7 +241,7 @@ def caches_reconcile_node(*, node_id: uuid.UUID, held_cache_ids: list) -> list[d
     return selectors.caches_on_node(node_id=node_id)
 
 
-# ---- detach ---------------------------------------------------------------------------------------------------------
+# ---- detach ----------------------------------------------------------------------------------------------------------
 
 
 def _lock_cache(cache_id, *, tenant_id: uuid.UUID | None = None) -> Cache | None:
@@ -259,8 +273,12 @@ def _revoke_tokens(cache: Cache, now: datetime, *, jti: uuid.UUID | None = None)
     if cache.node_id is not None:
         entries = [{"jti": str(j), "exp": int(expires_at.timestamp())} for j, expires_at in revoked]
         # no answer: the node also learns them from every register/heartbeat answer
-        order_enqueue(node_id=cache.node_id, message=RevokeTokens(entries=entries), key=f"revoke:{uuid.uuid4()}",
-                      expects_answer=False)  # fmt: skip
+        order_enqueue(
+            node_id=cache.node_id,
+            message=RevokeTokens(entries=entries),
+            key=f"revoke:{uuid.uuid4()}",
+            expects_answer=False,
+        )
     return len(revoked)
 
 
@@ -309,7 +327,7 @@ def cache_detach(*, cache_id: uuid.UUID, tenant_id: uuid.UUID | None) -> Cache:
     return cache
 
 
-# ---- the node's answers ---------------------------------------------------------------------------------------------
+# ---- the node's answers ----------------------------------------------------------------------------------------------
 
 
 def _same_node(cache: Cache, node_id) -> bool:
@@ -341,8 +359,12 @@ def cache_provision_result(
     cache.save(update_fields=["state", "endpoint", "failure_reason", "updated_at"])
     new = {"state": cache.state, "endpoint": cache.endpoint, "failure_reason": cache.failure_reason}
     changed = [field for field in new if new[field] != old[field]]
-    _audit(AuditAction.CACHE_READY if ok else AuditAction.CACHE_FAILED, cache,
-           old={f: old[f] for f in changed}, new={f: new[f] for f in changed})  # fmt: skip
+    _audit(
+        AuditAction.CACHE_READY if ok else AuditAction.CACHE_FAILED,
+        cache,
+        old={f: old[f] for f in changed},
+        new={f: new[f] for f in changed},
+    )
     return cache
 
 
@@ -379,7 +401,8 @@ def caches_sweep_leases(*, now: datetime | None = None) -> list[uuid.UUID]:
     )
     candidates = list(
         Cache.objects.select_for_update(of=("self",), no_key=True)
-        .filter(dying, state__in=RESERVING_STATES).order_by("id")
+        .filter(dying, state__in=RESERVING_STATES)
+        .order_by("id")
     )
     lost = nodes_expire_unrecorded(now=now)
     lost_nodes = set(
@@ -411,7 +434,7 @@ def caches_sweep_leases(*, now: datetime | None = None) -> list[uuid.UUID]:
     return changed
 
 
-# ---- data tokens ----------------------------------------------------------------------------------------------------
+# ---- data tokens -----------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -423,7 +446,11 @@ class IssuedToken:
 
 @transaction.atomic
 def data_token_issue(
-    *, tenant_id: uuid.UUID, cache_id: uuid.UUID, access: str, ttl_seconds: int | None = None,
+    *,
+    tenant_id: uuid.UUID,
+    cache_id: uuid.UUID,
+    access: str,
+    ttl_seconds: int | None = None,
     api_key_id: uuid.UUID | None = None,
 ) -> IssuedToken:
     """Issue a short-lived EdDSA JWT for one ready cache of the tenant (see caches.signing for its verification).
@@ -457,11 +484,21 @@ def data_token_issue(
         )
     max_ttl = settings.KCAAS_DATA_TOKEN_TTL_SECONDS
     ttl = max_ttl if ttl_seconds is None else max(min(ttl_seconds, max_ttl), min(MIN_TOKEN_TTL_SECONDS, max_ttl))
-    data_token = DataToken.objects.create(cache=cache, tenant=tenant, access=access, issued_at=now,
-                                          expires_at=now + timedelta(seconds=ttl), api_key_id=api_key_id)
-    audit_record(action=AuditAction.DATA_TOKEN_ISSUED, target_type="data_token", target_id=data_token.jti,
-                 tenant_id=tenant.pk, new={"cache_id": cache.pk, "access": access, "epoch": cache.epoch,
-                                           "expires_at": data_token.expires_at})  # fmt: skip - never the token
+    data_token = DataToken.objects.create(
+        cache=cache,
+        tenant=tenant,
+        access=access,
+        issued_at=now,
+        expires_at=now + timedelta(seconds=ttl),
+        api_key_id=api_key_id,
+    )
+    audit_record(
+        action=AuditAction.DATA_TOKEN_ISSUED,
+        target_type="data_token",
+        target_id=data_token.jti,
+        tenant_id=tenant.pk,
+        new={"cache_id": cache.pk, "access": access, "epoch": cache.epoch, "expires_at": data_token.expires_at},
+    )  # never the token
     claims = {
         "iss": settings.KCAAS_TOKEN_ISSUER,
         "aud": f"cache:{cache.pk}",
@@ -486,7 +523,7 @@ def data_tokens_purge(*, now: datetime | None = None, keep_seconds: int = 24 * 3
     return deleted
 
 
-# ---- erasure (the privacy room calls this) ----------------------------------------------------------------------------
+# ---- erasure (the privacy room calls this) ---------------------------------------------------------------------------
 
 
 @transaction.atomic
@@ -497,8 +534,12 @@ def caches_detach_tenant(*, tenant_id: uuid.UUID) -> list[dict]:
     [{"cache_id", "node_id", "state"}] with the state before; idempotent (a rerun changes nothing, returns []).
     Every cache is locked (id order) before their nodes (id order), and those before the token orders."""
     now = timezone.now()
-    live = list(Cache.objects.select_for_update(of=("self",), no_key=True).filter(tenant_id=tenant_id)
-                .exclude(state=CacheState.DETACHED).order_by("id"))  # fmt: skip
+    live = list(
+        Cache.objects.select_for_update(of=("self",), no_key=True)
+        .filter(tenant_id=tenant_id)
+        .exclude(state=CacheState.DETACHED)
+        .order_by("id")
+    )
     changed = [{"cache_id": str(c.pk), "node_id": str(c.node_id or ""), "state": c.state} for c in live]
     nodes_lock(node_ids=[cache.node_id for cache in live if cache.state in RESERVING_STATES])
     for cache in live:

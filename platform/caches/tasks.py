@@ -8,9 +8,8 @@ import logging
 from celery import shared_task
 
 from audit.context import SYSTEM, Actor, acting_as
-from caches import reconcile, services, token_cascade
+from caches import migration, reconcile, services, token_cascade
 from caches.idempotency import idempotency_records_purge
-from caches import migration
 from core.node_answers import node_answer_task
 from kcaas.node_messages import DetachResult, MigrationProgress, MigrationResult, ProvisionResult
 
@@ -22,8 +21,13 @@ def provision_result(answer: ProvisionResult) -> str | None:
     """A node's answer to `kcaas.node.provision_cache`: ready (ok, with its data-plane endpoint) or failed.
     Audited as the node's own action."""
     with acting_as(Actor("node", answer.node_id)):
-        cache = services.cache_provision_result(cache_id=answer.cache_id, node_id=answer.node_id, ok=answer.ok,
-                                                reason=answer.reason, endpoint=answer.endpoint)  # fmt: skip
+        cache = services.cache_provision_result(
+            cache_id=answer.cache_id,
+            node_id=answer.node_id,
+            ok=answer.ok,
+            reason=answer.reason,
+            endpoint=answer.endpoint,
+        )
     return cache.state if cache is not None else None
 
 
@@ -39,8 +43,9 @@ def detach_result(answer: DetachResult) -> str | None:
 def migration_progress(answer: MigrationProgress) -> str | None:
     """A node's migration progress (status-guarded in caches.migration: duplicates and strays are no-ops)."""
     with acting_as(Actor("node", answer.node_id)):
-        row = migration.migration_progress(migration_id=answer.migration_id, node_id=answer.node_id,
-                                           phase=answer.phase, info=dict(answer.info))  # fmt: skip
+        row = migration.migration_progress(
+            migration_id=answer.migration_id, node_id=answer.node_id, phase=answer.phase, info=dict(answer.info)
+        )
     return row.state if row is not None else None
 
 
@@ -48,8 +53,13 @@ def migration_progress(answer: MigrationProgress) -> str | None:
 def migration_result(answer: MigrationResult) -> str | None:
     """The source's last word on a migration: cutover (audited CACHE_MIGRATED as the node) or failure."""
     with acting_as(Actor("node", answer.node_id)):
-        row = migration.migration_result(migration_id=answer.migration_id, node_id=answer.node_id, ok=answer.ok,
-                                         reason=answer.reason, info=dict(answer.info))  # fmt: skip
+        row = migration.migration_result(
+            migration_id=answer.migration_id,
+            node_id=answer.node_id,
+            ok=answer.ok,
+            reason=answer.reason,
+            info=dict(answer.info),
+        )
     return row.state if row is not None else None
 
 

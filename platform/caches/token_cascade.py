@@ -43,8 +43,11 @@ def data_tokens_revoke_cascade(*, tenant_id: uuid.UUID | None = None, now: datet
     tokens = DataToken.objects.filter(data_tokens_cut_off(now=now), revoked_at__isnull=True, expires_at__gt=now)
     if tenant_id is not None:
         tokens = tokens.filter(tenant_id=tenant_id)
-    rows = list(tokens.select_for_update(of=("self",), skip_locked=True)
-                .values_list("jti", "expires_at", "cache_id", "cache__node_id", "tenant_id")[:MAX_PER_RUN])  # fmt: skip
+    rows = list(
+        tokens.select_for_update(of=("self",), skip_locked=True).values_list(
+            "jti", "expires_at", "cache_id", "cache__node_id", "tenant_id"
+        )[:MAX_PER_RUN]
+    )
     if not rows:
         return 0
     DataToken.objects.filter(jti__in=[row[0] for row in rows]).update(revoked_at=now)
@@ -54,9 +57,15 @@ def data_tokens_revoke_cascade(*, tenant_id: uuid.UUID | None = None, now: datet
         if node_id is not None:
             by_node[node_id].append({"jti": str(jti), "exp": int(expires_at.timestamp())})
     for node_id, entries in by_node.items():  # no answer: the node also learns them from every heartbeat answer
-        order_enqueue(node_id=node_id, message=RevokeTokens(entries=entries), key=f"revoke:{uuid.uuid4()}",
-                      expects_answer=False)  # fmt: skip
+        order_enqueue(
+            node_id=node_id, message=RevokeTokens(entries=entries), key=f"revoke:{uuid.uuid4()}", expects_answer=False
+        )
     for (cache_id, tenant), count in sorted(by_cache.items(), key=lambda item: str(item[0][0])):
-        audit_record(action=AuditAction.DATA_TOKENS_REVOKED, target_type="cache", target_id=cache_id,
-                     tenant_id=tenant, new={"revoked": count, "reason": "tenant_or_key", "revoked_at": now})  # fmt: skip
+        audit_record(
+            action=AuditAction.DATA_TOKENS_REVOKED,
+            target_type="cache",
+            target_id=cache_id,
+            tenant_id=tenant,
+            new={"revoked": count, "reason": "tenant_or_key", "revoked_at": now},
+        )
     return len(rows)

@@ -61,20 +61,29 @@ def console_view(capability: str = "view", *, methods: tuple[str, ...] = ("GET",
             if not signed_in(request):
                 return login_redirect(request)
             if request.method not in allowed:
-                response = error_page(request, 405, "Method not allowed", f"{request.method} is not accepted here.",
-                                      "method_not_allowed")  # fmt: skip
+                response = error_page(
+                    request, 405, "Method not allowed", f"{request.method} is not accepted here.", "method_not_allowed"
+                )
                 response["Allow"] = ", ".join(sorted(allowed))
                 return response
             if not roles.can(request.user, capability):
-                return error_page(request, 403, "Not allowed",
-                                  "Your console role does not allow this. Ask an administrator for the role.",
-                                  "permission_denied")  # fmt: skip
+                return error_page(
+                    request,
+                    403,
+                    "Not allowed",
+                    "Your console role does not allow this. Ask an administrator for the role.",
+                    "permission_denied",
+                )
             try:
                 response = view(request, *args, **kwargs)
             except AuditWriteError:
-                response = error_page(request, 503, "Audit trail unavailable",
-                                      "The audit trail could not record this action, so nothing was changed. "
-                                      "Try again shortly.", "audit_unavailable")  # fmt: skip
+                response = error_page(
+                    request,
+                    503,
+                    "Audit trail unavailable",
+                    "The audit trail could not record this action, so nothing was changed. Try again shortly.",
+                    "audit_unavailable",
+                )
             except Http404:
                 response = error_page(request, 404, "Not found", "There is nothing here.", "not_found")
             except ApplicationError as error:

@@ -87,13 +87,19 @@ def _y_axis(top: Decimal, step: Decimal, unit: str) -> list[str]:
     for index in range(ticks + 1):
         value = step * index
         y = TOP + PLOT_HEIGHT - float(value / top) * PLOT_HEIGHT
-        parts.append(f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{_num(y)}" y2="{_num(y)}" stroke="{GRID_COLOUR}" '
-                     f'stroke-width="1"/>')  # fmt: skip
-        parts.append(f'<text x="{LEFT - 6}" y="{_num(y + 4)}" text-anchor="end" font-size="11" fill="{TEXT_COLOUR}">'
-                     f"{escape(decimal_text(value))}</text>")  # fmt: skip
+        parts.append(
+            f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{_num(y)}" y2="{_num(y)}" stroke="{GRID_COLOUR}" '
+            f'stroke-width="1"/>'
+        )
+        parts.append(
+            f'<text x="{LEFT - 6}" y="{_num(y + 4)}" text-anchor="end" font-size="11" fill="{TEXT_COLOUR}">'
+            f"{escape(decimal_text(value))}</text>"
+        )
     middle = f"{TOP + PLOT_HEIGHT / 2:.0f}"
-    parts.append(f'<text x="14" y="{middle}" text-anchor="middle" font-size="11" fill="{TEXT_COLOUR}" '
-                 f'transform="rotate(-90 14 {middle})">{escape(unit)}</text>')  # fmt: skip
+    parts.append(
+        f'<text x="14" y="{middle}" text-anchor="middle" font-size="11" fill="{TEXT_COLOUR}" '
+        f'transform="rotate(-90 14 {middle})">{escape(unit)}</text>'
+    )
     return parts
 
 
@@ -113,13 +119,17 @@ def _bars(bars: Sequence[Bar], top: Decimal, unit: str) -> list[str]:
             height = float(value / top) * PLOT_HEIGHT
             stacked += height
             title = f"{bar.label} {tier}: {decimal_text(value)} {unit}"
-            parts.append(f'<rect x="{_num(x)}" y="{_num(baseline - stacked)}" width="{_num(bar_width)}" '
-                         f'height="{_num(height)}" fill="{TIER_COLOURS[tier]}" data-tier="{tier}">'
-                         f"<title>{escape(title)}</title></rect>")  # fmt: skip
+            parts.append(
+                f'<rect x="{_num(x)}" y="{_num(baseline - stacked)}" width="{_num(bar_width)}" '
+                f'height="{_num(height)}" fill="{TIER_COLOURS[tier]}" data-tier="{tier}">'
+                f"<title>{escape(title)}</title></rect>"
+            )
         if index % label_every == 0:
             centre = x + bar_width / 2
-            parts.append(f'<text x="{_num(centre)}" y="{baseline + 16}" text-anchor="middle" font-size="11" '
-                         f'fill="{TEXT_COLOUR}">{escape(bar.tick)}</text>')  # fmt: skip
+            parts.append(
+                f'<text x="{_num(centre)}" y="{baseline + 16}" text-anchor="middle" font-size="11" '
+                f'fill="{TEXT_COLOUR}">{escape(bar.tick)}</text>'
+            )
     return parts
 
 
@@ -130,8 +140,10 @@ def chart_summary(bars: Sequence[Bar], *, title: str, unit: str) -> str:
     per_tier = ", ".join(
         f"{tier} {decimal_text(sum((Decimal(b.values.get(tier, 0)) for b in bars), Decimal(0)))}" for tier in TIERS
     )
-    return (f"{title}: {len(bars)} bars from {bars[0].label} to {bars[-1].label}; total {decimal_text(total)} {unit} "
-            f"({per_tier}); highest {peak.label} with {decimal_text(peak.total)} {unit}.")  # fmt: skip
+    return (
+        f"{title}: {len(bars)} bars from {bars[0].label} to {bars[-1].label}; total {decimal_text(total)} {unit} "
+        f"({per_tier}); highest {peak.label} with {decimal_text(peak.total)} {unit}."
+    )
 
 
 def stacked_bar_chart(bars: Sequence[Bar], *, title: str, unit: str) -> SafeString:
@@ -143,13 +155,17 @@ def stacked_bar_chart(bars: Sequence[Bar], *, title: str, unit: str) -> SafeStri
         return mark_safe("")
     top, step = nice_axis_top(largest)
     summary = chart_summary(bars, title=title, unit=unit)
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {HEIGHT}" role="img" '
-             f'aria-label="{escape(summary)}" focusable="false">']  # fmt: skip
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {HEIGHT}" role="img" '
+        f'aria-label="{escape(summary)}" focusable="false">'
+    ]
     parts += _y_axis(top, step, unit)
     parts += _bars(bars, top, unit)
     baseline = TOP + PLOT_HEIGHT
-    parts.append(f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{baseline}" y2="{baseline}" stroke="{AXIS_COLOUR}" '
-                 f'stroke-width="1"/>')  # fmt: skip
+    parts.append(
+        f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{baseline}" y2="{baseline}" stroke="{AXIS_COLOUR}" '
+        f'stroke-width="1"/>'
+    )
     parts.append(f'<line x1="{LEFT}" x2="{LEFT}" y1="{TOP}" y2="{baseline}" stroke="{AXIS_COLOUR}" stroke-width="1"/>')
     parts.append("</svg>")
     return mark_safe("".join(parts))

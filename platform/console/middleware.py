@@ -15,8 +15,10 @@ from django.conf import settings
 
 from console import access, sessions
 
-CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; form-action 'self'; "
-       "frame-ancestors 'none'; base-uri 'none'; object-src 'none'")  # fmt: skip
+CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; form-action 'self'; "
+    "frame-ancestors 'none'; base-uri 'none'; object-src 'none'"
+)
 POLL_HEADER = "X-Console-Poll"
 
 
@@ -40,8 +42,10 @@ class ConsoleSessionMiddleware:
 def _expired(session, now: float) -> bool:
     started = session.get(sessions.STARTED, 0)
     last_seen = session.get(sessions.LAST_SEEN, started)
-    return (now - last_seen > settings.KCAAS_CONSOLE_IDLE_SECONDS
-            or now - started > settings.KCAAS_CONSOLE_MAX_SESSION_SECONDS)  # fmt: skip
+    return (
+        now - last_seen > settings.KCAAS_CONSOLE_IDLE_SECONDS
+        or now - started > settings.KCAAS_CONSOLE_MAX_SESSION_SECONDS
+    )
 
 
 def _headers(response):

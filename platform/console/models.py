@@ -28,8 +28,9 @@ class ConsoleTOTPDevice(TimestampMixin, ThrottlingMixin, Device):
     key_sealed = models.BinaryField(help_text="The seed, sealed under the KEK for this user (console/totp_keys.py).")
     step = models.PositiveSmallIntegerField(default=30, help_text="The time step in seconds.")
     t0 = models.BigIntegerField(default=0, help_text="The Unix time at which to begin counting steps.")
-    digits = models.PositiveSmallIntegerField(choices=[(6, 6), (8, 8)], default=6,
-                                              help_text="The number of digits to expect in a token.")  # fmt: skip
+    digits = models.PositiveSmallIntegerField(
+        choices=[(6, 6), (8, 8)], default=6, help_text="The number of digits to expect in a token."
+    )
     tolerance = models.PositiveSmallIntegerField(default=1, help_text="Time steps in the past or future to allow.")
     drift = models.SmallIntegerField(default=0, help_text="Time steps the prover is known to deviate from our clock.")
     last_t = models.BigIntegerField(default=-1, help_text="The time step of the last verified token.")

@@ -44,7 +44,7 @@ def user_roles(user) -> frozenset[str]:
     cached = getattr(user, "_console_roles", None)
     if cached is None:
         names = user.groups.filter(name__startswith=GROUP_PREFIX).values_list("name", flat=True)
-        cached = frozenset(name[len(GROUP_PREFIX):] for name in names if name[len(GROUP_PREFIX):] in ROLES)
+        cached = frozenset(name[len(GROUP_PREFIX) :] for name in names if name[len(GROUP_PREFIX) :] in ROLES)
         user._console_roles = cached
     return cached
 

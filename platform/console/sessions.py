@@ -29,10 +29,14 @@ def record_failure(*, username: str, step: str, user=None) -> None:
     """A refused password or code. The attempted username enters the trail only as an HMAC (it may be a password
     typed in the wrong box)."""
     with transaction.atomic():
-        audit_record(action=AuditAction.CONSOLE_LOGIN_FAILED, target_type="console_user",
-                     target_id=str(user.pk) if user is not None else "",
-                     new={"username": username, "step": step}, sensitive={"username"},
-                     actor=_user_actor(user) if user is not None else None)  # fmt: skip
+        audit_record(
+            action=AuditAction.CONSOLE_LOGIN_FAILED,
+            target_type="console_user",
+            target_id=str(user.pk) if user is not None else "",
+            new={"username": username, "step": step},
+            sensitive={"username"},
+            actor=_user_actor(user) if user is not None else None,
+        )
 
 
 def begin_pending(request, user) -> None:
@@ -53,9 +57,13 @@ def pending_user(request):
 def start_session(request, user, device) -> None:
     """Password and code both right: sign in (a new session key), mark the session as the console's."""
     with transaction.atomic():
-        audit_record(action=AuditAction.CONSOLE_LOGIN, target_type="console_user", target_id=str(user.pk),
-                     new={"roles": sorted(roles.user_roles(user)), "device": device.persistent_id},
-                     actor=_user_actor(user))  # fmt: skip
+        audit_record(
+            action=AuditAction.CONSOLE_LOGIN,
+            target_type="console_user",
+            target_id=str(user.pk),
+            new={"roles": sorted(roles.user_roles(user)), "device": device.persistent_id},
+            actor=_user_actor(user),
+        )
     auth.login(request, user, backend="django.contrib.auth.backends.ModelBackend")
     django_otp.login(request, device)
     now = time.time()
@@ -70,8 +78,13 @@ def end_session(request, *, reason: str) -> None:
     if user.is_authenticated:
         try:
             with transaction.atomic():
-                audit_record(action=AuditAction.CONSOLE_LOGOUT, target_type="console_user", target_id=str(user.pk),
-                             new={"reason": reason}, actor=_user_actor(user))  # fmt: skip
+                audit_record(
+                    action=AuditAction.CONSOLE_LOGOUT,
+                    target_type="console_user",
+                    target_id=str(user.pk),
+                    new={"reason": reason},
+                    actor=_user_actor(user),
+                )
         except AuditWriteError:
             log.warning("console.logout of user %s (%s) could not be recorded", user.pk, reason)
     auth.logout(request)

@@ -51,7 +51,7 @@ def totp_key_unseal(*, user_id, sealed: bytes) -> bytes:
     if len(sealed) <= 1 + NONCE_BYTES or sealed[:1] != VERSION:
         raise TotpKeyError("not a sealed TOTP seed")
     try:
-        return _aead(settings.KCAAS_KEK).decrypt(sealed[1:1 + NONCE_BYTES], sealed[1 + NONCE_BYTES:], _aad(user_id))
+        return _aead(settings.KCAAS_KEK).decrypt(sealed[1 : 1 + NONCE_BYTES], sealed[1 + NONCE_BYTES :], _aad(user_id))
     except Exception as exc:  # InvalidTag
         raise TotpKeyError("the TOTP seed does not open (wrong KEK, another user's row, or altered)") from exc
 

@@ -36,15 +36,21 @@ REFUSED = "Wrong username, password or code."
 
 
 class PasswordForm(forms.Form):
-    username = forms.CharField(max_length=150, widget=forms.TextInput(attrs={"autocomplete": "username",
-                                                                            "autofocus": True}))  # fmt: skip
+    username = forms.CharField(
+        max_length=150, widget=forms.TextInput(attrs={"autocomplete": "username", "autofocus": True})
+    )
     password = forms.CharField(max_length=1024, widget=forms.PasswordInput(attrs={"autocomplete": "current-password"}))
 
 
 class CodeForm(forms.Form):
-    code = forms.RegexField(regex=r"^\s*\d{6}\s*$", label="6-digit code", error_messages={"invalid": "Six digits."},
-                            widget=forms.TextInput(attrs={"autocomplete": "one-time-code", "inputmode": "numeric",
-                                                          "autofocus": True, "maxlength": 8}))  # fmt: skip
+    code = forms.RegexField(
+        regex=r"^\s*\d{6}\s*$",
+        label="6-digit code",
+        error_messages={"invalid": "Six digits."},
+        widget=forms.TextInput(
+            attrs={"autocomplete": "one-time-code", "inputmode": "numeric", "autofocus": True, "maxlength": 8}
+        ),
+    )
 
     def clean_code(self) -> str:
         return self.cleaned_data["code"].strip()
@@ -58,9 +64,13 @@ def _next_url(request) -> str:
 
 
 def _audit_down(request):
-    return access.error_page(request, 503, "Audit trail unavailable",
-                             "Sign-in is recorded in the audit trail, which cannot be written right now. "
-                             "Try again shortly.", "audit_unavailable")  # fmt: skip
+    return access.error_page(
+        request,
+        503,
+        "Audit trail unavailable",
+        "Sign-in is recorded in the audit trail, which cannot be written right now. Try again shortly.",
+        "audit_unavailable",
+    )
 
 
 @never_cache
@@ -80,9 +90,13 @@ def login(request):
             except AuditWriteError:
                 return _audit_down(request)
             wait = taken.decision.retry_after_seconds
-            response = access.error_page(request, 429, "Too many sign-in attempts",
-                                         f"Too many sign-in attempts: wait {wait} s, then try again.",
-                                         "rate_limited")  # fmt: skip
+            response = access.error_page(
+                request,
+                429,
+                "Too many sign-in attempts",
+                f"Too many sign-in attempts: wait {wait} s, then try again.",
+                "rate_limited",
+            )
             response["Retry-After"] = str(wait)
             return response
         user = auth.authenticate(request, username=username, password=form.cleaned_data["password"])
@@ -102,9 +116,12 @@ def login(request):
         error = "Enter a username and a password."
     reason = request.GET.get("reason")
     notice = "Your session expired. Sign in again." if reason == "expired" else ""
-    return render(request, "console/login.html", {"form": form, "error": error, "notice": notice,
-                                                   "next": _next_url(request)},
-                  status=400 if error else 200)  # fmt: skip
+    return render(
+        request,
+        "console/login.html",
+        {"form": form, "error": error, "notice": notice, "next": _next_url(request)},
+        status=400 if error else 200,
+    )
 
 
 def _password_buckets(request, username: str) -> tuple[Bucket, Bucket]:
@@ -113,12 +130,17 @@ def _password_buckets(request, username: str) -> tuple[Bucket, Bucket]:
     X-Forwarded-For only from KCAAS_TRUSTED_PROXIES) per KCAAS_CONSOLE_SOURCE_WINDOW_SECONDS. Buckets are named by an
     HMAC of the username or address, never the text."""
     return (
-        Bucket.per_window("console-login:" + sensitive_digest(username.casefold()).partition(":")[2][:32],
-                          count=settings.KCAAS_CONSOLE_PASSWORD_TRIES_PER_MINUTE, window_seconds=60),
-        Bucket.per_window("console-login-source:" + _digest(source_network(source_ip(request))),
-                          count=settings.KCAAS_CONSOLE_PASSWORD_FAILURES_PER_SOURCE,
-                          window_seconds=settings.KCAAS_CONSOLE_SOURCE_WINDOW_SECONDS),
-    )  # fmt: skip
+        Bucket.per_window(
+            "console-login:" + sensitive_digest(username.casefold()).partition(":")[2][:32],
+            count=settings.KCAAS_CONSOLE_PASSWORD_TRIES_PER_MINUTE,
+            window_seconds=60,
+        ),
+        Bucket.per_window(
+            "console-login-source:" + _digest(source_network(source_ip(request))),
+            count=settings.KCAAS_CONSOLE_PASSWORD_FAILURES_PER_SOURCE,
+            window_seconds=settings.KCAAS_CONSOLE_SOURCE_WINDOW_SECONDS,
+        ),
+    )
 
 
 def _digest(value: str) -> str:
@@ -200,15 +222,19 @@ def enroll(request):
     if device is None:
         device = TOTPDevice.objects.create(user=user, name="console", confirmed=False)
     qr = segno.make(device.config_url, error="m").svg_inline(scale=4, title="Authenticator QR code")
-    return _code_step(request, user=user, device=device, template="console/enroll.html",
-                      extra={"qr_svg": qr, "otpauth_url": device.config_url,
-                             "secret_b32": _base32(device.bin_key)})  # fmt: skip
+    return _code_step(
+        request,
+        user=user,
+        device=device,
+        template="console/enroll.html",
+        extra={"qr_svg": qr, "otpauth_url": device.config_url, "secret_b32": _base32(device.bin_key)},
+    )
 
 
 def _base32(key: bytes) -> str:
     """The secret as authenticator apps take it typed: base32, in groups of four."""
     text = base64.b32encode(key).decode().rstrip("=")
-    return " ".join(text[i:i + 4] for i in range(0, len(text), 4))
+    return " ".join(text[i : i + 4] for i in range(0, len(text), 4))
 
 
 @never_cache

@@ -81,11 +81,17 @@ def _digest(kind: str, value: str) -> str:
 def password_buckets(username: str, request) -> tuple[Bucket, Bucket]:
     """The REST password door's limits for one try: the account's and the source's."""
     return (
-        Bucket.per_window("api-password:account:" + _digest("account", username.casefold()),
-                          count=settings.KCAAS_API_PASSWORD_FAILURES_PER_MINUTE, window_seconds=60),
-        Bucket.per_window("api-password:source:" + _digest("source", source_network(source_ip(request))),
-                          count=settings.KCAAS_API_PASSWORD_FAILURES_PER_SOURCE_PER_MINUTE, window_seconds=60),
-    )  # fmt: skip
+        Bucket.per_window(
+            "api-password:account:" + _digest("account", username.casefold()),
+            count=settings.KCAAS_API_PASSWORD_FAILURES_PER_MINUTE,
+            window_seconds=60,
+        ),
+        Bucket.per_window(
+            "api-password:source:" + _digest("source", source_network(source_ip(request))),
+            count=settings.KCAAS_API_PASSWORD_FAILURES_PER_SOURCE_PER_MINUTE,
+            window_seconds=60,
+        ),
+    )
 
 
 class _FailureMemo:
@@ -142,9 +148,12 @@ class _Standing:
 def _standing(username: str) -> _Standing:
     model = get_user_model()
     console_groups = Group.objects.filter(user=OuterRef("pk"), name__in=[roles.group_name(r) for r in roles.ROLES])
-    row = (model._default_manager.filter(**{model.USERNAME_FIELD: username})
-           .annotate(kcaas_console=Exists(console_groups))
-           .values_list("pk", "password", "is_active", "is_staff", "is_superuser", "kcaas_console").first())  # fmt: skip
+    row = (
+        model._default_manager.filter(**{model.USERNAME_FIELD: username})
+        .annotate(kcaas_console=Exists(console_groups))
+        .values_list("pk", "password", "is_active", "is_staff", "is_superuser", "kcaas_console")
+        .first()
+    )
     if row is None:
         return _Standing(None, ("none",), False)
     pk, password, active, staff, superuser, console = row

@@ -92,6 +92,7 @@ class RequestLimits:
             return _refusal(400, "malformed_request", "The request body could not be read.", {})
         limit = settings.KCAAS_MAX_JSON_DEPTH
         if body.count(b"[") + body.count(b"{") > limit and json_depth(body) > limit:
-            return _refusal(400, "json_too_deep", f"The JSON body nests more than {limit} levels.",
-                            {"max_depth": limit})  # fmt: skip
+            return _refusal(
+                400, "json_too_deep", f"The JSON body nests more than {limit} levels.", {"max_depth": limit}
+            )
         return None

@@ -94,7 +94,8 @@ TEMPLATES = [
 
 DATABASES = {
     "default": dj_database_url.parse(
-        os.environ.get("DATABASE_URL", f"sqlite:///{VAR_DIR / 'kcaas.sqlite3'}"), conn_max_age=60,
+        os.environ.get("DATABASE_URL", f"sqlite:///{VAR_DIR / 'kcaas.sqlite3'}"),
+        conn_max_age=60,
         conn_health_checks=True,  # a connection the server dropped is replaced before use, not failed on
     )
 }
@@ -103,9 +104,10 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # transaction takes the write lock at BEGIN (no deadlocked upgrade from a read lock, which SQLite fails at
     # once instead of waiting), and a writer waits up to 20 s for the lock before "database is locked".
     DATABASES["default"]["OPTIONS"] = {
-        "transaction_mode": "IMMEDIATE", "timeout": 20,
+        "transaction_mode": "IMMEDIATE",
+        "timeout": 20,
         "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
-    }  # fmt: skip
+    }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 USE_TZ = True
 TIME_ZONE = "UTC"
@@ -155,13 +157,18 @@ KCAAS_PROVISION_DEADLINE_SECONDS = float(os.environ.get("KCAAS_PROVISION_DEADLIN
 KCAAS_DETACH_DEADLINE_SECONDS = float(os.environ.get("KCAAS_DETACH_DEADLINE_SECONDS", "300"))
 KCAAS_RECONCILE_SECONDS = float(os.environ.get("KCAAS_RECONCILE_SECONDS", "30"))
 CELERY_BEAT_SCHEDULE = {
-    "fleet-dispatch-orders": {"task": "fleet.dispatch_orders", "schedule": KCAAS_ORDER_DISPATCH_SECONDS,
-                              "options": {"expires": 5 * KCAAS_ORDER_DISPATCH_SECONDS}},
+    "fleet-dispatch-orders": {
+        "task": "fleet.dispatch_orders",
+        "schedule": KCAAS_ORDER_DISPATCH_SECONDS,
+        "options": {"expires": 5 * KCAAS_ORDER_DISPATCH_SECONDS},
+    },
     "caches-reconcile": {"task": "caches.reconcile", "schedule": KCAAS_RECONCILE_SECONDS},
     # Data tokens of suspended/erased tenants and of revoked/expired keys are revoked and pushed to their nodes.
-    "caches-cascade-token-revocations": {"task": "caches.cascade_token_revocations",
-                                         "schedule": float(os.environ.get("KCAAS_TOKEN_CASCADE_SECONDS", "5")),
-                                         "options": {"expires": 30.0}},
+    "caches-cascade-token-revocations": {
+        "task": "caches.cascade_token_revocations",
+        "schedule": float(os.environ.get("KCAAS_TOKEN_CASCADE_SECONDS", "5")),
+        "options": {"expires": 30.0},
+    },
     "caches-sweep-leases": {"task": "caches.sweep_leases", "schedule": KCAAS_LEASE_SWEEP_SECONDS},
     "caches-purge-expired": {"task": "caches.purge_expired", "schedule": 3600.0},
     "caches-expire-migrations": {"task": "caches.expire_migrations", "schedule": 60.0},
@@ -210,7 +217,9 @@ SPECTACULAR_SETTINGS = {
 KCAAS_KEY_PEPPER = os.environ.get("KCAAS_KEY_PEPPER") or _dev_secret("key-pepper")
 # Ed25519 private key (PEM) signing data-plane tokens; nodes verify with the public key at /.well-known/jwks.json.
 KCAAS_TOKEN_SIGNING_KEY_PEM = os.environ.get("KCAAS_TOKEN_SIGNING_KEY_PEM", "")
-KCAAS_TOKEN_SIGNING_KEY_FILE = os.environ.get("KCAAS_TOKEN_SIGNING_KEY_FILE", str(VAR_DIR / "secrets" / "token-ed25519.pem"))
+KCAAS_TOKEN_SIGNING_KEY_FILE = os.environ.get(
+    "KCAAS_TOKEN_SIGNING_KEY_FILE", str(VAR_DIR / "secrets" / "token-ed25519.pem")
+)
 # The platform key: signs audit digests and erasure receipts (audit.keys); public half at
 # /.well-known/kcaas-platform-key.json.
 KCAAS_PLATFORM_SIGNING_KEY_PEM = os.environ.get("KCAAS_PLATFORM_SIGNING_KEY_PEM", "")
@@ -276,6 +285,7 @@ KCAAS_INVOICE_GRACE_DAYS = env_int("KCAAS_INVOICE_GRACE_DAYS", 3)
 KCAAS_BILLING_CURRENCY = os.environ.get("KCAAS_BILLING_CURRENCY", "USD")
 # GCRA burst: a tenant may send this many seconds' worth of its rate at once.
 KCAAS_RATE_LIMIT_BURST_SECONDS = float(os.environ.get("KCAAS_RATE_LIMIT_BURST_SECONDS", "1"))
+
 
 # ---- TLS (docs/operations.md, "Behind TLS") --------------------------------------------------------------------------
 # `make up` serves plain HTTP on 127.0.0.1, so every default here is off; a deployment behind a TLS-terminating proxy

@@ -22,6 +22,8 @@ import sys
 from django.conf import settings
 from django.core.exceptions import (
     PermissionDenied as DjangoPermissionDenied,
+)
+from django.core.exceptions import (
     RequestDataTooBig,
     SuspiciousOperation,
     TooManyFieldsSent,

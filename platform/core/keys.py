@@ -83,7 +83,7 @@ def parse_key(raw: str) -> tuple[str, str, str]:
     match = _KEY_RE.fullmatch(raw)
     if match is None:
         raise InvalidKeyFormat("not a KCaaS key")
-    body = raw[: -CRC_LENGTH]
+    body = raw[:-CRC_LENGTH]
     if not hmac.compare_digest(checksum(body), match["crc"]):
         raise InvalidKeyFormat("key checksum mismatch")
     return match["prefix"], match["public_id"], match["secret"]

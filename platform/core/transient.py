@@ -10,7 +10,8 @@ Imports nothing of the rooms: core.errors loads before the apps are ready.
 
 from django.db import InterfaceError, OperationalError
 from kombu.exceptions import OperationalError as KombuOperationalError
-from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 TRANSIENT_DATABASE_ERRORS = (OperationalError, InterfaceError)
 TRANSIENT_BROKER_ERRORS = (KombuOperationalError, RedisConnectionError, RedisTimeoutError)

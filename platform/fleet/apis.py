@@ -15,11 +15,13 @@ from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from core.openapi import error_responses
+from core.permissions import IsStaff
 from fleet import selectors, services
 from fleet.authentication import NodeCredentialAuthentication
 from fleet.models import NodeState
-from fleet.pki import MAX_CSR_BYTES
 from fleet.permissions import IsNode
+from fleet.pki import MAX_CSR_BYTES
 from fleet.serializers import (
     NodeDetailSerializer,
     NodeSerializer,
@@ -27,8 +29,6 @@ from fleet.serializers import (
     TierBytesSerializer,
 )
 from fleet.validators import MAX_ENDPOINT_LENGTH, NODE_NAME_RE, endpoint_error
-from core.openapi import error_responses
-from core.permissions import IsStaff
 
 MAX_RESIDENT_ENTRIES = 10_000  # caches one node may report in a heartbeat
 
@@ -45,7 +45,9 @@ def _validate_endpoint(value: str) -> str:
 
 def _csr_field(*, required: bool) -> serializers.CharField:
     return serializers.CharField(
-        required=required, max_length=MAX_CSR_BYTES, trim_whitespace=False,
+        required=required,
+        max_length=MAX_CSR_BYTES,
+        trim_whitespace=False,
         help_text="PEM PKCS#10 request for the node's own ECDSA P-256 key; only the key is used (fleet.pki)",
     )
 
@@ -56,7 +58,6 @@ class RevokedTokenSerializer(serializers.Serializer):
 
     jti = serializers.CharField()
     exp = serializers.IntegerField()
-
 
 
 class _NodeApi(APIView):
@@ -74,12 +75,17 @@ class NodeRegisterApi(_NodeApi):
         )
         capacity = TierBytesSerializer()
         caches = serializers.ListField(
-            child=serializers.UUIDField(), required=False, default=list, max_length=10_000,
+            child=serializers.UUIDField(),
+            required=False,
+            default=list,
+            max_length=10_000,
             help_text="ids of the caches the agent still holds (after a restart: usually none)",
         )
         csr = _csr_field(required=False)
         sealing_public_key = serializers.CharField(
-            required=False, max_length=64, trim_whitespace=False,
+            required=False,
+            max_length=64,
+            trim_whitespace=False,
             help_text="base64 of the node's X25519 public key (32 bytes): the keys in its provisioning and migration "
             "orders are sealed to it (kcaas/sealing.py). Without one the node is sent no keys, so it cannot host "
             "caches.",
@@ -116,8 +122,11 @@ class NodeRegisterApi(_NodeApi):
     def post(self, request):
         data = _validated(self.InputSerializer, request.data)
         registration = services.node_register(
-            node_id=request.user.node.pk, endpoint=data["endpoint"], capacity=dict(data["capacity"]),
-            csr=data.get("csr"), sealing_public_key=data.get("sealing_public_key"),
+            node_id=request.user.node.pk,
+            endpoint=data["endpoint"],
+            capacity=dict(data["capacity"]),
+            csr=data.get("csr"),
+            sealing_public_key=data.get("sealing_public_key"),
         )
         body = {
             "node": registration.node,

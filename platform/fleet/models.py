@@ -145,8 +145,9 @@ class NodeOrder(models.Model):
         ]
         constraints = [
             models.CheckConstraint(condition=Q(state__in=OrderState.values), name="fleet_order_state_valid"),
-            models.UniqueConstraint(fields=["node", "key"], condition=Q(state__in=OPEN_ORDER_STATES),
-                                    name="fleet_order_one_open_per_key"),  # fmt: skip
+            models.UniqueConstraint(
+                fields=["node", "key"], condition=Q(state__in=OPEN_ORDER_STATES), name="fleet_order_one_open_per_key"
+            ),
         ]
 
     def __str__(self) -> str:

@@ -113,8 +113,11 @@ def _publish_after_commit(order_id: int) -> None:
     (the broker, the database) leaves the order due for the dispatcher."""
     try:
         with transaction.atomic():
-            order = (NodeOrder.objects.select_for_update(skip_locked=True, no_key=True)
-                     .filter(pk=order_id, state=OrderState.PENDING, attempts=0).first())  # fmt: skip
+            order = (
+                NodeOrder.objects.select_for_update(skip_locked=True, no_key=True)
+                .filter(pk=order_id, state=OrderState.PENDING, attempts=0)
+                .first()
+            )
             if order is not None:
                 with _broker(FAST_PATH_CONNECT_RETRIES) as connection:
                     _send(order, timezone.now(), connection)
@@ -127,9 +130,11 @@ def orders_dispatch(*, now: datetime | None = None, limit: int = 500) -> dict[st
     """Publish every due open order (oldest due first, at most `limit`); stops at the first broker failure (the
     rest stay due). Returns counts by outcome."""
     now = now or timezone.now()
-    due = list(NodeOrder.objects.select_for_update(skip_locked=True, no_key=True)
-               .filter(state__in=OPEN_ORDER_STATES, next_attempt_at__lte=now)
-               .order_by("next_attempt_at", "id")[:limit])  # fmt: skip
+    due = list(
+        NodeOrder.objects.select_for_update(skip_locked=True, no_key=True)
+        .filter(state__in=OPEN_ORDER_STATES, next_attempt_at__lte=now)
+        .order_by("next_attempt_at", "id")[:limit]
+    )
     counts = {"sent": 0, "failed": 0, "dropped": 0, "moot": 0, "error": 0}
     lost = set(Node.objects.filter(pk__in={o.node_id for o in due}, state=NodeState.LOST).values_list("id", flat=True))
     max_age = timedelta(seconds=settings.KCAAS_ORDER_MAX_AGE_SECONDS)
@@ -153,8 +158,10 @@ def seal_for_node(*, node_id, task: str, cache_id, field: str, plaintext: bytes)
     key (an agent that restarted with a new key gets the order again under it)."""
     public_key = Node.objects.filter(pk=node_id).values_list("sealing_public_key", flat=True).first()
     if not public_key:
-        raise NodeSealingKeyMissing(f"{NODE_SEALING_KEY_MISSING}: node {node_id} registered no sealing key (an agent "
-                                    f"older than key sealing: upgrade it); no key is sent in clear")  # fmt: skip
+        raise NodeSealingKeyMissing(
+            f"{NODE_SEALING_KEY_MISSING}: node {node_id} registered no sealing key (an agent "
+            f"older than key sealing: upgrade it); no key is sent in clear"
+        )
     return seal(plaintext, public_key_b64=public_key, task=task, node_id=node_id, cache_id=cache_id, field=field)
 
 

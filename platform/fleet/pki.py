@@ -42,8 +42,8 @@ SPIFFE_NODE_PREFIX = "spiffe://kcaas/node/"  # the same constant as gpu_node.ide
 CA_COMMON_NAME = "KCaaS platform CA"
 BACKDATE = dt.timedelta(minutes=5)
 MAX_CSR_BYTES = 16 * 1024
-_CA_NOT_BEFORE = dt.datetime(2025, 1, 1, tzinfo=dt.timezone.utc)
-_CA_NOT_AFTER = dt.datetime(9999, 12, 31, 23, 59, 59, tzinfo=dt.timezone.utc)  # RFC 5280 4.1.2.5: no expiry
+_CA_NOT_BEFORE = dt.datetime(2025, 1, 1, tzinfo=dt.UTC)
+_CA_NOT_AFTER = dt.datetime(9999, 12, 31, 23, 59, 59, tzinfo=dt.UTC)  # RFC 5280 4.1.2.5: no expiry
 
 
 def _new_p256_pem() -> bytes:
@@ -67,17 +67,30 @@ def _ca_certificate(key: ec.EllipticCurvePrivateKey) -> x509.Certificate:
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, CA_COMMON_NAME)])
     spki = public.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
     serial = int.from_bytes(hashlib.sha256(spki).digest()[:19], "big") | 1  # positive, at most 152 bits, nonzero
-    usage = x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
-                          data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
-                          encipher_only=False, decipher_only=False)  # fmt: skip
+    usage = x509.KeyUsage(
+        digital_signature=False,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=True,
+        crl_sign=True,
+        encipher_only=False,
+        decipher_only=False,
+    )
     return (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(public).serial_number(serial)
-        .not_valid_before(_CA_NOT_BEFORE).not_valid_after(_CA_NOT_AFTER)
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(public)
+        .serial_number(serial)
+        .not_valid_before(_CA_NOT_BEFORE)
+        .not_valid_after(_CA_NOT_AFTER)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(usage, critical=True)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
         .sign(key, hashes.SHA256(), ecdsa_deterministic=True)
-    )  # fmt: skip
+    )
 
 
 def platform_ca() -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
@@ -130,29 +143,53 @@ def node_certificate_issue(*, node: Node, csr_pem: str | bytes, now: dt.datetime
     before = {"certificate_serial": node.certificate_serial, "certificate_not_after": node.certificate_not_after}
     node.certificate_serial, node.certificate_not_after = format(cert.serial_number, "x"), not_after
     node.save(update_fields=["certificate_serial", "certificate_not_after", "updated_at"])
-    audit_record(action=AuditAction.NODE_CERTIFICATE_ISSUED, target_type="node", target_id=node.pk, old=before,
-                 new={"certificate_serial": node.certificate_serial, "certificate_not_after": not_after,
-                      "spiffe_id": SPIFFE_NODE_PREFIX + str(node.pk), "endpoint": node.endpoint})  # fmt: skip
+    audit_record(
+        action=AuditAction.NODE_CERTIFICATE_ISSUED,
+        target_type="node",
+        target_id=node.pk,
+        old=before,
+        new={
+            "certificate_serial": node.certificate_serial,
+            "certificate_not_after": not_after,
+            "spiffe_id": SPIFFE_NODE_PREFIX + str(node.pk),
+            "endpoint": node.endpoint,
+        },
+    )
     return cert.public_bytes(serialization.Encoding.PEM).decode(), platform_ca_pem()
 
 
-def _node_certificate(node: Node, public, ca_key, ca_cert: x509.Certificate, *, not_before: dt.datetime,
-                      not_after: dt.datetime) -> x509.Certificate:  # fmt: skip
+def _node_certificate(
+    node: Node, public, ca_key, ca_cert: x509.Certificate, *, not_before: dt.datetime, not_after: dt.datetime
+) -> x509.Certificate:
     names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(SPIFFE_NODE_PREFIX + str(node.pk))]
     host = endpoint_host_name(node.endpoint) if node.endpoint else None
     if host is not None:
         names.append(host)
-    usage = x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
-                          data_encipherment=False, key_agreement=False, key_cert_sign=False, crl_sign=False,
-                          encipher_only=False, decipher_only=False)  # fmt: skip
+    usage = x509.KeyUsage(
+        digital_signature=True,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=False,
+        crl_sign=False,
+        encipher_only=False,
+        decipher_only=False,
+    )
     return (
-        x509.CertificateBuilder().subject_name(x509.Name([])).issuer_name(ca_cert.subject).public_key(public)
-        .serial_number(x509.random_serial_number()).not_valid_before(not_before).not_valid_after(not_after)
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([]))
+        .issuer_name(ca_cert.subject)
+        .public_key(public)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(not_before)
+        .not_valid_after(not_after)
         .add_extension(x509.SubjectAlternativeName(names), critical=True)  # critical: the subject is empty
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(usage, critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                       critical=False)  # fmt: skip
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
+    )

@@ -69,14 +69,17 @@ def fleet_tier_use() -> list[TierUse]:
     """Capacity, reserved and resident bytes per tier summed over every node that is not lost (registering nodes
     count with their zero capacity), fastest tier first. Lost nodes count nowhere: their bytes are not available."""
     nodes = Node.objects.exclude(state=NodeState.LOST)
-    totals = nodes.aggregate(**{f"{tier}_{kind}": Sum(f"{tier}_{kind}_bytes") for tier in TIERS
-                                for kind in ("capacity", "reserved")})  # fmt: skip
+    totals = nodes.aggregate(
+        **{f"{tier}_{kind}": Sum(f"{tier}_{kind}_bytes") for tier in TIERS for kind in ("capacity", "reserved")}
+    )
     resident = dict.fromkeys(TIERS, 0)
     for node in nodes.only("id", "resident_snapshot"):
         for tier, nbytes in node_resident_bytes(node).items():
             resident[tier] += nbytes
-    return [TierUse(tier, int(totals[f"{tier}_capacity"] or 0), int(totals[f"{tier}_reserved"] or 0),
-                    resident[tier]) for tier in TIERS]  # fmt: skip
+    return [
+        TierUse(tier, int(totals[f"{tier}_capacity"] or 0), int(totals[f"{tier}_reserved"] or 0), resident[tier])
+        for tier in TIERS
+    ]
 
 
 def node_state_counts() -> dict[str, int]:

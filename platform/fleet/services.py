@@ -24,8 +24,8 @@ from fleet import pki
 from fleet.credentials import credential_new
 from fleet.errors import (
     EndpointInUse,
-    InvalidEndpoint,
     InvalidCapacity,
+    InvalidEndpoint,
     InvalidNodeName,
     InvalidNodeState,
     InvalidSealingKey,
@@ -111,21 +111,36 @@ def node_create(*, name: str) -> IssuedNode:
             )
     except IntegrityError:
         raise NodeNameTaken("A node with this name exists.", details={"name": name}) from None
-    audit_record(action=AuditAction.NODE_CREATED, target_type="node", target_id=node.pk,
-                 new={"name": node.name, "state": node.state,
-                      "credential_public_id": credential.public_id})  # fmt: skip
+    audit_record(
+        action=AuditAction.NODE_CREATED,
+        target_type="node",
+        target_id=node.pk,
+        new={"name": node.name, "state": node.state, "credential_public_id": credential.public_id},
+    )
     return IssuedNode(node=node, credential=credential.raw)
 
 
 # What a (re-)registration may change, as the audit trail records it (lease times are renewals, not changes).
-_REGISTERED_FIELDS = ("state", "endpoint", "device_capacity_bytes", "dram_capacity_bytes", "ssd_capacity_bytes",
-                      "registered_at", "sealing_public_key")  # fmt: skip
+_REGISTERED_FIELDS = (
+    "state",
+    "endpoint",
+    "device_capacity_bytes",
+    "dram_capacity_bytes",
+    "ssd_capacity_bytes",
+    "registered_at",
+    "sealing_public_key",
+)
 
 
 @transaction.atomic
 def node_register(
-    *, node_id: uuid.UUID, endpoint: str, capacity: dict[str, int], now: datetime | None = None,
-    csr: str | None = None, sealing_public_key: str | None = None,
+    *,
+    node_id: uuid.UUID,
+    endpoint: str,
+    capacity: dict[str, int],
+    now: datetime | None = None,
+    csr: str | None = None,
+    sealing_public_key: str | None = None,
 ) -> NodeRegistration:
     """(Re-)registration by the agent itself: endpoint and whole capacity recorded, lease started.
 
@@ -167,9 +182,13 @@ def node_register(
     except IntegrityError:
         raise EndpointInUse("Another live node answers on this endpoint.", details={"endpoint": endpoint}) from None
     changed = [field for field in _REGISTERED_FIELDS if getattr(node, field) != before[field]]
-    audit_record(action=AuditAction.NODE_REGISTERED, target_type="node", target_id=node.pk,
-                 old={field: before[field] for field in changed},
-                 new={field: getattr(node, field) for field in changed})  # fmt: skip
+    audit_record(
+        action=AuditAction.NODE_REGISTERED,
+        target_type="node",
+        target_id=node.pk,
+        old={field: before[field] for field in changed},
+        new={field: getattr(node, field) for field in changed},
+    )
     if csr is None:
         return NodeRegistration(node=node)
     certificate, ca_certificate = pki.node_certificate_issue(node=node, csr_pem=csr, now=now)
@@ -184,8 +203,9 @@ def node_certificate_renew(*, node_id: uuid.UUID, csr: str, now: datetime | None
     400 csr_* for a bad CSR."""
     node = _lock(node_id)
     if node.state in (NodeState.REGISTERING, NodeState.LOST) or not node.endpoint:
-        raise ReregisterRequired("This node must register again before renewing its certificate.",
-                                 details={"state": node.state})  # fmt: skip
+        raise ReregisterRequired(
+            "This node must register again before renewing its certificate.", details={"state": node.state}
+        )
     certificate, ca_certificate = pki.node_certificate_issue(node=node, csr_pem=csr, now=now)
     return NodeCertificate(certificate=certificate, ca_certificate=ca_certificate)
 
@@ -253,9 +273,12 @@ def _transition(node_id: uuid.UUID, *, allowed: set[str], target: str, action: s
 def node_cordon(*, node_id: uuid.UUID) -> Node:
     """ready -> cordoned: no new placements, hosted caches stay. Idempotent; other states are 409."""
     return _transition(
-        node_id, allowed={NodeState.READY}, target=NodeState.CORDONED, action="cordoned",
+        node_id,
+        allowed={NodeState.READY},
+        target=NodeState.CORDONED,
+        action="cordoned",
         audit=AuditAction.NODE_CORDONED,
-    )  # fmt: skip
+    )
 
 
 @transaction.atomic
@@ -265,9 +288,12 @@ def node_uncordon(*, node_id: uuid.UUID) -> Node:
     migrations of its caches still in flight go on and a completed one still moves its cache away; a failed one
     leaves the cache here, ready; a cache the drain could not move stays. The console and REST uncordon call this."""
     return _transition(
-        node_id, allowed={NodeState.CORDONED, NodeState.DRAINING}, target=NodeState.READY, action="uncordoned",
+        node_id,
+        allowed={NodeState.CORDONED, NodeState.DRAINING},
+        target=NodeState.READY,
+        action="uncordoned",
         audit=AuditAction.NODE_UNCORDONED,
-    )  # fmt: skip
+    )
 
 
 @transaction.atomic
@@ -301,8 +327,9 @@ def nodes_expire_unrecorded(*, now: datetime | None = None) -> dict[uuid.UUID, s
     """
     now = now or timezone.now()
     live = [NodeState.READY, NodeState.DRAINING, NodeState.CORDONED]
-    expired = (Node.objects.select_for_update(no_key=True)
-               .filter(state__in=live, lease_expires_at__lt=now).order_by("id"))  # fmt: skip
+    expired = (
+        Node.objects.select_for_update(no_key=True).filter(state__in=live, lease_expires_at__lt=now).order_by("id")
+    )
     lost = dict(expired.values_list("id", "state"))
     if lost:
         Node.objects.filter(pk__in=list(lost)).update(state=NodeState.LOST, updated_at=timezone.now())
@@ -313,8 +340,14 @@ def nodes_expire_unrecorded(*, now: datetime | None = None) -> dict[uuid.UUID, s
 def nodes_lost_record(*, lost: dict[uuid.UUID, str]) -> None:
     """One NODE_LOST event per node {id: previous state} that a lease sweep marked lost, as the system."""
     for node_id, previous_state in lost.items():
-        audit_record(action=AuditAction.NODE_LOST, target_type="node", target_id=node_id, actor=SYSTEM,
-                     old={"state": previous_state}, new={"state": NodeState.LOST})  # fmt: skip
+        audit_record(
+            action=AuditAction.NODE_LOST,
+            target_type="node",
+            target_id=node_id,
+            actor=SYSTEM,
+            old={"state": previous_state},
+            new={"state": NodeState.LOST},
+        )
 
 
 # ---- placement ------------------------------------------------------------------------------------------------------

@@ -16,11 +16,11 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from core.errors import ApplicationError
+from core.openapi import error_responses
+from core.permissions import IsStaff
 from privacy import export, receipt, selectors, services
 from privacy.models import ErasureState
 from tenants import scopes as scope_rules
-from core.openapi import error_responses
-from core.permissions import IsStaff
 from tenants.principals import TenantPrincipal
 from tenants.selectors import tenant_get
 
@@ -67,7 +67,9 @@ class ErasureApi(_StaffApi):
         summary="Request the tenant's erasure (staff; idempotent: a second request returns the same job)",
     )
     def post(self, request, tenant_id):
-        job, created = services.erasure_request(tenant_id=tenant_id, requested_by=services.erasure_requester(request.user))
+        job, created = services.erasure_request(
+            tenant_id=tenant_id, requested_by=services.erasure_requester(request.user)
+        )
         job = selectors.erasure_job_for_tenant(tenant_id=job.tenant_id)
         return Response(ErasureJobSerializer(job).data, status=status.HTTP_201_CREATED if created else 200)
 
@@ -114,9 +116,12 @@ class HoldsExportScopes(BasePermission):
             return False
         missing = [s for s in EXPORT_SCOPES if not scope_rules.covers(user.scopes, [s])]
         if missing:
-            raise ApplicationError("A data export needs the read scope of everything it contains.",
-                                   code="permission_denied", status_code=403,
-                                   details={"required_scopes": list(EXPORT_SCOPES), "missing": missing})  # fmt: skip
+            raise ApplicationError(
+                "A data export needs the read scope of everything it contains.",
+                code="permission_denied",
+                status_code=403,
+                details={"required_scopes": list(EXPORT_SCOPES), "missing": missing},
+            )
         return True
 
 

@@ -31,10 +31,13 @@ ERASED_CACHE_NAME = "erased"
 def _erase_caches(tenant: Tenant) -> dict:
     caches = list(Cache.objects.filter(tenant_id=tenant.pk).order_by("id"))
     sealed = sum(1 for cache in caches if bytes(cache.hash_key_sealed or b""))
-    Cache.objects.filter(tenant_id=tenant.pk).update(name=ERASED_CACHE_NAME, hash_key_sealed=b"", ssd_key_sealed=None,
-                                                     updated_at=timezone.now())  # fmt: skip
-    listed = [{"cache_id": str(c.pk), "node_id": str(c.node_id) if c.node_id else None, "created_at": iso(c.created_at)}
-              for c in caches]  # fmt: skip
+    Cache.objects.filter(tenant_id=tenant.pk).update(
+        name=ERASED_CACHE_NAME, hash_key_sealed=b"", ssd_key_sealed=None, updated_at=timezone.now()
+    )
+    listed = [
+        {"cache_id": str(c.pk), "node_id": str(c.node_id) if c.node_id else None, "created_at": iso(c.created_at)}
+        for c in caches
+    ]
     return {"caches": listed, "sealed_hash_keys_erased": sealed}
 
 

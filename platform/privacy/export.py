@@ -41,29 +41,54 @@ def _quota(tenant: Tenant) -> dict:
 
 def _api_keys(tenant: Tenant) -> list[dict]:
     return [
-        {"id": str(k.pk), "public_id": k.public_id, "name": k.name, "scopes": list(k.scopes), "state": k.state,
-         "created_at": iso(k.created_at), "expires_at": iso(k.expires_at), "revoked_at": iso(k.revoked_at),
-         "last_used_at": iso(k.last_used_at), "use_count": k.use_count,
-         "rotated_from": str(k.rotated_from_id) if k.rotated_from_id else None}
+        {
+            "id": str(k.pk),
+            "public_id": k.public_id,
+            "name": k.name,
+            "scopes": list(k.scopes),
+            "state": k.state,
+            "created_at": iso(k.created_at),
+            "expires_at": iso(k.expires_at),
+            "revoked_at": iso(k.revoked_at),
+            "last_used_at": iso(k.last_used_at),
+            "use_count": k.use_count,
+            "rotated_from": str(k.rotated_from_id) if k.rotated_from_id else None,
+        }
         for k in ApiKey.objects.filter(tenant_id=tenant.pk).order_by("created_at", "id")
-    ]  # fmt: skip
+    ]
 
 
 def _caches(tenant: Tenant) -> list[dict]:
     return [
-        {"id": str(c.pk), "name": c.name, "spec": c.spec_dict(), "capacity": c.capacity(), "state": c.state,
-         "failure_reason": c.failure_reason, "node_id": str(c.node_id) if c.node_id else None,
-         "endpoint": c.endpoint, "epoch": c.epoch, "created_at": iso(c.created_at), "updated_at": iso(c.updated_at)}
+        {
+            "id": str(c.pk),
+            "name": c.name,
+            "spec": c.spec_dict(),
+            "capacity": c.capacity(),
+            "state": c.state,
+            "failure_reason": c.failure_reason,
+            "node_id": str(c.node_id) if c.node_id else None,
+            "endpoint": c.endpoint,
+            "epoch": c.epoch,
+            "created_at": iso(c.created_at),
+            "updated_at": iso(c.updated_at),
+        }
         for c in Cache.objects.filter(tenant_id=tenant.pk).order_by("created_at", "id")
-    ]  # fmt: skip
+    ]
 
 
 def _data_tokens(tenant: Tenant) -> list[dict]:
     return [
-        {"jti": str(t.jti), "cache_id": str(t.cache_id), "access": t.access, "issued_at": iso(t.issued_at),
-         "expires_at": iso(t.expires_at), "revoked_at": iso(t.revoked_at)}
+        {
+            "jti": str(t.jti),
+            "cache_id": str(t.cache_id),
+            "access": t.access,
+            "issued_at": iso(t.issued_at),
+            "expires_at": iso(t.expires_at),
+            "revoked_at": iso(t.revoked_at),
+        }
         for t in DataToken.objects.filter(tenant_id=tenant.pk).order_by("issued_at", "jti")
-    ]  # fmt: skip
+    ]
 
 
 def _usage(tenant: Tenant) -> dict:
@@ -84,35 +109,66 @@ def _billing(tenant: Tenant) -> dict:
         return {"available": False, "reason": "billing is not installed", "metered_usage": [], "invoices": []}
     from billing import selectors as billing_selectors  # noqa: PLC0415 - an optional room between caches and us
 
-    series = billing_selectors.usage_series(tenant_id=tenant.pk, start=tenant.created_at - timedelta(hours=1),
-                                            end=timezone.now() + timedelta(hours=1), granularity="hour")  # fmt: skip
+    series = billing_selectors.usage_series(
+        tenant_id=tenant.pk,
+        start=tenant.created_at - timedelta(hours=1),
+        end=timezone.now() + timedelta(hours=1),
+        granularity="hour",
+    )
     invoices = billing_selectors.invoices_for_tenant(tenant_id=tenant.pk)
-    return {"available": True, "metered_usage": [bucket.as_dict() for bucket in series],
-            "invoices": [_invoice(invoice) for invoice in invoices]}  # fmt: skip
+    return {
+        "available": True,
+        "metered_usage": [bucket.as_dict() for bucket in series],
+        "invoices": [_invoice(invoice) for invoice in invoices],
+    }
 
 
 def _invoice(invoice) -> dict:
     lines = [
-        {"cache_id": str(line.cache_id), "meter": line.meter, "usage": line.usage, "quantity": str(line.quantity),
-         "unit_price": str(line.unit_price), "rate_effective_from": iso(line.rate_effective_from),
-         "amount": str(line.amount)}
+        {
+            "cache_id": str(line.cache_id),
+            "meter": line.meter,
+            "usage": line.usage,
+            "quantity": str(line.quantity),
+            "unit_price": str(line.unit_price),
+            "rate_effective_from": iso(line.rate_effective_from),
+            "amount": str(line.amount),
+        }
         for line in invoice.lines.all()
-    ]  # fmt: skip
-    return {"id": str(invoice.pk), "month": invoice.month.isoformat(), "status": invoice.status,
-            "currency": invoice.currency, "subtotal": str(invoice.subtotal), "total": str(invoice.total),
-            "generated_at": iso(invoice.generated_at), "finalised_at": iso(invoice.finalised_at),
-            "lines": lines}  # fmt: skip
+    ]
+    return {
+        "id": str(invoice.pk),
+        "month": invoice.month.isoformat(),
+        "status": invoice.status,
+        "currency": invoice.currency,
+        "subtotal": str(invoice.subtotal),
+        "total": str(invoice.total),
+        "generated_at": iso(invoice.generated_at),
+        "finalised_at": iso(invoice.finalised_at),
+        "lines": lines,
+    }
 
 
 def _audit_events(tenant: Tenant) -> list[dict]:
     events = AuditEvent.objects.filter(tenant_id=tenant.pk).order_by("seq")
     return [
-        {"seq": e.seq, "occurred_at": iso(e.occurred_at), "action": e.action, "action_name": _action_name(e.action),
-         "actor_kind": e.actor_kind, "actor_id": e.actor_id, "target_type": e.target_type, "target_id": e.target_id,
-         "request_id": e.request_id, "source_ip": e.source_ip, "old_values": e.old_values,
-         "new_values": e.new_values, "hash": e.hash}
+        {
+            "seq": e.seq,
+            "occurred_at": iso(e.occurred_at),
+            "action": e.action,
+            "action_name": _action_name(e.action),
+            "actor_kind": e.actor_kind,
+            "actor_id": e.actor_id,
+            "target_type": e.target_type,
+            "target_id": e.target_id,
+            "request_id": e.request_id,
+            "source_ip": e.source_ip,
+            "old_values": e.old_values,
+            "new_values": e.new_values,
+            "hash": e.hash,
+        }
         for e in events
-    ]  # fmt: skip
+    ]
 
 
 def _action_name(code: int) -> str:
@@ -144,6 +200,11 @@ def tenant_export(*, tenant: Tenant) -> dict:
     """Build the archive and record DATA_EXPORTED (the counts exported, never the data) in the same transaction."""
     archive = tenant_export_build(tenant=tenant)
     counts = {part: len(archive[part]) for part in ("api_keys", "caches", "data_tokens", "audit_events")}
-    audit_record(action=AuditAction.DATA_EXPORTED, target_type="tenant", target_id=tenant.pk, tenant_id=tenant.pk,
-                 new={"format": EXPORT_FORMAT, "version": EXPORT_VERSION, **counts})  # fmt: skip
+    audit_record(
+        action=AuditAction.DATA_EXPORTED,
+        target_type="tenant",
+        target_id=tenant.pk,
+        tenant_id=tenant.pk,
+        new={"format": EXPORT_FORMAT, "version": EXPORT_VERSION, **counts},
+    )
     return archive

@@ -8,9 +8,9 @@ from django.db.models import Count, Q, QuerySet
 
 from audit.services import tenant_pseudonym
 from core.errors import ConflictError, NotFoundError
+from core.ids import as_uuid
 from privacy import receipt as receipts
 from privacy.models import ErasureJob, ErasureState, PurgeState
-from core.ids import as_uuid
 from tenants.models import Tenant
 
 
@@ -28,8 +28,11 @@ def erasure_receipt_job(*, tenant_id) -> ErasureJob:
     """The completed job whose receipt to show; 409 `erasure_not_complete` before it completes."""
     job = erasure_job_for_tenant(tenant_id=tenant_id)
     if job.state != ErasureState.COMPLETE or job.receipt is None:
-        raise ConflictError(f"The erasure is {job.state}; its receipt exists once it completes.",
-                            code="erasure_not_complete", details={"state": job.state})  # fmt: skip
+        raise ConflictError(
+            f"The erasure is {job.state}; its receipt exists once it completes.",
+            code="erasure_not_complete",
+            details={"state": job.state},
+        )
     return job
 
 
@@ -59,4 +62,3 @@ def erasure_receipt_verifies(*, job: ErasureJob) -> bool:
     except ValueError:
         return False
     return True
-

@@ -32,13 +32,13 @@ from audit.services import audit_record, tenant_pseudonym
 from caches.services import caches_detach_tenant
 from core.celery import app as celery_app
 from core.errors import ConflictError, NotFoundError
+from core.ids import as_uuid
 from fleet.models import Node, NodeState
 from fleet.outbox import order_enqueue
 from kcaas.node_messages import CONTROL_QUEUE, PurgeTenant
 from privacy import receipt as receipts
 from privacy.erasure import erase_tenant_data
 from privacy.models import CANCELLABLE_STATES, ErasureJob, ErasurePurge, ErasureState, PurgeState
-from core.ids import as_uuid
 from tenants.models import ApiKey, Tenant
 from tenants.services import tenant_lock
 
@@ -87,8 +87,12 @@ def erasure_request(*, tenant_id, requested_by: str, now: datetime | None = None
     job.scheduled_for = now + timedelta(seconds=settings.KCAAS_ERASURE_GRACE_SECONDS)
     job.state = ErasureState.SCHEDULED  # pending -> scheduled in the request's own transaction
     job.save(update_fields=["scheduled_for", "state", "updated_at"])
-    _audit(AuditAction.ERASURE_REQUESTED, job, tenant_id=tenant.pk,
-           new={"state": job.state, "scheduled_for": job.scheduled_for})  # fmt: skip
+    _audit(
+        AuditAction.ERASURE_REQUESTED,
+        job,
+        tenant_id=tenant.pk,
+        new={"state": job.state, "scheduled_for": job.scheduled_for},
+    )
     return job, True
 
 
@@ -96,8 +100,13 @@ def _retry(job: ErasureJob, now: datetime) -> None:
     old_error = job.error
     job.state, job.scheduled_for, job.error = ErasureState.SCHEDULED, now, ""
     job.save(update_fields=["state", "scheduled_for", "error", "updated_at"])
-    _audit(AuditAction.ERASURE_REQUESTED, job, tenant_id=job.tenant_id,
-           old={"state": ErasureState.ERROR, "error": old_error}, new={"state": job.state, "retry": True})  # fmt: skip
+    _audit(
+        AuditAction.ERASURE_REQUESTED,
+        job,
+        tenant_id=job.tenant_id,
+        old={"state": ErasureState.ERROR, "error": old_error},
+        new={"state": job.state, "retry": True},
+    )
 
 
 @transaction.atomic
@@ -112,13 +121,15 @@ def erasure_cancel(*, tenant_id) -> ErasureJob:
             raise NotFoundError("No erasure job for this tenant.")
         return cancelled
     if job.state not in CANCELLABLE_STATES:
-        raise ConflictError(f"The erasure is {job.state}; only a pending or scheduled one can be cancelled.",
-                            code="erasure_not_cancellable", details={"state": job.state})  # fmt: skip
+        raise ConflictError(
+            f"The erasure is {job.state}; only a pending or scheduled one can be cancelled.",
+            code="erasure_not_cancellable",
+            details={"state": job.state},
+        )
     old_state = job.state
     job.state, job.cancelled_at = ErasureState.CANCELLED, timezone.now()
     job.save(update_fields=["state", "cancelled_at", "updated_at"])
-    _audit(AuditAction.ERASURE_CANCELLED, job, tenant_id=tenant.pk, old={"state": old_state},
-           new={"state": job.state})  # fmt: skip
+    _audit(AuditAction.ERASURE_CANCELLED, job, tenant_id=tenant.pk, old={"state": old_state}, new={"state": job.state})
     return job
 
 
@@ -134,6 +145,7 @@ def erasure_start(*, job_id, now: datetime | None = None) -> ErasureJob | None:
         return None
     tenant = tenant_lock(tenant_id=peek.tenant_id)
     job = _lock_job(job_id)
+    assert job is not None, "an erasure job is never deleted: the one peeked at is there to lock"
     if job.state != ErasureState.SCHEDULED or job.scheduled_for > now:
         return job
     tenant.status = Tenant.Status.ERASING
@@ -144,9 +156,18 @@ def erasure_start(*, job_id, now: datetime | None = None) -> ErasureJob | None:
     _send_purges(job, [p for p in purges if p.state == PurgeState.PENDING], now)
     job.state, job.started_at, job.attempts = ErasureState.RUNNING, job.started_at or now, job.attempts + 1
     job.save(update_fields=["state", "started_at", "attempts", "updated_at"])
-    _audit(AuditAction.ERASURE_STARTED, job, tenant_id=tenant.pk, old={"state": ErasureState.SCHEDULED},
-           new={"state": job.state, "api_keys_revoked": keys_revoked, "caches_detached": len(detached),
-                "nodes": len(purges)})  # fmt: skip
+    _audit(
+        AuditAction.ERASURE_STARTED,
+        job,
+        tenant_id=tenant.pk,
+        old={"state": ErasureState.SCHEDULED},
+        new={
+            "state": job.state,
+            "api_keys_revoked": keys_revoked,
+            "caches_detached": len(detached),
+            "nodes": len(purges),
+        },
+    )
     if not any(p.state == PurgeState.PENDING for p in purges):
         transaction.on_commit(lambda: _enqueue_finish(job.pk), robust=True)
     return job
@@ -169,8 +190,12 @@ def _send_purges(job: ErasureJob, purges: list[ErasurePurge], now: datetime) -> 
         if purge.node_id in lost:
             continue
         # through the outbox (no answer awaited there: the purge rows resend after KCAAS_ERASURE_RESEND_SECONDS)
-        order_enqueue(node_id=purge.node_id, message=PurgeTenant(tenant_id=str(job.tenant_id), job_id=str(job.pk)),
-                      key=f"purge:{job.pk}", expects_answer=False)  # fmt: skip
+        order_enqueue(
+            node_id=purge.node_id,
+            message=PurgeTenant(tenant_id=str(job.tenant_id), job_id=str(job.pk)),
+            key=f"purge:{job.pk}",
+            expects_answer=False,
+        )
         purge.send_count, purge.last_sent_at = purge.send_count + 1, now
         purge.save(update_fields=["send_count", "last_sent_at"])
         sent += 1
@@ -186,9 +211,11 @@ def erasure_node_registered(*, node_id, **_) -> int:
     """The fleet register hook (KCAAS_NODE_REGISTER_HOOKS): resend every pending purge of a running erasure to a
     node that (re-)registered — typically one that was lost while the erasure ran. Returns how many were sent."""
     purges = list(
-        ErasurePurge.objects.select_for_update(of=("self",), no_key=True).select_related("job")
-        .filter(node_id=node_id, state=PurgeState.PENDING, job__state=ErasureState.RUNNING).order_by("job_id")
-    )  # fmt: skip
+        ErasurePurge.objects.select_for_update(of=("self",), no_key=True)
+        .select_related("job")
+        .filter(node_id=node_id, state=PurgeState.PENDING, job__state=ErasureState.RUNNING)
+        .order_by("job_id")
+    )
     now = timezone.now()
     return sum(_send_purges(purge.job, [purge], now) for purge in purges)
 
@@ -239,6 +266,7 @@ def erasure_finish(*, job_id) -> ErasureJob | None:
         return None
     tenant = tenant_lock(tenant_id=peek.tenant_id)
     job = _lock_job(job_id)
+    assert job is not None, "an erasure job is never deleted: the one peeked at is there to lock"
     if job.state != ErasureState.RUNNING or job.purges.filter(state=PurgeState.PENDING).exists():
         return job
     now = timezone.now()
@@ -248,17 +276,26 @@ def erasure_finish(*, job_id) -> ErasureJob | None:
     job.state, job.completed_at = ErasureState.COMPLETE, now
     job.save(update_fields=["receipt", "receipt_key_id", "receipt_signature", "state", "completed_at", "updated_at"])
     digest = hashlib.sha256(receipts.canonical(job.receipt)).hexdigest()
-    _audit(AuditAction.ERASURE_COMPLETED, job, tenant_id=tenant_pseudonym(job.tenant_id),
-           old={"state": ErasureState.RUNNING}, new={"state": job.state, "receipt_sha256": digest})  # fmt: skip
+    _audit(
+        AuditAction.ERASURE_COMPLETED,
+        job,
+        tenant_id=tenant_pseudonym(job.tenant_id),
+        old={"state": ErasureState.RUNNING},
+        new={"state": job.state, "receipt_sha256": digest},
+    )
     return job
 
 
 def _receipt_body(job: ErasureJob, facts: dict, now: datetime) -> dict:
     nodes = [
-        {"node_id": str(p.node_id), "confirmed_at": receipts.iso(p.confirmed_at), "freed_bytes": p.freed_bytes,
-         "caches": p.purged_caches}
+        {
+            "node_id": str(p.node_id),
+            "confirmed_at": receipts.iso(p.confirmed_at),
+            "freed_bytes": p.freed_bytes,
+            "caches": p.purged_caches,
+        }
         for p in job.purges.order_by("node_id")
-    ]  # fmt: skip
+    ]
     return {
         "type": receipts.RECEIPT_TYPE,
         "version": receipts.RECEIPT_VERSION,
@@ -284,8 +321,13 @@ def erasure_fail(*, job_id, reason: str) -> ErasureJob | None:
     old_state = job.state
     job.state, job.error = ErasureState.ERROR, reason[:MAX_ERROR_LENGTH]
     job.save(update_fields=["state", "error", "updated_at"])
-    _audit(AuditAction.ERASURE_FAILED, job, tenant_id=job.tenant_id, old={"state": old_state},
-           new={"state": job.state, "error": job.error})  # fmt: skip
+    _audit(
+        AuditAction.ERASURE_FAILED,
+        job,
+        tenant_id=job.tenant_id,
+        old={"state": old_state},
+        new={"state": job.state, "error": job.error},
+    )
     return job
 
 
@@ -326,7 +368,8 @@ def erasures_run_due(*, now: datetime | None = None) -> list[str]:
 def _resend_stale_purges(now: datetime) -> int:
     stale_before = now - timedelta(seconds=settings.KCAAS_ERASURE_RESEND_SECONDS)
     purges = list(
-        ErasurePurge.objects.select_for_update(of=("self",), skip_locked=True, no_key=True).select_related("job")
+        ErasurePurge.objects.select_for_update(of=("self",), skip_locked=True, no_key=True)
+        .select_related("job")
         .filter(state=PurgeState.PENDING, job__state=ErasureState.RUNNING, last_sent_at__lt=stale_before)
-    )  # fmt: skip
+    )
     return sum(_send_purges(purge.job, [purge], now) for purge in purges)

@@ -15,8 +15,9 @@ def purge_result(answer: PurgeResult) -> str | None:
     """A node's answer to kcaas.node.purge_tenant: its pools of the tenant are gone, `purged` says which, with the
     bytes freed. Recorded as that node's act."""
     with acting_as(Actor("node", answer.node_id)):
-        purge = services.erasure_purge_confirmed(job_id=answer.job_id, node_id=answer.node_id,
-                                                 tenant_id=answer.tenant_id, purged=answer.purged)  # fmt: skip
+        purge = services.erasure_purge_confirmed(
+            job_id=answer.job_id, node_id=answer.node_id, tenant_id=answer.tenant_id, purged=answer.purged
+        )
     return purge.state if purge is not None else None
 
 

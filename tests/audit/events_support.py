@@ -126,8 +126,9 @@ def only_event_since(seq: int) -> AuditEvent:
     return events[0]
 
 
-def assert_event(event: AuditEvent, *, action, actor, target_type, target_id, tenant_id, old, new,
-                 response=None) -> None:  # fmt: skip
+def assert_event(
+    event: AuditEvent, *, action, actor, target_type, target_id, tenant_id, old, new, response=None
+) -> None:
     """The event names what happened, who did it, to what and whose, exactly the changed values, and (for a
     request) the response's request id and the caller's address."""
     assert event.action == int(action), (event.action, action)

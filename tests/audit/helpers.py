@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from django.db import transaction
 
@@ -13,13 +13,18 @@ from audit.actions import AuditAction
 from audit.context import Actor, acting_as
 from audit.services import audit_record
 
-EPOCH = datetime(2000, 1, 1, tzinfo=timezone.utc)
+EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
 
 
 def record(tenant_id=None, *, action=AuditAction.QUOTA_UPDATED, actor=Actor("key", "k1"), new=None):
     with transaction.atomic(), acting_as(actor):
-        return audit_record(action=action, target_type="tenant", target_id=tenant_id or "", tenant_id=tenant_id,
-                            new=new if new is not None else {"max_caches": 3})  # fmt: skip
+        return audit_record(
+            action=action,
+            target_type="tenant",
+            target_id=tenant_id or "",
+            tenant_id=tenant_id,
+            new=new if new is not None else {"max_caches": 3},
+        )
 
 
 def next_second() -> None:
@@ -28,7 +33,7 @@ def next_second() -> None:
 
 
 def far_future() -> datetime:
-    return datetime.now(timezone.utc) + timedelta(days=1)
+    return datetime.now(UTC) + timedelta(days=1)
 
 
 def read_records(path) -> list[dict]:

@@ -75,14 +75,17 @@ def test_staff_read_everything_and_filter(two_tenants, staff):  # noqa: F811
     assert seqs == list(range(first.seq, AuditEvent.objects.last().seq))  # [from, to)
 
 
-@pytest.mark.parametrize("params, code", [
-    ({"from": "2030-01-01T00:00:00Z", "to": "2029-01-01T00:00:00Z"}, "invalid_range"),
-    ({"action": "99999"}, "validation_error"),
-    ({"actor": "robot:1"}, "validation_error"),
-    ({"from": "yesterday"}, "validation_error"),
-    ({"tenant_id": "not-a-uuid"}, "validation_error"),
-    ({"limit": "0"}, "validation_error"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "params, code",
+    [
+        ({"from": "2030-01-01T00:00:00Z", "to": "2029-01-01T00:00:00Z"}, "invalid_range"),
+        ({"action": "99999"}, "validation_error"),
+        ({"actor": "robot:1"}, "validation_error"),
+        ({"from": "yesterday"}, "validation_error"),
+        ({"tenant_id": "not-a-uuid"}, "validation_error"),
+        ({"limit": "0"}, "validation_error"),
+    ],
+)
 def test_bad_filters_are_400_with_a_code(staff, params, code):  # noqa: F811
     assert error_code(staff.client.get(EVENTS, params), 400)["code"] == code
 

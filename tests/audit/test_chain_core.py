@@ -28,11 +28,23 @@ def verify_rows(events) -> None:
 def test_events_chain_and_carry_actor_and_values():
     tenant = uuid.uuid4()
     with transaction.atomic(), acting_as(Actor("key", "pub123")):
-        audit_record(action=AuditAction.KEY_ISSUED, target_type="api_key", target_id="k1", tenant_id=tenant,
-                     new={"scopes": ["caches:read"], "secret": "s3cr3t"}, sensitive={"secret"})  # fmt: skip
+        audit_record(
+            action=AuditAction.KEY_ISSUED,
+            target_type="api_key",
+            target_id="k1",
+            tenant_id=tenant,
+            new={"scopes": ["caches:read"], "secret": "s3cr3t"},
+            sensitive={"secret"},
+        )
     with transaction.atomic():
-        audit_record(action=AuditAction.QUOTA_UPDATED, target_type="tenant", target_id=tenant, tenant_id=tenant,
-                     old={"max_caches": 5}, new={"max_caches": 7})  # fmt: skip
+        audit_record(
+            action=AuditAction.QUOTA_UPDATED,
+            target_type="tenant",
+            target_id=tenant,
+            tenant_id=tenant,
+            old={"max_caches": 5},
+            new={"max_caches": 7},
+        )
     events = list(AuditEvent.objects.order_by("seq"))
     verify_rows(events)
     first, second = events
@@ -70,13 +82,29 @@ def test_pseudonymising_a_tenant_keeps_the_chain_and_drops_what_identified_it():
 
     erased, kept = uuid.uuid4(), uuid.uuid4()
     with transaction.atomic(), acting_as(Actor("key", "erased-key")):
-        audit_record(action=AuditAction.KEY_ISSUED, target_type="api_key", target_id="k1", tenant_id=erased,
-                     new={"name": "alice's key"})  # fmt: skip
+        audit_record(
+            action=AuditAction.KEY_ISSUED,
+            target_type="api_key",
+            target_id="k1",
+            tenant_id=erased,
+            new={"name": "alice's key"},
+        )
     with transaction.atomic():
-        audit_record(action=AuditAction.QUOTA_UPDATED, target_type="tenant", target_id=kept, tenant_id=kept,
-                     new={"max_caches": 3})  # fmt: skip
-        audit_record(action=AuditAction.TENANT_UPDATED, target_type="tenant", target_id=erased, tenant_id=erased,
-                     old={"name": "Alice GmbH"}, new={"status": "suspended"})  # fmt: skip
+        audit_record(
+            action=AuditAction.QUOTA_UPDATED,
+            target_type="tenant",
+            target_id=kept,
+            tenant_id=kept,
+            new={"max_caches": 3},
+        )
+        audit_record(
+            action=AuditAction.TENANT_UPDATED,
+            target_type="tenant",
+            target_id=erased,
+            tenant_id=erased,
+            old={"name": "Alice GmbH"},
+            new={"status": "suspended"},
+        )
     assert audit_pseudonymise_tenant(tenant_id=erased, actor_ids={"erased-key"}) == 2
     assert audit_pseudonymise_tenant(tenant_id=erased, actor_ids={"erased-key"}) == 0  # idempotent
 

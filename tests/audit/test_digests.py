@@ -25,8 +25,9 @@ def one_second_periods(settings):
 
 def assert_digest_verifies(digest: AuditDigest) -> None:
     record = digest.record()
-    body = chain.digest_body(**{k: record[k] for k in ("period_start", "period_end", "head_seq", "head_hash",
-                                                       "prev_digest_hash", "key_id")})  # fmt: skip
+    body = chain.digest_body(
+        **{k: record[k] for k in ("period_start", "period_end", "head_seq", "head_hash", "prev_digest_hash", "key_id")}
+    )
     assert chain.digest_hash(body) == digest.digest_hash
     assert chain.signature_valid(platform_public_jwk(), chain.canonical(body), digest.signature)
     assert digest.key_id == platform_public_jwk()["kid"] == chain.jwk_thumbprint(platform_public_jwk())

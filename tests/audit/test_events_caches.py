@@ -14,6 +14,7 @@ from audit.services import AuditWriteError
 from caches import tasks as caches_tasks
 from caches.models import Cache, DataToken
 from fleet.models import Node
+from kcaas.node_messages import DetachResult, ProvisionResult
 from tests.audit.events_support import (
     assert_audit_unavailable,
     assert_event,
@@ -26,7 +27,6 @@ from tests.audit.events_support import (
     only_event_since,
 )
 from tests.caches.conftest import attach_body
-from kcaas.node_messages import DetachResult, ProvisionResult
 
 pytestmark = pytest.mark.django_db
 
@@ -46,8 +46,9 @@ def attach(handle, name="c1", **headers):
 
 def answer_provisioning(cache_id, node, ok=True, reason=""):
     """The body of the control-queue task the node's answer runs (acting as that node)."""
-    answer = ProvisionResult(cache_id=str(cache_id), node_id=str(node.pk), ok=ok, reason=reason,
-                             endpoint=node.endpoint if ok else "")  # fmt: skip
+    answer = ProvisionResult(
+        cache_id=str(cache_id), node_id=str(node.pk), ok=ok, reason=reason, endpoint=node.endpoint if ok else ""
+    )
     return caches_tasks.provision_result(**answer.to_dict())
 
 
@@ -65,11 +66,24 @@ def test_attaching_a_cache_is_recorded_as_the_tenant_key(make_tenant, make_node)
     response = attach(handle, HTTP_X_REQUEST_ID="attach-req-0001")
     cache = Cache.objects.get(pk=response.json()["id"])
     event = only_event_since(seq)
-    assert_event(event, action=AuditAction.CACHE_ATTACHED, actor=handle.actor, target_type="cache",
-                 target_id=cache.pk, tenant_id=handle.tenant.pk, old=None,
-                 new={"name": "c1", "spec": cache.spec_dict(), "capacity": cache.capacity(),
-                      "node_id": str(node.node.pk), "epoch": 1, "state": "provisioning"},
-                 response=response)  # fmt: skip
+    assert_event(
+        event,
+        action=AuditAction.CACHE_ATTACHED,
+        actor=handle.actor,
+        target_type="cache",
+        target_id=cache.pk,
+        tenant_id=handle.tenant.pk,
+        old=None,
+        new={
+            "name": "c1",
+            "spec": cache.spec_dict(),
+            "capacity": cache.capacity(),
+            "node_id": str(node.node.pk),
+            "epoch": 1,
+            "state": "provisioning",
+        },
+        response=response,
+    )
     assert event.request_id == "attach-req-0001"
 
 
@@ -78,8 +92,9 @@ def test_refused_and_replayed_attaches_write_nothing(make_tenant, make_node):
     make_node()
     attach(handle, "first", HTTP_IDEMPOTENCY_KEY="attach-once")
     seq = mark()
-    replay = handle.client.post("/api/v1/caches", attach_body("first"), format="json",
-                                HTTP_IDEMPOTENCY_KEY="attach-once")  # fmt: skip
+    replay = handle.client.post(
+        "/api/v1/caches", attach_body("first"), format="json", HTTP_IDEMPOTENCY_KEY="attach-once"
+    )
     assert replay.status_code == 201 and replay["Idempotent-Replayed"] == "true"
     assert handle.client.post("/api/v1/caches", attach_body("first"), format="json").status_code == 409  # name taken
     assert full.client.post("/api/v1/caches", attach_body("x"), format="json").status_code == 403  # quota
@@ -93,15 +108,29 @@ def test_the_nodes_answers_are_recorded_as_the_node_and_duplicates_are_not(make_
     ok_id, bad_id = attach(handle, "ok").json()["id"], attach(handle, "bad").json()["id"]
     seq = mark()
     assert answer_provisioning(ok_id, node.node) == "ready"
-    assert_event(only_event_since(seq), action=AuditAction.CACHE_READY, actor=node.actor, target_type="cache",
-                 target_id=ok_id, tenant_id=handle.tenant.pk, old={"state": "provisioning", "endpoint": ""},
-                 new={"state": "ready", "endpoint": node.node.endpoint})  # fmt: skip
+    assert_event(
+        only_event_since(seq),
+        action=AuditAction.CACHE_READY,
+        actor=node.actor,
+        target_type="cache",
+        target_id=ok_id,
+        tenant_id=handle.tenant.pk,
+        old={"state": "provisioning", "endpoint": ""},
+        new={"state": "ready", "endpoint": node.node.endpoint},
+    )
 
     seq = mark()
     assert answer_provisioning(bad_id, node.node, ok=False, reason="out of device memory") == "failed"
-    assert_event(only_event_since(seq), action=AuditAction.CACHE_FAILED, actor=node.actor, target_type="cache",
-                 target_id=bad_id, tenant_id=handle.tenant.pk, old={"state": "provisioning", "failure_reason": ""},
-                 new={"state": "failed", "failure_reason": "out of device memory"})  # fmt: skip
+    assert_event(
+        only_event_since(seq),
+        action=AuditAction.CACHE_FAILED,
+        actor=node.actor,
+        target_type="cache",
+        target_id=bad_id,
+        tenant_id=handle.tenant.pk,
+        old={"state": "provisioning", "failure_reason": ""},
+        new={"state": "failed", "failure_reason": "out of device memory"},
+    )
 
     stranger = make_node()
     seq = mark()
@@ -119,18 +148,33 @@ def test_detach_then_the_nodes_confirmation_each_write_one_event(ready_cache, ma
     assert events_since(seq) == []
     response = handle.client.delete(f"/api/v1/caches/{cache.pk}")
     assert response.status_code == 202
-    assert_event(only_event_since(seq), action=AuditAction.CACHE_DETACH_REQUESTED, actor=handle.actor,
-                 target_type="cache", target_id=cache.pk, tenant_id=handle.tenant.pk, old={"state": "ready"},
-                 new={"state": "detaching"}, response=response)  # fmt: skip
+    assert_event(
+        only_event_since(seq),
+        action=AuditAction.CACHE_DETACH_REQUESTED,
+        actor=handle.actor,
+        target_type="cache",
+        target_id=cache.pk,
+        tenant_id=handle.tenant.pk,
+        old={"state": "ready"},
+        new={"state": "detaching"},
+        response=response,
+    )
 
     seq = mark()
     assert handle.client.delete(f"/api/v1/caches/{cache.pk}").status_code == 202  # already detaching: no-op
     assert events_since(seq) == []
     detached = DetachResult(cache_id=str(cache.pk), node_id=str(node.node.pk)).to_dict()
     assert caches_tasks.detach_result(**detached) == "detached"
-    assert_event(only_event_since(seq), action=AuditAction.CACHE_DETACHED, actor=node.actor, target_type="cache",
-                 target_id=cache.pk, tenant_id=handle.tenant.pk, old={"state": "detaching"},
-                 new={"state": "detached"})  # fmt: skip
+    assert_event(
+        only_event_since(seq),
+        action=AuditAction.CACHE_DETACHED,
+        actor=node.actor,
+        target_type="cache",
+        target_id=cache.pk,
+        tenant_id=handle.tenant.pk,
+        old={"state": "detaching"},
+        new={"state": "detached"},
+    )
     assert reserved(node.node) == NOTHING
 
     seq = mark()
@@ -145,9 +189,17 @@ def test_detaching_a_failed_cache_is_one_event_straight_to_detached(make_tenant,
     answer_provisioning(cache_id, node.node, ok=False, reason="boom")
     seq = mark()
     response = handle.client.delete(f"/api/v1/caches/{cache_id}")
-    assert_event(only_event_since(seq), action=AuditAction.CACHE_DETACH_REQUESTED, actor=handle.actor,
-                 target_type="cache", target_id=cache_id, tenant_id=handle.tenant.pk, old={"state": "failed"},
-                 new={"state": "detached"}, response=response)  # fmt: skip
+    assert_event(
+        only_event_since(seq),
+        action=AuditAction.CACHE_DETACH_REQUESTED,
+        actor=handle.actor,
+        target_type="cache",
+        target_id=cache_id,
+        tenant_id=handle.tenant.pk,
+        old={"state": "failed"},
+        new={"state": "detached"},
+        response=response,
+    )
 
 
 def test_data_tokens_issue_and_revocation_are_recorded_never_the_token(ready_cache):
@@ -158,10 +210,17 @@ def test_data_tokens_issue_and_revocation_are_recorded_never_the_token(ready_cac
     jti = response.json()["jti"]
     token = DataToken.objects.get(jti=jti)
     event = only_event_since(seq)
-    assert_event(event, action=AuditAction.DATA_TOKEN_ISSUED, actor=handle.actor, target_type="data_token",
-                 target_id=jti, tenant_id=handle.tenant.pk, old=None,
-                 new={"cache_id": str(cache.pk), "access": "readwrite", "epoch": 1,
-                      "expires_at": iso(token.expires_at)}, response=response)  # fmt: skip
+    assert_event(
+        event,
+        action=AuditAction.DATA_TOKEN_ISSUED,
+        actor=handle.actor,
+        target_type="data_token",
+        target_id=jti,
+        tenant_id=handle.tenant.pk,
+        old=None,
+        new={"cache_id": str(cache.pk), "access": "readwrite", "epoch": 1, "expires_at": iso(token.expires_at)},
+        response=response,
+    )
     assert response.json()["token"].split(".")[-1] not in str(event.chain_fields())
     second = handle.client.post(f"/api/v1/caches/{cache.pk}/tokens", {}, format="json").json()["jti"]
 
@@ -169,9 +228,17 @@ def test_data_tokens_issue_and_revocation_are_recorded_never_the_token(ready_cac
     response = handle.client.post(f"/api/v1/caches/{cache.pk}/tokens/{jti}/revoke")
     assert response.status_code == 200 and response.json() == {"revoked": 1}
     token.refresh_from_db()
-    assert_event(only_event_since(seq), action=AuditAction.DATA_TOKENS_REVOKED, actor=handle.actor,
-                 target_type="cache", target_id=cache.pk, tenant_id=handle.tenant.pk, old=None,
-                 new={"revoked": 1, "jti": jti, "revoked_at": iso(token.revoked_at)}, response=response)  # fmt: skip
+    assert_event(
+        only_event_since(seq),
+        action=AuditAction.DATA_TOKENS_REVOKED,
+        actor=handle.actor,
+        target_type="cache",
+        target_id=cache.pk,
+        tenant_id=handle.tenant.pk,
+        old=None,
+        new={"revoked": 1, "jti": jti, "revoked_at": iso(token.revoked_at)},
+        response=response,
+    )
 
     seq = mark()
     assert handle.client.post(f"/api/v1/caches/{cache.pk}/tokens/{jti}/revoke").json() == {"revoked": 0}  # no-op
@@ -179,9 +246,17 @@ def test_data_tokens_issue_and_revocation_are_recorded_never_the_token(ready_cac
     response = handle.client.post(f"/api/v1/caches/{cache.pk}/tokens/revoke")
     assert response.json() == {"revoked": 1}
     revoked_at = DataToken.objects.get(jti=second).revoked_at
-    assert_event(only_event_since(seq), action=AuditAction.DATA_TOKENS_REVOKED, actor=handle.actor,
-                 target_type="cache", target_id=cache.pk, tenant_id=handle.tenant.pk, old=None,
-                 new={"revoked": 1, "jti": None, "revoked_at": iso(revoked_at)}, response=response)  # fmt: skip
+    assert_event(
+        only_event_since(seq),
+        action=AuditAction.DATA_TOKENS_REVOKED,
+        actor=handle.actor,
+        target_type="cache",
+        target_id=cache.pk,
+        tenant_id=handle.tenant.pk,
+        old=None,
+        new={"revoked": 1, "jti": None, "revoked_at": iso(revoked_at)},
+        response=response,
+    )
     seq = mark()
     assert handle.client.post(f"/api/v1/caches/{cache.pk}/tokens/revoke").json() == {"revoked": 0}
     assert events_since(seq) == []
@@ -196,23 +271,39 @@ def test_refused_token_requests_write_nothing(ready_cache, make_tenant, make_nod
     assert other.client.post(f"/api/v1/caches/{cache.pk}/tokens", {}, format="json").status_code == 404
     assert writer_only.client.post(f"/api/v1/caches/{cache.pk}/tokens", {}, format="json").status_code == 403
     assert other.client.post(f"/api/v1/caches/{cache.pk}/tokens/revoke").status_code == 404
-    assert handle.client.post(f"/api/v1/caches/{cache.pk}/tokens/00000000-0000-4000-8000-000000000001/revoke"
-                              ).status_code == 404  # fmt: skip
+    assert (
+        handle.client.post(f"/api/v1/caches/{cache.pk}/tokens/00000000-0000-4000-8000-000000000001/revoke").status_code
+        == 404
+    )
     assert events_since(seq) == []
 
 
 def test_a_node_that_re_registers_without_its_caches_has_them_reprovisioned_on_the_record(ready_cache):
     handle, node, cache = ready_cache
     seq = mark()
-    response = node.client.post("/api/v1/nodes/register", {"endpoint": node.node.endpoint, "caches": [],
-                                "capacity": {"device": 8 * 2**30, "dram": 64 * 2**30, "ssd": 512 * 2**30}},
-                                format="json")  # fmt: skip
+    response = node.client.post(
+        "/api/v1/nodes/register",
+        {
+            "endpoint": node.node.endpoint,
+            "caches": [],
+            "capacity": {"device": 8 * 2**30, "dram": 64 * 2**30, "ssd": 512 * 2**30},
+        },
+        format="json",
+    )
     assert response.status_code == 200, response.content
     registered, reprovisioned = events_since(seq)
     assert registered.action == AuditAction.NODE_REGISTERED and registered.actor_id == str(node.node.pk)
-    assert_event(reprovisioned, action=AuditAction.CACHE_REPROVISIONED, actor=node.actor, target_type="cache",
-                 target_id=cache.pk, tenant_id=handle.tenant.pk, old={"state": "ready"},
-                 new={"state": "provisioning"}, response=response)  # fmt: skip
+    assert_event(
+        reprovisioned,
+        action=AuditAction.CACHE_REPROVISIONED,
+        actor=node.actor,
+        target_type="cache",
+        target_id=cache.pk,
+        tenant_id=handle.tenant.pk,
+        old={"state": "ready"},
+        new={"state": "provisioning"},
+        response=response,
+    )
 
 
 def test_the_sweep_records_lost_nodes_and_their_caches_as_the_system(ready_cache, make_tenant):
@@ -224,16 +315,38 @@ def test_the_sweep_records_lost_nodes_and_their_caches_as_the_system(ready_cache
     seq = mark()
     assert caches_tasks.sweep_leases() == 2
     lost, *flagged = events_since(seq)
-    assert_event(lost, action=AuditAction.NODE_LOST, actor=("system", ""), target_type="node", target_id=node.node.pk,
-                 tenant_id=None, old={"state": "ready"}, new={"state": "lost"})  # fmt: skip
+    assert_event(
+        lost,
+        action=AuditAction.NODE_LOST,
+        actor=("system", ""),
+        target_type="node",
+        target_id=node.node.pk,
+        tenant_id=None,
+        old={"state": "ready"},
+        new={"state": "lost"},
+    )
     by_cache = {event.target_id: event for event in flagged}
     assert set(by_cache) == {str(cache.pk), leaving_id}
-    assert_event(by_cache[str(cache.pk)], action=AuditAction.CACHE_FAILED, actor=("system", ""), target_type="cache",
-                 target_id=cache.pk, tenant_id=handle.tenant.pk, old={"state": "ready", "failure_reason": ""},
-                 new={"state": "failed", "failure_reason": "node_lost"})  # fmt: skip
-    assert_event(by_cache[leaving_id], action=AuditAction.CACHE_DETACHED, actor=("system", ""), target_type="cache",
-                 target_id=leaving_id, tenant_id=handle.tenant.pk, old={"state": "detaching"},
-                 new={"state": "detached"})  # fmt: skip
+    assert_event(
+        by_cache[str(cache.pk)],
+        action=AuditAction.CACHE_FAILED,
+        actor=("system", ""),
+        target_type="cache",
+        target_id=cache.pk,
+        tenant_id=handle.tenant.pk,
+        old={"state": "ready", "failure_reason": ""},
+        new={"state": "failed", "failure_reason": "node_lost"},
+    )
+    assert_event(
+        by_cache[leaving_id],
+        action=AuditAction.CACHE_DETACHED,
+        actor=("system", ""),
+        target_type="cache",
+        target_id=leaving_id,
+        tenant_id=handle.tenant.pk,
+        old={"state": "detaching"},
+        new={"state": "detached"},
+    )
     seq = mark()
     assert caches_tasks.sweep_leases() == 0
     assert events_since(seq) == []
@@ -269,8 +382,9 @@ def test_token_issue_revoke_and_detach_fail_closed(ready_cache):
 def test_a_nodes_answer_whose_event_cannot_be_written_is_retried_not_applied_then_applied(make_tenant, make_node):
     handle, node = make_tenant(), make_node()
     cache_id = attach(handle).json()["id"]
-    kwargs = ProvisionResult(cache_id=cache_id, node_id=str(node.node.pk), ok=True, reason="",
-                             endpoint=node.node.endpoint).to_dict()  # fmt: skip
+    kwargs = ProvisionResult(
+        cache_id=cache_id, node_id=str(node.node.pk), ok=True, reason="", endpoint=node.node.endpoint
+    ).to_dict()
     seq = mark()
     with audit_insert_fails():
         outcome = caches_tasks.provision_result.apply(kwargs=kwargs)  # eager: its retries run at once, all refused

@@ -10,6 +10,7 @@ import pytest
 
 from audit.actions import AuditAction
 from audit.models import AuditEvent
+from kcaas.node_messages import ProvisionResult
 from tests.audit.events_support import (
     assert_event,
     events_since,
@@ -18,9 +19,8 @@ from tests.audit.events_support import (
     mark,
 )
 from tests.caches import node_consumer
-from tests.waiting import eventually
 from tests.caches.conftest import attach_body, wait_for_state
-from kcaas.node_messages import ProvisionResult
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -59,9 +59,16 @@ def test_the_nodes_answers_through_the_broker_are_recorded_as_the_node(make_tena
     wait_for_state(handle.client, cache_id, "ready")
     attached, ready = events_since(seq)
     assert attached.action == AuditAction.CACHE_ATTACHED and attached.request_id == response["X-Request-ID"]
-    assert_event(ready, action=AuditAction.CACHE_READY, actor=("node", str(NODE_ID)), target_type="cache",
-                 target_id=cache_id, tenant_id=handle.tenant.pk, old={"state": "provisioning", "endpoint": ""},
-                 new={"state": "ready", "endpoint": node.endpoint})  # fmt: skip  (no request: a task)
+    assert_event(
+        ready,
+        action=AuditAction.CACHE_READY,
+        actor=("node", str(NODE_ID)),
+        target_type="cache",
+        target_id=cache_id,
+        tenant_id=handle.tenant.pk,
+        old={"state": "provisioning", "endpoint": ""},
+        new={"state": "ready", "endpoint": node.endpoint},
+    )  # (no request: a task)
 
     # A duplicate answer through the broker changes nothing and writes nothing.
     seq = mark()
@@ -71,9 +78,16 @@ def test_the_nodes_answers_through_the_broker_are_recorded_as_the_node(make_tena
     assert detaching.status_code == 202
     wait_for_state(handle.client, cache_id, "detached")
     detached = wait_for_event(AuditAction.CACHE_DETACHED, cache_id)
-    assert_event(detached, action=AuditAction.CACHE_DETACHED, actor=("node", str(NODE_ID)), target_type="cache",
-                 target_id=cache_id, tenant_id=handle.tenant.pk, old={"state": "detaching"},
-                 new={"state": "detached"})  # fmt: skip
+    assert_event(
+        detached,
+        action=AuditAction.CACHE_DETACHED,
+        actor=("node", str(NODE_ID)),
+        target_type="cache",
+        target_id=cache_id,
+        tenant_id=handle.tenant.pk,
+        old={"state": "detaching"},
+        new={"state": "detached"},
+    )
     # Whenever the control worker ran the duplicate, the cache was not provisioning any more: no event for it.
     assert [e.action for e in events_since(seq)] == [AuditAction.CACHE_DETACH_REQUESTED, AuditAction.CACHE_DETACHED]
 
@@ -85,7 +99,13 @@ def test_a_failed_provisioning_through_the_broker_is_recorded_with_the_nodes_rea
     assert response.status_code == 201
     cache_id = response.json()["id"]
     wait_for_state(handle.client, cache_id, "failed")
-    assert_event(wait_for_event(AuditAction.CACHE_FAILED, cache_id), action=AuditAction.CACHE_FAILED,
-                 actor=("node", str(NODE_ID)), target_type="cache", target_id=cache_id, tenant_id=handle.tenant.pk,
-                 old={"state": "provisioning", "failure_reason": ""},
-                 new={"state": "failed", "failure_reason": "not enough device memory"})  # fmt: skip
+    assert_event(
+        wait_for_event(AuditAction.CACHE_FAILED, cache_id),
+        action=AuditAction.CACHE_FAILED,
+        actor=("node", str(NODE_ID)),
+        target_type="cache",
+        target_id=cache_id,
+        tenant_id=handle.tenant.pk,
+        old={"state": "provisioning", "failure_reason": ""},
+        new={"state": "failed", "failure_reason": "not enough device memory"},
+    )

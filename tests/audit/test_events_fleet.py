@@ -37,10 +37,17 @@ def test_creating_a_node_is_recorded_without_its_credential(staff):
     assert response.status_code == 201, response.content
     node = Node.objects.get(pk=response.json()["node"]["id"])
     event = only_event_since(seq)
-    assert_event(event, action=AuditAction.NODE_CREATED, actor=staff.actor, target_type="node", target_id=node.pk,
-                 tenant_id=None, old=None, new={"name": "gpu-a1", "state": "registering",
-                                                "credential_public_id": node.credential_public_id},
-                 response=response)  # fmt: skip
+    assert_event(
+        event,
+        action=AuditAction.NODE_CREATED,
+        actor=staff.actor,
+        target_type="node",
+        target_id=node.pk,
+        tenant_id=None,
+        old=None,
+        new={"name": "gpu-a1", "state": "registering", "credential_public_id": node.credential_public_id},
+        response=response,
+    )
     secret = response.json()["credential"].rsplit("_", 1)[-1]
     assert secret not in str(event.chain_fields()) and node.credential_hash not in str(event.chain_fields())
 
@@ -53,41 +60,70 @@ def test_creating_a_node_is_recorded_without_its_credential(staff):
 def test_registration_and_re_registration_are_the_nodes_own_events(make_node):
     handle = make_node(register=False)
     seq = mark()
-    response = handle.client.post("/api/v1/nodes/register", {"endpoint": "10.2.0.1:9000", "capacity": CAPACITY},
-                                  format="json")  # fmt: skip
+    response = handle.client.post(
+        "/api/v1/nodes/register", {"endpoint": "10.2.0.1:9000", "capacity": CAPACITY}, format="json"
+    )
     assert response.status_code == 200, response.content
     node = Node.objects.get(pk=handle.node.pk)
-    assert_event(only_event_since(seq), action=AuditAction.NODE_REGISTERED, actor=handle.actor, target_type="node",
-                 target_id=node.pk, tenant_id=None,
-                 old={"state": "registering", "endpoint": "", "device_capacity_bytes": 0, "dram_capacity_bytes": 0,
-                      "ssd_capacity_bytes": 0, "registered_at": None},
-                 new={"state": "ready", "endpoint": node.endpoint, "device_capacity_bytes": 8 * GIB,
-                      "dram_capacity_bytes": 64 * GIB, "ssd_capacity_bytes": 512 * GIB,
-                      "registered_at": iso(node.registered_at)},
-                 response=response)  # fmt: skip
+    assert_event(
+        only_event_since(seq),
+        action=AuditAction.NODE_REGISTERED,
+        actor=handle.actor,
+        target_type="node",
+        target_id=node.pk,
+        tenant_id=None,
+        old={
+            "state": "registering",
+            "endpoint": "",
+            "device_capacity_bytes": 0,
+            "dram_capacity_bytes": 0,
+            "ssd_capacity_bytes": 0,
+            "registered_at": None,
+        },
+        new={
+            "state": "ready",
+            "endpoint": node.endpoint,
+            "device_capacity_bytes": 8 * GIB,
+            "dram_capacity_bytes": 64 * GIB,
+            "ssd_capacity_bytes": 512 * GIB,
+            "registered_at": iso(node.registered_at),
+        },
+        response=response,
+    )
 
     seq = mark()  # an agent restart: same endpoint, less device memory
-    again = handle.client.post("/api/v1/nodes/register", {"endpoint": "10.2.0.1:9000",
-                                                          "capacity": {**CAPACITY, "device": 4 * GIB}}, format="json")
+    again = handle.client.post(
+        "/api/v1/nodes/register",
+        {"endpoint": "10.2.0.1:9000", "capacity": {**CAPACITY, "device": 4 * GIB}},
+        format="json",
+    )
     assert again.status_code == 200
     first_registered_at = node.registered_at
     node.refresh_from_db()
-    assert_event(only_event_since(seq), action=AuditAction.NODE_REGISTERED, actor=handle.actor, target_type="node",
-                 target_id=node.pk, tenant_id=None,
-                 old={"device_capacity_bytes": 8 * GIB, "registered_at": iso(first_registered_at)},
-                 new={"device_capacity_bytes": 4 * GIB, "registered_at": iso(node.registered_at)},
-                 response=again)  # fmt: skip
+    assert_event(
+        only_event_since(seq),
+        action=AuditAction.NODE_REGISTERED,
+        actor=handle.actor,
+        target_type="node",
+        target_id=node.pk,
+        tenant_id=None,
+        old={"device_capacity_bytes": 8 * GIB, "registered_at": iso(first_registered_at)},
+        new={"device_capacity_bytes": 4 * GIB, "registered_at": iso(node.registered_at)},
+        response=again,
+    )
 
 
 def test_heartbeats_and_refused_registrations_write_nothing(make_node):
     handle, other = make_node(), make_node()
     seq = mark()
     assert handle.client.post("/api/v1/nodes/heartbeat", {"capacity": CAPACITY}, format="json").status_code == 200
-    bad = handle.client.post("/api/v1/nodes/register", {"endpoint": "not an endpoint", "capacity": CAPACITY},
-                             format="json")  # fmt: skip
+    bad = handle.client.post(
+        "/api/v1/nodes/register", {"endpoint": "not an endpoint", "capacity": CAPACITY}, format="json"
+    )
     assert bad.status_code == 400
-    taken = handle.client.post("/api/v1/nodes/register", {"endpoint": other.node.endpoint, "capacity": CAPACITY},
-                               format="json")  # fmt: skip
+    taken = handle.client.post(
+        "/api/v1/nodes/register", {"endpoint": other.node.endpoint, "capacity": CAPACITY}, format="json"
+    )
     assert taken.status_code == 409  # endpoint_in_use
     assert events_since(seq) == []
 
@@ -98,18 +134,34 @@ def test_cordon_and_uncordon_are_recorded_once_each(staff, make_node):
     seq = mark()
     response = staff.client.post(f"{base}/cordon")
     assert response.status_code == 200 and response.json()["state"] == "cordoned"
-    assert_event(only_event_since(seq), action=AuditAction.NODE_CORDONED, actor=staff.actor, target_type="node",
-                 target_id=node.pk, tenant_id=None, old={"state": "ready"}, new={"state": "cordoned"},
-                 response=response)  # fmt: skip
+    assert_event(
+        only_event_since(seq),
+        action=AuditAction.NODE_CORDONED,
+        actor=staff.actor,
+        target_type="node",
+        target_id=node.pk,
+        tenant_id=None,
+        old={"state": "ready"},
+        new={"state": "cordoned"},
+        response=response,
+    )
 
     seq = mark()
     assert staff.client.post(f"{base}/cordon").status_code == 200  # already cordoned: no-op
     assert events_since(seq) == []
     response = staff.client.post(f"{base}/uncordon")
     assert response.status_code == 200
-    assert_event(only_event_since(seq), action=AuditAction.NODE_UNCORDONED, actor=staff.actor, target_type="node",
-                 target_id=node.pk, tenant_id=None, old={"state": "cordoned"}, new={"state": "ready"},
-                 response=response)  # fmt: skip
+    assert_event(
+        only_event_since(seq),
+        action=AuditAction.NODE_UNCORDONED,
+        actor=staff.actor,
+        target_type="node",
+        target_id=node.pk,
+        tenant_id=None,
+        old={"state": "cordoned"},
+        new={"state": "ready"},
+        response=response,
+    )
 
     seq = mark()
     assert staff.client.post(f"{base}/uncordon").status_code == 200  # already ready: no-op
@@ -133,8 +185,16 @@ def test_drain_is_recorded_and_repeating_it_is_not():
     fleet_services.node_register(node_id=issued.node.pk, endpoint="10.2.0.9:9000", capacity=CAPACITY)
     seq = mark()
     fleet_services.node_drain(node_id=issued.node.pk)
-    assert_event(only_event_since(seq), action=AuditAction.NODE_DRAINING, actor=("system", ""), target_type="node",
-                 target_id=issued.node.pk, tenant_id=None, old={"state": "ready"}, new={"state": "draining"})
+    assert_event(
+        only_event_since(seq),
+        action=AuditAction.NODE_DRAINING,
+        actor=("system", ""),
+        target_type="node",
+        target_id=issued.node.pk,
+        tenant_id=None,
+        old={"state": "ready"},
+        new={"state": "draining"},
+    )
     seq = mark()
     fleet_services.node_drain(node_id=issued.node.pk)
     assert events_since(seq) == []
@@ -151,8 +211,16 @@ def test_the_lease_sweep_records_each_lost_node_as_the_system(make_node):
     expected = sorted([(cordoned.node.pk, "cordoned"), (dying.node.pk, "ready")], key=lambda n: str(n[0]))
     assert len(events) == 2
     for event, (node_id, previous) in zip(events, expected, strict=True):
-        assert_event(event, action=AuditAction.NODE_LOST, actor=("system", ""), target_type="node", target_id=node_id,
-                     tenant_id=None, old={"state": previous}, new={"state": "lost"})  # fmt: skip
+        assert_event(
+            event,
+            action=AuditAction.NODE_LOST,
+            actor=("system", ""),
+            target_type="node",
+            target_id=node_id,
+            tenant_id=None,
+            old={"state": previous},
+            new={"state": "lost"},
+        )
     assert Node.objects.get(pk=alive.node.pk).state == "ready"
 
     seq = mark()
@@ -177,8 +245,9 @@ def test_a_cordon_whose_event_cannot_be_written_leaves_the_node_ready(staff, mak
 def test_a_registration_whose_event_cannot_be_written_is_refused_and_changes_nothing(make_node):
     handle = make_node(register=False)
     with audit_insert_fails():
-        response = handle.client.post("/api/v1/nodes/register", {"endpoint": "10.2.0.3:9000", "capacity": CAPACITY},
-                                      format="json")  # fmt: skip
+        response = handle.client.post(
+            "/api/v1/nodes/register", {"endpoint": "10.2.0.3:9000", "capacity": CAPACITY}, format="json"
+        )
     assert_audit_unavailable(response)
     node = Node.objects.get(pk=handle.node.pk)
     assert (node.state, node.endpoint, node.registered_at) == ("registering", "", None)

@@ -46,7 +46,7 @@ def one_second_periods(settings):
 def trail():
     """Six events of two tenants (seq 1-6), signed by digests, then seq 7 not yet signed."""
     for n in range(6):
-        record(TENANT_A if n % 2 == 0 else TENANT_B, new={"n": n, "note": "line\nbreak, \"quoted\" ü"})
+        record(TENANT_A if n % 2 == 0 else TENANT_B, new={"n": n, "note": 'line\nbreak, "quoted" ü'})
     next_second()
     audit_digest_sign()
     record(TENANT_A)
@@ -83,8 +83,9 @@ def test_a_tenant_export_holds_only_its_events_and_witnesses_for_the_rest(trail,
     assert header["filter"] == {"tenant_id": str(TENANT_A)} and header["platform_key"] == platform_public_jwk()
     assert {r["tenant_id"] for r in events_of(records)} == {str(TENANT_A)}
     witnesses = [r for r in records if r["record_type"] == "witness"]
-    assert [w["seq"] for w in witnesses] == [2, 4, 6] and all(set(w) == {"record_type", "seq", "prev_hash", "hash"}
-                                                              for w in witnesses)  # fmt: skip
+    assert [w["seq"] for w in witnesses] == [2, 4, 6] and all(
+        set(w) == {"record_type", "seq", "prev_hash", "hash"} for w in witnesses
+    )
     assert str(TENANT_B) not in "".join(encode(records, "jsonl"))
     assert verify(records, fmt).ok
     assert chain.verify_export(export(tmp_path, fmt, tenant_id=TENANT_A)).ok
@@ -144,10 +145,13 @@ def test_a_validly_signed_digest_whose_head_is_not_the_chain_is_named(trail, tmp
 
     records = read_records(export(tmp_path))
     digest = next(r for r in records if r["record_type"] == "digest" and r["head_seq"] == 6)
-    body = chain.digest_body(**{k: digest[k] for k in ("period_start", "period_end", "head_seq", "prev_digest_hash",
-                                                       "key_id")}, head_hash="cd" * 32)  # fmt: skip
-    digest.update(head_hash="cd" * 32, digest_hash=chain.digest_hash(body),
-                  signature=platform_sign(chain.canonical(body))[1])  # fmt: skip
+    body = chain.digest_body(
+        **{k: digest[k] for k in ("period_start", "period_end", "head_seq", "prev_digest_hash", "key_id")},
+        head_hash="cd" * 32,
+    )
+    digest.update(
+        head_hash="cd" * 32, digest_hash=chain.digest_hash(body), signature=platform_sign(chain.canonical(body))[1]
+    )
     problems = [(p.code, p.seq) for p in verify(records, "jsonl").problems]
     assert ("digest_head_mismatch", 6) in problems and "digest_signature_invalid" not in dict(problems)
 
@@ -157,9 +161,25 @@ def test_digests_signed_with_another_key_are_named(trail, tmp_path, fmt):
     other = Ed25519PrivateKey.generate()
     records = read_records(export(tmp_path))
     for digest in (r for r in records if r["record_type"] == "digest"):  # re-signed by a forger
-        digest["signature"] = b64url(other.sign(chain.canonical(chain.digest_body(
-            **{k: digest[k] for k in ("period_start", "period_end", "head_seq", "head_hash", "prev_digest_hash",
-                                      "key_id")}))))  # fmt: skip
+        digest["signature"] = b64url(
+            other.sign(
+                chain.canonical(
+                    chain.digest_body(
+                        **{
+                            k: digest[k]
+                            for k in (
+                                "period_start",
+                                "period_end",
+                                "head_seq",
+                                "head_hash",
+                                "prev_digest_hash",
+                                "key_id",
+                            )
+                        }
+                    )
+                )
+            )
+        )
     assert first_problem(verify(records, fmt))[0] == "digest_signature_invalid"
     records[0]["platform_key"] = public_jwk_of(other.public_key())  # ...who also swaps in their public key
     report = verify(records, fmt, trusted_key_jwk=platform_public_jwk())
@@ -196,8 +216,14 @@ def test_the_stand_alone_verifier_needs_no_django(trail, tmp_path, fmt):
     command = [sys.executable, str(REPO / "audit" / "chain.py"), "verify", str(path), "--key", str(key)]
     good = subprocess.run(command, env=env, capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert good.returncode == 0 and good.stdout.startswith("OK: "), good.stdout + good.stderr
-    isolated = subprocess.run([sys.executable, "-c", PROBE, str(REPO / "audit" / "chain.py"), str(path)], env=env,
-                              capture_output=True, text=True, cwd=tmp_path, timeout=60)  # fmt: skip
+    isolated = subprocess.run(
+        [sys.executable, "-c", PROBE, str(REPO / "audit" / "chain.py"), str(path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
     assert isolated.returncode == 0, isolated.stderr  # ran the verifier without importing Django or the app
     path.write_text(path.read_text().replace("max_caches", "max_cachez", 1))
     bad = subprocess.run(command, env=env, capture_output=True, text=True, cwd=tmp_path, timeout=60)
@@ -219,7 +245,7 @@ def test_a_damaged_export_is_reported_never_a_crash(trail, tmp_path, fmt):
     rng = random.Random(5)
     for _ in range(300):
         at = rng.randrange(len(text))
-        damaged = text[:at] + rng.choice(['"', "{", "}", "1", "x", "", ",", "\\", "\n", "null"]) + text[at + 1:]
+        damaged = text[:at] + rng.choice(['"', "{", "}", "1", "x", "", ",", "\\", "\n", "null"]) + text[at + 1 :]
         report = chain.verify_export(damaged.splitlines(keepends=True))  # must not raise
         assert report.ok or report.problems[0].code
     for garbage in ("", "{}", "[1]\n", "record_type\nheader\n", '{"record_type":"header","range":[1]}\n'):

@@ -45,8 +45,12 @@ def test_a_token_issue_and_a_transaction_holding_its_cache_both_commit(tenant_a,
                 assert eventually(lambda: "issuer" in results or waited_for()) and "issuer" not in results, (
                     "the token issue never waited for the held cache row"
                 )
-                audit_record(action=AuditAction.CACHE_MIGRATED, target_type="cache", target_id=cache.pk,
-                             tenant_id=cache.tenant_id)  # fmt: skip
+                audit_record(
+                    action=AuditAction.CACHE_MIGRATED,
+                    target_type="cache",
+                    target_id=cache.pk,
+                    tenant_id=cache.tenant_id,
+                )
             results["holder"] = "committed"
         except Exception as error:  # noqa: BLE001 - the outcome under test
             results["holder"] = error

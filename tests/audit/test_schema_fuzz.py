@@ -7,7 +7,8 @@ tests/controlplane/test_schema_fuzz_all.py)."""
 
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, Phase, given, settings as hsettings
+from hypothesis import HealthCheck, Phase, given
+from hypothesis import settings as hsettings
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
@@ -23,14 +24,24 @@ def _operations(wsgi_app):
     schema = schemathesis.openapi.from_wsgi("/api/schema/?format=json", wsgi_app)
     operations = [result.ok() for result in schema.include(path_regex=PATHS).get_all_operations()]
     assert {op.definition.raw["operationId"] for op in operations} == {
-        "audit_events_list", "audit_export", "audit_digests_list", "platform_key"}  # fmt: skip
+        "audit_events_list",
+        "audit_export",
+        "audit_digests_list",
+        "platform_key",
+    }
     return operations
 
 
 def _fuzz(operation, headers, mode):
     @given(case=operation.as_strategy(generation_mode=mode))
-    @hsettings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-               phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))  # fmt: skip
+    @hsettings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     def run(case):
         response = case.call(headers=headers)
         assert response.status_code < 500, (case.method, case.formatted_path, response.text)
@@ -43,8 +54,11 @@ def _fuzz(operation, headers, mode):
 @pytest.mark.parametrize("caller", ["staff", "tenant"])
 def test_audit_operations_conform_to_their_schema(wsgi_app, staff, make_tenant, caller):  # noqa: F811
     tenant = make_tenant(scopes=scopes.ALL_SCOPES)
-    authorization = staff.client._credentials["HTTP_AUTHORIZATION"] if caller == "staff" else (
-        f"Bearer {issue_key(tenant.tenant, scopes.ALL_SCOPES).raw_key}")  # fmt: skip
+    authorization = (
+        staff.client._credentials["HTTP_AUTHORIZATION"]
+        if caller == "staff"
+        else (f"Bearer {issue_key(tenant.tenant, scopes.ALL_SCOPES).raw_key}")
+    )
     for operation in _operations(wsgi_app):
         allowed = caller == "staff" or operation.definition.raw["operationId"] != "audit_digests_list"
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):

@@ -19,8 +19,9 @@ GIB = 2**30
 def test_set_up_twice_in_a_row_places_on_the_bench_node_and_releases_the_first_runs_caches():
     # An older run's node, its lease still running: smaller than the bench node, so best fit would choose it.
     older = fleet_services.node_create(name="bench-node-0ld").node
-    fleet_services.node_register(node_id=older.pk, endpoint="127.0.0.1:20001",
-                                 capacity={"device": 32 * GIB, "dram": 32 * GIB, "ssd": 32 * GIB})  # fmt: skip
+    fleet_services.node_register(
+        node_id=older.pk, endpoint="127.0.0.1:20001", capacity={"device": 32 * GIB, "dram": 32 * GIB, "ssd": 32 * GIB}
+    )
 
     first = set_up(num_caches=2, max_caches=5)
     node = Node.objects.get(pk=first.node_id)

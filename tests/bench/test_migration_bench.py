@@ -9,8 +9,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_migration_bench_quick_reports_throughput():
-    done = subprocess.run([sys.executable, "-m", "bench.migration", "--quick"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.migration", "--quick"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["bench"] == "migration" and result["mode"] == "quick"

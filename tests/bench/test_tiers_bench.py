@@ -6,8 +6,15 @@ import sys
 
 from bench.tiers import drop_page_cache, run
 
-REQUIRED = ("ssd_write_gbps", "ssd_read_gbps", "disk_baseline_write_gbps", "disk_baseline_read_gbps",
-            "warm_restart_s_per_gib", "dram_hit_p50_us", "ssd_hit_p50_us")  # fmt: skip
+REQUIRED = (
+    "ssd_write_gbps",
+    "ssd_read_gbps",
+    "disk_baseline_write_gbps",
+    "disk_baseline_read_gbps",
+    "warm_restart_s_per_gib",
+    "dram_hit_p50_us",
+    "ssd_hit_p50_us",
+)
 
 
 def test_quick_run_reports_every_figure_and_cleans_up(tmp_path):
@@ -19,8 +26,13 @@ def test_quick_run_reports_every_figure_and_cleans_up(tmp_path):
 
 
 def test_the_cli_prints_the_json_last(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "bench.tiers", "--quick", "--dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.tiers", "--quick", "--dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     last = json.loads(done.stdout.strip().splitlines()[-1])
     assert set(REQUIRED) <= set(last)
 

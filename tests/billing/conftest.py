@@ -64,8 +64,11 @@ def make_reporting_node(db):
 
     def make() -> ReportingNode:
         issued = fleet_services.node_create(name=f"bill-node-{uuid.uuid4().hex[:8]}")
-        fleet_services.node_register(node_id=issued.node.pk, endpoint=f"10.2.0.1:{next(_ports)}",
-                                     capacity={"device": 1000 * GB, "dram": 1000 * GB, "ssd": 1000 * GB})  # fmt: skip
+        fleet_services.node_register(
+            node_id=issued.node.pk,
+            endpoint=f"10.2.0.1:{next(_ports)}",
+            capacity={"device": 1000 * GB, "dram": 1000 * GB, "ssd": 1000 * GB},
+        )
         made.append(issued.node.pk)
         return ReportingNode(Node.objects.get(pk=issued.node.pk), issued.credential)
 
@@ -87,9 +90,11 @@ def make_cache(db):
 
     def make(tenant, node: Node):
         cache = cache_services.cache_attach(
-            tenant_id=tenant.pk, name=f"bill-{next(names)}", spec=KVCacheSpec(**SPEC),
+            tenant_id=tenant.pk,
+            name=f"bill-{next(names)}",
+            spec=KVCacheSpec(**SPEC),
             capacity={"device": 64 * 2048, "dram": 0, "ssd": 0},
-        )  # fmt: skip
+        )
         Cache.objects.filter(pk=cache.pk).update(node=node)
         return Cache.objects.get(pk=cache.pk)
 
@@ -97,8 +102,14 @@ def make_cache(db):
 
 
 def entry(cache, device=0, dram=0, ssd=0, written=0, served=0) -> dict:
-    return {"cache_id": str(cache.pk), "device_bytes": device, "dram_bytes": dram, "ssd_bytes": ssd,
-            "bytes_written_total": written, "tokens_served_total": served}  # fmt: skip
+    return {
+        "cache_id": str(cache.pk),
+        "device_bytes": device,
+        "dram_bytes": dram,
+        "ssd_bytes": ssd,
+        "bytes_written_total": written,
+        "tokens_served_total": served,
+    }
 
 
 def hour_floor(moment: datetime) -> datetime:

@@ -15,18 +15,36 @@ import uuid
 from datetime import timedelta
 
 EXPECTED_TOTALS = {"device": 300_000, "tokens": 30, "written": 60}
-SPEC = {"model_fingerprint": "tiny@1", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 16,
-        "kv_dtype": "float16", "storage_dtype": "float16"}  # fmt: skip
+SPEC = {
+    "model_fingerprint": "tiny@1",
+    "num_layers": 2,
+    "num_kv_heads": 2,
+    "head_dim": 8,
+    "block_size": 16,
+    "kv_dtype": "float16",
+    "storage_dtype": "float16",
+}
 
 
 def _report(ids: dict, sequence: int, sampled_at, tokens: int, device: int = 1000, received_at=None) -> None:
     from billing import services as billing
 
-    entry = {"cache_id": uuid.UUID(ids["cache"]), "device_bytes": device, "dram_bytes": 0, "ssd_bytes": 0,
-             "bytes_written_total": 2 * tokens, "tokens_served_total": tokens}  # fmt: skip
-    outcome = billing.usage_report_record(node_id=uuid.UUID(ids["node"]), boot_id=uuid.UUID(ids["boot"]),
-                                          sequence=sequence, sampled_at=sampled_at, entries=[entry],
-                                          now=received_at or sampled_at)  # fmt: skip
+    entry = {
+        "cache_id": uuid.UUID(ids["cache"]),
+        "device_bytes": device,
+        "dram_bytes": 0,
+        "ssd_bytes": 0,
+        "bytes_written_total": 2 * tokens,
+        "tokens_served_total": tokens,
+    }
+    outcome = billing.usage_report_record(
+        node_id=uuid.UUID(ids["node"]),
+        boot_id=uuid.UUID(ids["boot"]),
+        sequence=sequence,
+        sampled_at=sampled_at,
+        entries=[entry],
+        now=received_at or sampled_at,
+    )
     assert outcome.accepted == 1, outcome
 
 
@@ -42,8 +60,9 @@ def setup() -> dict:
     tenant = tenants.tenant_create(name="rollup-scenario")
     node = fleet.node_create(name="rollup-node").node
     fleet.node_register(node_id=node.pk, endpoint="127.0.0.1:9", capacity={"device": 1 << 30, "dram": 0, "ssd": 0})
-    cache = caches.cache_attach(tenant_id=tenant.pk, name="billed", spec=KVCacheSpec(**SPEC),
-                                capacity={"device": 1 << 20, "dram": 0, "ssd": 0})  # fmt: skip
+    cache = caches.cache_attach(
+        tenant_id=tenant.pk, name="billed", spec=KVCacheSpec(**SPEC), capacity={"device": 1 << 20, "dram": 0, "ssd": 0}
+    )
     assert cache.node_id == node.pk
     ids = {"cache": str(cache.pk), "node": str(node.pk), "boot": str(uuid.uuid4())}
     now = timezone.now().replace(microsecond=0)
@@ -61,8 +80,9 @@ def rollups(times: int) -> dict:
     from billing.tasks import rollup
 
     written = [rollup() for _ in range(times)]
-    totals = LedgerHour.objects.aggregate(device=Sum("device_byte_seconds"), tokens=Sum("tokens_served"),
-                                          written=Sum("bytes_written"))  # fmt: skip
+    totals = LedgerHour.objects.aggregate(
+        device=Sum("device_byte_seconds"), tokens=Sum("tokens_served"), written=Sum("bytes_written")
+    )
     return {"written": written, "totals": totals, "rows": LedgerHour.objects.count()}
 
 
@@ -77,7 +97,10 @@ def more_reports(ids: dict) -> dict:
 
 
 def main(step: str, *args: str) -> None:
-    steps = {"setup": setup, "rollups": lambda times: rollups(int(times)), "more_reports": lambda ids: more_reports(
-        json.loads(ids))}  # fmt: skip
+    steps = {
+        "setup": setup,
+        "rollups": lambda times: rollups(int(times)),
+        "more_reports": lambda ids: more_reports(json.loads(ids)),
+    }
     print(json.dumps(steps[step](*args)))
     sys.stdout.flush()

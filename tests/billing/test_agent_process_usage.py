@@ -22,8 +22,9 @@ def _samples_of(cache_id, node_id) -> list[UsageSample]:
     return list(UsageSample.objects.filter(cache_id=cache_id, node_id=node_id).order_by("sequence"))
 
 
-def test_the_agent_reports_its_caches_usage_every_period_and_once_more_on_stop(usage_every_second, agent_process,
-                                                                               tenant_a):  # fmt: skip
+def test_the_agent_reports_its_caches_usage_every_period_and_once_more_on_stop(
+    usage_every_second, agent_process, tenant_a
+):
     process, node_id, _ = agent_process
     response = tenant_a.client.post("/api/v1/caches", attach_body(device=16 * BLOCK_BYTES), format="json")
     cache_id = wait_for_state(tenant_a.client, response.json()["id"], "ready")["id"]

@@ -16,8 +16,9 @@ MARCH = datetime(2026, 3, 1, tzinfo=UTC)
 def test_the_client_reads_the_series_of_its_own_tenant(live_server, make_tenant, make_cache, reporting_node):
     mine, other = make_tenant(scopes=("usage:read",)), make_tenant(scopes=("usage:read",))
     cache, theirs = make_cache(mine.tenant, reporting_node.node), make_cache(other.tenant, reporting_node.node)
-    LedgerHour.objects.create(cache=cache, tenant=mine.tenant, hour=MARCH, device_byte_seconds=7 * GB * 1800,
-                              tokens_served=42)  # fmt: skip
+    LedgerHour.objects.create(
+        cache=cache, tenant=mine.tenant, hour=MARCH, device_byte_seconds=7 * GB * 1800, tokens_served=42
+    )
     LedgerHour.objects.create(cache=theirs, tenant=other.tenant, hour=MARCH, device_byte_seconds=GB)
     with kcaas.Client(live_server.url, mine.raw_key) as client:
         assert client.usage().series is None

@@ -19,8 +19,14 @@ GB_HOUR = GB * 3600
 def test_sums_every_tier_within_the_window_per_tenant(make_tenant, make_cache, reporting_node):
     a, b, idle = make_tenant(), make_tenant(), make_tenant()
     cache_a, cache_b = make_cache(a.tenant, reporting_node.node), make_cache(b.tenant, reporting_node.node)
-    LedgerHour.objects.create(cache=cache_a, tenant=a.tenant, hour=MARCH, device_byte_seconds=2 * GB_HOUR,
-                              dram_byte_seconds=GB_HOUR // 2, ssd_byte_seconds=GB_HOUR // 4)  # fmt: skip
+    LedgerHour.objects.create(
+        cache=cache_a,
+        tenant=a.tenant,
+        hour=MARCH,
+        device_byte_seconds=2 * GB_HOUR,
+        dram_byte_seconds=GB_HOUR // 2,
+        ssd_byte_seconds=GB_HOUR // 4,
+    )
     # 31 March 23:00 is inside; 1 April 00:00 (the end is excluded) and 28 February 23:00 are not
     for hour in (MARCH + timedelta(days=31, hours=-1), MARCH + timedelta(days=31), MARCH - timedelta(hours=1)):
         LedgerHour.objects.create(cache=cache_a, tenant=a.tenant, hour=hour, device_byte_seconds=GB_HOUR)

@@ -72,8 +72,9 @@ def test_a_rate_change_mid_month_splits_the_meter_at_the_hour(cache):
         _ledger(cache, datetime(2026, 3, day, 23, tzinfo=UTC), device_byte_seconds=GB_HOUR)
     _ledger(cache, datetime(2026, 4, 1, tzinfo=UTC), device_byte_seconds=GB_HOUR)  # April: another invoice
     invoice = invoices.invoice_generate(tenant_id=cache.tenant_id, month=MARCH, now=DURING_MARCH)
-    lines = [(line.unit_price, line.quantity, line.amount, line.rate_effective_from.day)
-             for line in invoice.lines.all()]  # fmt: skip
+    lines = [
+        (line.unit_price, line.quantity, line.amount, line.rate_effective_from.day) for line in invoice.lines.all()
+    ]
     assert lines == [(Decimal("0.1"), Decimal(2), Decimal("0.2"), 1), (Decimal("0.3"), Decimal(2), Decimal("0.6"), 16)]
     assert invoice.total == Decimal("0.80")
 
@@ -108,8 +109,9 @@ def test_generating_twice_makes_one_invoice_and_a_final_one_never_changes(cache,
     assert AuditEvent.objects.filter(action=AuditAction.INVOICE_FINALISED).count() == 1
 
 
-def test_the_beat_generates_every_tenant_with_usage_and_refreshes_drafts(cache, reporting_node, make_tenant,
-                                                                         make_cache):  # fmt: skip
+def test_the_beat_generates_every_tenant_with_usage_and_refreshes_drafts(
+    cache, reporting_node, make_tenant, make_cache
+):
     other = make_cache(make_tenant().tenant, reporting_node.node)
     _rate("device_gb_hour", "1")
     _ledger(cache, MARCH, device_byte_seconds=GB_HOUR)
@@ -117,7 +119,8 @@ def test_the_beat_generates_every_tenant_with_usage_and_refreshes_drafts(cache, 
     assert invoices.invoices_generate_due(now=DURING_MARCH) == 2
     assert invoices.invoices_generate_due(now=DURING_MARCH) == 2  # again: the same two drafts, refreshed
     assert sorted((i.tenant_id == cache.tenant_id, i.month.month) for i in Invoice.objects.all()) == [
-        (False, 2), (True, 3)
+        (False, 2),
+        (True, 3),
     ]
 
 
@@ -126,8 +129,10 @@ def test_concurrent_generation_makes_one_invoice(transactional_db, cache):
 
     _rate("device_gb_hour", "1")
     _ledger(cache, MARCH, device_byte_seconds=GB_HOUR)
-    threads = [run_in_thread(invoices.invoice_generate, tenant_id=cache.tenant_id, month=MARCH, now=DURING_MARCH)
-               for _ in range(4)]  # fmt: skip
+    threads = [
+        run_in_thread(invoices.invoice_generate, tenant_id=cache.tenant_id, month=MARCH, now=DURING_MARCH)
+        for _ in range(4)
+    ]
     for thread in threads:
         thread.join(30)
         assert thread.error is None, thread.error

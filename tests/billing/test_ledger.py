@@ -28,8 +28,16 @@ def _rollup(start, hours=4):
 
 def _ledger(cache) -> dict:
     rows = LedgerHour.objects.filter(cache=cache).order_by("hour")
-    return {row.hour: (row.device_byte_seconds, row.dram_byte_seconds, row.ssd_byte_seconds, row.bytes_written,
-                       row.tokens_served) for row in rows}  # fmt: skip
+    return {
+        row.hour: (
+            row.device_byte_seconds,
+            row.dram_byte_seconds,
+            row.ssd_byte_seconds,
+            row.bytes_written,
+            row.tokens_served,
+        )
+        for row in rows
+    }
 
 
 def _device_gb_hours(cache) -> Decimal:
@@ -41,8 +49,7 @@ def _two_then_one(start) -> list[tuple]:
     return [(m, 2 * GB if m < 90 else GB if m < 120 else 0) for m in range(0, 125, 5)]
 
 
-def test_2_gb_for_90_minutes_then_1_gb_for_30_bills_exactly_3_5_gb_hours(reporting_node, make_tenant, make_cache,
-                                                                          gap):  # fmt: skip
+def test_2_gb_for_90_minutes_then_1_gb_for_30_bills_exactly_3_5_gb_hours(reporting_node, make_tenant, make_cache, gap):
     cache = make_cache(make_tenant().tenant, reporting_node.node)
     start = hours_ago(4)
     for minute, nbytes in _two_then_one(start):
@@ -81,22 +88,25 @@ def test_a_node_restart_mid_hour_neither_loses_nor_doubles_usage(reporting_node,
     old_boot, new_boot = str(uuid.uuid4()), str(uuid.uuid4())
     # boot 1: 0..25 min at 1 GB, counters 0 -> 500 bytes written, 0 -> 50 tokens served
     for step, minute in enumerate(range(0, 30, 5)):
-        reporting_node.report(start + minute * MINUTE, [entry(cache, device=GB, written=100 * step, served=10 * step)],
-                              boot_id=old_boot)  # fmt: skip
+        reporting_node.report(
+            start + minute * MINUTE, [entry(cache, device=GB, written=100 * step, served=10 * step)], boot_id=old_boot
+        )
     # the agent restarts at minute 27; boot 2 reports from minute 28, its counters from 0 again: +30 bytes, +4 tokens
     for step, minute in enumerate([28, 33, 38, 43, 48, 53, 58]):
         sample = entry(cache, device=GB, written=10 * step, served=2 * step // 3)
         reporting_node.report(start + minute * MINUTE, [sample], boot_id=new_boot, sequence=step + 1)
-    reporting_node.report(start + 60 * MINUTE, [entry(cache, device=0, written=60, served=4)], boot_id=new_boot,
-                          sequence=99)  # fmt: skip
+    reporting_node.report(
+        start + 60 * MINUTE, [entry(cache, device=0, written=60, served=4)], boot_id=new_boot, sequence=99
+    )
     _rollup(start)
     device, _, _, written, served = _ledger(cache)[start]
     assert device == GB * 3600  # one full hour of 1 GB: the old boot's last sample held until the new boot's first
     assert written == 500 + 60 and served == 50 + 4
 
 
-def test_a_late_report_inside_the_grace_counts_and_after_it_is_ignored(reporting_node, make_tenant, make_cache, gap,
-                                                                      settings):  # fmt: skip
+def test_a_late_report_inside_the_grace_counts_and_after_it_is_ignored(
+    reporting_node, make_tenant, make_cache, gap, settings
+):
     cache = make_cache(make_tenant().tenant, reporting_node.node)
     start = hours_ago(3)
     for minute in (0, 5, 15, 20):  # the report of minute 10 is still queued on the node
@@ -120,12 +130,14 @@ def test_a_sample_holds_at_most_the_max_gap(reporting_node, make_tenant, make_ca
     reporting_node.report(start + timedelta(hours=2), [entry(cache, device=GB)])  # the node was silent for 2 h
     _rollup(start)
     assert {hour: row[0] for hour, row in _ledger(cache).items()} == {
-        start: GB * 300, start + timedelta(hours=2): GB * 300
+        start: GB * 300,
+        start + timedelta(hours=2): GB * 300,
     }
 
 
-def test_the_rollup_is_reproducible_and_pruning_keeps_the_open_hours(reporting_node, make_tenant, make_cache, gap,
-                                                                     settings):  # fmt: skip
+def test_the_rollup_is_reproducible_and_pruning_keeps_the_open_hours(
+    reporting_node, make_tenant, make_cache, gap, settings
+):
     cache = make_cache(make_tenant().tenant, reporting_node.node)
     start = hours_ago(6)
     for step, minute in enumerate(range(0, 6 * 60, 5)):

@@ -36,10 +36,16 @@ def test_a_report_lands_as_one_sample_per_cache(reporting_node, make_tenant, mak
     assert set(samples) == {first.pk, second.pk}
     one = samples[first.pk]
     assert (one.device_bytes, one.bytes_written_total, one.tokens_served_total, one.tenant_id) == (
-        2 * GB, 10, 3, tenant.pk
+        2 * GB,
+        10,
+        3,
+        tenant.pk,
     )
     assert (one.node_id, str(one.boot_id), one.sequence, one.sampled_at) == (
-        reporting_node.node.pk, reporting_node.boot_id, 1, at
+        reporting_node.node.pk,
+        reporting_node.boot_id,
+        1,
+        at,
     )
 
 
@@ -49,8 +55,7 @@ def test_a_duplicate_answers_duplicate_and_changes_nothing(reporting_node, make_
     assert reporting_node.post(body).json()["duplicate"] is False
     changed = dict(body, caches=[entry(cache, device=7 * GB)])  # same idempotency id, other values
     again = reporting_node.post(changed)
-    assert again.status_code == 200 and again.json() == {"duplicate": True, "late": False, "accepted": 0,
-                                                          "refused": []}  # fmt: skip
+    assert again.status_code == 200 and again.json() == {"duplicate": True, "late": False, "accepted": 0, "refused": []}
     assert list(UsageSample.objects.values_list("device_bytes", flat=True)) == [GB]
     assert UsageReport.objects.count() == 1
 
@@ -65,14 +70,16 @@ def test_the_same_sequence_of_another_boot_or_node_is_another_report(make_report
     assert sorted(UsageSample.objects.values_list("device_bytes", flat=True)) == [1, 2, 3]
 
 
-def test_entries_for_caches_not_placed_on_the_node_are_refused_and_audited(make_reporting_node, make_tenant,
-                                                                           make_cache):  # fmt: skip
+def test_entries_for_caches_not_placed_on_the_node_are_refused_and_audited(
+    make_reporting_node, make_tenant, make_cache
+):
     node, elsewhere = make_reporting_node(), make_reporting_node()
     tenant = make_tenant().tenant
     mine, foreign, unknown = make_cache(tenant, node.node), make_cache(tenant, elsewhere.node), uuid.uuid4()
     before = AuditEvent.objects.count()
-    answer = node.report(_now(), [entry(mine, device=1), entry(foreign, device=2),
-                                  {**entry(mine), "cache_id": str(unknown)}])  # fmt: skip
+    answer = node.report(
+        _now(), [entry(mine, device=1), entry(foreign, device=2), {**entry(mine), "cache_id": str(unknown)}]
+    )
     assert answer["accepted"] == 1
     assert sorted(r["cache_id"] for r in answer["refused"]) == sorted([str(foreign.pk), str(unknown)])
     assert {r["reason"] for r in answer["refused"]} == {"not_placed_on_node"}
@@ -81,7 +88,10 @@ def test_entries_for_caches_not_placed_on_the_node_are_refused_and_audited(make_
     assert AuditEvent.objects.count() == before + 1 and events.count() == 1
     event = events.get()
     assert (event.actor_kind, event.actor_id, event.target_type, event.target_id) == (
-        "node", str(node.node.pk), "node", str(node.node.pk)
+        "node",
+        str(node.node.pk),
+        "node",
+        str(node.node.pk),
     )
     assert sorted(event.new_values["refused_cache_ids"]) == sorted([str(foreign.pk), str(unknown)])
 
@@ -115,8 +125,21 @@ def test_a_time_ahead_of_the_control_plane_beyond_the_skew_is_400(reporting_node
         ({"sequence": 0}, "sequence"),
         ({"boot_id": "not-a-uuid"}, "boot_id"),
         ({"sampled_at": "yesterday"}, "sampled_at"),
-        ({"caches": [{"cache_id": str(uuid.uuid4()), "device_bytes": -1, "dram_bytes": 0, "ssd_bytes": 0,
-                      "bytes_written_total": 0, "tokens_served_total": 0}]}, "caches"),
+        (
+            {
+                "caches": [
+                    {
+                        "cache_id": str(uuid.uuid4()),
+                        "device_bytes": -1,
+                        "dram_bytes": 0,
+                        "ssd_bytes": 0,
+                        "bytes_written_total": 0,
+                        "tokens_served_total": 0,
+                    }
+                ]
+            },
+            "caches",
+        ),
         ({"caches": [{"cache_id": str(uuid.uuid4()), "device_bytes": 2**63}]}, "caches"),
         ({"caches": "all"}, "caches"),
     ],
@@ -134,8 +157,17 @@ def test_a_cache_listed_twice_is_400(reporting_node, make_tenant, make_cache):
 
 
 def test_the_entries_of_one_report_are_bounded(reporting_node):
-    many = [{"cache_id": str(uuid.uuid4()), "device_bytes": 0, "dram_bytes": 0, "ssd_bytes": 0,
-             "bytes_written_total": 0, "tokens_served_total": 0} for _ in range(10_001)]  # fmt: skip
+    many = [
+        {
+            "cache_id": str(uuid.uuid4()),
+            "device_bytes": 0,
+            "dram_bytes": 0,
+            "ssd_bytes": 0,
+            "bytes_written_total": 0,
+            "tokens_served_total": 0,
+        }
+        for _ in range(10_001)
+    ]
     _error(reporting_node.post(reporting_node.body(_now(), many)), 400, "validation_error")
 
 

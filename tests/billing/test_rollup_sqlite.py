@@ -15,8 +15,13 @@ from pathlib import Path
 from tests.billing import rollup_scenario
 
 REPO = Path(__file__).resolve().parents[2]
-SERVICE_ENV = {"DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "CELERY_BROKER_TRANSPORT_OPTIONS",
-               "DJANGO_SETTINGS_MODULE"}  # fmt: skip
+SERVICE_ENV = {
+    "DATABASE_URL",
+    "REDIS_URL",
+    "CELERY_BROKER_URL",
+    "CELERY_BROKER_TRANSPORT_OPTIONS",
+    "DJANGO_SETTINGS_MODULE",
+}
 
 
 def sqlite_env(var_dir: Path) -> dict:
@@ -26,8 +31,14 @@ def sqlite_env(var_dir: Path) -> dict:
 
 
 def manage(env: dict, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "manage.py", *args], cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "manage.py", *args],
+        cwd=REPO,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def scenario(env: dict, *step: str) -> subprocess.Popen:

@@ -26,11 +26,20 @@ pytestmark = pytest.mark.django_db
 def principals(make_tenant, make_cache, reporting_node, fast_password_hasher):
     tenant = make_tenant(scopes=("usage:write", "caches:read"))
     cache = make_cache(tenant.tenant, reporting_node.node)
-    LedgerHour.objects.create(cache=cache, tenant=tenant.tenant, hour=datetime(2026, 3, 1, tzinfo=UTC),
-                              device_byte_seconds=7 * GB * 1800, ssd_byte_seconds=5)  # fmt: skip
+    LedgerHour.objects.create(
+        cache=cache,
+        tenant=tenant.tenant,
+        hour=datetime(2026, 3, 1, tzinfo=UTC),
+        device_byte_seconds=7 * GB * 1800,
+        ssd_byte_seconds=5,
+    )
     user = get_user_model().objects.create_user(f"ops-{uuid.uuid4().hex[:6]}", password=PASSWORD, is_staff=True)
     staff = base64.b64encode(f"{user.username}:{PASSWORD}".encode()).decode()
-    return {"tenant": f"Bearer {tenant.raw_key}", "staff": f"Basic {staff}", "node": f"Bearer {reporting_node.credential}"}
+    return {
+        "tenant": f"Bearer {tenant.raw_key}",
+        "staff": f"Basic {staff}",
+        "node": f"Bearer {reporting_node.credential}",
+    }
 
 
 def _principal(operation_id: str) -> str:
@@ -43,9 +52,13 @@ def test_billing_endpoints_conform_to_the_schema(wsgi_app, principals):
     schema = schemathesis.openapi.from_wsgi("/api/schema/?format=json", wsgi_app).include(path_regex=BILLING_PATHS)
     operations = [result.ok() for result in schema.get_all_operations()]
     assert sorted(op.definition.raw["operationId"] for op in operations) == [
-        "admin_rates_create", "admin_rates_list", "invoices_list", "invoices_retrieve", "nodes_usage",
+        "admin_rates_create",
+        "admin_rates_list",
+        "invoices_list",
+        "invoices_retrieve",
+        "nodes_usage",
         "usage_retrieve",
-    ]  # fmt: skip
+    ]
     for operation in operations:
         operation_id = operation.definition.raw["operationId"]
         headers = {"Authorization": principals[_principal(operation_id)]}

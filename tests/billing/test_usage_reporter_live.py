@@ -32,8 +32,9 @@ def placed(reporting_node, make_tenant, make_cache):
 
 def _reporter(control: ControlPlane, cache, **options) -> UsageReporter:
     written = iter(range(0, 10**6, 100))
-    return UsageReporter(snapshot=lambda: [entry(cache, device=GB, written=next(written))], send=control.usage,
-                         clock=Clock(), **options)  # fmt: skip
+    return UsageReporter(
+        snapshot=lambda: [entry(cache, device=GB, written=next(written))], send=control.usage, clock=Clock(), **options
+    )
 
 
 def test_reports_land_as_samples_of_one_boot_in_sequence(live_server, placed):
@@ -42,7 +43,9 @@ def test_reports_land_as_samples_of_one_boot_in_sequence(live_server, placed):
     assert [reporter.tick() for _ in range(3)] == [1, 1, 1] and reporter.pending == []
     samples = list(UsageSample.objects.order_by("sequence"))
     assert [(s.sequence, str(s.boot_id), s.cache_id, s.bytes_written_total) for s in samples] == [
-        (1, reporter.boot_id, cache.pk, 0), (2, reporter.boot_id, cache.pk, 100), (3, reporter.boot_id, cache.pk, 200)
+        (1, reporter.boot_id, cache.pk, 0),
+        (2, reporter.boot_id, cache.pk, 100),
+        (3, reporter.boot_id, cache.pk, 200),
     ]
     assert UsageReport.objects.filter(node=node.node).count() == 3
 
@@ -82,8 +85,9 @@ def test_a_report_refused_for_good_is_dropped_and_the_next_goes_through(live_ser
 
 def test_the_queue_is_bounded_dropping_the_oldest(placed):
     node, cache = placed
-    reporter = _reporter(ControlPlane(f"http://127.0.0.1:{free_port()}", node.credential, timeout=2), cache,
-                         max_queued=2)  # fmt: skip
+    reporter = _reporter(
+        ControlPlane(f"http://127.0.0.1:{free_port()}", node.credential, timeout=2), cache, max_queued=2
+    )
     for _ in range(4):
         reporter.collect()
     assert [r["sequence"] for r in reporter.pending] == [3, 4]

@@ -94,14 +94,21 @@ def make_node(db):
     """make_node(device=, dram=, ssd=) -> a registered (ready, live lease) Node holding the test sealing key
     (tests/fleet/node_keys.py; sealing_public_key=None: an agent older than key sealing)."""
 
-    def make(*, device: int = 8 * GIB, dram: int = 64 * GIB, ssd: int = 512 * GIB, now=None,
-             sealing_public_key: str | None = TEST_SEALING_PUBLIC_KEY) -> Node:  # fmt: skip
+    def make(
+        *,
+        device: int = 8 * GIB,
+        dram: int = 64 * GIB,
+        ssd: int = 512 * GIB,
+        now=None,
+        sealing_public_key: str | None = TEST_SEALING_PUBLIC_KEY,
+    ) -> Node:
         issued = fleet_services.node_create(name=f"node-{next(_names)}-{uuid.uuid4().hex[:6]}")
         fleet_services.node_register(
             node_id=issued.node.pk,
             endpoint=f"10.1.0.1:{next(_ports)}",
             capacity={"device": device, "dram": dram, "ssd": ssd},
-            now=now, sealing_public_key=sealing_public_key,
+            now=now,
+            sealing_public_key=sealing_public_key,
         )
         return Node.objects.get(pk=issued.node.pk)
 
@@ -241,8 +248,12 @@ def running_workers(*apps_and_queues):
             self.app.set_current()  # runs in the worker's own thread
             return super().start()
 
-    options = {"perform_ping_check": False, "shutdown_timeout": 20, "use_eventloop": False,
-               "WorkController": OwnAppWorkController}  # fmt: skip
+    options = {
+        "perform_ping_check": False,
+        "shutdown_timeout": 20,
+        "use_eventloop": False,
+        "WorkController": OwnAppWorkController,
+    }
     task_postrun.connect(_close_thread_connections, weak=False)
     try:
         with contextlib.ExitStack() as stack:

@@ -16,7 +16,6 @@ from kcaas.node_messages import CONTROL_QUEUE, DetachCache, DetachResult, NodeMe
 from kcaas.spec import KVCacheSpec
 from tests.fleet.node_keys import TEST_SEALING_PUBLIC_KEY, opened
 
-
 node_app = Celery("kcaas-test-node", broker=os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/14"))
 node_app.conf.update(
     task_serializer="json",
@@ -64,7 +63,9 @@ def provision_cache(*args, **fields) -> None:
     ok = fail_reason is None and len(hash_key) == 32 and order.capacity["device"] >= layout.block_bytes
     reason = "" if ok else (fail_reason or "bad provisioning request")
     endpoint = behaviour.endpoint if ok else ""
-    _answer(ProvisionResult(cache_id=order.cache_id, node_id=behaviour.node_id, ok=ok, reason=reason, endpoint=endpoint))
+    _answer(
+        ProvisionResult(cache_id=order.cache_id, node_id=behaviour.node_id, ok=ok, reason=reason, endpoint=endpoint)
+    )
 
 
 @node_app.task(name=DetachCache.TASK, shared=False)

@@ -1,15 +1,13 @@
 """POST /api/v1/caches: validation codes, the created cache, the message to its node, quota refusals."""
 
-
 import pytest
 
 from caches.models import Cache, CacheState
 from caches.sealing import hash_key_unseal
 from core.celery import app as celery_app
-from kcaas.node_messages import node_queue
-from kcaas.node_messages import PROVISION_TASK, ProvisionCache
-from tests.fleet.node_keys import opened
+from kcaas.node_messages import PROVISION_TASK, ProvisionCache, node_queue
 from tests.caches.conftest import BLOCK_BYTES, GIB, SPEC, attach_body, purge_node_queue, reserved
+from tests.fleet.node_keys import opened
 
 pytestmark = pytest.mark.django_db
 
@@ -130,7 +128,8 @@ def test_provisioning_is_sent_to_the_nodes_queue_on_commit(tenant_a, node, djang
     assert order.tenant_id == str(cache.tenant_id) and order.ssd_key_box == ""
     assert order.capacity == {"device": 64 * BLOCK_BYTES, "dram": 0, "ssd": 0}
     assert opened(order.hash_key_box, task=PROVISION_TASK, node_id=node.pk, cache_id=cache.pk) == hash_key_unseal(
-        cache_id=cache.pk, sealed=cache.hash_key_sealed)
+        cache_id=cache.pk, sealed=cache.hash_key_sealed
+    )
 
 
 def test_rolled_back_attach_sends_nothing(tenant_a, make_node, django_capture_on_commit_callbacks):

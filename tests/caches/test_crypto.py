@@ -63,9 +63,10 @@ def test_signing_key_file_is_created_once_with_mode_0600(tmp_path, settings):
     assert len(set(results)) == 1  # racing creators agree on one key
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert [p.name for p in path.parent.iterdir()] == ["token.pem"]  # no temporary file left behind
-    assert signing.public_jwk()["x"] == signing.public_jwk_of(
-        serialization.load_pem_private_key(path.read_bytes(), None).public_key()
-    )["x"]
+    assert (
+        signing.public_jwk()["x"]
+        == signing.public_jwk_of(serialization.load_pem_private_key(path.read_bytes(), None).public_key())["x"]
+    )
 
 
 def test_signing_key_from_pem_setting_wins(settings, tmp_path):

@@ -58,8 +58,9 @@ def indexed_blocks(directory) -> int:
 
 def data_plane(tenant, cache: dict, pki) -> DataPlaneClient:
     token = tenant.client.post(f"/api/v1/caches/{cache['id']}/tokens", {"access": "readwrite"}, format="json")
-    return DataPlaneClient(cache["endpoint"], token.json()["token"], cache["id"], LAYOUT, ssl_context=client_tls(pki),
-                           timeout=20)  # fmt: skip
+    return DataPlaneClient(
+        cache["endpoint"], token.json()["token"], cache["id"], LAYOUT, ssl_context=client_tls(pki), timeout=20
+    )
 
 
 def kv_of(seed: int):

@@ -100,8 +100,12 @@ def test_keys_without_caches_scope_see_nothing(tenant_a, node):
 def test_unauthenticated_and_bad_keys_are_401(client, tenant_a, node, fast_password_hasher):
     cache_id = _attach(tenant_a)["id"]
     for headers in ({}, {"HTTP_AUTHORIZATION": "Bearer kc_live_nope"}, {"HTTP_AUTHORIZATION": "Basic Zm9vOmJhcg=="}):
-        for method, url in (("get", "/api/v1/caches"), ("get", f"/api/v1/caches/{cache_id}"),
-                            ("delete", f"/api/v1/caches/{cache_id}"), ("post", "/api/v1/caches")):
+        for method, url in (
+            ("get", "/api/v1/caches"),
+            ("get", f"/api/v1/caches/{cache_id}"),
+            ("delete", f"/api/v1/caches/{cache_id}"),
+            ("post", "/api/v1/caches"),
+        ):
             response = getattr(client, method)(url, **headers)
             assert response.status_code == 401, (method, url, headers, response.content)
             assert set(response.json()["error"]) == {"code", "message", "details"}

@@ -5,10 +5,10 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from kcaas.node_messages import DetachResult, ProvisionResult
 from caches import services, tasks
 from caches.models import Cache, CacheState
 from fleet.models import NodeState
+from kcaas.node_messages import DetachResult, ProvisionResult
 from tests.caches.conftest import BLOCK_BYTES, attach_body, make_ready, reserved
 
 pytestmark = pytest.mark.django_db

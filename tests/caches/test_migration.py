@@ -16,7 +16,6 @@ from audit.models import AuditEvent
 from caches.migration import migration_start
 from caches.models import Cache, Migration
 from core.celery import app as control_app
-from kcaas.node_messages import node_queue
 from fleet.models import OPEN_ORDER_STATES, Node, NodeOrder, NodeState
 from gpu_node import block_transfer as bt
 from gpu_node.dev_pki import new_ca, write_node_pki
@@ -25,6 +24,7 @@ from gpu_node.migration_fence import MovedError, fences_for
 from gpu_node.migration_tasks import NodeMigration
 from gpu_node.node_tasks import build_node_app
 from gpu_node.registry import CacheRegistry
+from kcaas.node_messages import node_queue
 from tests.caches.conftest import BLOCK_BYTES, attach_body, purge_node_queue, reserved, running_workers, wait_for_state
 from tests.fleet.node_keys import TEST_SEALING_KEY
 from tests.waiting import eventually
@@ -50,11 +50,20 @@ def nodes(tmp_path_factory):
         files = write_node_pki(directory, ca_key, ca_cert, str(node_id))
         registry = CacheRegistry(device_capacity_bytes=DEVICE[node_id], device="cpu")
         listener = MigrationListener(registry, mtls_server_context(**_files(files))).start()
-        migration = NodeMigration(registry=registry, node_id=str(node_id), listener=listener,
-                                  client_context=mtls_client_context(**_files(files)))  # fmt: skip
-        app = build_node_app(broker_url=os.environ["CELERY_BROKER_URL"], node_id=str(node_id),
-                             endpoint=ENDPOINTS[node_id], registry=registry, migration=migration,
-                             sealing_key=TEST_SEALING_KEY)  # fmt: skip
+        migration = NodeMigration(
+            registry=registry,
+            node_id=str(node_id),
+            listener=listener,
+            client_context=mtls_client_context(**_files(files)),
+        )
+        app = build_node_app(
+            broker_url=os.environ["CELERY_BROKER_URL"],
+            node_id=str(node_id),
+            endpoint=ENDPOINTS[node_id],
+            registry=registry,
+            migration=migration,
+            sealing_key=TEST_SEALING_KEY,
+        )
         sides[node_id] = (registry, migration)
         apps.append((app, [node_queue(node_id)]))
     try:
@@ -119,8 +128,10 @@ def test_migrate_one_cache_bit_exact_with_epoch_flip(tenant_a, fleet):
 
 
 def test_drain_moves_every_cache_off_and_cordons(tenant_a, tenant_b, fleet, staff_client):
-    moved = [ready_cache_with_data(tenant, fleet[SOURCE][0], f"drain-{i}", 10 + i)
-             for i, tenant in enumerate((tenant_a, tenant_b))]  # fmt: skip
+    moved = [
+        ready_cache_with_data(tenant, fleet[SOURCE][0], f"drain-{i}", 10 + i)
+        for i, tenant in enumerate((tenant_a, tenant_b))
+    ]
     response = staff_client.post(f"/api/v1/admin/nodes/{SOURCE}/drain")
     assert response.status_code == 200, response.content
     assert len(response.json()["migrations"]) == 2
@@ -134,8 +145,9 @@ def test_drain_moves_every_cache_off_and_cordons(tenant_a, tenant_b, fleet, staf
     # settle before the test's database is flushed: every answer the nodes owe has landed (a provisioning answer
     # arriving during the flush deadlocked with its TRUNCATE)
     wait_for_state(tenant_a.client, again.json()["id"], "ready")
-    assert eventually(lambda: not NodeOrder.objects.filter(state__in=OPEN_ORDER_STATES, expects_answer=True).exists(),
-                      timeout=30)  # fmt: skip
+    assert eventually(
+        lambda: not NodeOrder.objects.filter(state__in=OPEN_ORDER_STATES, expects_answer=True).exists(), timeout=30
+    )
 
 
 def test_drain_is_staff_only(tenant_a, fleet):

@@ -8,8 +8,8 @@ import pytest
 
 from caches.migration import MigrationConflict, migration_progress, migration_result, migration_start
 from caches.models import Cache, Migration
-from tests.caches.conftest import BLOCK_BYTES, reserved
 from kcaas.node_messages import MigrateAbort
+from tests.caches.conftest import BLOCK_BYTES, reserved
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

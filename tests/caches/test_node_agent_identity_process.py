@@ -39,8 +39,14 @@ def agent_with_identity(live_server, tmp_path):
         "KCAAS_NODE_TLS_FROM_IDENTITY": "1",
         "LOG_LEVEL": "WARNING",
     }
-    process = subprocess.Popen([sys.executable, "-m", "gpu_node.agent"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gpu_node.agent"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = process.stdout.readline()
         if "ready" not in line:

@@ -42,7 +42,11 @@ def agent_process(live_server, settings, control_worker):
         "KCAAS_NODE_METRICS_PORT": str(free_port()),
     }
     process = subprocess.Popen(
-        [sys.executable, "-m", "gpu_node.agent"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [sys.executable, "-m", "gpu_node.agent"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
     )
     try:
@@ -61,7 +65,9 @@ def agent_process(live_server, settings, control_worker):
 def test_the_agent_registers_provisions_heartbeats_and_stops_on_sigterm(agent_process, tenant_a):
     process, node_id, metrics_port = agent_process
     node = Node.objects.get(pk=node_id)
-    assert node.state == "ready" and node.endpoint == "127.0.0.1:7301" and node.device_capacity_bytes == 64 * BLOCK_BYTES
+    assert (
+        node.state == "ready" and node.endpoint == "127.0.0.1:7301" and node.device_capacity_bytes == 64 * BLOCK_BYTES
+    )
 
     response = tenant_a.client.post("/api/v1/caches", attach_body(device=16 * BLOCK_BYTES), format="json")
     assert response.status_code == 201

@@ -12,20 +12,17 @@ import torch
 from rest_framework.test import APIClient
 
 from core.celery import app as control_app
-
-from kcaas.node_messages import node_queue
-from fleet.models import Node
 from fleet.credentials import credential_new
+from fleet.models import Node
 from gpu_node.block_hash import tokens_as_int32
 from gpu_node.engine_tiers import CachePurged
 from gpu_node.node_tasks import build_node_app
 from gpu_node.registry import CacheRegistry
 from gpu_node.tokens import RevocationList
-from kcaas.node_messages import PURGE_TENANT_TASK
+from kcaas.node_messages import PURGE_TENANT_TASK, PurgeTenant, node_queue
 from tests.caches.conftest import BLOCK_BYTES, attach_body, purge_node_queue, running_workers, wait_for_state
 from tests.fleet.node_keys import TEST_SEALING_KEY, TEST_SEALING_PUBLIC_KEY
 from tests.waiting import eventually
-from kcaas.node_messages import PurgeTenant
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -38,8 +35,14 @@ NODE_DEVICE_BYTES = 100 * BLOCK_BYTES
 def node_side():
     registry = CacheRegistry(device_capacity_bytes=NODE_DEVICE_BYTES, device="cpu")
     revocations = RevocationList()
-    node_app = build_node_app(broker_url=os.environ["CELERY_BROKER_URL"], node_id=str(NODE_ID), endpoint=ENDPOINT,
-                              registry=registry, revocations=revocations, sealing_key=TEST_SEALING_KEY)  # fmt: skip
+    node_app = build_node_app(
+        broker_url=os.environ["CELERY_BROKER_URL"],
+        node_id=str(NODE_ID),
+        endpoint=ENDPOINT,
+        registry=registry,
+        revocations=revocations,
+        sealing_key=TEST_SEALING_KEY,
+    )
     try:
         with running_workers((control_app, ["control"]), (node_app, [node_queue(NODE_ID)])):
             yield registry, revocations
@@ -92,12 +95,16 @@ def test_revoked_tokens_reach_the_node_and_its_heartbeat_answers(tenant_a, tenan
 
     # the node's own calls carry the list: a restarted agent (an empty RevocationList) learns both at register
     credential = credential_new()
-    Node.objects.filter(pk=NODE_ID).update(credential_public_id=credential.public_id,
-                                           credential_hash=credential.secret_hash)  # fmt: skip
+    Node.objects.filter(pk=NODE_ID).update(
+        credential_public_id=credential.public_id, credential_hash=credential.secret_hash
+    )
     agent = APIClient()
     agent.credentials(HTTP_AUTHORIZATION=f"Bearer {credential.raw}")
-    body = {"endpoint": ENDPOINT, "capacity": {"device": NODE_DEVICE_BYTES, "dram": 0, "ssd": 0},
-            "sealing_public_key": TEST_SEALING_PUBLIC_KEY}
+    body = {
+        "endpoint": ENDPOINT,
+        "capacity": {"device": NODE_DEVICE_BYTES, "dram": 0, "ssd": 0},
+        "sealing_public_key": TEST_SEALING_PUBLIC_KEY,
+    }
     registered = agent.post("/api/v1/nodes/register", {**body, "caches": [cache_id]}, format="json")
     assert registered.status_code == 200, registered.content
     fresh = RevocationList()

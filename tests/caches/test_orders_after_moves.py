@@ -31,7 +31,9 @@ def test_a_failed_migrations_detach_does_not_outlive_a_new_migration_to_the_same
     migration_progress(migration_id=first.pk, node_id=target.pk, phase="ready", info={})
     migration_result(migration_id=first.pk, node_id=source.pk, ok=False, reason="ConnectionError")
     (detach,) = [o for o in open_orders(node_id=target.pk) if o.task == DETACH_TASK]
-    assert detach.args == DetachCache(cache_id=str(cache.pk), epoch=2).to_dict()  # the target's copy at epoch_to; its answer is lost, it is re-sent
+    assert (
+        detach.args == DetachCache(cache_id=str(cache.pk), epoch=2).to_dict()
+    )  # the target's copy at epoch_to; its answer is lost, it is re-sent
     second = migration_start(cache_id=cache.pk, target_node_id=target.pk)  # the same target, the same epoch_to
     migration_progress(migration_id=second.pk, node_id=target.pk, phase="ready", info={})
     migration_result(migration_id=second.pk, node_id=source.pk, ok=True, info={"blocks": 3})
@@ -59,8 +61,14 @@ def test_an_order_whose_keys_no_longer_open_does_not_stop_the_dispatcher(placed,
     migration_start(cache_id=cache.pk, target_node_id=target.pk)  # migrate_in: keys unsealed at send time
     tenant_keys.tenant_key_destroy(tenant_id=tenant_a.tenant.pk)  # its keys are shredded while it waits
     other = make_node()
-    NodeOrder.objects.create(node=other, task=DETACH_TASK, key="cache:other", args=["x", 1], state=OrderState.PENDING,  # a row from before typed messages
-                             next_attempt_at=timezone.now() + timedelta(minutes=2))  # fmt: skip - due after it
+    NodeOrder.objects.create(
+        node=other,
+        task=DETACH_TASK,
+        key="cache:other",
+        args=["x", 1],
+        state=OrderState.PENDING,  # a row from before typed messages
+        next_attempt_at=timezone.now() + timedelta(minutes=2),
+    )  # due after it
     counts = orders_dispatch(now=later(5))  # raised SealError, rolling back every send of the run
     assert counts["sent"] >= 1
     assert NodeOrder.objects.get(node=other, key="cache:other").state == OrderState.SENT

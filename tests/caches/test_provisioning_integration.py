@@ -10,9 +10,9 @@ from caches.models import Cache
 from caches.sealing import hash_key_unseal
 from kcaas.node_messages import PROVISION_TASK
 from tests.caches import node_consumer
+from tests.caches.conftest import SPEC, attach_body, reserved, wait_for_state
 from tests.fleet.node_keys import opened
 from tests.waiting import eventually
-from tests.caches.conftest import SPEC, attach_body, reserved, wait_for_state
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -43,12 +43,13 @@ def test_attach_provision_ready_then_detach(tenant_a, node, workers):
 
     ready = wait_for_state(tenant_a.client, cache_id, "ready")
     assert ready["endpoint"] == node.endpoint and ready["node_id"] == str(node.pk)
-    (name, (sent_id, spec, capacity, hash_key_box, epoch, tenant_id, ssd_key_box)), = workers.received
+    ((name, (sent_id, spec, capacity, hash_key_box, epoch, tenant_id, ssd_key_box)),) = workers.received
     cache = Cache.objects.get(pk=cache_id)
     assert (name, sent_id, spec, epoch, tenant_id) == ("provision_cache", cache_id, SPEC, 1, str(cache.tenant_id))
     assert capacity == cache.capacity()
     assert opened(hash_key_box, task=PROVISION_TASK, node_id=node.pk, cache_id=cache_id) == hash_key_unseal(
-        cache_id=cache.pk, sealed=cache.hash_key_sealed)
+        cache_id=cache.pk, sealed=cache.hash_key_sealed
+    )
     assert tenant_a.client.post(f"/api/v1/caches/{cache_id}/tokens", {}, format="json").status_code == 201
 
     detaching = tenant_a.client.delete(f"/api/v1/caches/{cache_id}")

@@ -14,15 +14,12 @@ import torch
 from caches.models import Cache
 from caches.sealing import hash_key_unseal
 from core.celery import app as control_app
-from kcaas.node_messages import node_queue
 from fleet.models import Node
 from gpu_node.block_hash import BlockHasher, tokens_as_int32
 from gpu_node.node_tasks import build_node_app
 from gpu_node.registry import CacheRegistry
-from kcaas.node_messages import MIGRATE_IN_TASK, PROVISION_TASK, ProvisionCache
+from kcaas.node_messages import MIGRATE_IN_TASK, PROVISION_TASK, ProvisionCache, node_queue
 from kcaas.sealing import NodeSealingKey, seal
-from tests.waiting import eventually
-from tests.fleet.node_keys import TEST_SEALING_KEY, TEST_SEALING_PUBLIC_KEY
 from tests.caches.conftest import (
     BLOCK_BYTES,
     attach_body,
@@ -31,6 +28,8 @@ from tests.caches.conftest import (
     running_workers,
     wait_for_state,
 )
+from tests.fleet.node_keys import TEST_SEALING_KEY, TEST_SEALING_PUBLIC_KEY
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -43,7 +42,10 @@ NODE_DEVICE_BYTES = 100 * BLOCK_BYTES
 def node_registry():
     registry = CacheRegistry(device_capacity_bytes=NODE_DEVICE_BYTES, device="cpu")
     node_app = build_node_app(
-        broker_url=os.environ["CELERY_BROKER_URL"], node_id=str(NODE_ID), endpoint=ENDPOINT, registry=registry,
+        broker_url=os.environ["CELERY_BROKER_URL"],
+        node_id=str(NODE_ID),
+        endpoint=ENDPOINT,
+        registry=registry,
         sealing_key=TEST_SEALING_KEY,
     )
     try:
@@ -105,8 +107,9 @@ def test_a_move_to_a_node_without_a_migration_listener_fails_at_once(tenant_a, n
     cache = Cache.objects.get(pk=response.json()["id"])
     Cache.objects.filter(pk=cache.pk).update(node=source, state="ready")  # ready on another node
     moving = migration_start(cache_id=cache.pk, target_node_id=NODE_ID)
-    assert eventually(lambda: Migration.objects.get(pk=moving.pk).state == "failed", timeout=20), \
+    assert eventually(lambda: Migration.objects.get(pk=moving.pk).state == "failed", timeout=20), (
         "the migration was not refused"
+    )
     assert Migration.objects.get(pk=moving.pk).failure_reason == "migration_unavailable"
 
 
@@ -135,16 +138,42 @@ def _key_of(cache_id) -> bytes:
     return hash_key_unseal(cache_id=cache.pk, sealed=cache.hash_key_sealed)
 
 
-@pytest.mark.parametrize("forge, reason", [
-    (lambda order, key: _flip_ciphertext(order.hash_key_box), "sealed_key_invalid"),  # altered on the broker
-    (lambda order, key: seal(key, public_key_b64=TEST_SEALING_PUBLIC_KEY, task=PROVISION_TASK, node_id=NODE_ID,
-                            cache_id=uuid.uuid4(), field="hash_key"), "sealed_key_invalid"),  # another cache's box
-    (lambda order, key: seal(key, public_key_b64=TEST_SEALING_PUBLIC_KEY, task=MIGRATE_IN_TASK, node_id=NODE_ID,
-                             cache_id=order.cache_id, field="hash_key"), "sealed_key_invalid"),  # another task's box
-    (lambda order, key: base64.b64encode(key).decode(), "key_not_sealed"),  # the key in clear (an old control plane)
-], ids=["altered", "another_cache", "another_task", "in_clear"])  # fmt: skip
-def test_a_key_box_that_does_not_open_is_answered_failed_and_provisions_nothing(tenant_a, node, node_registry,
-                                                                                monkeypatch, forge, reason):  # fmt: skip
+@pytest.mark.parametrize(
+    "forge, reason",
+    [
+        (lambda order, key: _flip_ciphertext(order.hash_key_box), "sealed_key_invalid"),  # altered on the broker
+        (
+            lambda order, key: seal(
+                key,
+                public_key_b64=TEST_SEALING_PUBLIC_KEY,
+                task=PROVISION_TASK,
+                node_id=NODE_ID,
+                cache_id=uuid.uuid4(),
+                field="hash_key",
+            ),
+            "sealed_key_invalid",
+        ),  # another cache's box
+        (
+            lambda order, key: seal(
+                key,
+                public_key_b64=TEST_SEALING_PUBLIC_KEY,
+                task=MIGRATE_IN_TASK,
+                node_id=NODE_ID,
+                cache_id=order.cache_id,
+                field="hash_key",
+            ),
+            "sealed_key_invalid",
+        ),  # another task's box
+        (
+            lambda order, key: base64.b64encode(key).decode(),
+            "key_not_sealed",
+        ),  # the key in clear (an old control plane)
+    ],
+    ids=["altered", "another_cache", "another_task", "in_clear"],
+)
+def test_a_key_box_that_does_not_open_is_answered_failed_and_provisions_nothing(
+    tenant_a, node, node_registry, monkeypatch, forge, reason
+):
     cache_id, order = _attach_unsent(tenant_a, monkeypatch, "forged")
     forged = dataclasses.replace(order, hash_key_box=forge(order, _key_of(cache_id)))
     control_app.send_task(PROVISION_TASK, kwargs=forged.to_dict(), queue=node_queue(NODE_ID))
@@ -157,11 +186,19 @@ def test_a_box_sealed_to_another_nodes_key_is_not_opened_nor_answered(tenant_a, 
     """Sealed to a key this node does not hold (another node's, or its own before a restart without a kept key): it
     opens nothing and is not answered, so the order that follows, under this node's key, provisions the cache."""
     cache_id, order = _attach_unsent(tenant_a, monkeypatch, "elsewhere")
-    other = seal(_key_of(cache_id), public_key_b64=NodeSealingKey().public_key_b64, task=PROVISION_TASK,
-                 node_id=NODE_ID, cache_id=cache_id, field="hash_key")  # fmt: skip
+    other = seal(
+        _key_of(cache_id),
+        public_key_b64=NodeSealingKey().public_key_b64,
+        task=PROVISION_TASK,
+        node_id=NODE_ID,
+        cache_id=cache_id,
+        field="hash_key",
+    )
     elsewhere = dataclasses.replace(order, hash_key_box=other)
     control_app.send_task(PROVISION_TASK, kwargs=elsewhere.to_dict(), queue=node_queue(NODE_ID))
-    control_app.send_task(PROVISION_TASK, kwargs=order.to_dict(), queue=node_queue(NODE_ID))  # after it, in order (solo worker)
+    control_app.send_task(
+        PROVISION_TASK, kwargs=order.to_dict(), queue=node_queue(NODE_ID)
+    )  # after it, in order (solo worker)
     wait_for_state(tenant_a.client, cache_id, "ready")  # a failure answer to the first would have failed it
     hosted = node_registry.get(cache_id)
     tokens = tokens_as_int32(list(range(16)))
@@ -171,14 +208,19 @@ def test_a_box_sealed_to_another_nodes_key_is_not_opened_nor_answered(tenant_a, 
 
 
 # ---- typed messages (kcaas/node_messages.py): the node refuses what is not exactly one ------------------------------
-@pytest.mark.parametrize("malform, problem", [
-    (lambda fields: (tuple(v for k, v in fields.items() if k != "v"), {}), "positional"),  # an old sender's list
-    (lambda fields: ((), {k: v for k, v in fields.items() if k != "epoch"}), "'epoch': missing"),
-    (lambda fields: ((), {**fields, "epoch": "1"}), "'epoch': must be an integer"),
-    (lambda fields: ((), {**fields, "v": 2}), "'v': version 2"),
-], ids=["positional", "missing", "mistyped", "version"])  # fmt: skip
-def test_a_malformed_provisioning_order_is_answered_failed_and_provisions_nothing(tenant_a, node, node_registry,
-                                                                                  monkeypatch, malform, problem):
+@pytest.mark.parametrize(
+    "malform, problem",
+    [
+        (lambda fields: (tuple(v for k, v in fields.items() if k != "v"), {}), "positional"),  # an old sender's list
+        (lambda fields: ((), {k: v for k, v in fields.items() if k != "epoch"}), "'epoch': missing"),
+        (lambda fields: ((), {**fields, "epoch": "1"}), "'epoch': must be an integer"),
+        (lambda fields: ((), {**fields, "v": 2}), "'v': version 2"),
+    ],
+    ids=["positional", "missing", "mistyped", "version"],
+)
+def test_a_malformed_provisioning_order_is_answered_failed_and_provisions_nothing(
+    tenant_a, node, node_registry, monkeypatch, malform, problem
+):
     cache_id, order = _attach_unsent(tenant_a, monkeypatch, "malformed")
     args, kwargs = malform(order.to_dict())
     control_app.send_task(PROVISION_TASK, args=args, kwargs=kwargs, queue=node_queue(NODE_ID))

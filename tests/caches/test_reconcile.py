@@ -88,11 +88,15 @@ def test_a_ready_cache_the_node_stops_reporting_is_provisioned_again(tenant_a, n
     settled = timezone.now() - timedelta(seconds=10 * settings.KCAAS_NODE_HEARTBEAT_SECONDS)
     Cache.objects.filter(pk__in=[gone.pk, kept.pk]).update(updated_at=settled)
     credential = credential_new()
-    Node.objects.filter(pk=node.pk).update(credential_public_id=credential.public_id,
-                                           credential_hash=credential.secret_hash)  # fmt: skip
+    Node.objects.filter(pk=node.pk).update(
+        credential_public_id=credential.public_id, credential_hash=credential.secret_hash
+    )
     resident = [{"cache_id": str(kept.pk), "device_bytes": 0, "dram_bytes": 0, "ssd_bytes": 0}]
-    answer = bearer_client(credential.raw).post("/api/v1/nodes/heartbeat", {
-        "capacity": {"device": 8 << 30, "dram": 64 << 30, "ssd": 512 << 30}, "resident": resident}, format="json")
+    answer = bearer_client(credential.raw).post(
+        "/api/v1/nodes/heartbeat",
+        {"capacity": {"device": 8 << 30, "dram": 64 << 30, "ssd": 512 << 30}, "resident": resident},
+        format="json",
+    )
     assert answer.status_code == 200, answer.content
     states = dict(Cache.objects.filter(pk__in=[gone.pk, kept.pk, fresh.pk]).values_list("id", "state"))
     assert states == {gone.pk: CacheState.PROVISIONING, kept.pk: CacheState.READY, fresh.pk: CacheState.READY}

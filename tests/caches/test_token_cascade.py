@@ -56,7 +56,10 @@ def test_a_revoked_keys_tokens_are_listed_at_once_then_revoked_and_pushed_and_no
     assert DataToken.objects.filter(jti__in=by_key, revoked_at__isnull=False).count() == 2
     assert revoke_orders(node) == [set(by_key)]  # pushed to the cache's node
     assert data_tokens_revoke_cascade() == 0  # idempotent
-    assert not DataToken.objects.get(jti=by_other_key).revoked_at and not DataToken.objects.get(jti=tenant_b_token).revoked_at
+    assert (
+        not DataToken.objects.get(jti=by_other_key).revoked_at
+        and not DataToken.objects.get(jti=tenant_b_token).revoked_at
+    )
 
 
 def test_a_suspended_tenant_loses_every_data_token_and_gets_new_ones_when_reactivated(make_tenant, node):

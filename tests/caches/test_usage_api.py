@@ -109,10 +109,14 @@ def test_each_tenant_sees_only_its_own_numbers(tenant_a, tenant_b, node):
 
     a, b = _usage(tenant_a.client), _usage(tenant_b.client)
     assert (a["tenant_id"], a["used"]["caches"], a["used"]["device_bytes"]) == (
-        str(tenant_a.tenant.pk), 2, 128 * BLOCK_BYTES
+        str(tenant_a.tenant.pk),
+        2,
+        128 * BLOCK_BYTES,
     )
     assert (b["tenant_id"], b["used"]["caches"], b["used"]["device_bytes"]) == (
-        str(tenant_b.tenant.pk), 1, 16 * BLOCK_BYTES
+        str(tenant_b.tenant.pk),
+        1,
+        16 * BLOCK_BYTES,
     )
     # naming another tenant is a 404, like every other tenant-confined read
     _error(tenant_a.client.get(URL, {"tenant_id": str(tenant_b.tenant.pk)}), 404, "not_found")

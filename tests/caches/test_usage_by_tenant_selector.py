@@ -16,8 +16,12 @@ pytestmark = pytest.mark.django_db
 
 
 def _attach(tenant, name, device_blocks):
-    return cache_attach(tenant_id=tenant.pk, name=name, spec=KVCacheSpec(**SPEC),
-                        capacity={"device": device_blocks * BLOCK_BYTES, "dram": BLOCK_BYTES, "ssd": 0})  # fmt: skip
+    return cache_attach(
+        tenant_id=tenant.pk,
+        name=name,
+        spec=KVCacheSpec(**SPEC),
+        capacity={"device": device_blocks * BLOCK_BYTES, "dram": BLOCK_BYTES, "ssd": 0},
+    )
 
 
 def test_counts_and_bytes_per_tenant_match_cache_usage(make_tenant, node):

@@ -10,6 +10,7 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group
 from django.test import Client
 from django_otp.oath import TOTP
+
 from console import roles
 from console.models import ConsoleTOTPDevice as TOTPDevice
 

@@ -16,9 +16,17 @@ from tenants import services as tenant_services
 
 GIB = 2**30
 BLOCK = 2048  # bytes per block of SPEC: 2 layers x 2 (K, V) x 2 heads x 8 dims x 2 bytes x 16 tokens
-SPEC = KVCacheSpec.from_dict({"model_fingerprint": "tiny-llama@rev1", "num_layers": 2, "num_kv_heads": 2,
-                              "head_dim": 8, "block_size": 16, "kv_dtype": "float16",
-                              "storage_dtype": "float16"})  # fmt: skip
+SPEC = KVCacheSpec.from_dict(
+    {
+        "model_fingerprint": "tiny-llama@rev1",
+        "num_layers": 2,
+        "num_kv_heads": 2,
+        "head_dim": 8,
+        "block_size": 16,
+        "kv_dtype": "float16",
+        "storage_dtype": "float16",
+    }
+)
 _ports = itertools.count(7401)
 _names = itertools.count(1)
 
@@ -26,8 +34,11 @@ _names = itertools.count(1)
 def make_node(name: str, *, device: int = 8 * GIB, dram: int = 0, ssd: int = 0, register: bool = True) -> Node:
     issued = fleet_services.node_create(name=name)
     if register:
-        fleet_services.node_register(node_id=issued.node.pk, endpoint=f"10.9.0.1:{next(_ports)}",
-                                     capacity={"device": device, "dram": dram, "ssd": ssd})  # fmt: skip
+        fleet_services.node_register(
+            node_id=issued.node.pk,
+            endpoint=f"10.9.0.1:{next(_ports)}",
+            capacity={"device": device, "dram": dram, "ssd": ssd},
+        )
     return Node.objects.get(pk=issued.node.pk)
 
 
@@ -42,8 +53,9 @@ def make_tenant(name: str | None = None):
 
 def attach(tenant, name: str, *, device: int = 8 * BLOCK, dram: int = 0, ssd: int = 0) -> Cache:
     """A cache placed by the fleet's best fit, in state provisioning."""
-    return cache_services.cache_attach(tenant_id=tenant.pk, name=name, spec=SPEC,
-                                       capacity={"device": device, "dram": dram, "ssd": ssd})  # fmt: skip
+    return cache_services.cache_attach(
+        tenant_id=tenant.pk, name=name, spec=SPEC, capacity={"device": device, "dram": dram, "ssd": ssd}
+    )
 
 
 def make_ready(cache: Cache) -> Cache:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import re
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 from cryptography.hazmat.primitives import serialization
@@ -58,7 +58,7 @@ def text(response) -> str:
 
 def iso(moment: datetime) -> str:
     """A time as a naive UTC ISO string with microseconds (what the page reads as UTC)."""
-    return moment.astimezone(timezone.utc).replace(tzinfo=None).isoformat()
+    return moment.astimezone(UTC).replace(tzinfo=None).isoformat()
 
 
 def downloaded(response) -> str:
@@ -81,21 +81,24 @@ def test_events_are_listed_newest_first_with_every_column(readonly_client, trail
     assert "key.revoked" in body and "key:k2" in body and "acme" in body and "globex" in body
     assert f'href="?tenant={trail[0].tenant_id}"' in body
     assert "<details>" in body and "&quot;revoked&quot;: true" in body  # new values, in a disclosure
-    assert trail[0].occurred_at.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S") in body
+    assert trail[0].occurred_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S") in body
     assert 'type="datetime-local"' in body and '<select name="action"' in body
 
 
-@pytest.mark.parametrize("make_query, expected", [
-    (lambda t, e: {"tenant": str(t[0].pk)}, [1, 0]),
-    (lambda t, e: {"tenant": "acme"}, [1, 0]),
-    (lambda t, e: {"tenant": "  globex "}, [2]),
-    (lambda t, e: {"actor": "key:k2"}, [1]),
-    (lambda t, e: {"actor": "node"}, [2]),
-    (lambda t, e: {"action": str(int(AuditAction.NODE_LOST))}, [3]),
-    (lambda t, e: {"from": iso(e[1].occurred_at), "to": iso(e[3].occurred_at)}, [2, 1]),  # [from, to)
-    (lambda t, e: {"from": iso(e[1].occurred_at), "tenant": "acme", "actor": "key"}, [1]),
-    (lambda t, e: {"tenant": "acme", "action": str(int(AuditAction.NODE_LOST))}, []),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "make_query, expected",
+    [
+        (lambda t, e: {"tenant": str(t[0].pk)}, [1, 0]),
+        (lambda t, e: {"tenant": "acme"}, [1, 0]),
+        (lambda t, e: {"tenant": "  globex "}, [2]),
+        (lambda t, e: {"actor": "key:k2"}, [1]),
+        (lambda t, e: {"actor": "node"}, [2]),
+        (lambda t, e: {"action": str(int(AuditAction.NODE_LOST))}, [3]),
+        (lambda t, e: {"from": iso(e[1].occurred_at), "to": iso(e[3].occurred_at)}, [2, 1]),  # [from, to)
+        (lambda t, e: {"from": iso(e[1].occurred_at), "tenant": "acme", "actor": "key"}, [1]),
+        (lambda t, e: {"tenant": "acme", "action": str(int(AuditAction.NODE_LOST))}, []),
+    ],
+)
 def test_each_filter_and_their_combinations(readonly_client, tenants, trail, make_query, expected):
     page = readonly_client.get(EVENTS, make_query(tenants, trail))
     assert seqs(page) == [trail[i].seq for i in expected]
@@ -108,7 +111,7 @@ def test_times_are_read_and_shown_as_utc_whatever_the_server_zone(readonly_clien
     page = readonly_client.get(EVENTS, {"from": iso(trail[2].occurred_at)})
     assert seqs(page)[-2:] == [trail[3].seq, trail[2].seq]
     assert trail[0].seq not in seqs(page)
-    assert trail[2].occurred_at.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S") in text(page)
+    assert trail[2].occurred_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S") in text(page)
     assert seqs(readonly_client.get(EVENTS, {"to": "2000-01-01T00:00"})) == []  # the browser's minute precision
 
 
@@ -127,18 +130,21 @@ def test_paging_keeps_the_filters(readonly_client, tenants):
     assert seqs(readonly_client.get(EVENTS, {**query, "page": "junk"})) == mine[::-1][:50]
 
 
-@pytest.mark.parametrize("query, message", [
-    ({"from": "yesterday"}, "Enter a valid date/time."),
-    ({"to": "2026-13-45T99:00"}, "Enter a valid date/time."),
-    ({"from": "2030-01-01T00:00", "to": "2029-01-01T00:00"}, "“To” must be after “From”."),
-    ({"from": "2030-01-01T00:00", "to": "2030-01-01T00:00"}, "“To” must be after “From”."),
-    ({"tenant": "not-a-uuid"}, "No such tenant"),
-    ({"tenant": "x" * 101}, "at most 100 characters"),
-    ({"actor": "robot:1"}, "An actor is `kind` or `kind:id`"),
-    ({"actor": "user:"}, "An actor is `kind` or `kind:id`"),
-    ({"action": "99999"}, "Select a valid choice."),
-    ({"action": "key.issued"}, "Select a valid choice."),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "query, message",
+    [
+        ({"from": "yesterday"}, "Enter a valid date/time."),
+        ({"to": "2026-13-45T99:00"}, "Enter a valid date/time."),
+        ({"from": "2030-01-01T00:00", "to": "2029-01-01T00:00"}, "“To” must be after “From”."),
+        ({"from": "2030-01-01T00:00", "to": "2030-01-01T00:00"}, "“To” must be after “From”."),
+        ({"tenant": "not-a-uuid"}, "No such tenant"),
+        ({"tenant": "x" * 101}, "at most 100 characters"),
+        ({"actor": "robot:1"}, "An actor is `kind` or `kind:id`"),
+        ({"actor": "user:"}, "An actor is `kind` or `kind:id`"),
+        ({"action": "99999"}, "Select a valid choice."),
+        ({"action": "key.issued"}, "Select a valid choice."),
+    ],
+)
 def test_bad_filters_are_a_400_with_the_form_errors(readonly_client, trail, query, message):
     page = readonly_client.get(EVENTS, query)
     assert page.status_code == 400
@@ -157,8 +163,12 @@ def test_read_only_and_operator_see_events_but_cannot_export_or_verify(console_c
     client = console_client(role)
     page = client.get(EVENTS)
     assert page.status_code == 200 and "Export these events" not in text(page)
-    for answer in (client.get(EXPORT), client.post(EXPORT, {"format": "jsonl"}), client.get(VERIFY),
-                   client.post(VERIFY, {"export": SimpleUploadedFile("e.jsonl", b"{}")})):  # fmt: skip
+    for answer in (
+        client.get(EXPORT),
+        client.post(EXPORT, {"format": "jsonl"}),
+        client.get(VERIFY),
+        client.post(VERIFY, {"export": SimpleUploadedFile("e.jsonl", b"{}")}),
+    ):
         assert answer.status_code == 403 and "Your console role does not allow this." in text(answer)
     assert exported_events() == []
 
@@ -199,8 +209,7 @@ def test_a_jsonl_export_verifies_and_records_the_export_by_the_user(compliance_c
 
 def test_a_csv_tenant_export_holds_its_events_and_witnesses(compliance_client, tenants, trail):
     acme, globex = tenants
-    response = compliance_client.post(EXPORT, {"format": "csv", "tenant": "acme",
-                                               "from": iso(trail[0].occurred_at)})  # fmt: skip
+    response = compliance_client.post(EXPORT, {"format": "csv", "tenant": "acme", "from": iso(trail[0].occurred_at)})
     assert response["Content-Type"] == "text/csv; charset=utf-8"
     content = downloaded(response)
     assert str(acme.pk) in content and str(globex.pk) not in content
@@ -212,10 +221,11 @@ def test_a_csv_tenant_export_holds_its_events_and_witnesses(compliance_client, t
 
 
 def test_the_console_and_the_rest_export_are_the_same_file(compliance_client, staff, trail):  # noqa: F811
-    end = datetime.now(timezone.utc)
+    end = datetime.now(UTC)
     console = downloaded(compliance_client.post(EXPORT, {"format": "jsonl", "to": iso(end)}))
-    rest = b"".join(staff.client.get("/api/v1/audit/export", {"format": "jsonl", "to": end.isoformat()})
-                    .streaming_content).decode()  # fmt: skip
+    rest = b"".join(
+        staff.client.get("/api/v1/audit/export", {"format": "jsonl", "to": end.isoformat()}).streaming_content
+    ).decode()
 
     def without_generated_at(export: str) -> list[dict]:
         records = [json.loads(line) for line in export.splitlines()]
@@ -224,16 +234,21 @@ def test_the_console_and_the_rest_export_are_the_same_file(compliance_client, st
 
     assert without_generated_at(console) == without_generated_at(rest)
     assert [(e.actor_kind, e.actor_id) for e in exported_events()] == [
-        ("user", str(compliance_client.user.pk)), ("user", str(staff.user.pk))]
+        ("user", str(compliance_client.user.pk)),
+        ("user", str(staff.user.pk)),
+    ]
 
 
-@pytest.mark.parametrize("form, message", [
-    ({"format": "xml"}, "Select a valid choice."),
-    ({"format": "jsonl", "from": "2030-01-01T00:00", "to": "2029-01-01T00:00"}, "must be after"),
-    ({"format": "jsonl", "from": "2999-01-01T00:00"}, "must be in the past"),
-    ({"format": "jsonl", "from": "soon"}, "Enter a valid date/time."),
-    ({"format": "jsonl", "tenant": "initech"}, "No such tenant"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "form, message",
+    [
+        ({"format": "xml"}, "Select a valid choice."),
+        ({"format": "jsonl", "from": "2030-01-01T00:00", "to": "2029-01-01T00:00"}, "must be after"),
+        ({"format": "jsonl", "from": "2999-01-01T00:00"}, "must be in the past"),
+        ({"format": "jsonl", "from": "soon"}, "Enter a valid date/time."),
+        ({"format": "jsonl", "tenant": "initech"}, "No such tenant"),
+    ],
+)
 def test_a_bad_export_form_is_a_400_and_records_nothing(compliance_client, trail, form, message):
     answer = compliance_client.post(EXPORT, form)
     assert answer.status_code == 400 and message in text(answer) and "The export was not started" in text(answer)
@@ -339,8 +354,11 @@ def test_reordered_lines_are_named_by_seq(compliance_client, signed_trail):
 
 
 def other_key_pem() -> str:
-    return Ed25519PrivateKey.generate().private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()).decode()
+    return (
+        Ed25519PrivateKey.generate()
+        .private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        .decode()
+    )
 
 
 def test_an_export_resigned_with_another_key_is_untrusted(compliance_client, signed_trail):
@@ -349,8 +367,12 @@ def test_an_export_resigned_with_another_key_is_untrusted(compliance_client, sig
     forged_key = public_jwk_of(forger.public_key())
     records[0]["platform_key"] = forged_key
     for digest in (r for r in records if r["record_type"] == "digest"):
-        body = chain.digest_body(**{**{k: digest[k] for k in ("period_start", "period_end", "head_seq", "head_hash",
-                                                               "prev_digest_hash")}, "key_id": forged_key["kid"]})
+        body = chain.digest_body(
+            **{
+                **{k: digest[k] for k in ("period_start", "period_end", "head_seq", "head_hash", "prev_digest_hash")},
+                "key_id": forged_key["kid"],
+            }
+        )
         digest.update(key_id=forged_key["kid"], signature=b64url(forger.sign(chain.canonical(body))))
         digest["digest_hash"] = chain.digest_hash(body)
     forged = "".join(chain.canonical(r).decode() + "\n" for r in records)
@@ -368,13 +390,16 @@ def test_an_export_checked_against_another_platform_key_is_untrusted(compliance_
     assert platform_public_jwk()["kid"] in text(page)
 
 
-@pytest.mark.parametrize("content, shown", [
-    (b"\xff\xfe\x00\x01binary\x00", "the file is not UTF-8 text"),
-    (b"hello, world\nthis is not an export\n", "malformed"),
-    (b'{"record_type": "header"}\n{not json\n', "malformed"),
-    (b'{"a":' + b"[" * 200_000, "malformed"),
-    ("\u2028{}".encode(), "malformed"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "content, shown",
+    [
+        (b"\xff\xfe\x00\x01binary\x00", "the file is not UTF-8 text"),
+        (b"hello, world\nthis is not an export\n", "malformed"),
+        (b'{"record_type": "header"}\n{not json\n', "malformed"),
+        (b'{"a":' + b"[" * 200_000, "malformed"),
+        ("\u2028{}".encode(), "malformed"),
+    ],
+)
 def test_garbage_is_a_failed_malformed_result(compliance_client, content, shown):
     page = upload(compliance_client, content)
     assert page.status_code == 200, page.content[:2000]
@@ -404,8 +429,10 @@ def test_verify_needs_the_csrf_token(console_client, signed_trail):
     lines = export_lines_with_token(client)
     refused = client.post(VERIFY, {"export": SimpleUploadedFile("e.jsonl", "".join(lines).encode())})
     assert refused.status_code == 403
-    accepted = client.post(VERIFY, {"export": SimpleUploadedFile("e.jsonl", "".join(lines).encode()),
-                                    "csrfmiddlewaretoken": csrf_token(client)})  # fmt: skip
+    accepted = client.post(
+        VERIFY,
+        {"export": SimpleUploadedFile("e.jsonl", "".join(lines).encode()), "csrfmiddlewaretoken": csrf_token(client)},
+    )
     assert accepted.status_code == 200 and "OK: the export verifies" in text(accepted)
 
 
@@ -420,4 +447,3 @@ def test_the_verify_form_is_accessible(compliance_client):
     assert page.status_code == 200 and 'enctype="multipart/form-data"' in body
     assert '<label for="id_export">' in body and 'type="file"' in body and "csrfmiddlewaretoken" in body
     assert "64 MiB" in body
-

@@ -12,13 +12,17 @@ import pytest
 from console import charts
 from console.charts import Bar, daily_bars, human_bytes, nice_axis_top, stacked_bar_chart
 
-RECT = re.compile(r'<rect x="([\d.]+)" y="([\d.]+)" width="([\d.]+)" height="([\d.]+)" fill="(#[0-9a-f]{6})" '
-                  r'data-tier="(\w+)"><title>([^<]*)</title></rect>')  # fmt: skip
+RECT = re.compile(
+    r'<rect x="([\d.]+)" y="([\d.]+)" width="([\d.]+)" height="([\d.]+)" fill="(#[0-9a-f]{6})" '
+    r'data-tier="(\w+)"><title>([^<]*)</title></rect>'
+)
 
 
 def _rects(svg: str) -> list[tuple[float, float, float, float, str, str, str]]:
-    return [(float(x), float(y), float(w), float(h), fill, tier, title) for x, y, w, h, fill, tier, title in
-            RECT.findall(svg)]  # fmt: skip
+    return [
+        (float(x), float(y), float(w), float(h), fill, tier, title)
+        for x, y, w, h, fill, tier, title in RECT.findall(svg)
+    ]
 
 
 def test_bar_heights_are_proportional_and_stacked_bottom_up():
@@ -55,8 +59,10 @@ def test_axes_ticks_and_accessible_summary():
     assert svg.startswith("<svg") and svg.endswith("</svg>")
     assert 'role="img"' in svg and "style=" not in svg and "<script" not in svg
     label = re.search(r'aria-label="([^"]*)"', svg).group(1)
-    assert label == ("Usage: 2 bars from 2026-03-01 to 2026-03-02; total 8 GB-hours (device 7, dram 1, ssd 0); "
-                     "highest 2026-03-01 with 7 GB-hours.")  # fmt: skip
+    assert label == (
+        "Usage: 2 bars from 2026-03-01 to 2026-03-02; total 8 GB-hours (device 7, dram 1, ssd 0); "
+        "highest 2026-03-01 with 7 GB-hours."
+    )
     ticks = re.findall(r'text-anchor="end" font-size="11" fill="#4f5761">([^<]*)</text>', svg)
     assert ticks == ["0", "2", "4", "6", "8"]  # a round step; the top at or above the tallest bar
     assert ">03-01</text>" in svg and ">03-02</text>" in svg and ">GB-hours</text>" in svg
@@ -83,8 +89,11 @@ def test_many_bars_label_at_most_eight_ticks():
 
 
 def test_daily_bars_fill_missing_days_and_add_points_of_one_day():
-    points = [(date(2026, 3, 2), {"device": Decimal("1.5")}), (date(2026, 3, 2), {"device": Decimal(1), "ssd": 2}),
-              (date(2026, 4, 9), {"device": Decimal(99)})]  # fmt: skip - the last is outside and dropped
+    points = [
+        (date(2026, 3, 2), {"device": Decimal("1.5")}),
+        (date(2026, 3, 2), {"device": Decimal(1), "ssd": 2}),
+        (date(2026, 4, 9), {"device": Decimal(99)}),
+    ]  # the last is outside and dropped
     bars = daily_bars(points, first_day=date(2026, 3, 1), days=3)
     assert [bar.label for bar in bars] == ["2026-03-01", "2026-03-02", "2026-03-03"]
     assert [bar.tick for bar in bars] == ["03-01", "03-02", "03-03"]
@@ -92,17 +101,33 @@ def test_daily_bars_fill_missing_days_and_add_points_of_one_day():
     assert bars[0].total == 0 and bars[2].total == 0
 
 
-@pytest.mark.parametrize("largest,top,step", [(Decimal(1), 1, Decimal("0.5")), (Decimal(7), 8, 2),
-                                              (Decimal("0.003"), Decimal("0.003"), Decimal("0.001")),
-                                              (Decimal(101), 150, 50)])  # fmt: skip
+@pytest.mark.parametrize(
+    "largest,top,step",
+    [
+        (Decimal(1), 1, Decimal("0.5")),
+        (Decimal(7), 8, 2),
+        (Decimal("0.003"), Decimal("0.003"), Decimal("0.001")),
+        (Decimal(101), 150, 50),
+    ],
+)
 def test_nice_axis_top(largest, top, step):
     got_top, got_step = nice_axis_top(largest)
     assert got_top >= largest and got_top % got_step == 0
     assert (got_top, got_step) == (top, step)
 
 
-@pytest.mark.parametrize("count,text", [(0, "0 B"), (1023, "1023 B"), (1024, "1 KiB"), (3435973837, "3.2 GiB"),
-                                        (16 * 2**30, "16 GiB"), (2**50, "1 PiB"), (2**30 - 1, "1 GiB"),
-                                        (2**62, "4096 PiB")])  # fmt: skip
+@pytest.mark.parametrize(
+    "count,text",
+    [
+        (0, "0 B"),
+        (1023, "1023 B"),
+        (1024, "1 KiB"),
+        (3435973837, "3.2 GiB"),
+        (16 * 2**30, "16 GiB"),
+        (2**50, "1 PiB"),
+        (2**30 - 1, "1 GiB"),
+        (2**62, "4096 PiB"),
+    ],
+)
 def test_human_bytes(count, text):
     assert human_bytes(count) == text

@@ -165,7 +165,8 @@ def test_request_flow_confirms_the_typed_name(console_client, make_tenant):
     assert done.status_code == 200 and job.state == "scheduled"
     assert job.requested_by == f"user:{client.user.pk}"
     assert f"Erasure of {tenant.name} requested: scheduled to start at {job.scheduled_for:%Y-%m-%d %H:%M} UTC" in (
-        done.content.decode())  # fmt: skip
+        done.content.decode()
+    )
     [event] = events(AuditAction.ERASURE_REQUESTED, job)
     assert (event.actor_kind, event.actor_id, event.tenant_id) == ("user", str(client.user.pk), tenant.pk)
     assert f"{client.user.username} (user:{client.user.pk})" in client.get(PAGE).content.decode()

@@ -118,8 +118,9 @@ def test_running_migration_shows_progress_and_polls(operator_client, placed):
     small, large, cache = placed["small"], placed["large"], placed["cache"]
     migration = migration_start(cache_id=cache.pk, target_node_id=large.pk)
     migration_progress(migration_id=migration.pk, node_id=large.pk, phase="ready", info={})
-    migration_progress(migration_id=migration.pk, node_id=small.pk, phase="copy",
-                       info={"blocks": 1, "bytes_sent": BLOCK})  # fmt: skip
+    migration_progress(
+        migration_id=migration.pk, node_id=small.pk, phase="copy", info={"blocks": 1, "bytes_sent": BLOCK}
+    )
     html = operator_client.get(f"/console/nodes/{small.pk}/").content.decode()
     assert f'hx-get="/console/nodes/{small.pk}/live"' in html and 'hx-trigger="every 5s"' in html
     assert f'<progress max="{3 * BLOCK}" value="{BLOCK}"' in html  # of what the source reported resident
@@ -180,7 +181,12 @@ def test_drain_starts_a_migration_for_the_ready_cache_and_audits(operator_client
     assert _state(small) == "draining"
     [migration] = Migration.objects.all()
     assert (migration.cache_id, migration.source_id, migration.target_id, migration.reason, migration.state) == (
-        cache.pk, small.pk, large.pk, "drain", "pending")
+        cache.pk,
+        small.pk,
+        large.pk,
+        "drain",
+        "pending",
+    )
     [event] = _events(AuditAction.NODE_DRAINING)
     assert (event.actor_kind, event.actor_id) == ("user", str(operator_client.user.pk))
     assert 'hx-trigger="every 5s"' in answer.content.decode()  # the outgoing migration is active
@@ -209,9 +215,14 @@ def test_only_operators_may_act(request, placed, action, role_client):
     assert _state(small) == before and AuditEvent.objects.count() == events and not Migration.objects.exists()
 
 
-@pytest.mark.parametrize("action, message", [("cordon", b"A lost node cannot be cordoned."),
-                                             ("uncordon", b"A lost node cannot be uncordoned."),
-                                             ("drain", b"A lost node cannot be drained.")])  # fmt: skip
+@pytest.mark.parametrize(
+    "action, message",
+    [
+        ("cordon", b"A lost node cannot be cordoned."),
+        ("uncordon", b"A lost node cannot be uncordoned."),
+        ("drain", b"A lost node cannot be drained."),
+    ],
+)
 def test_refused_transition_is_a_409_page_and_changes_nothing(operator_client, placed, action, message):
     small = placed["small"]
     fleet_services.nodes_expire_leases(now=timezone.now() + timedelta(seconds=60))
@@ -247,7 +258,7 @@ def test_operator_sees_the_actions_the_state_allows(operator_client, placed):
     assert "/uncordon" not in html
     fleet_services.node_cordon(node_id=small.pk)
     html = operator_client.get(f"/console/nodes/{small.pk}/").content.decode()
-    assert f'href="/console/nodes/{small.pk}/uncordon"' in html and f'/cordon"' not in html.replace("/uncordon", "")
+    assert f'href="/console/nodes/{small.pk}/uncordon"' in html and '/cordon"' not in html.replace("/uncordon", "")
 
 
 def test_agent_registry_counters_reach_the_overview_through_the_heartbeat(operator_client, placed):
@@ -258,8 +269,9 @@ def test_agent_registry_counters_reach_the_overview_through_the_heartbeat(operat
 
     registry = CacheRegistry(device_capacity_bytes=16 * BLOCK, device="cpu")
     cache_id = str(placed["cache"].pk)
-    engine = registry.provision(cache_id=cache_id, spec=SPEC, capacity={"device": 8 * BLOCK}, hash_key=b"k" * 32,
-                                epoch=1).engine  # fmt: skip
+    engine = registry.provision(
+        cache_id=cache_id, spec=SPEC, capacity={"device": 8 * BLOCK}, hash_key=b"k" * 32, epoch=1
+    ).engine
     tokens = list(range(32))
     engine.put(tokens, prefix_kv(SPEC, tokens))
     engine.get(tokens + list(range(100, 108)))  # 32 tokens cached, 8 not

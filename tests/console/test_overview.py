@@ -40,8 +40,18 @@ def fleet():
     detached = make_ready(attach(acme, "detached"))
     cache_services.cache_detach(cache_id=detached.pk, tenant_id=acme.pk)
     cache_services.cache_detach_result(cache_id=detached.pk, node_id=n1.pk)
-    heartbeat(n1, [{"cache_id": str(ready.pk), "device_bytes": 4 * BLOCK, "dram_bytes": 2 * BLOCK,
-                    "hit_tokens": 30, "miss_tokens": 10}])  # fmt: skip
+    heartbeat(
+        n1,
+        [
+            {
+                "cache_id": str(ready.pk),
+                "device_bytes": 4 * BLOCK,
+                "dram_bytes": 2 * BLOCK,
+                "hit_tokens": 30,
+                "miss_tokens": 10,
+            }
+        ],
+    )
     heartbeat(n2, [{"cache_id": "00000000-0000-4000-8000-000000000002", "device_bytes": BLOCK, "hit_tokens": 10}])
     return {"n1": n1, "n2": n2, "acme": acme, "ready": ready}
 
@@ -60,10 +70,17 @@ def test_overview_shows_capacity_states_and_hit_rate(operator_client, fleet):
     assert tiers["device"].resident_bytes == 4 * BLOCK + BLOCK and tiers["dram"].resident_bytes == 2 * BLOCK
     assert tiers["dram"].capacity_bytes == 16 * GIB and tiers["ssd"].capacity_bytes == 0
     assert f'max="{12 * GIB}" value="{24 * BLOCK}"' in html  # the device reserved <meter>
-    assert {s: _cell(html, "data-node-state", s) for s in ("ready", "cordoned", "lost", "registering", "draining")} \
-        == {"ready": 1, "cordoned": 1, "lost": 1, "registering": 1, "draining": 0}
-    cache_counts = {s: _cell(html, "data-cache-state", s) for s in
-                    ("pending", "provisioning", "ready", "failed", "detaching", "detached")}  # fmt: skip
+    assert {s: _cell(html, "data-node-state", s) for s in ("ready", "cordoned", "lost", "registering", "draining")} == {
+        "ready": 1,
+        "cordoned": 1,
+        "lost": 1,
+        "registering": 1,
+        "draining": 0,
+    }
+    cache_counts = {
+        s: _cell(html, "data-cache-state", s)
+        for s in ("pending", "provisioning", "ready", "failed", "detaching", "detached")
+    }
     assert cache_counts == {"pending": 0, "provisioning": 1, "ready": 1, "failed": 1, "detaching": 1, "detached": 1}
     assert '<p class="stat" id="hit-rate">80.0%</p>' in html  # 40 hits of 50 reads; the lost node's 1000 left out
     assert "40 tokens served from cache, 10 asked and not cached" in html
@@ -89,8 +106,14 @@ def test_live_partial_is_only_the_fragment_for_htmx(readonly_client, fleet):
 
 
 def _ledger(cache, hour, *, device=0, dram=0, ssd=0):
-    LedgerHour.objects.create(cache=cache, tenant_id=cache.tenant_id, hour=hour, device_byte_seconds=device,
-                              dram_byte_seconds=dram, ssd_byte_seconds=ssd)  # fmt: skip
+    LedgerHour.objects.create(
+        cache=cache,
+        tenant_id=cache.tenant_id,
+        hour=hour,
+        device_byte_seconds=device,
+        dram_byte_seconds=dram,
+        ssd_byte_seconds=ssd,
+    )
 
 
 def test_top_tenants_by_gb_hours_this_month_link_to_the_tenant(compliance_client, fleet):

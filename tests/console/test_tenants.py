@@ -25,7 +25,8 @@ from console import roles
 from fleet import services as fleet_services
 from fleet.models import Node
 from kcaas.spec import KVCacheSpec
-from tenants import selectors as tenant_selectors, services as tenant_services
+from tenants import selectors as tenant_selectors
+from tenants import services as tenant_services
 from tenants.models import ApiKey, Quota, Tenant
 from tests.caches.conftest import SPEC
 from tests.console.conftest import csrf_token
@@ -60,16 +61,23 @@ def bearer(raw_key: str) -> APIClient:
 
 def make_node() -> Node:
     issued = fleet_services.node_create(name=f"console-node-{uuid.uuid4().hex[:8]}")
-    fleet_services.node_register(node_id=issued.node.pk, endpoint=f"10.3.0.1:{next(_ports)}",
-                                 capacity={"device": 8 * GIB, "dram": 8 * GIB, "ssd": 8 * GIB})  # fmt: skip
+    fleet_services.node_register(
+        node_id=issued.node.pk,
+        endpoint=f"10.3.0.1:{next(_ports)}",
+        capacity={"device": 8 * GIB, "dram": 8 * GIB, "ssd": 8 * GIB},
+    )
     return Node.objects.get(pk=issued.node.pk)
 
 
 def attach(tenant: Tenant, name: str) -> Cache:
     """A cache attached through caches.services (placed on a registered node; provisioning is sent on commit,
     which a test transaction never reaches)."""
-    return cache_services.cache_attach(tenant_id=tenant.pk, name=name, spec=KVCacheSpec(**SPEC),
-                                       capacity={"device": CACHE_DEVICE_BYTES, "dram": 0, "ssd": 0})  # fmt: skip
+    return cache_services.cache_attach(
+        tenant_id=tenant.pk,
+        name=name,
+        spec=KVCacheSpec(**SPEC),
+        capacity={"device": CACHE_DEVICE_BYTES, "dram": 0, "ssd": 0},
+    )
 
 
 def events(action: AuditAction, **filters) -> list[AuditEvent]:
@@ -108,8 +116,9 @@ def test_list_shows_each_tenants_numbers(readonly_client):
     tenant_services.api_key_revoke(api_key=issue_key(acme).api_key)
     hour = timezone.now().astimezone(UTC).replace(minute=0, second=0, microsecond=0)
     cache = Cache.objects.filter(tenant=acme).first()
-    LedgerHour.objects.create(cache=cache, tenant=acme, hour=hour, device_byte_seconds=3 * GB_HOUR,
-                              dram_byte_seconds=GB_HOUR // 2)  # fmt: skip
+    LedgerHour.objects.create(
+        cache=cache, tenant=acme, hour=hour, device_byte_seconds=3 * GB_HOUR, dram_byte_seconds=GB_HOUR // 2
+    )
     LedgerHour.objects.create(cache=cache, tenant=acme, hour=hour - timedelta(days=40), device_byte_seconds=GB_HOUR)
     page = readonly_client.get("/console/tenants/")
     assert page.status_code == 200 and page["Cache-Control"] == "no-store"
@@ -160,11 +169,25 @@ def test_detail_shows_quota_against_usage_keys_caches_and_invoices(readonly_clie
     one, _two = attach(tenant, "cache-one"), attach(tenant, "cache-two")
     Node.objects.filter(pk=node.pk).update(resident_snapshot={"caches": {str(one.pk): {"device": 100 * 1024}}})
     issued = issue_key(tenant, "caches:write", "usage:read", name="ci key")
-    invoice = Invoice.objects.create(tenant=tenant, month=datetime(2026, 3, 1).date(), status="final", currency="USD",
-                                     total=Decimal("12.34"), generated_at=timezone.now())  # fmt: skip
+    invoice = Invoice.objects.create(
+        tenant=tenant,
+        month=datetime(2026, 3, 1).date(),
+        status="final",
+        currency="USD",
+        total=Decimal("12.34"),
+        generated_at=timezone.now(),
+    )
     for meter in ("device_gb_hour", "write_gb"):
-        InvoiceLine.objects.create(invoice=invoice, cache=one, meter=meter, usage=1, quantity=1, unit_price=1,
-                                   rate_effective_from=timezone.now(), amount=1)  # fmt: skip
+        InvoiceLine.objects.create(
+            invoice=invoice,
+            cache=one,
+            meter=meter,
+            usage=1,
+            quantity=1,
+            unit_price=1,
+            rate_effective_from=timezone.now(),
+            amount=1,
+        )
     page = readonly_client.get(f"/console/tenants/{tenant.pk}/")
     assert page.status_code == 200
     html = text(page)
@@ -188,8 +211,13 @@ def test_detail_draws_the_usage_chart_with_a_table(readonly_client):
     cache = attach(tenant, "c")
     today = timezone.now().astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
     LedgerHour.objects.create(cache=cache, tenant=tenant, hour=today, device_byte_seconds=2 * GB_HOUR)
-    LedgerHour.objects.create(cache=cache, tenant=tenant, hour=today + timedelta(hours=1), device_byte_seconds=GB_HOUR,
-                              ssd_byte_seconds=GB_HOUR // 4)  # fmt: skip
+    LedgerHour.objects.create(
+        cache=cache,
+        tenant=tenant,
+        hour=today + timedelta(hours=1),
+        device_byte_seconds=GB_HOUR,
+        ssd_byte_seconds=GB_HOUR // 4,
+    )
     LedgerHour.objects.create(cache=cache, tenant=tenant, hour=today - timedelta(days=3), dram_byte_seconds=GB_HOUR)
     LedgerHour.objects.create(cache=cache, tenant=tenant, hour=today - timedelta(days=31), dram_byte_seconds=GB_HOUR)
     html = text(readonly_client.get(f"/console/tenants/{tenant.pk}/"))
@@ -199,12 +227,14 @@ def test_detail_draws_the_usage_chart_with_a_table(readonly_client):
     assert f"<title>{earlier} dram: 1 GB-hours</title>" in html
     assert len(re.findall(r"<rect ", html)) == 3  # the day 31 days ago is outside the chart
     assert 'role="img"' in html and "total 4.25 GB-hours" in html
-    assert f"<tr><td>{label}</td><td class=\"num\">3</td><td class=\"num\">0</td><td class=\"num\">0.25</td>" in html
+    assert f'<tr><td>{label}</td><td class="num">3</td><td class="num">0</td><td class="num">0.25</td>' in html
     assert "No metered usage" not in html
 
 
-@pytest.mark.parametrize("path", [f"/console/tenants/{uuid.uuid4()}/", "/console/tenants/not-a-uuid/",
-                                  f"/console/tenants/{uuid.uuid4()}/usage"])  # fmt: skip
+@pytest.mark.parametrize(
+    "path",
+    [f"/console/tenants/{uuid.uuid4()}/", "/console/tenants/not-a-uuid/", f"/console/tenants/{uuid.uuid4()}/usage"],
+)
 def test_unknown_or_malformed_tenant_is_a_404_page(readonly_client, path):
     answer = readonly_client.get(path)
     assert answer.status_code == 404 and b"<html" in answer.content
@@ -212,11 +242,12 @@ def test_unknown_or_malformed_tenant_is_a_404_page(readonly_client, path):
 
 def test_usage_fragment_for_htmx_polls(readonly_client):
     tenant = make_tenant("acme")
-    fragment = readonly_client.get(f"/console/tenants/{tenant.pk}/usage", HTTP_HX_REQUEST="true",
-                                   HTTP_X_CONSOLE_POLL="1")  # fmt: skip
+    fragment = readonly_client.get(
+        f"/console/tenants/{tenant.pk}/usage", HTTP_HX_REQUEST="true", HTTP_X_CONSOLE_POLL="1"
+    )
     assert fragment.status_code == 200
     body = text(fragment)
-    assert body.lstrip().startswith("<div id=\"tenant-usage\"") and "<html" not in body
+    assert body.lstrip().startswith('<div id="tenant-usage"') and "<html" not in body
     assert 'hx-trigger="every 5s"' in body and "X-Console-Poll" in body and "0 of 10" in body
     plain = readonly_client.get(f"/console/tenants/{tenant.pk}/usage")
     assert plain.status_code == 302 and plain["Location"] == f"/console/tenants/{tenant.pk}/"
@@ -234,22 +265,35 @@ def test_operator_sees_the_form_others_see_values_read_only(operator_client, rea
     for client in (readonly_client, compliance_client):
         page = text(client.get(f"/console/tenants/{tenant.pk}/"))
         assert form_action not in page and "/revoke" not in page and "/status" not in page
-        assert "<td>Caches</td><td class=\"num\">7</td><td>override</td>" in page
+        assert '<td>Caches</td><td class="num">7</td><td>override</td>' in page
         assert "16 GiB (17179869184 bytes)</td><td>default</td>" in page
 
 
 def test_quota_update_changes_the_limits_and_is_audited_as_the_console_user(operator_client):
     tenant = make_tenant("acme", max_requests_per_second=200)
-    form = {**BLANK_QUOTA, "max_caches": "5", "max_device_bytes": "8 GiB", "max_dram_bytes": "1048576",
-            "max_requests_per_second": "200"}  # fmt: skip
+    form = {
+        **BLANK_QUOTA,
+        "max_caches": "5",
+        "max_device_bytes": "8 GiB",
+        "max_dram_bytes": "1048576",
+        "max_requests_per_second": "200",
+    }
     answer = operator_client.post(f"/console/tenants/{tenant.pk}/quota", form)
     assert answer["Location"] == f"/console/tenants/{tenant.pk}/#quota"
     page = followed_messages(operator_client, answer)
-    assert ("Quota of acme updated: Caches: default (10) -&gt; 5; Device bytes: default (16 GiB) -&gt; 8 GiB; "
-            "DRAM bytes: default (64 GiB) -&gt; 1 MiB.") in page  # fmt: skip
-    assert quota_row(tenant) == {"max_caches": 5, "max_device_bytes": 8 * GIB, "max_dram_bytes": 2**20,
-                                 "max_ssd_bytes": None, "max_requests_per_second": 200,
-                                 "max_data_tokens_outstanding": None, "max_api_keys": None}  # fmt: skip
+    assert (
+        "Quota of acme updated: Caches: default (10) -&gt; 5; Device bytes: default (16 GiB) -&gt; 8 GiB; "
+        "DRAM bytes: default (64 GiB) -&gt; 1 MiB."
+    ) in page
+    assert quota_row(tenant) == {
+        "max_caches": 5,
+        "max_device_bytes": 8 * GIB,
+        "max_dram_bytes": 2**20,
+        "max_ssd_bytes": None,
+        "max_requests_per_second": 200,
+        "max_data_tokens_outstanding": None,
+        "max_api_keys": None,
+    }
     [event] = events(AuditAction.QUOTA_UPDATED, target_id=str(tenant.pk), actor_kind="user")
     assert event.actor_id == str(operator_client.user.pk)
     assert event.old_values == {"max_caches": None, "max_device_bytes": None, "max_dram_bytes": None}
@@ -265,8 +309,9 @@ def test_the_api_key_limit_is_on_the_form_and_set_through_it(operator_client, re
     answer = operator_client.post(f"/console/tenants/{tenant.pk}/quota", {**BLANK_QUOTA, "max_api_keys": "5"})
     assert "API keys: default (100) -&gt; 5" in followed_messages(operator_client, answer)
     assert quota_row(tenant)["max_api_keys"] == 5
-    assert "<td>API keys</td><td class=\"num\">5</td><td>override</td>" in text(
-        readonly_client.get(f"/console/tenants/{tenant.pk}/"))
+    assert '<td>API keys</td><td class="num">5</td><td>override</td>' in text(
+        readonly_client.get(f"/console/tenants/{tenant.pk}/")
+    )
     refused = operator_client.post(f"/console/tenants/{tenant.pk}/quota", {**BLANK_QUOTA, "max_api_keys": "100001"})
     assert refused.status_code == 400 and "Between 0 and 100000." in text(refused)
 
@@ -287,21 +332,24 @@ def test_an_unchanged_submission_changes_nothing_and_writes_no_event(operator_cl
     assert len(events(AuditAction.QUOTA_UPDATED)) == before
 
 
-@pytest.mark.parametrize("field,value,error", [
-    ("max_caches", "-1", "A whole number"),
-    ("max_caches", str(10**30), "Between 0 and 10000."),
-    ("max_caches", "abc", "A whole number"),
-    ("max_caches", "1.5", "A whole number"),
-    ("max_caches", "10001", "Between 0 and 10000."),
-    ("max_requests_per_second", "0", "Between 1 and 100000."),
-    ("max_device_bytes", "-1", "A whole number of bytes"),
-    ("max_device_bytes", "1.5 GiB", "A whole number of bytes"),
-    ("max_device_bytes", "2 PiB", "Between 0 and 1125899906842624 (1 PiB)."),
-    ("max_device_bytes", "4 XB", "A whole number of bytes"),
-    ("max_ssd_bytes", str(10**30), "Between 0 and"),
-    ("max_data_tokens_outstanding", "1e3", "A whole number"),
-    ("max_data_tokens_outstanding", "\u0661\u0662", "A whole number"),  # Arabic-Indic digits
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "field,value,error",
+    [
+        ("max_caches", "-1", "A whole number"),
+        ("max_caches", str(10**30), "Between 0 and 10000."),
+        ("max_caches", "abc", "A whole number"),
+        ("max_caches", "1.5", "A whole number"),
+        ("max_caches", "10001", "Between 0 and 10000."),
+        ("max_requests_per_second", "0", "Between 1 and 100000."),
+        ("max_device_bytes", "-1", "A whole number of bytes"),
+        ("max_device_bytes", "1.5 GiB", "A whole number of bytes"),
+        ("max_device_bytes", "2 PiB", "Between 0 and 1125899906842624 (1 PiB)."),
+        ("max_device_bytes", "4 XB", "A whole number of bytes"),
+        ("max_ssd_bytes", str(10**30), "Between 0 and"),
+        ("max_data_tokens_outstanding", "1e3", "A whole number"),
+        ("max_data_tokens_outstanding", "\u0661\u0662", "A whole number"),  # Arabic-Indic digits
+    ],
+)
 def test_bad_quota_input_is_a_400_with_the_fields_error_and_changes_nothing(operator_client, field, value, error):
     tenant = make_tenant("acme", max_caches=3)
     before, events_before = quota_row(tenant), len(events(AuditAction.QUOTA_UPDATED))
@@ -341,8 +389,9 @@ def test_quota_form_needs_its_csrf_token(console_client):
     refused = client.post(f"/console/tenants/{tenant.pk}/quota", {**BLANK_QUOTA, "max_caches": "2"})
     assert refused.status_code == 403 and quota_row(tenant)["max_caches"] is None
     token = csrf_token(client)
-    accepted = client.post(f"/console/tenants/{tenant.pk}/quota",
-                           {**BLANK_QUOTA, "max_caches": "2", "csrfmiddlewaretoken": token})  # fmt: skip
+    accepted = client.post(
+        f"/console/tenants/{tenant.pk}/quota", {**BLANK_QUOTA, "max_caches": "2", "csrfmiddlewaretoken": token}
+    )
     assert accepted.status_code == 302 and quota_row(tenant)["max_caches"] == 2
 
 
@@ -356,8 +405,9 @@ def test_the_api_enforces_a_quota_set_in_the_console(operator_client):
     tenant = make_tenant("acme", max_requests_per_second=100_000)
     raw_key = issue_key(tenant, "caches:write").raw_key
     body = {"name": "c1", "spec": SPEC, "capacity": {"device": CACHE_DEVICE_BYTES, "dram": 0, "ssd": 0}}
-    answer = operator_client.post(f"/console/tenants/{tenant.pk}/quota",
-                                  {**BLANK_QUOTA, "max_caches": "0", "max_requests_per_second": "100000"})  # fmt: skip
+    answer = operator_client.post(
+        f"/console/tenants/{tenant.pk}/quota", {**BLANK_QUOTA, "max_caches": "0", "max_requests_per_second": "100000"}
+    )
     assert answer.status_code == 302
     assert tenant_selectors.quota_limits(tenant=Tenant.objects.get(pk=tenant.pk)).max_caches == 0
     refused = bearer(raw_key).post("/api/v1/caches", body, format="json")
@@ -395,10 +445,12 @@ def test_operator_revokes_a_key_after_confirming_and_the_api_refuses_it(operator
 def test_another_tenants_key_is_a_404_and_stays_active(operator_client):
     mine, theirs = make_tenant("acme"), make_tenant("globex")
     their_key = issue_key(theirs).api_key
-    for answer in (operator_client.get(f"/console/tenants/{mine.pk}/keys/{their_key.pk}/revoke"),
-                   operator_client.post(f"/console/tenants/{mine.pk}/keys/{their_key.pk}/revoke"),
-                   operator_client.post(f"/console/tenants/{mine.pk}/keys/{uuid.uuid4()}/revoke"),
-                   operator_client.post(f"/console/tenants/{mine.pk}/keys/not-a-uuid/revoke")):  # fmt: skip
+    for answer in (
+        operator_client.get(f"/console/tenants/{mine.pk}/keys/{their_key.pk}/revoke"),
+        operator_client.post(f"/console/tenants/{mine.pk}/keys/{their_key.pk}/revoke"),
+        operator_client.post(f"/console/tenants/{mine.pk}/keys/{uuid.uuid4()}/revoke"),
+        operator_client.post(f"/console/tenants/{mine.pk}/keys/not-a-uuid/revoke"),
+    ):
         assert answer.status_code == 404
     assert ApiKey.objects.get(pk=their_key.pk).revoked_at is None and not events(AuditAction.KEY_REVOKED)
 

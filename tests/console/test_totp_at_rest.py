@@ -27,14 +27,21 @@ def _otp_rows() -> list[bytes]:
             if "otp" in table:
                 cursor.execute(f'SELECT * FROM "{table}"')  # noqa: S608 - names from the introspection
                 for row in cursor.fetchall():
-                    rows.append(b"|".join(bytes(v) if isinstance(v, (bytes, memoryview)) else str(v).encode()
-                                          for v in row))  # fmt: skip
+                    rows.append(
+                        b"|".join(bytes(v) if isinstance(v, (bytes, memoryview)) else str(v).encode() for v in row)
+                    )
     return rows
 
 
 def _forms(seed: bytes) -> list[bytes]:
-    return [seed, hexlify(seed), hexlify(seed).upper(), base64.b32encode(seed), base64.b32encode(seed).rstrip(b"="),
-            base64.b64encode(seed)]  # fmt: skip
+    return [
+        seed,
+        hexlify(seed),
+        hexlify(seed).upper(),
+        base64.b32encode(seed),
+        base64.b32encode(seed).rstrip(b"="),
+        base64.b64encode(seed),
+    ]
 
 
 def _enrol(user) -> bytes:
@@ -86,8 +93,9 @@ def test_the_migration_seals_devices_enrolled_in_clear_and_they_still_sign_in():
     try:
         user, _ = make_console_user(roles.OPERATOR, enrolled=False)
         seed = bytes(range(20))
-        clear = ClearTOTPDevice.objects.create(user=user, name="console", confirmed=True, key=hexlify(seed).decode(),
-                                               drift=1, last_t=5)  # fmt: skip
+        clear = ClearTOTPDevice.objects.create(
+            user=user, name="console", confirmed=True, key=hexlify(seed).decode(), drift=1, last_t=5
+        )
         assert any(hexlify(seed) in row for row in _otp_rows())  # the clear row, as older versions stored it
     finally:
         executor = MigrationExecutor(connection)
@@ -108,6 +116,7 @@ def test_the_migration_seals_devices_enrolled_in_clear_and_they_still_sign_in():
 @pytest.mark.django_db
 def test_a_seed_sealed_for_the_migration_is_the_models_format():
     user, _ = make_console_user(roles.OPERATOR, enrolled=False)
-    device = ConsoleTOTPDevice.objects.create(user=user, name="x", key_sealed=totp_key_seal(user_id=user.pk,
-                                                                                            seed=b"s" * 20))
+    device = ConsoleTOTPDevice.objects.create(
+        user=user, name="x", key_sealed=totp_key_seal(user_id=user.pk, seed=b"s" * 20)
+    )
     assert ConsoleTOTPDevice.objects.get(pk=device.pk).bin_key == b"s" * 20

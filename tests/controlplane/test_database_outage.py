@@ -42,8 +42,9 @@ class ControlPlane:
 
 
 def _manage(env: dict, *args: str) -> str:
-    done = subprocess.run([sys.executable, str(REPO / "manage.py"), *args], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=180)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(REPO / "manage.py"), *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=180
+    )
     assert done.returncode == 0, f"manage.py {args[0]} failed:\n{done.stderr[-3000:]}"
     return done.stdout
 
@@ -76,20 +77,43 @@ def _get(port: int, path: str, api_key: str | None) -> tuple[int, dict, object]:
 def control_plane(tmp_path_factory):
     var = tmp_path_factory.mktemp("outage-var")
     with PrivatePostgres() as database:
-        env = {**os.environ, "DATABASE_URL": database.create_database("kcaas"), "KCAAS_VAR_DIR": str(var),
-               "DJANGO_SETTINGS_MODULE": "controlplane.settings", "KCAAS_QUOTA_MAX_RPS": "100000",
-               "PYTHONPATH": os.pathsep.join([str(REPO / "platform"), str(REPO)])}  # fmt: skip
+        env = {
+            **os.environ,
+            "DATABASE_URL": database.create_database("kcaas"),
+            "KCAAS_VAR_DIR": str(var),
+            "DJANGO_SETTINGS_MODULE": "controlplane.settings",
+            "KCAAS_QUOTA_MAX_RPS": "100000",
+            "PYTHONPATH": os.pathsep.join([str(REPO / "platform"), str(REPO)]),
+        }
         _manage(env, "migrate", "--noinput")
         api_key = _manage(env, "kcaas_create_tenant", "outage-tenant").split()[0]
         port = free_port()
         log = var / "gunicorn.log"
         with open(log, "wb") as sink:
             server = subprocess.Popen(
-                [sys.executable, "-m", "gunicorn", "controlplane.wsgi:application", "--bind", f"127.0.0.1:{port}",
-                 "--workers", "1", "--worker-class", "gthread", "--threads", "4", "--graceful-timeout", "2",
-                 "--log-level", "warning"],
-                cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "gunicorn",
+                    "controlplane.wsgi:application",
+                    "--bind",
+                    f"127.0.0.1:{port}",
+                    "--workers",
+                    "1",
+                    "--worker-class",
+                    "gthread",
+                    "--threads",
+                    "4",
+                    "--graceful-timeout",
+                    "2",
+                    "--log-level",
+                    "warning",
+                ],
+                cwd=REPO,
+                env=env,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+            )
         try:
             assert eventually(lambda: _healthy(port) or server.poll() is not None, timeout=60)
             assert server.poll() is None, log.read_text()[-3000:]

@@ -15,10 +15,19 @@ CONCURRENT = 16
 
 
 def probe(mode: str) -> dict:
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "controlplane.settings",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "platform"), str(REPO)])}  # fmt: skip
-    done = subprocess.run([sys.executable, "-m", "tests.controlplane.first_requests_probe", mode, str(CONCURRENT)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "controlplane.settings",
+        "PYTHONPATH": os.pathsep.join([str(REPO / "platform"), str(REPO)]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.controlplane.first_requests_probe", mode, str(CONCURRENT)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -37,8 +37,14 @@ from tests.caches.conftest import (  # noqa: F401 - fixtures
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.django_db(transaction=True)
-RANK = {"tenants_tenant": 0, "caches_cache": 1, "caches_migration": 2, "fleet_node": 3, "fleet_nodeorder": 4,
-        "audit_auditchainhead": 5}  # fmt: skip
+RANK = {
+    "tenants_tenant": 0,
+    "caches_cache": 1,
+    "caches_migration": 2,
+    "fleet_node": 3,
+    "fleet_nodeorder": 4,
+    "audit_auditchainhead": 5,
+}
 LOCK = re.compile(r'FROM "(\w+)".*FOR (NO KEY UPDATE|UPDATE|SHARE|KEY SHARE)(?: OF ("?\w+"?))?', re.S)
 
 
@@ -49,8 +55,14 @@ def ready_cache(tenant, name="c1") -> Cache:
 
 
 def usage_entry(cache: Cache) -> dict:
-    return {"cache_id": cache.pk, "device_bytes": 4096, "dram_bytes": 0, "ssd_bytes": 0, "bytes_written_total": 0,
-            "tokens_served_total": 0}  # fmt: skip
+    return {
+        "cache_id": cache.pk,
+        "device_bytes": 4096,
+        "dram_bytes": 0,
+        "ssd_bytes": 0,
+        "bytes_written_total": 0,
+        "tokens_served_total": 0,
+    }
 
 
 def test_a_usage_report_commits_while_an_attach_holds_the_tenant_and_the_node(tenant_a, node):
@@ -59,16 +71,26 @@ def test_a_usage_report_commits_while_an_attach_holds_the_tenant_and_the_node(te
 
     def attach_and_hold():
         with transaction.atomic():
-            services.cache_attach(tenant_id=tenant_a.tenant.pk, name="held", spec=KVCacheSpec.from_dict(SPEC),
-                                  capacity={"device": 64 * 2048})  # fmt: skip - tenant and node rows locked
+            services.cache_attach(
+                tenant_id=tenant_a.tenant.pk,
+                name="held",
+                spec=KVCacheSpec.from_dict(SPEC),
+                capacity={"device": 64 * 2048},
+            )  # tenant and node rows locked
             holding.set()
             release.wait(20)
 
     holder = run_in_thread(attach_and_hold)
     try:
         assert holding.wait(10)
-        reporter = run_in_thread(usage_report_record, node_id=node.pk, boot_id=uuid.uuid4(), sequence=1,
-                                 sampled_at=timezone.now(), entries=[usage_entry(cache)])  # fmt: skip
+        reporter = run_in_thread(
+            usage_report_record,
+            node_id=node.pk,
+            boot_id=uuid.uuid4(),
+            sequence=1,
+            sampled_at=timezone.now(),
+            entries=[usage_entry(cache)],
+        )
         reporter.join(5)
         assert not reporter.is_alive(), "the usage report waited for the attach's row locks"
         assert reporter.error is None, reporter.error
@@ -83,8 +105,11 @@ def locks_taken(action) -> list[tuple[str, str]]:
     only the outbox's publisher takes them, in a transaction of its own after commit that locks nothing else."""
     with CaptureQueriesContext(connection) as queries:
         action()
-    return [(m.group(1), m.group(2)) for q in queries.captured_queries
-            if (m := LOCK.search(q["sql"])) and "SKIP LOCKED" not in q["sql"]]  # fmt: skip
+    return [
+        (m.group(1), m.group(2))
+        for q in queries.captured_queries
+        if (m := LOCK.search(q["sql"])) and "SKIP LOCKED" not in q["sql"]
+    ]
 
 
 def assert_in_order(locks: list[tuple[str, str]]) -> None:
@@ -96,21 +121,36 @@ def assert_in_order(locks: list[tuple[str, str]]) -> None:
 
 def test_every_service_takes_its_row_locks_in_the_documented_order(tenant_a, make_node, node):
     spec = KVCacheSpec.from_dict(SPEC)
-    assert_in_order(locks_taken(lambda: services.cache_attach(tenant_id=tenant_a.tenant.pk, name="a", spec=spec,
-                                                              capacity={"device": 64 * 2048})))  # fmt: skip
+    assert_in_order(
+        locks_taken(
+            lambda: services.cache_attach(
+                tenant_id=tenant_a.tenant.pk, name="a", spec=spec, capacity={"device": 64 * 2048}
+            )
+        )
+    )
     cache = Cache.objects.get(name="a")
-    assert_in_order(locks_taken(lambda: services.cache_provision_result(cache_id=cache.pk, node_id=node.pk, ok=True,
-                                                                        endpoint="10.0.0.1:1")))  # fmt: skip
-    assert_in_order(locks_taken(lambda: services.data_token_issue(tenant_id=tenant_a.tenant.pk, cache_id=cache.pk,
-                                                                  access="read")))  # fmt: skip
+    assert_in_order(
+        locks_taken(
+            lambda: services.cache_provision_result(cache_id=cache.pk, node_id=node.pk, ok=True, endpoint="10.0.0.1:1")
+        )
+    )
+    assert_in_order(
+        locks_taken(lambda: services.data_token_issue(tenant_id=tenant_a.tenant.pk, cache_id=cache.pk, access="read"))
+    )
     target = make_node()
     moving = migration.migration_start(cache_id=cache.pk, target_node_id=target.pk)
-    assert_in_order(locks_taken(lambda: migration.migration_progress(migration_id=moving.pk, node_id=target.pk,
-                                                                     phase="ready", info={})))  # fmt: skip
+    assert_in_order(
+        locks_taken(
+            lambda: migration.migration_progress(migration_id=moving.pk, node_id=target.pk, phase="ready", info={})
+        )
+    )
     assert_in_order(locks_taken(lambda: migration.migration_result(migration_id=moving.pk, node_id=node.pk, ok=True)))
     assert Cache.objects.get(pk=cache.pk).node_id == target.pk  # the cutover happened
-    assert_in_order(locks_taken(lambda: fleet_services.node_heartbeat(
-        node_id=node.pk, capacity={"device": 8 << 30, "dram": 0, "ssd": 0})))  # fmt: skip
+    assert_in_order(
+        locks_taken(
+            lambda: fleet_services.node_heartbeat(node_id=node.pk, capacity={"device": 8 << 30, "dram": 0, "ssd": 0})
+        )
+    )
     assert_in_order(locks_taken(lambda: services.cache_detach(cache_id=cache.pk, tenant_id=tenant_a.tenant.pk)))
     assert_in_order(locks_taken(lambda: services.cache_detach_result(cache_id=cache.pk, node_id=target.pk)))
     tenant_a.client.post("/api/v1/caches", attach_body("stuck"), format="json")
@@ -140,8 +180,11 @@ def nodes_locked_in_id_order(action) -> list[tuple[str, str]]:
         assert not held or not new or min(new) > max(held), f"node {min(new)} locked after node {max(held)}"
         held |= new
     assert len(held) >= 2, "the check needs two nodes locked"
-    return [(m.group(1), m.group(2)) for q in queries.captured_queries
-            if (m := LOCK.search(q["sql"])) and "SKIP LOCKED" not in q["sql"]]  # fmt: skip
+    return [
+        (m.group(1), m.group(2))
+        for q in queries.captured_queries
+        if (m := LOCK.search(q["sql"])) and "SKIP LOCKED" not in q["sql"]
+    ]
 
 
 def crossed(rows, field: str) -> None:
@@ -169,8 +212,9 @@ def caches_on_two_nodes(tenant, make_node, *, ready: bool) -> list[Cache]:
 
 def test_the_reconciler_locks_the_nodes_of_several_caches_in_id_order(tenant_a, make_node):
     caches_on_two_nodes(tenant_a, make_node, ready=False)
-    assert_in_order(nodes_locked_in_id_order(
-        lambda: caches_reconcile_stuck(now=timezone.now() + timezone.timedelta(days=1))))  # fmt: skip
+    assert_in_order(
+        nodes_locked_in_id_order(lambda: caches_reconcile_stuck(now=timezone.now() + timezone.timedelta(days=1)))
+    )
     assert set(Cache.objects.values_list("failure_reason", flat=True)) == {"provisioning_timeout"}
 
 
@@ -227,8 +271,10 @@ def test_a_drain_never_holds_its_node_while_it_waits_for_a_cache(tenant_a, make_
 def _wait_for_a_lock_waiter(timeout: float = 10.0) -> None:
     def someone_waits() -> bool:
         with connection.cursor() as cursor:
-            cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                           "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()")  # fmt: skip
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
+            )
             return bool(cursor.fetchone()[0])
 
     assert eventually(someone_waits, timeout=timeout), "nobody waited for the cache row"

@@ -153,7 +153,10 @@ def test_every_refusal_is_the_same_answer_after_the_same_work(hashes):
     assert first.status_code == 401 and first.json()["error"]["code"] == "authentication_failed"
     for case, response in answers.items():
         assert (response.status_code, response.content, response["WWW-Authenticate"]) == (
-            first.status_code, first.content, first["WWW-Authenticate"]), case
+            first.status_code,
+            first.content,
+            first["WWW-Authenticate"],
+        ), case
     # A superuser holding console roles keeps the API (as before), and so does plain staff.
     assert call(make_user(roles.OPERATOR, superuser=True).username, PASSWORD).status_code == 200
     assert call(staff.username, PASSWORD).status_code == 200
@@ -253,8 +256,13 @@ def test_over_http_an_attack_is_throttled_and_other_tenants_keys_are_not(hashes,
 
     def attacker(n: int):
         for i in range(15):
-            request = urllib.request.Request(live_server.url + URL, headers={
-                "Authorization": basic(staff.username, f"guess {n}-{i}"), "X-Forwarded-For": f"203.0.113.{n + 1}"})
+            request = urllib.request.Request(
+                live_server.url + URL,
+                headers={
+                    "Authorization": basic(staff.username, f"guess {n}-{i}"),
+                    "X-Forwarded-For": f"203.0.113.{n + 1}",
+                },
+            )
             try:
                 with urllib.request.urlopen(request, timeout=30) as answer:
                     status = answer.status
@@ -270,8 +278,9 @@ def test_over_http_an_attack_is_throttled_and_other_tenants_keys_are_not(hashes,
 
     def bystander(results: list[int]):
         for _ in range(20):
-            request = urllib.request.Request(live_server.url + "/api/v1/whoami",
-                                             headers={"Authorization": f"Bearer {key}"})
+            request = urllib.request.Request(
+                live_server.url + "/api/v1/whoami", headers={"Authorization": f"Bearer {key}"}
+            )
             with urllib.request.urlopen(request, timeout=30) as answer:
                 results.append(answer.status)
 

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from django.test import Client, override_settings
+from django.test import Client
 
 from tests.faults import free_port, stop_process
 from tests.waiting import eventually
@@ -43,8 +43,9 @@ def _post(client, path, body: bytes, content_type="application/json", **extra):
 # ---- in process ------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", ["/api/v1/keys", "/api/v1/caches", "/api/v1/admin/tenants", "/console/login",
-                                  "/healthz"])  # fmt: skip
+@pytest.mark.parametrize(
+    "path", ["/api/v1/keys", "/api/v1/caches", "/api/v1/admin/tenants", "/console/login", "/healthz"]
+)
 def test_a_50_mb_body_is_413_request_too_large_wherever_it_is_sent(client, path, settings):
     body = b'{"name": "' + b"x" * FIFTY_MB + b'"}'
     error = assert_error(_post(client, path, body), 413, "request_too_large")
@@ -66,8 +67,9 @@ def test_a_body_too_large_for_django_read_inside_a_view_is_413_not_500(client, s
 
     client.force_login(get_user_model().objects.create_user("ops-big", is_staff=True))
     settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 100
-    error = assert_error(_post(client, "/api/v1/admin/tenants", b'{"name": "' + b"x" * 200 + b'"}'), 413,
-                         "request_too_large")  # fmt: skip
+    error = assert_error(
+        _post(client, "/api/v1/admin/tenants", b'{"name": "' + b"x" * 200 + b'"}'), 413, "request_too_large"
+    )
     assert error["details"] == {"max_bytes": 100}
 
 
@@ -76,7 +78,9 @@ def test_too_many_query_fields_is_a_400_in_the_error_shape(client):
     assert_error(client.get(f"/api/v1/admin/tenants?{query}"), 400, "too_many_fields")
 
 
-@pytest.mark.parametrize("body", [DEEP, b'{"a":' * 1000 + b"1" + b"}" * 1000, b'{"name": ' + b"[" * 33 + b"]" * 33 + b"}"])
+@pytest.mark.parametrize(
+    "body", [DEEP, b'{"a":' * 1000 + b"1" + b"}" * 1000, b'{"name": ' + b"[" * 33 + b"]" * 33 + b"}"]
+)
 def test_json_nested_too_deep_is_400_json_too_deep(client, body, settings):
     for path in ("/api/v1/keys", "/api/v1/caches", "/api/v1/nodes/heartbeat"):
         error = assert_error(_post(client, path, body), 400, "json_too_deep")
@@ -156,8 +160,10 @@ def _unchunked(body: bytes) -> bytes:
 
 
 def _post_raw(port: int, body: bytes, *, length: int | None = None, path="/api/v1/keys") -> tuple[int, dict, dict]:
-    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body) if length is None else length}\r\nConnection: close\r\n\r\n")  # fmt: skip
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body) if length is None else length}\r\nConnection: close\r\n\r\n"
+    )
     status, headers, answer = _raw(port, head.encode() + body)
     return status, headers, json.loads(answer)
 
@@ -185,16 +191,37 @@ def gunicorn_port(tmp_path_factory):
     """gunicorn serving controlplane.wsgi as `make up` runs it (gthread). Every request here is refused before
     anything reads the database, so the server needs none of its own."""
     var = tmp_path_factory.mktemp("gunicorn-var")
-    env = {**os.environ, "KCAAS_VAR_DIR": str(var), "DJANGO_SETTINGS_MODULE": "controlplane.settings",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "platform"), str(REPO)])}  # fmt: skip
+    env = {
+        **os.environ,
+        "KCAAS_VAR_DIR": str(var),
+        "DJANGO_SETTINGS_MODULE": "controlplane.settings",
+        "PYTHONPATH": os.pathsep.join([str(REPO / "platform"), str(REPO)]),
+    }
     port = free_port()
     log = var / "gunicorn.log"
     with open(log, "wb") as sink:
         server = subprocess.Popen(
-            [sys.executable, "-m", "gunicorn", "controlplane.wsgi:application", "--bind", f"127.0.0.1:{port}",
-             "--workers", "1", "--worker-class", "gthread", "--threads", "4", "--log-level", "warning"],
-            cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "gunicorn",
+                "controlplane.wsgi:application",
+                "--bind",
+                f"127.0.0.1:{port}",
+                "--workers",
+                "1",
+                "--worker-class",
+                "gthread",
+                "--threads",
+                "4",
+                "--log-level",
+                "warning",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
     try:
         assert eventually(lambda: _serving(port) or server.poll() is not None, timeout=60)
         assert server.poll() is None, log.read_text()[-3000:]
@@ -213,8 +240,12 @@ def _serving(port: int) -> bool:
 def test_through_gunicorn_a_50_mb_body_is_413_in_the_error_shape(gunicorn_port):
     requests = pytest.importorskip("requests")  # a client that reads the early answer while it still sends
     body = b'{"name": "' + b"x" * FIFTY_MB + b'"}'
-    response = requests.post(f"http://127.0.0.1:{gunicorn_port}/api/v1/keys", data=body, timeout=60,
-                             headers={"Content-Type": "application/json"})  # fmt: skip
+    response = requests.post(
+        f"http://127.0.0.1:{gunicorn_port}/api/v1/keys",
+        data=body,
+        timeout=60,
+        headers={"Content-Type": "application/json"},
+    )
     assert response.status_code == 413
     _assert_shape(response.json(), "request_too_large")
     status, _, answer = _post_raw(gunicorn_port, b"{", length=FIFTY_MB)
@@ -229,8 +260,10 @@ def test_through_gunicorn_json_nested_1000_deep_is_400(gunicorn_port):
 
 
 def test_through_gunicorn_a_chunked_body_is_411(gunicorn_port):
-    request = (b"POST /api/v1/keys HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-               b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n2\r\n{}\r\n0\r\n\r\n")  # fmt: skip
+    request = (
+        b"POST /api/v1/keys HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n2\r\n{}\r\n0\r\n\r\n"
+    )
     status, _, body = _raw(gunicorn_port, request)
     assert status == 411
     _assert_shape(json.loads(body), "length_required")
@@ -240,10 +273,18 @@ def test_through_gunicorn_a_chunked_body_is_411(gunicorn_port):
     ("request_bytes", "status", "code"),
     [
         (b"GET /" + b"a" * 5000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 414, "request_line_too_long"),
-        (b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"".join(b"X-H%d: 1\r\n" % i for i in range(150))
-         + b"\r\n", 431, "request_headers_too_large"),
-        (b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n", 431,
-         "request_headers_too_large"),
+        (
+            b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            + b"".join(b"X-H%d: 1\r\n" % i for i in range(150))
+            + b"\r\n",
+            431,
+            "request_headers_too_large",
+        ),
+        (
+            b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n",
+            431,
+            "request_headers_too_large",
+        ),
         (b"NOT A REQUEST\r\n\r\n", 400, "malformed_request"),
     ],
     ids=["long-url", "many-headers", "huge-header", "garbage"],

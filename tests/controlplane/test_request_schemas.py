@@ -12,9 +12,9 @@ from django.test import Client
 from drf_spectacular.generators import SchemaGenerator
 from rest_framework import serializers
 
+from core.openapi import RejectUnknownFieldsMixin
 from fleet import services as fleet_services
 from tenants.fields import StrictIntegerField
-from core.openapi import RejectUnknownFieldsMixin
 
 BODY_METHODS = ("POST", "PUT", "PATCH")
 
@@ -54,8 +54,12 @@ def _fields(serializer, prefix=""):
 def test_every_integer_in_every_request_body_is_a_strict_json_integer():
     operations = _request_serializers()
     assert len(operations) >= 12  # keys, tenants, quota, caches, tokens, nodes, usage, rates...
-    coercing = [f"{op}: {name}" for op, serializer in operations for name, field in _fields(serializer)
-                if isinstance(field, serializers.IntegerField) and not isinstance(field, StrictIntegerField)]  # fmt: skip
+    coercing = [
+        f"{op}: {name}"
+        for op, serializer in operations
+        for name, field in _fields(serializer)
+        if isinstance(field, serializers.IntegerField) and not isinstance(field, StrictIntegerField)
+    ]
     assert coercing == []
 
 
@@ -101,13 +105,18 @@ def test_node_bodies_refuse_integers_that_are_not_json_integers(db, refused):
     client = Client(HTTP_AUTHORIZATION=f"Bearer {credential}")
     tiers = {"device": 2**30, "dram": 0, "ssd": 0}
     cases = [
-        ("/api/v1/nodes/register", {"endpoint": "10.1.0.9:7000", "capacity": {**tiers, "dram": refused}},
-         ["capacity"]),
-        ("/api/v1/nodes/heartbeat", {"capacity": tiers, "resident": [{"cache_id": str(uuid.uuid4()),
-                                                                       "hit_tokens": refused}]}, ["resident"]),
-        ("/api/v1/nodes/usage", {"boot_id": str(uuid.uuid4()), "sequence": refused,
-                                 "sampled_at": "2026-01-01T00:00:00Z", "caches": []}, ["sequence"]),
-    ]  # fmt: skip
+        ("/api/v1/nodes/register", {"endpoint": "10.1.0.9:7000", "capacity": {**tiers, "dram": refused}}, ["capacity"]),
+        (
+            "/api/v1/nodes/heartbeat",
+            {"capacity": tiers, "resident": [{"cache_id": str(uuid.uuid4()), "hit_tokens": refused}]},
+            ["resident"],
+        ),
+        (
+            "/api/v1/nodes/usage",
+            {"boot_id": str(uuid.uuid4()), "sequence": refused, "sampled_at": "2026-01-01T00:00:00Z", "caches": []},
+            ["sequence"],
+        ),
+    ]
     for path, body, fields in cases:
         response = client.post(path, body, content_type="application/json")
         assert response.status_code == 400, (path, response.content)

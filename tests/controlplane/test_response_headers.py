@@ -51,13 +51,24 @@ def test_public_documents_keep_their_own_cache_policy(db):
 
 def _settings_with(env: dict) -> dict:
     """The TLS settings a fresh process derives from `env` (settings are read once, at import)."""
-    code = ("import json; from controlplane import settings as s; print(json.dumps({n: getattr(s, n) for n in ("
-            "'SECURE_PROXY_SSL_HEADER', 'SECURE_HSTS_SECONDS', 'SECURE_HSTS_INCLUDE_SUBDOMAINS', 'SECURE_HSTS_PRELOAD',"
-            "'SECURE_SSL_REDIRECT', 'SESSION_COOKIE_SECURE', 'CSRF_COOKIE_SECURE', 'CSRF_TRUSTED_ORIGINS')}))")  # fmt: skip
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("KCAAS_HSTS", "KCAAS_SECURE", "KCAAS_SSL",
-                                                                      "KCAAS_CSRF"))}  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
-                          env={**clean, **env, "PYTHONPATH": os.pathsep.join([str(REPO / "platform"), str(REPO)])})
+    code = (
+        "import json; from controlplane import settings as s; print(json.dumps({n: getattr(s, n) for n in ("
+        "'SECURE_PROXY_SSL_HEADER', 'SECURE_HSTS_SECONDS', 'SECURE_HSTS_INCLUDE_SUBDOMAINS', 'SECURE_HSTS_PRELOAD',"
+        "'SECURE_SSL_REDIRECT', 'SESSION_COOKIE_SECURE', 'CSRF_COOKIE_SECURE', 'CSRF_TRUSTED_ORIGINS')}))"
+    )
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("KCAAS_HSTS", "KCAAS_SECURE", "KCAAS_SSL", "KCAAS_CSRF"))
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**clean, **env, "PYTHONPATH": os.pathsep.join([str(REPO / "platform"), str(REPO)])},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout)
 
@@ -65,31 +76,55 @@ def _settings_with(env: dict) -> dict:
 def test_the_defaults_suit_plain_http_on_loopback():
     values = _settings_with({})
     assert values == {
-        "SECURE_PROXY_SSL_HEADER": None, "SECURE_HSTS_SECONDS": 0, "SECURE_HSTS_INCLUDE_SUBDOMAINS": False,
-        "SECURE_HSTS_PRELOAD": False, "SECURE_SSL_REDIRECT": False, "SESSION_COOKIE_SECURE": False,
-        "CSRF_COOKIE_SECURE": False, "CSRF_TRUSTED_ORIGINS": [],
-    }  # fmt: skip
+        "SECURE_PROXY_SSL_HEADER": None,
+        "SECURE_HSTS_SECONDS": 0,
+        "SECURE_HSTS_INCLUDE_SUBDOMAINS": False,
+        "SECURE_HSTS_PRELOAD": False,
+        "SECURE_SSL_REDIRECT": False,
+        "SESSION_COOKIE_SECURE": False,
+        "CSRF_COOKIE_SECURE": False,
+        "CSRF_TRUSTED_ORIGINS": [],
+    }
 
 
 def test_behind_tls_every_setting_comes_from_the_environment():
-    values = _settings_with({
-        "KCAAS_SECURE_PROXY_SSL_HEADER": "X-Forwarded-Proto: https", "KCAAS_HSTS_SECONDS": "31536000",
-        "KCAAS_HSTS_INCLUDE_SUBDOMAINS": "1", "KCAAS_HSTS_PRELOAD": "true", "KCAAS_SSL_REDIRECT": "1",
-        "KCAAS_SECURE_COOKIES": "1", "KCAAS_CSRF_TRUSTED_ORIGINS": "https://kcaas.example.com, https://ops.example.com",
-    })  # fmt: skip
+    values = _settings_with(
+        {
+            "KCAAS_SECURE_PROXY_SSL_HEADER": "X-Forwarded-Proto: https",
+            "KCAAS_HSTS_SECONDS": "31536000",
+            "KCAAS_HSTS_INCLUDE_SUBDOMAINS": "1",
+            "KCAAS_HSTS_PRELOAD": "true",
+            "KCAAS_SSL_REDIRECT": "1",
+            "KCAAS_SECURE_COOKIES": "1",
+            "KCAAS_CSRF_TRUSTED_ORIGINS": "https://kcaas.example.com, https://ops.example.com",
+        }
+    )
     assert values == {
-        "SECURE_PROXY_SSL_HEADER": ["HTTP_X_FORWARDED_PROTO", "https"], "SECURE_HSTS_SECONDS": 31536000,
-        "SECURE_HSTS_INCLUDE_SUBDOMAINS": True, "SECURE_HSTS_PRELOAD": True, "SECURE_SSL_REDIRECT": True,
-        "SESSION_COOKIE_SECURE": True, "CSRF_COOKIE_SECURE": True,
+        "SECURE_PROXY_SSL_HEADER": ["HTTP_X_FORWARDED_PROTO", "https"],
+        "SECURE_HSTS_SECONDS": 31536000,
+        "SECURE_HSTS_INCLUDE_SUBDOMAINS": True,
+        "SECURE_HSTS_PRELOAD": True,
+        "SECURE_SSL_REDIRECT": True,
+        "SESSION_COOKIE_SECURE": True,
+        "CSRF_COOKIE_SECURE": True,
         "CSRF_TRUSTED_ORIGINS": ["https://kcaas.example.com", "https://ops.example.com"],
-    }  # fmt: skip
+    }
 
 
 def test_a_malformed_proxy_header_setting_stops_the_start():
     code = "from controlplane import settings"
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "KCAAS_SECURE_PROXY_SSL_HEADER": "X-Forwarded-Proto",
-                               "PYTHONPATH": os.pathsep.join([str(REPO / "platform"), str(REPO)])})  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={
+            **os.environ,
+            "KCAAS_SECURE_PROXY_SSL_HEADER": "X-Forwarded-Proto",
+            "PYTHONPATH": os.pathsep.join([str(REPO / "platform"), str(REPO)]),
+        },
+    )
     assert done.returncode != 0 and "KCAAS_SECURE_PROXY_SSL_HEADER" in done.stderr
 
 

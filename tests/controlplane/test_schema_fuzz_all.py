@@ -20,7 +20,8 @@ from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance, use_after_free
 
 from fleet import services as fleet_services
-from tenants import scopes, services as tenant_services
+from tenants import scopes
+from tenants import services as tenant_services
 
 MAX_EXAMPLES = int(os.environ.get("KCAAS_FUZZ_EXAMPLES", "8"))
 TIER_LIMIT = 2**50
@@ -31,12 +32,16 @@ TENANT_OWN = ("keys", "caches", "whoami", "jwks")
 def tenant_key(db) -> str:
     issued = fleet_services.node_create(name=f"fuzz-node-{uuid.uuid4().hex[:6]}")
     fleet_services.node_register(
-        node_id=issued.node.pk, endpoint="10.9.0.1:7000", capacity={"device": TIER_LIMIT, "dram": TIER_LIMIT,
-                                                                   "ssd": TIER_LIMIT}
+        node_id=issued.node.pk,
+        endpoint="10.9.0.1:7000",
+        capacity={"device": TIER_LIMIT, "dram": TIER_LIMIT, "ssd": TIER_LIMIT},
     )
     tenant = tenant_services.tenant_create(name=f"fuzz-{uuid.uuid4().hex[:6]}")
     tenant_services.quota_update(
-        tenant=tenant, max_requests_per_second=100_000, max_device_bytes=TIER_LIMIT, max_dram_bytes=TIER_LIMIT,
+        tenant=tenant,
+        max_requests_per_second=100_000,
+        max_device_bytes=TIER_LIMIT,
+        max_dram_bytes=TIER_LIMIT,
         max_ssd_bytes=TIER_LIMIT,
     )
     return tenant_services.api_key_issue(tenant=tenant, scopes=list(scopes.ALL_SCOPES)).raw_key

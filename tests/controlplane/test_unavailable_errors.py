@@ -53,8 +53,9 @@ def test_a_connection_cut_inside_a_drf_views_atomic_block_is_a_503_and_nothing_i
 ):
     with caplog.at_level(logging.WARNING, logger="kcaas.errors"):
         assert_unavailable(client.get("/outage/cut-inside-atomic"), "database_unavailable")
-    assert any("database_unavailable" in r.getMessage() and "OperationalError" in r.getMessage()
-               for r in caplog.records)  # fmt: skip - the cause is logged
+    assert any(
+        "database_unavailable" in r.getMessage() and "OperationalError" in r.getMessage() for r in caplog.records
+    )  # the cause is logged
     connection.close()
     assert not Group.objects.filter(name=PROBE_GROUP).exists()  # the write was rolled back with its block
 

@@ -13,14 +13,13 @@ import uuid
 
 import jwt
 import pytest
-from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gpu_node.dataplane import DataPlaneServer, TokenVerifier, server_tls_context
+from gpu_node.dev_pki import write_dev_pki
 from gpu_node.registry import CacheRegistry
 from kcaas import wire
-from gpu_node.dev_pki import write_dev_pki
 from tests.gpu_node.kv_fixtures import tiny_spec
 
 ISSUER = "kcaas-control-plane"
@@ -67,17 +66,29 @@ def make_token(signing_key, jwks):
     def make(cache_id: str = CACHE_A, *, key=None, algorithm="EdDSA", headers=None, **overrides) -> str:
         now = int(time.time())
         claims = {
-            "iss": ISSUER, "aud": f"cache:{cache_id}", "sub": "tenant:t-a", "iat": now, "nbf": now,
-            "exp": now + 300, "jti": str(uuid.uuid4()), "epoch": EPOCH, "node": NODE_ID, "access": "readwrite",
+            "iss": ISSUER,
+            "aud": f"cache:{cache_id}",
+            "sub": "tenant:t-a",
+            "iat": now,
+            "nbf": now,
+            "exp": now + 300,
+            "jti": str(uuid.uuid4()),
+            "epoch": EPOCH,
+            "node": NODE_ID,
+            "access": "readwrite",
             "scope": "kv:read kv:write",
-        }  # fmt: skip
+        }
         for name, value in overrides.items():
             if value is None:
                 claims.pop(name, None)
             else:
                 claims[name] = value
-        return jwt.encode(claims, key if key is not None else signing_key, algorithm=algorithm,
-                          headers=headers if headers is not None else {"kid": kid, "typ": "JWT"})  # fmt: skip
+        return jwt.encode(
+            claims,
+            key if key is not None else signing_key,
+            algorithm=algorithm,
+            headers=headers if headers is not None else {"kid": kid, "typ": "JWT"},
+        )
 
     return make
 
@@ -91,8 +102,13 @@ def spec():
 def registry(spec):
     reg = CacheRegistry(device_capacity_bytes=64 << 20, device="cpu")
     for cache_id in (CACHE_A, CACHE_B):
-        reg.provision(cache_id=cache_id, spec=spec, capacity={"device": 256 * spec.block_bytes},
-                      hash_key=cache_id.encode() * 4, epoch=EPOCH)  # fmt: skip
+        reg.provision(
+            cache_id=cache_id,
+            spec=spec,
+            capacity={"device": 256 * spec.block_bytes},
+            hash_key=cache_id.encode() * 4,
+            epoch=EPOCH,
+        )
     return reg
 
 
@@ -105,8 +121,18 @@ def verifier(jwks):
 def server(registry, verifier, pki, tmp_path):
     ctx = server_tls_context(pki["cert"], pki["key"])
     uds = str(tmp_path / "dp.sock")
-    srv = DataPlaneServer(registry, NODE_ID, verifier, ctx, "127.0.0.1", 0, uds_path=uds,
-                          max_frame_bytes=8 << 20, frame_timeout=1.0, idle_timeout=5.0)  # fmt: skip
+    srv = DataPlaneServer(
+        registry,
+        NODE_ID,
+        verifier,
+        ctx,
+        "127.0.0.1",
+        0,
+        uds_path=uds,
+        max_frame_bytes=8 << 20,
+        frame_timeout=1.0,
+        idle_timeout=5.0,
+    )
     srv.start()
     yield srv
     srv.stop()
@@ -165,8 +191,11 @@ class RawConn:
     def request(self, opcode, tokens, *, cache_id=CACHE_A, identity=None, kv=None):
         self.rid += 1
         kwargs = {"kv": [kv]} if kv is not None else {}
-        self.send(wire.encode_request(opcode, self.rid, cache_id=cache_id, identity=identity or tiny_spec(),
-                                      token_ids=[tokens], **kwargs))  # fmt: skip
+        self.send(
+            wire.encode_request(
+                opcode, self.rid, cache_id=cache_id, identity=identity or tiny_spec(), token_ids=[tokens], **kwargs
+            )
+        )
         return self.read()
 
     def close(self) -> None:

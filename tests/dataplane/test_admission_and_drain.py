@@ -25,16 +25,29 @@ TOKENS = np.arange(2000, 2022, dtype=np.int32)
 
 def put_frame(spec, rid: int, tokens=TOKENS, cache_id=CACHE_A) -> bytes:
     kv = prefix_kv(spec, tokens)
-    return b"".join(bytes(b) for b in wire.encode_request(Opcode.PUT, rid, cache_id=cache_id, identity=spec,
-                                                          token_ids=[tokens], kv=[kv.numpy()]))  # fmt: skip
+    return b"".join(
+        bytes(b)
+        for b in wire.encode_request(
+            Opcode.PUT, rid, cache_id=cache_id, identity=spec, token_ids=[tokens], kv=[kv.numpy()]
+        )
+    )
 
 
 @pytest.fixture
 def limited_server(request, registry, verifier, pki):
     """A server with the limits the test names (indirect parametrization keeps each test's numbers visible)."""
     limits = request.param
-    srv = DataPlaneServer(registry, NODE_ID, verifier, server_tls_context(pki["cert"], pki["key"]), "127.0.0.1", 0,
-                          frame_timeout=5.0, idle_timeout=10.0, tenant_limits=limits).start()  # fmt: skip
+    srv = DataPlaneServer(
+        registry,
+        NODE_ID,
+        verifier,
+        server_tls_context(pki["cert"], pki["key"]),
+        "127.0.0.1",
+        0,
+        frame_timeout=5.0,
+        idle_timeout=10.0,
+        tenant_limits=limits,
+    ).start()
     yield srv
     srv.stop()
 
@@ -79,8 +92,11 @@ def test_connections_per_tenant_bounded_other_tenant_unaffected(limited_server, 
 @pytest.mark.parametrize("limited_server", [TenantLimits(max_inflight_requests=1)], indirect=True)
 def test_requests_in_flight_bounded_while_a_put_streams(limited_server, connect, make_token, spec, registry):
     slow, other, tenant_b = connect(), connect(), connect()
-    for conn, token, cache in ((slow, make_token(), CACHE_A), (other, make_token(), CACHE_A),
-                               (tenant_b, token_b(make_token), CACHE_B)):  # fmt: skip
+    for conn, token, cache in (
+        (slow, make_token(), CACHE_A),
+        (other, make_token(), CACHE_A),
+        (tenant_b, token_b(make_token), CACHE_B),
+    ):
         assert conn.hello(token, cache).opcode == Opcode.OK
     frame = put_frame(spec, rid=50)
     slow.sock.sendall(frame[: len(frame) - 64])  # metadata read: the put holds tenant A's only slot
@@ -116,8 +132,16 @@ def test_staged_bytes_bounded_but_a_lone_request_always_runs(limited_server, con
 
 def test_sdk_retries_overloaded_after_the_hint(registry, verifier, pki, client_ctx, make_token, spec):
     metrics = NodeMetrics(registry)
-    srv = DataPlaneServer(registry, NODE_ID, verifier, server_tls_context(pki["cert"], pki["key"]), "127.0.0.1", 0,
-                          metrics=metrics, tenant_limits=TenantLimits(max_inflight_requests=1)).start()  # fmt: skip
+    srv = DataPlaneServer(
+        registry,
+        NODE_ID,
+        verifier,
+        server_tls_context(pki["cert"], pki["key"]),
+        "127.0.0.1",
+        0,
+        metrics=metrics,
+        tenant_limits=TenantLimits(max_inflight_requests=1),
+    ).start()
 
     def refusals() -> float:
         return metrics.registry.get_sample_value("kcaas_dataplane_overloaded_total", {"limit": "requests"}) or 0.0
@@ -142,8 +166,10 @@ def test_pipelined_puts_each_keep_their_own_bytes(server, raw, make_token, spec,
     first, second = TOKENS[:8], np.arange(5000, 5008, dtype=np.int32)
     kv_second = prefix_kv(spec, second) + 1.0  # different bytes from the first put's
     frames = put_frame(spec, 70, first) + b"".join(
-        bytes(b) for b in wire.encode_request(Opcode.PUT, 71, cache_id=CACHE_A, identity=spec, token_ids=[second],
-                                              kv=[kv_second.numpy()])  # fmt: skip
+        bytes(b)
+        for b in wire.encode_request(
+            Opcode.PUT, 71, cache_id=CACHE_A, identity=spec, token_ids=[second], kv=[kv_second.numpy()]
+        )
     )
     conn.sock.sendall(frames)  # both frames in one write: the second's metadata is read before the first is handled
     assert [conn.read().opcode, conn.read().opcode] == [Opcode.OK, Opcode.OK]
@@ -157,8 +183,9 @@ def test_drain_answers_started_requests_and_closes_idle_ones(registry, verifier,
 
     from tests.dataplane.conftest import RawConn
 
-    srv = DataPlaneServer(registry, NODE_ID, verifier, server_tls_context(pki["cert"], pki["key"]), "127.0.0.1", 0,
-                          frame_timeout=5.0).start()  # fmt: skip
+    srv = DataPlaneServer(
+        registry, NODE_ID, verifier, server_tls_context(pki["cert"], pki["key"]), "127.0.0.1", 0, frame_timeout=5.0
+    ).start()
 
     def connect():
         sock = client_ctx.wrap_socket(socket.create_connection(srv.address, timeout=5), server_hostname="127.0.0.1")

@@ -20,9 +20,16 @@ class FakeControl:
 
 
 def test_agent_starts_and_stops_the_data_plane(pki, jwks, registry, make_token, client_ctx, spec, tmp_path):
-    config = AgentConfig(control_url="http://unused", credential="x", broker_url="memory://", endpoint="127.0.0.1:0",
-                         device_capacity_bytes=1 << 20, tls_cert_file=pki["cert"], tls_key_file=pki["key"],
-                         uds_path=str(tmp_path / "agent.sock"))  # fmt: skip
+    config = AgentConfig(
+        control_url="http://unused",
+        credential="x",
+        broker_url="memory://",
+        endpoint="127.0.0.1:0",
+        device_capacity_bytes=1 << 20,
+        tls_cert_file=pki["cert"],
+        tls_key_file=pki["key"],
+        uds_path=str(tmp_path / "agent.sock"),
+    )
     agent = NodeAgent(config, control=FakeControl(jwks))
     agent.registry, agent.node_id = registry, NODE_ID  # what start() sets before this step
     agent._start_dataplane()
@@ -40,8 +47,13 @@ def test_agent_starts_and_stops_the_data_plane(pki, jwks, registry, make_token, 
 
 
 def test_agent_without_tls_or_uds_runs_no_data_plane(jwks):
-    config = AgentConfig(control_url="http://unused", credential="x", broker_url="memory://", endpoint="127.0.0.1:0",
-                         device_capacity_bytes=1 << 20)  # fmt: skip
+    config = AgentConfig(
+        control_url="http://unused",
+        credential="x",
+        broker_url="memory://",
+        endpoint="127.0.0.1:0",
+        device_capacity_bytes=1 << 20,
+    )
     agent = NodeAgent(config, control=FakeControl(jwks))
     agent._start_dataplane()
     assert agent.dataplane is None
@@ -52,8 +64,9 @@ def test_data_plane_metrics(registry, verifier, pki, make_token, client_ctx, spe
     from gpu_node.metrics import NodeMetrics
 
     metrics = NodeMetrics(registry)
-    srv = DataPlaneServer(registry, NODE_ID, verifier, server_tls_context(pki["cert"], pki["key"]), "127.0.0.1", 0,
-                          metrics=metrics).start()  # fmt: skip
+    srv = DataPlaneServer(
+        registry, NODE_ID, verifier, server_tls_context(pki["cert"], pki["key"]), "127.0.0.1", 0, metrics=metrics
+    ).start()
     try:
         toks = np.arange(12, dtype=np.int32)
         with DataPlaneClient(srv.endpoint, make_token(), CACHE_A, spec, ssl_context=client_ctx) as dp:
@@ -93,14 +106,23 @@ def test_a_heartbeat_answer_revokes_tokens_on_open_connections(pki, jwks, regist
 
     jti = str(uuid.uuid4())
     control = RevokingControl(jwks, [{"jti": jti, "exp": int(time.time()) + 300}])
-    config = AgentConfig(control_url="http://unused", credential="x", broker_url="memory://", endpoint="127.0.0.1:0",
-                         device_capacity_bytes=1 << 20, tls_cert_file=pki["cert"], tls_key_file=pki["key"])  # fmt: skip
+    config = AgentConfig(
+        control_url="http://unused",
+        credential="x",
+        broker_url="memory://",
+        endpoint="127.0.0.1:0",
+        device_capacity_bytes=1 << 20,
+        tls_cert_file=pki["cert"],
+        tls_key_file=pki["key"],
+    )
     agent = NodeAgent(config, control=control)
     agent.registry, agent.node_id = registry, NODE_ID
     agent._start_dataplane()
     try:
         toks = np.arange(8, dtype=np.int32)
-        with DataPlaneClient(agent.dataplane.endpoint, make_token(jti=jti), CACHE_A, spec, ssl_context=client_ctx) as dp:
+        with DataPlaneClient(
+            agent.dataplane.endpoint, make_token(jti=jti), CACHE_A, spec, ssl_context=client_ctx
+        ) as dp:
             assert dp.lookup(toks) == 0  # authenticated
             agent.send_heartbeat()
             with pytest.raises(DataPlaneError) as refused:

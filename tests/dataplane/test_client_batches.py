@@ -36,8 +36,16 @@ def count_requests(server) -> list:
 @pytest.fixture
 def small_frames(registry, verifier, pki):
     """A node whose frames hold 16 KiB: a 150-token sequence (128 B of KV per token) needs several."""
-    srv = DataPlaneServer(registry, NODE_ID, verifier, server_tls_context(pki["cert"], pki["key"]), "127.0.0.1", 0,
-                          max_frame_bytes=16 * 1024, max_answer_bytes=16 * 1024).start()  # fmt: skip
+    srv = DataPlaneServer(
+        registry,
+        NODE_ID,
+        verifier,
+        server_tls_context(pki["cert"], pki["key"]),
+        "127.0.0.1",
+        0,
+        max_frame_bytes=16 * 1024,
+        max_answer_bytes=16 * 1024,
+    ).start()
     yield srv
     srv.stop()
 
@@ -62,8 +70,13 @@ def test_batches_take_one_round_trip_and_answer_per_sequence(server, make_token,
         assert got[0][1].data_ptr() == outs[0].data_ptr()  # straight into the caller's buffers
         assert dp.delete_batch(seqs[:2])[0] >= 1
         assert dp.lookup_batch(seqs[:3]) == [0, 0, 9]
-    assert seen == [(Opcode.PUT_BATCH, 4), (Opcode.LOOKUP_BATCH, 5), (Opcode.GET_BATCH, 5),
-                    (Opcode.DELETE_BATCH, 2), (Opcode.LOOKUP_BATCH, 3)]  # fmt: skip
+    assert seen == [
+        (Opcode.PUT_BATCH, 4),
+        (Opcode.LOOKUP_BATCH, 5),
+        (Opcode.GET_BATCH, 5),
+        (Opcode.DELETE_BATCH, 2),
+        (Opcode.LOOKUP_BATCH, 3),
+    ]
 
 
 def test_a_long_get_lands_at_its_offsets_of_the_callers_buffer(small_frames, make_token, client_ctx, spec):
@@ -83,12 +96,19 @@ def test_a_long_get_lands_at_its_offsets_of_the_callers_buffer(small_frames, mak
         assert n == 150 and torch.equal(got, kv[:, :, 20:]) and got.is_contiguous()
 
 
-def test_a_get_answered_from_the_pool_is_one_frame_however_long(registry, verifier, pki, client_ctx, make_token,
-                                                                 spec):  # fmt: skip
+def test_a_get_answered_from_the_pool_is_one_frame_however_long(registry, verifier, pki, client_ctx, make_token, spec):
     """Requests stay within max_frame_bytes (a put's KV is staged), but a GET answered from the pool itself stages
     nothing: a client that offers at HELLO gets it in one frame up to max_answer_bytes."""
-    srv = DataPlaneServer(registry, NODE_ID, verifier, server_tls_context(pki["cert"], pki["key"]), "127.0.0.1", 0,
-                          max_frame_bytes=16 * 1024, max_answer_bytes=1 << 20).start()  # fmt: skip
+    srv = DataPlaneServer(
+        registry,
+        NODE_ID,
+        verifier,
+        server_tls_context(pki["cert"], pki["key"]),
+        "127.0.0.1",
+        0,
+        max_frame_bytes=16 * 1024,
+        max_answer_bytes=1 << 20,
+    ).start()
     try:
         toks = sequences(1, 150)[0]
         kv = prefix_kv(spec, toks)
@@ -113,8 +133,9 @@ def test_a_batch_larger_than_a_frame_is_split_and_still_exact(small_frames, make
         assert all(n == 40 and torch.equal(kv, want) for (n, kv), want in zip(got, kvs))
 
 
-def test_a_long_put_resumes_when_the_node_loses_its_prefix_between_frames(small_frames, make_token, client_ctx,
-                                                                           spec, registry):  # fmt: skip
+def test_a_long_put_resumes_when_the_node_loses_its_prefix_between_frames(
+    small_frames, make_token, client_ctx, spec, registry
+):
     toks = sequences(1, 150)[0]
     kv = prefix_kv(spec, toks)
     engine = registry.get(CACHE_A).engine
@@ -164,16 +185,20 @@ def test_the_node_refuses_a_hello_whose_identity_differs_and_a_request_without_a
     assert "head_dim" in reply.meta["details"]["fields"]
     raw.send(wire.encode_hello(2, cache_id=CACHE_A, token=make_token()))  # no identity: requests must carry it
     assert raw.read().opcode == Opcode.OK
-    raw.send(wire.encode_request(Opcode.LOOKUP, 3, cache_id=CACHE_A, identity=None, session_identity=tiny_spec(),
-                                 token_ids=[[1, 2, 3]]))  # fmt: skip
+    raw.send(
+        wire.encode_request(
+            Opcode.LOOKUP, 3, cache_id=CACHE_A, identity=None, session_identity=tiny_spec(), token_ids=[[1, 2, 3]]
+        )
+    )
     reply = raw.read()
     assert reply.opcode == Opcode.ERROR and reply.meta["code"] == ErrorCode.BAD_REQUEST
     assert "identity" in reply.meta["message"]
     raw.close()
 
 
-def test_a_node_that_refuses_identity_in_hello_gets_it_with_every_request(server, make_token, client_ctx, spec,
-                                                                          monkeypatch):  # fmt: skip
+def test_a_node_that_refuses_identity_in_hello_gets_it_with_every_request(
+    server, make_token, client_ctx, spec, monkeypatch
+):
     """Older nodes refuse the field: the client says HELLO without it and sends the identity per request."""
     import gpu_node.dataplane as node_module
 

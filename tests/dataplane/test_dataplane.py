@@ -85,8 +85,9 @@ def test_get_and_put_from_a_start_send_only_the_tokens_the_caller_lacks(server, 
 
 def test_fp16_and_connection_reuse(server, make_token, client_ctx, registry):
     spec16 = tiny_spec(kv_dtype="float16", storage_dtype="float16")
-    registry.provision(cache_id="c_fp16", spec=spec16, capacity={"device": 64 * spec16.block_bytes},
-                       hash_key=b"h" * 32, epoch=EPOCH)  # fmt: skip
+    registry.provision(
+        cache_id="c_fp16", spec=spec16, capacity={"device": 64 * spec16.block_bytes}, hash_key=b"h" * 32, epoch=EPOCH
+    )
     dp = client_for(server, make_token("c_fp16"), client_ctx, cache_id="c_fp16", spec=spec16)
     for i in range(5):
         toks = np.arange(i * 100, i * 100 + 9, dtype=np.int32)
@@ -102,8 +103,15 @@ def test_long_sequences_split_across_frames(registry, verifier, pki, client_ctx,
     """A node with a tiny frame limit: put is sent in kv_start pieces and get is continued from kv_end."""
     from gpu_node.dataplane import DataPlaneServer, server_tls_context
 
-    srv = DataPlaneServer(registry, NODE_ID, verifier, server_tls_context(pki["cert"], pki["key"]), "127.0.0.1", 0,
-                          max_frame_bytes=16 * 1024).start()  # fmt: skip
+    srv = DataPlaneServer(
+        registry,
+        NODE_ID,
+        verifier,
+        server_tls_context(pki["cert"], pki["key"]),
+        "127.0.0.1",
+        0,
+        max_frame_bytes=16 * 1024,
+    ).start()
     try:
         toks = np.arange(5000, 5000 + 150, dtype=np.int32)  # 150 tokens x 128 B of KV = 19 KiB > one frame
         kv = prefix_kv(spec, toks)
@@ -266,8 +274,12 @@ def test_other_tenant_cannot_read_and_learns_nothing(server, make_token, raw, re
 # ---- bad input -----------------------------------------------------------------------------------------------------
 def _put_frame(spec, rid=7):
     kv = prefix_kv(spec, TOKENS)
-    return b"".join(bytes(b) for b in wire.encode_request(Opcode.PUT, rid, cache_id=CACHE_A, identity=spec,
-                                                          token_ids=[TOKENS], kv=[kv.numpy()]))  # fmt: skip
+    return b"".join(
+        bytes(b)
+        for b in wire.encode_request(
+            Opcode.PUT, rid, cache_id=CACHE_A, identity=spec, token_ids=[TOKENS], kv=[kv.numpy()]
+        )
+    )
 
 
 @pytest.mark.parametrize("garbage", [b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"\x00" * 64, b"KCW\x00\x09" + b"\x00" * 40])
@@ -346,8 +358,15 @@ def test_tls12_only_client_refused(server, pki):
 def test_stop_closes_connections_and_listeners(registry, verifier, pki, client_ctx, make_token, tmp_path):
     from gpu_node.dataplane import DataPlaneServer, server_tls_context
 
-    srv = DataPlaneServer(registry, NODE_ID, verifier, server_tls_context(pki["cert"], pki["key"]), "127.0.0.1", 0,
-                          uds_path=str(tmp_path / "s.sock")).start()  # fmt: skip
+    srv = DataPlaneServer(
+        registry,
+        NODE_ID,
+        verifier,
+        server_tls_context(pki["cert"], pki["key"]),
+        "127.0.0.1",
+        0,
+        uds_path=str(tmp_path / "s.sock"),
+    ).start()
     dp = client_for(srv, make_token(), client_ctx)
     assert dp.lookup(TOKENS) == 0
     t0 = time.monotonic()

@@ -53,8 +53,13 @@ class PlacementTokens:
 @pytest.fixture
 def target(spec, verifier, pki):
     registry = CacheRegistry(device_capacity_bytes=64 << 20, device="cpu")
-    registry.provision(cache_id=CACHE_A, spec=spec, capacity={"device": 256 * spec.block_bytes},
-                       hash_key=CACHE_A.encode() * 4, epoch=EPOCH + 1)  # fmt: skip
+    registry.provision(
+        cache_id=CACHE_A,
+        spec=spec,
+        capacity={"device": 256 * spec.block_bytes},
+        hash_key=CACHE_A.encode() * 4,
+        epoch=EPOCH + 1,
+    )
     srv = DataPlaneServer(registry, TARGET_NODE, verifier, server_tls_context(pki["cert"], pki["key"]), "127.0.0.1", 0)
     srv.start()
     yield registry, srv
@@ -73,9 +78,15 @@ def migrate(registry, target_registry, target_srv, node_pki, tokens: PlacementTo
     listener.expect(Incoming("m1", CACHE_A, IDENTITY[NODE_ID], EPOCH + 1))
     fences = fences_for(registry)
     try:
-        sender = MigrationSender(registry.get(CACHE_A).engine, migration_id="m1", cache_id=CACHE_A, epoch=EPOCH + 1,
-                                 target_endpoint=listener.endpoint, target_node_id=IDENTITY[TARGET_NODE],
-                                 tls_context=mtls_client_context(**_files(node_pki[NODE_ID])))  # fmt: skip
+        sender = MigrationSender(
+            registry.get(CACHE_A).engine,
+            migration_id="m1",
+            cache_id=CACHE_A,
+            epoch=EPOCH + 1,
+            target_endpoint=listener.endpoint,
+            target_node_id=IDENTITY[TARGET_NODE],
+            tls_context=mtls_client_context(**_files(node_pki[NODE_ID])),
+        )
 
         def fence():
             assert fences.fence(CACHE_A, target_srv.endpoint, EPOCH + 1)
@@ -99,8 +110,9 @@ def seq(i: int) -> np.ndarray:
     return (np.arange(13, dtype=np.int32) + 1000 * i) % 50_000
 
 
-def test_client_putting_during_migration_loses_no_acknowledged_put(server, registry, target, node_pki, spec,
-                                                                    make_token, client_ctx):  # fmt: skip
+def test_client_putting_during_migration_loses_no_acknowledged_put(
+    server, registry, target, node_pki, spec, make_token, client_ctx
+):
     target_registry, target_srv = target
     tokens = PlacementTokens(make_token)
     client = DataPlaneClient(server.endpoint, tokens, CACHE_A, spec, ssl_context=client_ctx)

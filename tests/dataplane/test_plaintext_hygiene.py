@@ -16,8 +16,8 @@ import torch
 from gpu_node.dataplane import DataPlaneServer, server_tls_context
 from gpu_node.dataplane_conn import Conn
 from gpu_node.dataplane_io import OP_CLEANSE_PLAINTEXT, send_buffers
-from gpu_node.staging import StagingPool
 from gpu_node.registry import CacheRegistry
+from gpu_node.staging import StagingPool
 from kcaas import wire
 from kcaas.wire import Opcode
 from tests.dataplane.conftest import CACHE_A, CACHE_B, EPOCH, NODE_ID, RawConn
@@ -39,15 +39,29 @@ def tenants_registry():
     """Tenant t-a's cache A and t-b's cache B (as the control plane provisions them: with their owner)."""
     registry = CacheRegistry(device_capacity_bytes=64 << 20, device="cpu")
     for cache_id, tenant in ((CACHE_A, "t-a"), (CACHE_B, "t-b")):
-        registry.provision(cache_id=cache_id, spec=SPEC, capacity={"device": 1024 * SPEC.block_bytes},
-                           hash_key=cache_id.encode() * 4, epoch=EPOCH, tenant_id=tenant)  # fmt: skip
+        registry.provision(
+            cache_id=cache_id,
+            spec=SPEC,
+            capacity={"device": 1024 * SPEC.block_bytes},
+            hash_key=cache_id.encode() * 4,
+            epoch=EPOCH,
+            tenant_id=tenant,
+        )
     return registry
 
 
 @pytest.fixture
 def node(tenants_registry, verifier, pki):
-    srv = DataPlaneServer(tenants_registry, NODE_ID, verifier, server_tls_context(pki["cert"], pki["key"]),
-                          "127.0.0.1", 0, frame_timeout=5.0, idle_timeout=10.0).start()  # fmt: skip
+    srv = DataPlaneServer(
+        tenants_registry,
+        NODE_ID,
+        verifier,
+        server_tls_context(pki["cert"], pki["key"]),
+        "127.0.0.1",
+        0,
+        frame_timeout=5.0,
+        idle_timeout=10.0,
+    ).start()
     yield srv
     srv.stop()
 
@@ -81,8 +95,12 @@ def record_puts(registry, cache_id: str) -> list:
 
 def put_frame(rid: int, tokens: np.ndarray, *, start: int = 0, cache_id: str = CACHE_A) -> bytes:
     kv = prefix_kv(SPEC, tokens)[:, :, start:].contiguous()
-    return b"".join(bytes(b) for b in wire.encode_request(Opcode.PUT, rid, cache_id=cache_id, identity=SPEC,
-                                                          token_ids=[tokens], kv=[kv.numpy()], kv_start=[start]))
+    return b"".join(
+        bytes(b)
+        for b in wire.encode_request(
+            Opcode.PUT, rid, cache_id=cache_id, identity=SPEC, token_ids=[tokens], kv=[kv.numpy()], kv_start=[start]
+        )
+    )
 
 
 def test_a_puts_buffers_are_zeroed_after_its_answer_or_at_close(node, connect, make_token, tenants_registry):
@@ -112,19 +130,29 @@ def test_a_gets_staging_and_copies_are_zeroed(verifier, pki, client_ctx, make_to
 
     spec = tiny_spec(storage_dtype="int8")
     registry = CacheRegistry(device_capacity_bytes=64 << 20, device="cpu")
-    registry.provision(cache_id=CACHE_A, spec=spec, capacity={"device": 64 * spec.block_bytes},
-                       hash_key=b"a" * 32, epoch=EPOCH, tenant_id="t-a")  # fmt: skip
+    registry.provision(
+        cache_id=CACHE_A,
+        spec=spec,
+        capacity={"device": 64 * spec.block_bytes},
+        hash_key=b"a" * 32,
+        epoch=EPOCH,
+        tenant_id="t-a",
+    )
     tokens = np.arange(3 * BLOCK, dtype=np.int32)
     registry.get(CACHE_A).engine.put(tokens, prefix_kv(spec, tokens))
     sent = []
     monkeypatch.setattr(dataplane, "tensor_bytes", lambda t: (sent.append(t), dataplane_io_tensor_bytes(t))[1])
-    srv = DataPlaneServer(registry, NODE_ID, verifier, server_tls_context(pki["cert"], pki["key"]), "127.0.0.1",
-                          0).start()  # fmt: skip
+    srv = DataPlaneServer(
+        registry, NODE_ID, verifier, server_tls_context(pki["cert"], pki["key"]), "127.0.0.1", 0
+    ).start()
     try:
         conn = connected(srv, client_ctx, make_token())
         for rid, start in ((5, 0), (6, BLOCK)):
-            conn.send(wire.encode_request(Opcode.GET, rid, cache_id=CACHE_A, identity=spec, token_ids=[tokens],
-                                          kv_start=[start]))  # fmt: skip
+            conn.send(
+                wire.encode_request(
+                    Opcode.GET, rid, cache_id=CACHE_A, identity=spec, token_ids=[tokens], kv_start=[start]
+                )
+            )
             answer = conn.read()
             assert answer.opcode == Opcode.OK and answer.meta["kv_end"] == [len(tokens)]
         whole, copied = sent
@@ -158,7 +186,7 @@ def test_purging_a_tenant_closes_its_connections_only(node, connect, make_token,
     tokens = np.arange(40 * BLOCK, dtype=np.int32)
     mine.sock.sendall(put_frame(1, tokens))
     assert mine.read().opcode == Opcode.OK
-    (_, staged), = seen
+    ((_, staged),) = seen
 
     purged = tenants_registry.purge_tenant("t-a")
     assert [p["cache_id"] for p in purged] == [CACHE_A]
@@ -175,7 +203,8 @@ def test_purge_listeners_run_after_unhosting_and_before_the_wipe(tenants_registr
     engine.put(tokens, prefix_kv(SPEC, tokens))
     observed = []
     tenants_registry.add_purge_listener(
-        lambda tenant: observed.append((tenant, tenants_registry.get(CACHE_A), bool(engine.pool.any()))))
+        lambda tenant: observed.append((tenant, tenants_registry.get(CACHE_A), bool(engine.pool.any())))
+    )
     tenants_registry.purge_tenant("t-a")
     assert observed == [("t-a", None, True)]  # no longer hosted; the pool not wiped yet (no writer left after)
     assert not engine.pool.any()
@@ -227,22 +256,29 @@ def test_conn_scrub_zeroes_every_buffer_it_kept():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_a_device_pool_joins_a_suffix_put_and_sends_a_range_through_host_copies(verifier, pki, client_ctx,
-                                                                                 make_token):  # fmt: skip
+def test_a_device_pool_joins_a_suffix_put_and_sends_a_range_through_host_copies(verifier, pki, client_ctx, make_token):
     """A CUDA pool: the suffix put's KV joins the prefix read back on the device; a GET range is read into the
     device staging and copied to host to be sent. The bytes are exact; the copies are zeroed once sent."""
     registry = CacheRegistry(device_capacity_bytes=64 << 20, device="cuda")
-    registry.provision(cache_id=CACHE_A, spec=SPEC, capacity={"device": 64 * SPEC.block_bytes}, hash_key=b"a" * 32,
-                       epoch=EPOCH, tenant_id="t-a")  # fmt: skip
-    srv = DataPlaneServer(registry, NODE_ID, verifier, server_tls_context(pki["cert"], pki["key"]), "127.0.0.1",
-                          0).start()  # fmt: skip
+    registry.provision(
+        cache_id=CACHE_A,
+        spec=SPEC,
+        capacity={"device": 64 * SPEC.block_bytes},
+        hash_key=b"a" * 32,
+        epoch=EPOCH,
+        tenant_id="t-a",
+    )
+    srv = DataPlaneServer(
+        registry, NODE_ID, verifier, server_tls_context(pki["cert"], pki["key"]), "127.0.0.1", 0
+    ).start()
     try:
         conn = connected(srv, client_ctx, make_token())
         tokens = np.arange(3 * BLOCK, dtype=np.int32)
         conn.sock.sendall(put_frame(1, tokens[: 2 * BLOCK]) + put_frame(2, tokens, start=2 * BLOCK))
         assert [conn.read().opcode, conn.read().opcode] == [Opcode.OK, Opcode.OK]
-        conn.send(wire.encode_request(Opcode.GET, 3, cache_id=CACHE_A, identity=SPEC, token_ids=[tokens],
-                                      kv_start=[BLOCK]))  # fmt: skip
+        conn.send(
+            wire.encode_request(Opcode.GET, 3, cache_id=CACHE_A, identity=SPEC, token_ids=[tokens], kv_start=[BLOCK])
+        )
         answer = conn.read()
         assert answer.opcode == Opcode.OK and answer.meta["kv_end"] == [len(tokens)]
         expected = prefix_kv(SPEC, tokens)[:, :, BLOCK:].contiguous().numpy().tobytes()

@@ -25,9 +25,17 @@ TOKENS = np.arange(3000, 3008, dtype=np.int32)
 @pytest.fixture
 def limited(request, registry, verifier, pki):
     limits = request.param
-    srv = DataPlaneServer(registry, NODE_ID, verifier, server_tls_context(pki["cert"], pki["key"]), "127.0.0.1", 0,
-                          node_limits=limits, idle_timeout=30.0,
-                          max_frame_bytes=min(wire.DEFAULT_MAX_FRAME_BYTES, limits.max_staged_bytes)).start()  # fmt: skip
+    srv = DataPlaneServer(
+        registry,
+        NODE_ID,
+        verifier,
+        server_tls_context(pki["cert"], pki["key"]),
+        "127.0.0.1",
+        0,
+        node_limits=limits,
+        idle_timeout=30.0,
+        max_frame_bytes=min(wire.DEFAULT_MAX_FRAME_BYTES, limits.max_staged_bytes),
+    ).start()
     yield srv
     srv.stop()
 
@@ -83,13 +91,14 @@ def test_connections_per_source_are_bounded_even_when_authenticated(limited, cli
 def put_header(spec, tokens, rid: int, cache_id: str = CACHE_A) -> bytes:
     """A whole PUT frame but for its KV: the header promises bytes that never come."""
     kv = prefix_kv(spec, tokens).numpy()
-    frame = b"".join(bytes(b) for b in wire.encode_request(Opcode.PUT, rid, cache_id=cache_id, identity=spec,
-                                                           token_ids=[tokens], kv=[kv]))  # fmt: skip
+    frame = b"".join(
+        bytes(b)
+        for b in wire.encode_request(Opcode.PUT, rid, cache_id=cache_id, identity=spec, token_ids=[tokens], kv=[kv])
+    )
     return frame[: len(frame) - kv.nbytes]
 
 
-@pytest.mark.parametrize("limited", [NodeLimits(payload_stall_timeout=0.5, max_staged_bytes=64 << 10)],
-                         indirect=True)  # fmt: skip
+@pytest.mark.parametrize("limited", [NodeLimits(payload_stall_timeout=0.5, max_staged_bytes=64 << 10)], indirect=True)
 def test_a_payload_that_stalls_is_cut_and_its_staging_returns_to_the_node(limited, client_ctx, make_token, spec):
     """A header-only PUT reserves the node's staging (64 KiB here) and pins it only until the stall timeout: another
     tenant's put is refused `overloaded` (node_bytes) meanwhile, and served once the stalled one is cut."""

@@ -16,8 +16,9 @@ from tests.gpu_node.kv_fixtures import prefix_kv
 from tests.waiting import eventually
 
 
-def test_requests_to_a_purged_engine_answer_not_found_and_the_connection_keeps_working(server, make_token,
-                                                                                    client_ctx, spec, registry):
+def test_requests_to_a_purged_engine_answer_not_found_and_the_connection_keeps_working(
+    server, make_token, client_ctx, spec, registry
+):
     kv = prefix_kv(spec, TOKENS)
     with client_for(server, make_token(), client_ctx) as dp:
         dp.put(TOKENS, kv)

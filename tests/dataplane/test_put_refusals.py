@@ -21,8 +21,9 @@ OTHER = np.arange(50, 56, dtype=np.int32)
 @pytest.fixture
 def int8_cache(registry):
     spec = tiny_spec(storage_dtype="int8")
-    registry.provision(cache_id="c_int8", spec=spec, capacity={"device": 64 * spec.block_bytes},
-                       hash_key=b"q" * 32, epoch=EPOCH)  # fmt: skip
+    registry.provision(
+        cache_id="c_int8", spec=spec, capacity={"device": 64 * spec.block_bytes}, hash_key=b"q" * 32, epoch=EPOCH
+    )
     return "c_int8", spec, registry.get("c_int8").engine
 
 
@@ -60,8 +61,16 @@ def test_batch_put_names_the_refused_sequence(server, make_token, raw, int8_cach
     bad = prefix_kv(spec, TOKENS)
     bad[0, 1, 0, 0, 0] = float("-inf")
     conn.rid += 1
-    conn.send(wire.encode_request(Opcode.PUT_BATCH, conn.rid, cache_id=cache_id, identity=spec,
-                                  token_ids=[OTHER, TOKENS], kv=[_bytes(prefix_kv(spec, OTHER)), _bytes(bad)]))
+    conn.send(
+        wire.encode_request(
+            Opcode.PUT_BATCH,
+            conn.rid,
+            cache_id=cache_id,
+            identity=spec,
+            token_ids=[OTHER, TOKENS],
+            kv=[_bytes(prefix_kv(spec, OTHER)), _bytes(bad)],
+        )
+    )
     reply = conn.read()
     assert reply.opcode == Opcode.ERROR and reply.meta["code"] == ErrorCode.BAD_REQUEST
     assert reply.meta["details"] == {"reason": "kv_not_storable", "sequence": 1}
@@ -71,8 +80,9 @@ def test_batch_put_names_the_refused_sequence(server, make_token, raw, int8_cach
 
 def test_sdk_client_gets_a_dataplane_error_with_the_code(server, make_token, client_ctx, registry):
     spec = tiny_spec(storage_dtype="float16")  # fp32 KV in fp16 storage: 1e6 would be stored as inf
-    registry.provision(cache_id="c_fp16", spec=spec, capacity={"device": 64 * spec.block_bytes},
-                       hash_key=b"h" * 32, epoch=EPOCH)  # fmt: skip
+    registry.provision(
+        cache_id="c_fp16", spec=spec, capacity={"device": 64 * spec.block_bytes}, hash_key=b"h" * 32, epoch=EPOCH
+    )
     kv = prefix_kv(spec, TOKENS)
     kv[0, 0, 3, 0, 0] = 1e6
     with DataPlaneClient(server.endpoint, make_token("c_fp16"), "c_fp16", spec, ssl_context=client_ctx) as dp:

@@ -39,8 +39,16 @@ def test_get_answers_count_the_tokens_of_kv_they_carried(server, make_token, cli
 
 
 def test_a_get_continued_across_frames_counts_each_token_once(registry, verifier, pki, client_ctx, make_token, spec):
-    srv = DataPlaneServer(registry, NODE_ID, verifier, server_tls_context(pki["cert"], pki["key"]), "127.0.0.1", 0,
-                          max_frame_bytes=16 * 1024, max_answer_bytes=16 * 1024).start()  # fmt: skip
+    srv = DataPlaneServer(
+        registry,
+        NODE_ID,
+        verifier,
+        server_tls_context(pki["cert"], pki["key"]),
+        "127.0.0.1",
+        0,
+        max_frame_bytes=16 * 1024,
+        max_answer_bytes=16 * 1024,
+    ).start()
     try:
         toks = np.arange(5000, 5150, dtype=np.int32)  # 150 tokens: more than one frame of KV
         with client_for(srv, make_token(), client_ctx) as dp:

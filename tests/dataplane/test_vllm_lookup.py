@@ -10,16 +10,18 @@ import pytest
 from kcaas.connectors.vllm_lookup import BoundedLookup
 from kcaas.dataplane import DataPlaneClient
 from tests.dataplane.conftest import CACHE_A
-from tests.gpu_node.kv_fixtures import prefix_kv, tiny_spec
 from tests.dataplane.test_dataplane import TOKENS
+from tests.gpu_node.kv_fixtures import prefix_kv, tiny_spec
 
 LOOKUP_S = 0.05
 
 
 def opener(endpoint: str, token: str, client_ctx):
     def open_client(timeout: float) -> DataPlaneClient:
-        return DataPlaneClient(endpoint, token, CACHE_A, tiny_spec(), ssl_context=client_ctx, timeout=timeout,
-                               max_overloaded_retries=0)  # fmt: skip
+        return DataPlaneClient(
+            endpoint, token, CACHE_A, tiny_spec(), ssl_context=client_ctx, timeout=timeout, max_overloaded_retries=0
+        )
+
     return open_client
 
 
@@ -56,8 +58,9 @@ def hung_node():
 
 def test_a_hung_node_costs_one_bounded_wait_per_back_off(hung_node, make_token, client_ctx):
     now = [0.0]
-    opened, took = timed(lambda: BoundedLookup(opener(hung_node, make_token(), client_ctx), LOOKUP_S, 0.3,
-                                               clock=lambda: now[0]))  # fmt: skip
+    opened, took = timed(
+        lambda: BoundedLookup(opener(hung_node, make_token(), client_ctx), LOOKUP_S, 0.3, clock=lambda: now[0])
+    )
     lookup = opened
     try:
         assert 0.25 <= took < 1.5  # the start-up connection gave up after its own timeout (0.3 s: the TLS handshake)

@@ -26,8 +26,15 @@ from psycopg import sql
 from kcaas.spec import KVCacheSpec
 from tests.e2e.up_support import assert_session_gone, keep_draining, kill_session, read_banner, start_script
 
-SPEC = KVCacheSpec(model_fingerprint="tiny@1", num_layers=2, num_kv_heads=2, head_dim=8, block_size=16,
-                   kv_dtype="float16", storage_dtype="float16")  # fmt: skip
+SPEC = KVCacheSpec(
+    model_fingerprint="tiny@1",
+    num_layers=2,
+    num_kv_heads=2,
+    head_dim=8,
+    block_size=16,
+    kv_dtype="float16",
+    storage_dtype="float16",
+)
 NODE_BYTES = 256 * SPEC.block_bytes
 LEASE_SECONDS = 6  # with 1 s heartbeats: a loaded 2-core machine never misses six in a row
 
@@ -80,8 +87,11 @@ def own_services(database: str, redis_dbs: tuple[int, int]) -> Iterator[dict]:
     drop_database(database)
     for client in clients:
         client.flushdb()
-    yield {"DATABASE_URL": server_url(database), "REDIS_URL": f"{redis_base}/{redis_dbs[0]}",
-           "CELERY_BROKER_URL": f"{redis_base}/{redis_dbs[1]}"}  # fmt: skip
+    yield {
+        "DATABASE_URL": server_url(database),
+        "REDIS_URL": f"{redis_base}/{redis_dbs[0]}",
+        "CELERY_BROKER_URL": f"{redis_base}/{redis_dbs[1]}",
+    }
     for client in clients:
         client.flushdb()
         client.close()
@@ -103,11 +113,16 @@ def running_cluster(tmp_path, services: dict, *args: str):
     env = {k: v for k, v in os.environ.items() if k not in {"DJANGO_SETTINGS_MODULE", "KCAAS_NODE_ENDPOINT"}}
     env.update(services)
     env.update(
-        KCAAS_VAR_DIR=str(tmp_path / "var"), KCAAS_PORT=str(port), KCAAS_NODE_PORT=str(node_port),
-        KCAAS_NODE_METRICS_PORT=str(metrics_port), KCAAS_NODE_DEVICE_BYTES=str(NODE_BYTES),
-        KCAAS_NODE_HEARTBEAT_SECONDS="1", KCAAS_NODE_LEASE_SECONDS=str(LEASE_SECONDS), KCAAS_LEASE_SWEEP_SECONDS="1",
+        KCAAS_VAR_DIR=str(tmp_path / "var"),
+        KCAAS_PORT=str(port),
+        KCAAS_NODE_PORT=str(node_port),
+        KCAAS_NODE_METRICS_PORT=str(metrics_port),
+        KCAAS_NODE_DEVICE_BYTES=str(NODE_BYTES),
+        KCAAS_NODE_HEARTBEAT_SECONDS="1",
+        KCAAS_NODE_LEASE_SECONDS=str(LEASE_SECONDS),
+        KCAAS_LEASE_SWEEP_SECONDS="1",
         LOG_LEVEL="WARNING",
-    )  # fmt: skip
+    )
     stderr = open(tmp_path / "cluster.stderr", "w+")  # a file: a chatty child never blocks on a full pipe
     cluster = start_script("cluster.py", env, stderr, *args)
     try:

@@ -56,9 +56,15 @@ def model():
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, attn_implementation="eager",
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        attn_implementation="eager",
+    )
     return transformers.LlamaForCausalLM(config).eval()
 
 
@@ -82,8 +88,15 @@ FP32_ROUNDING = dict(rtol=0, atol=1e-5)  # a wrong prefix is off by about the lo
 
 def spec_for(model) -> KVCacheSpec:
     c = model.config
-    return KVCacheSpec("tiny-llama-random@seed0", c.num_hidden_layers, c.num_key_value_heads,
-                       c.hidden_size // c.num_attention_heads, 16, "float32", "float32")  # fmt: skip
+    return KVCacheSpec(
+        "tiny-llama-random@seed0",
+        c.num_hidden_layers,
+        c.num_key_value_heads,
+        c.hidden_size // c.num_attention_heads,
+        16,
+        "float32",
+        "float32",
+    )
 
 
 def random_tokens(n: int, seed: int) -> torch.Tensor:
@@ -178,8 +191,14 @@ class AgentLauncher:
         stderr_path = self.workdir / f"agent-{len(self.started)}.stderr"
         stderr = open(stderr_path, "w+")  # a file, not a pipe: a chatty agent can never block on it
         self._files.append(stderr)
-        process = subprocess.Popen([sys.executable, "-m", "gpu_node.agent"], cwd=REPO, env=env,
-                                   stdout=subprocess.PIPE, stderr=stderr, text=True)  # fmt: skip
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gpu_node.agent"],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
         handle = AgentProcess(uuid.UUID(str(node_id)), credential, endpoint, process, stderr_path)
         self.started.append(handle)
         self._files.append(process.stdout)

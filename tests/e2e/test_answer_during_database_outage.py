@@ -50,7 +50,9 @@ def cache_state(database_url: str, cache_id: str) -> tuple[str, int] | None:
         with psycopg.connect(database_url, connect_timeout=2) as conn:
             return conn.execute(
                 "SELECT c.state, n.device_reserved_bytes FROM caches_cache c JOIN fleet_node n ON n.id = c.node_id "
-                "WHERE c.id = %s", (cache_id,)).fetchone()  # fmt: skip
+                "WHERE c.id = %s",
+                (cache_id,),
+            ).fetchone()
     except psycopg.OperationalError:
         return None
 
@@ -59,12 +61,18 @@ def test_a_provisioning_answer_handled_while_postgresql_is_down_is_retried_until
     monkeypatch.delenv("CELERY_BROKER_URL")  # Celery prefers it to the broker a new app is given
     (tmp_path / "redis").mkdir()
     with PrivatePostgres() as database, PrivateRedis(tmp_path / "redis") as broker:
-        env = {**os.environ, "DATABASE_URL": database.create_database("kcaas"), "CELERY_BROKER_URL": broker.url,
-               "KCAAS_VAR_DIR": str(tmp_path / "var"), "DJANGO_SETTINGS_MODULE": "controlplane.settings",
-               "PYTHONPATH": os.pathsep.join([str(REPO / "platform"), str(REPO)])}  # fmt: skip
+        env = {
+            **os.environ,
+            "DATABASE_URL": database.create_database("kcaas"),
+            "CELERY_BROKER_URL": broker.url,
+            "KCAAS_VAR_DIR": str(tmp_path / "var"),
+            "DJANGO_SETTINGS_MODULE": "controlplane.settings",
+            "PYTHONPATH": os.pathsep.join([str(REPO / "platform"), str(REPO)]),
+        }
         for step in (["manage.py", "migrate", "--noinput"], ["-c", ATTACH]):
-            done = subprocess.run([sys.executable, *step], cwd=REPO, env=env, capture_output=True, text=True,
-                                  timeout=180)  # fmt: skip
+            done = subprocess.run(
+                [sys.executable, *step], cwd=REPO, env=env, capture_output=True, text=True, timeout=180
+            )
             assert done.returncode == 0, done.stderr[-3000:]
         cache_id, node_id = done.stdout.split()
         assert cache_state(env["DATABASE_URL"], cache_id)[0] == "provisioning"
@@ -75,15 +83,35 @@ def test_a_provisioning_answer_handled_while_postgresql_is_down_is_retried_until
         database.stop()
         log = tmp_path / "worker.log"
         with open(log, "wb") as sink:
-            worker = subprocess.Popen([sys.executable, "-m", "celery", "-A", "controlplane", "worker", "-Q", "control",
-                                       "--pool", "solo", "--loglevel", "info", "--hostname", "outage@%h"],
-                                      cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT)  # fmt: skip
+            worker = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "celery",
+                    "-A",
+                    "controlplane",
+                    "worker",
+                    "-Q",
+                    "control",
+                    "--pool",
+                    "solo",
+                    "--loglevel",
+                    "info",
+                    "--hostname",
+                    "outage@%h",
+                ],
+                cwd=REPO,
+                env=env,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+            )
         try:
-            assert eventually(lambda: "Retry in" in log.read_text(errors="replace"), timeout=60), \
-                log.read_text(errors="replace")[-3000:]  # the answer met the outage
+            assert eventually(lambda: "Retry in" in log.read_text(errors="replace"), timeout=60), log.read_text(
+                errors="replace"
+            )[-3000:]  # the answer met the outage
             database.start()
-            assert eventually(lambda: cache_state(env["DATABASE_URL"], cache_id) == ("ready", 64 * 2048),
-                              timeout=120), (cache_state(env["DATABASE_URL"], cache_id),
-                                             log.read_text(errors="replace")[-3000:])  # fmt: skip
+            assert eventually(
+                lambda: cache_state(env["DATABASE_URL"], cache_id) == ("ready", 64 * 2048), timeout=120
+            ), (cache_state(env["DATABASE_URL"], cache_id), log.read_text(errors="replace")[-3000:])
         finally:
             stop_process(worker, timeout=20)

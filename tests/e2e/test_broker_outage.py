@@ -49,12 +49,32 @@ def private_broker(tmp_path, monkeypatch):
 @pytest.fixture
 def beat(private_broker, tmp_path):
     """Celery beat as `make up` runs it, with short outbox periods, sending to the private broker."""
-    env = {**os.environ, "PYTHONPATH": f"{REPO / 'platform'}:{REPO}", "DJANGO_SETTINGS_MODULE": "controlplane.settings",
-           "KCAAS_ORDER_DISPATCH_SECONDS": "0.5", "KCAAS_ORDER_RESEND_SECONDS": "2",
-           "KCAAS_ORDER_RESEND_MAX_SECONDS": "4"}  # fmt: skip
-    process = subprocess.Popen([sys.executable, "-m", "celery", "-A", "controlplane", "beat", "--loglevel", "warning",
-                                "--schedule", str(tmp_path / "beat-schedule")], cwd=REPO, env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{REPO / 'platform'}:{REPO}",
+        "DJANGO_SETTINGS_MODULE": "controlplane.settings",
+        "KCAAS_ORDER_DISPATCH_SECONDS": "0.5",
+        "KCAAS_ORDER_RESEND_SECONDS": "2",
+        "KCAAS_ORDER_RESEND_MAX_SECONDS": "4",
+    }
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "controlplane",
+            "beat",
+            "--loglevel",
+            "warning",
+            "--schedule",
+            str(tmp_path / "beat-schedule"),
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     yield process
     process.terminate()
     process.wait(timeout=15)
@@ -94,8 +114,9 @@ def test_attaches_and_detaches_during_a_broker_outage_all_finish(private_broker,
     client = kcaas.Client(agent_launcher.control_url, tenant_key(), timeout=15)
     capacity = {"device": 8 * spec.block_bytes}
 
-    attached = run_during_outage(private_broker, [
-        (lambda i=i: client.attach(f"outage-{i}", spec, capacity, wait=False)) for i in range(CACHES)])  # fmt: skip
+    attached = run_during_outage(
+        private_broker, [(lambda i=i: client.attach(f"outage-{i}", spec, capacity, wait=False)) for i in range(CACHES)]
+    )
     failures = [r for r in attached if isinstance(r, Exception)]
     assert not failures, failures
     ids = [cache.id for cache in attached]
@@ -106,6 +127,12 @@ def test_attaches_and_detaches_during_a_broker_outage_all_finish(private_broker,
     assert eventually(lambda: all_in(ids, CacheState.DETACHED), timeout=90), states(ids)
     node = Node.objects.get(pk=agent.node_id)
     assert (node.device_reserved_bytes, node.dram_reserved_bytes, node.ssd_reserved_bytes) == (0, 0, 0)
-    assert eventually(lambda: not NodeOrder.objects.filter(node=node, state__in=[OrderState.PENDING, OrderState.SENT])
-                      .exclude(task="kcaas.node.revoke_tokens").exists(), timeout=30)  # fmt: skip
+    assert eventually(
+        lambda: (
+            not NodeOrder.objects.filter(node=node, state__in=[OrderState.PENDING, OrderState.SENT])
+            .exclude(task="kcaas.node.revoke_tokens")
+            .exists()
+        ),
+        timeout=30,
+    )
     assert agent.alive

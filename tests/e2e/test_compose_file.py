@@ -96,8 +96,14 @@ def test_every_variable_an_agent_needs_is_set_for_both_agents(compose):
         assert config.device_capacity_bytes > 0 and config.metrics_port
         listen_port = env["KCAAS_NODE_LISTEN"].rpartition(":")[2]
         assert any(str(port).endswith(f":{listen_port}:{listen_port}") for port in compose["services"][name]["ports"])
-        seen[name] = (env["KCAAS_NODE_CREDENTIAL_FILE"], env["KCAAS_NODE_TLS_CERT"], env["KCAAS_NODE_TLS_KEY"],
-                      env["KCAAS_NODE_ENDPOINT"], listen_port, env["KCAAS_NODE_METRICS_PORT"])  # fmt: skip
+        seen[name] = (
+            env["KCAAS_NODE_CREDENTIAL_FILE"],
+            env["KCAAS_NODE_TLS_CERT"],
+            env["KCAAS_NODE_TLS_KEY"],
+            env["KCAAS_NODE_ENDPOINT"],
+            listen_port,
+            env["KCAAS_NODE_METRICS_PORT"],
+        )
     for first, second in zip(*seen.values()):
         assert first != second  # own credential, certificate, key, endpoint, data-plane and metrics ports
     # the agents and the control plane use the same broker
@@ -113,8 +119,9 @@ def test_agents_read_what_the_bootstrap_service_writes(compose, up_module, monke
     assert env["KCAAS_NODE_SECRETS_DIR"] == NODE_DIR
     assert int(env["KCAAS_AGENTS"]) >= len(AGENTS)
     assert set(AGENTS) <= set(env["KCAAS_DEV_TLS_HOSTS"].split(","))  # certificates valid for the service names
-    assert any(volume.startswith(f"kcaas-nodes:{NODE_DIR}") and not volume.endswith(":ro")
-               for volume in bootstrap["volumes"])  # fmt: skip
+    assert any(
+        volume.startswith(f"kcaas-nodes:{NODE_DIR}") and not volume.endswith(":ro") for volume in bootstrap["volumes"]
+    )
     for index, name in enumerate(AGENTS, start=1):
         agent_env = environment(services[name])
         assert agent_env["KCAAS_NODE_CREDENTIAL_FILE"] == f"{NODE_DIR}/{up_module.node_file(index, 'credential')}"
@@ -176,8 +183,9 @@ def test_the_entrypoint_turns_name_file_into_name(tmp_path):
     assert subprocess.run(show, env=env, capture_output=True, text=True, check=True).stdout == "'kc_node_from_a_file'\n"
     given = subprocess.run(show, env={**env, "KCAAS_NODE_CREDENTIAL": "kc_node_given"}, capture_output=True, text=True)
     assert given.stdout == "'kc_node_given'\n"  # a value set directly wins
-    missing = subprocess.run([str(script), "true"], env={**env, "KCAAS_NODE_CREDENTIAL_FILE": "/nonexistent"},
-                             capture_output=True, text=True)  # fmt: skip
+    missing = subprocess.run(
+        [str(script), "true"], env={**env, "KCAAS_NODE_CREDENTIAL_FILE": "/nonexistent"}, capture_output=True, text=True
+    )
     assert missing.returncode == 1 and "not readable" in missing.stderr
 
 
@@ -219,8 +227,11 @@ def test_each_agent_has_its_own_ssd_volume_and_migration_listener(compose):
         source, target, mode = mount_of(config.ssd_dir, services[name]["volumes"])
         assert mode != "ro", f"{name}: its SSD volume is read-only"
         assert target in owned, f"{name}: {target} is not owned by the image's kcaas user"
-        others = [n for n, s in services.items() if n != name and any(v.startswith(f"{source}:") for v in
-                                                                       s.get("volumes") or [])]  # fmt: skip
+        others = [
+            n
+            for n, s in services.items()
+            if n != name and any(v.startswith(f"{source}:") for v in s.get("volumes") or [])
+        ]
         assert others == [], f"{name}'s SSD volume {source} is mounted by {others} too"
         volumes.append(source)
         endpoints.append(config.migration_endpoint)

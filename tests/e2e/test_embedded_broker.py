@@ -13,22 +13,31 @@ from tests.faults import stop_process
 from tests.waiting import eventually
 
 REPO = Path(__file__).resolve().parents[2]
-SERVICE_ENV = {"DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "CELERY_BROKER_TRANSPORT_OPTIONS",
-               "DJANGO_SETTINGS_MODULE"}  # fmt: skip
+SERVICE_ENV = {
+    "DATABASE_URL",
+    "REDIS_URL",
+    "CELERY_BROKER_URL",
+    "CELERY_BROKER_TRANSPORT_OPTIONS",
+    "DJANGO_SETTINGS_MODULE",
+}
 FIRST = "0" * 20  # sorts before every message's stamp: the worker meets the stray files first
 SEND = "from core.celery import app; app.send_task('caches.sweep_leases')"
 
 
 def embedded_env(var_dir: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in SERVICE_ENV}
-    env.update(KCAAS_VAR_DIR=str(var_dir), PYTHONPATH=f"{REPO / 'platform'}:{REPO}",
-               DJANGO_SETTINGS_MODULE="controlplane.settings")  # fmt: skip
+    env.update(
+        KCAAS_VAR_DIR=str(var_dir),
+        PYTHONPATH=f"{REPO / 'platform'}:{REPO}",
+        DJANGO_SETTINGS_MODULE="controlplane.settings",
+    )
     return env
 
 
 def manage(env: dict, *args: str) -> None:
-    done = subprocess.run([sys.executable, "manage.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=180)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "manage.py", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=180
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -41,10 +50,28 @@ def test_worker_survives_stray_files_in_its_queue_folder_and_still_runs_tasks(tm
     manage(env, "migrate", "--noinput")
     with open(log_path, "w") as log:
         worker = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "-Q", "control", "--pool", "solo",
-             "--loglevel", "info", "--hostname", "control@%h"],
-            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "controlplane",
+                "worker",
+                "-Q",
+                "control",
+                "--pool",
+                "solo",
+                "--loglevel",
+                "info",
+                "--hostname",
+                "control@%h",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         assert eventually(lambda: " ready." in log_path.read_text() or worker.poll() is not None, 60)
         assert worker.poll() is None, log_path.read_text()[-3000:]

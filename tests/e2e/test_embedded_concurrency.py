@@ -22,19 +22,37 @@ from tests.waiting import eventually
 
 REPO = Path(__file__).resolve().parents[2]
 THREADS, CYCLES, KEY_CYCLES = 4, 3, 6
-SERVICE_ENV = {"DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "CELERY_BROKER_TRANSPORT_OPTIONS",
-               "DJANGO_SETTINGS_MODULE"}  # fmt: skip
+SERVICE_ENV = {
+    "DATABASE_URL",
+    "REDIS_URL",
+    "CELERY_BROKER_URL",
+    "CELERY_BROKER_TRANSPORT_OPTIONS",
+    "DJANGO_SETTINGS_MODULE",
+}
 
 
 def start_make_up(tmp_path, port: int) -> tuple[subprocess.Popen, Path, Path]:
     env = {k: v for k, v in os.environ.items() if k not in SERVICE_ENV}
-    env.update(KCAAS_VAR_DIR=str(tmp_path / "var"), KCAAS_PORT=str(port), KCAAS_NODE_DEVICE_BYTES=str(64 << 20),
-               KCAAS_QUOTA_MAX_RPS="10000", KCAAS_NODE_HEARTBEAT_SECONDS="1", KCAAS_NODE_USAGE_SECONDS="1",
-               KCAAS_LEASE_SWEEP_SECONDS="1")  # fmt: skip
+    env.update(
+        KCAAS_VAR_DIR=str(tmp_path / "var"),
+        KCAAS_PORT=str(port),
+        KCAAS_NODE_DEVICE_BYTES=str(64 << 20),
+        KCAAS_QUOTA_MAX_RPS="10000",
+        KCAAS_NODE_HEARTBEAT_SECONDS="1",
+        KCAAS_NODE_USAGE_SECONDS="1",
+        KCAAS_LEASE_SWEEP_SECONDS="1",
+    )
     out, err = tmp_path / "up.out", tmp_path / "up.err"
     with open(out, "w") as stdout, open(err, "w") as stderr:  # files, not pipes: nothing blocks on a full pipe
-        up = subprocess.Popen([sys.executable, "scripts/up.py"], cwd=REPO, env=env, stdout=stdout, stderr=stderr,
-                              text=True, start_new_session=True)  # fmt: skip
+        up = subprocess.Popen(
+            [sys.executable, "scripts/up.py"],
+            cwd=REPO,
+            env=env,
+            stdout=stdout,
+            stderr=stderr,
+            text=True,
+            start_new_session=True,
+        )
     return up, out, err
 
 
@@ -69,8 +87,9 @@ def test_concurrent_attach_detach_on_the_embedded_default(tmp_path):
         api_key = re.search(r"demo API key\s+(kc_live_\S+)", out.read_text()).group(1)
         client = kcaas.Client(f"http://127.0.0.1:{port}", api_key, retries=0, timeout=30)
         outcomes, errors = [], []
-        threads = [threading.Thread(target=attach_detach_cycles, args=(client, n, outcomes, errors))
-                   for n in range(THREADS)]  # fmt: skip
+        threads = [
+            threading.Thread(target=attach_detach_cycles, args=(client, n, outcomes, errors)) for n in range(THREADS)
+        ]
         threads.append(threading.Thread(target=key_churn, args=(client, errors)))
         for thread in threads:
             thread.start()

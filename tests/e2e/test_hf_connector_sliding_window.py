@@ -22,9 +22,15 @@ pytestmark = pytest.mark.usefixtures("deterministic_threads")  # from tests/e2e/
 
 WINDOW = 8
 COMMON = dict(
-    vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=256, attn_implementation="eager",
-)  # fmt: skip
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    attn_implementation="eager",
+)
 FAMILIES = {
     "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=WINDOW, **COMMON)),
     "qwen2": lambda: transformers.Qwen2ForCausalLM(
@@ -56,8 +62,15 @@ def tiny(family: str):
 def store_for(model) -> PagedKVCache:
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    spec = KVCacheSpec(f"tiny-{c.model_type}-random@seed0", c.num_hidden_layers, c.num_key_value_heads, head_dim,
-                       4, "float32", "float32")  # fmt: skip
+    spec = KVCacheSpec(
+        f"tiny-{c.model_type}-random@seed0",
+        c.num_hidden_layers,
+        c.num_key_value_heads,
+        head_dim,
+        4,
+        "float32",
+        "float32",
+    )
     return PagedKVCache(spec, hash_key=b"sliding-window-k" * 2, num_blocks=64, device="cpu")
 
 

@@ -62,8 +62,9 @@ def round_trip(client: kcaas.Client, cache, ca_file: str, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, 1000, (48,), generator=generator)
     kv = torch.randn(SPEC.num_layers, 2, 48, SPEC.num_kv_heads, SPEC.head_dim, generator=generator).half()
-    with DataPlaneClient(cache.endpoint, TokenSource(client, cache.id), cache.id, SPEC, ssl_context=tls,
-                         timeout=10.0) as dp:  # fmt: skip
+    with DataPlaneClient(
+        cache.endpoint, TokenSource(client, cache.id), cache.id, SPEC, ssl_context=tls, timeout=10.0
+    ) as dp:
         assert dp.put(tokens, kv)["num_cached"] == 48
         assert dp.lookup(tokens) == 48
         n, back = dp.get(tokens)
@@ -101,8 +102,11 @@ def test_make_cluster_places_on_two_nodes_sees_one_lost_and_stops_cleanly(tmp_pa
             victim = "agent-1" if second.endpoint == nodes["local-cpu"] else "agent-2"
             os.kill(pids[victim], signal.SIGKILL)
             killed = time.monotonic()
-            lost = wait_for(lambda: (c := client.get_cache(second.id)).state == "failed" and c,
-                            timeout=LEASE_SECONDS + 20, what="the cache on the killed node to fail")  # fmt: skip
+            lost = wait_for(
+                lambda: (c := client.get_cache(second.id)).state == "failed" and c,
+                timeout=LEASE_SECONDS + 20,
+                what="the cache on the killed node to fail",
+            )
             lost_seconds = time.monotonic() - killed
             assert lost.failure_reason == "node_lost"
             node = staff_call(f"http://127.0.0.1:{port}/api/v1/admin/nodes/{second.node_id}", password)
@@ -118,8 +122,10 @@ def test_make_cluster_places_on_two_nodes_sees_one_lost_and_stops_cleanly(tmp_pa
         assert cluster.wait(timeout=60) == 0
         wait_for(lambda: "stopped" in "".join(output), timeout=10, what="the output thread to read the last line")
         assert_all_gone(pids)
-    print(f"cluster up in {up_seconds:.1f} s; node lost seen {lost_seconds:.1f} s after SIGKILL; "
-          f"whole test {time.monotonic() - started:.1f} s")  # fmt: skip
+    print(
+        f"cluster up in {up_seconds:.1f} s; node lost seen {lost_seconds:.1f} s after SIGKILL; "
+        f"whole test {time.monotonic() - started:.1f} s"
+    )
 
 
 def test_by_default_a_dead_agent_stops_the_whole_cluster(tmp_path, cluster_services):
@@ -143,8 +149,12 @@ def test_bootstrap_only_makes_what_the_compose_agents_read(tmp_path, cluster_ser
     env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
     env.update(cluster_services)
     node_dir = tmp_path / "nodes"
-    env.update(KCAAS_VAR_DIR=str(tmp_path / "var"), KCAAS_AGENTS="2", KCAAS_NODE_SECRETS_DIR=str(node_dir),
-               KCAAS_DEV_TLS_HOSTS="agent-1,agent-2")  # fmt: skip
+    env.update(
+        KCAAS_VAR_DIR=str(tmp_path / "var"),
+        KCAAS_AGENTS="2",
+        KCAAS_NODE_SECRETS_DIR=str(node_dir),
+        KCAAS_DEV_TLS_HOSTS="agent-1,agent-2",
+    )
     command = [sys.executable, "scripts/up.py", "--bootstrap-only", "--require-services"]
     made, logins = [], []
     for _ in range(2):
@@ -156,7 +166,13 @@ def test_bootstrap_only_makes_what_the_compose_agents_read(tmp_path, cluster_ser
     assert made[0] == made[1] and logins[0] == logins[1]  # a second run reuses the credentials and certificates
 
     assert sorted(path.name for path in node_dir.iterdir()) == [
-        "node-2-tls.key", "node-2-tls.pem", "node-credential", "node-credential-2", "node-tls.key", "node-tls.pem"]
+        "node-2-tls.key",
+        "node-2-tls.pem",
+        "node-credential",
+        "node-credential-2",
+        "node-tls.key",
+        "node-tls.pem",
+    ]
     for name in ("node-credential", "node-credential-2", "node-tls.key", "node-2-tls.key"):
         assert (node_dir / name).stat().st_mode & 0o777 == 0o600
     credentials = {(node_dir / name).read_text() for name in ("node-credential", "node-credential-2")}

@@ -45,8 +45,10 @@ def drain_services():
 def sequences() -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(7)
     shape = (SPEC.num_layers, 2, SEQ_TOKENS, SPEC.num_kv_heads, SPEC.head_dim)
-    return [(torch.randint(0, 1000, (SEQ_TOKENS,), generator=generator), torch.randn(shape, generator=generator).half())
-            for _ in range(SEQUENCES)]  # fmt: skip
+    return [
+        (torch.randint(0, 1000, (SEQ_TOKENS,), generator=generator), torch.randn(shape, generator=generator).half())
+        for _ in range(SEQUENCES)
+    ]
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -55,8 +57,9 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def all_come_back(client: kcaas.Client, cache, tls: ssl.SSLContext, puts) -> bool:
     """Every sequence read back through a fresh connection to the cache's endpoint: the same bytes."""
-    with DataPlaneClient(cache.endpoint, TokenSource(client, cache.id), cache.id, SPEC, ssl_context=tls,
-                         timeout=10.0) as dp:  # fmt: skip
+    with DataPlaneClient(
+        cache.endpoint, TokenSource(client, cache.id), cache.id, SPEC, ssl_context=tls, timeout=10.0
+    ) as dp:
         for tokens, kv in puts:
             n, back = dp.get(tokens)
             assert n == SEQ_TOKENS and same_bytes(back, kv), f"{n} tokens back from {cache.endpoint}"
@@ -74,14 +77,19 @@ def test_up_gives_every_agent_its_own_ssd_root_and_migration_listener(tmp_path, 
     spec = importlib.util.spec_from_file_location("kcaas_up_script", REPO / "scripts" / "up.py")
     up = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(up)
-    boot = {"credentials": ["kc_node_a", "kc_node_b", "kc_node_c"],
-            "tls": {"nodes": [{"cert": f"c{i}", "key": f"k{i}"} for i in range(3)]}}  # fmt: skip
+    boot = {
+        "credentials": ["kc_node_a", "kc_node_b", "kc_node_c"],
+        "tls": {"nodes": [{"cert": f"c{i}", "key": f"k{i}"} for i in range(3)]},
+    }
     env = {"KCAAS_VAR_DIR": str(tmp_path), "KCAAS_NODE_SSD_DIR": "/elsewhere", "KCAAS_NODE_MIGRATION_ENDPOINT": "x:1"}
     for name in ("KCAAS_NODE_SSD_DIR", "KCAAS_NODE_MIGRATION_PORT", "KCAAS_NODE_MIGRATION_LISTEN"):
         monkeypatch.delenv(name, raising=False)
     envs = up.agent_envs(env, boot, 3, "http://127.0.0.1:8000", "127.0.0.1", 8000)
-    assert [e["KCAAS_NODE_SSD_DIR"] for e in envs] == [str(tmp_path / "kcaas-ssd"), str(tmp_path / "kcaas-ssd-2"),
-                                                       str(tmp_path / "kcaas-ssd-3")]  # fmt: skip
+    assert [e["KCAAS_NODE_SSD_DIR"] for e in envs] == [
+        str(tmp_path / "kcaas-ssd"),
+        str(tmp_path / "kcaas-ssd-2"),
+        str(tmp_path / "kcaas-ssd-3"),
+    ]
     assert [e["KCAAS_NODE_MIGRATION_LISTEN"] for e in envs] == ["127.0.0.1:0"] * 3
     assert not any("KCAAS_NODE_MIGRATION_ENDPOINT" in e for e in envs)  # each advertises its own listener
     monkeypatch.setenv("KCAAS_NODE_MIGRATION_PORT", "9300")
@@ -106,11 +114,16 @@ def test_a_drain_under_make_cluster_moves_the_cache_and_uncordon_returns_the_nod
         pids = reported_pids(banner, agents=2)
         puts = sequences()
         with kcaas.Client(base, api_key) as client:
-            cache = client.attach("moving", SPEC, {"device": DEVICE_BLOCKS * SPEC.block_bytes,
-                                                   "ssd": SSD_BLOCKS * SPEC.block_bytes}, timeout=60)  # fmt: skip
+            cache = client.attach(
+                "moving",
+                SPEC,
+                {"device": DEVICE_BLOCKS * SPEC.block_bytes, "ssd": SSD_BLOCKS * SPEC.block_bytes},
+                timeout=60,
+            )
             source = cache.node_id
-            with DataPlaneClient(cache.endpoint, TokenSource(client, cache.id), cache.id, SPEC, ssl_context=tls,
-                                 timeout=10.0) as dp:  # fmt: skip
+            with DataPlaneClient(
+                cache.endpoint, TokenSource(client, cache.id), cache.id, SPEC, ssl_context=tls, timeout=10.0
+            ) as dp:
                 for tokens, kv in puts:
                     assert dp.put(tokens, kv)["num_cached"] == SEQ_TOKENS
             assert all_come_back(client, cache, tls, puts)  # from the device and, promoted, from the SSD
@@ -127,8 +140,12 @@ def test_a_drain_under_make_cluster_moves_the_cache_and_uncordon_returns_the_nod
 
             def drained_node_is_empty() -> bool:
                 node = staff_call(node_url, password)
-                return (node["state"] == "draining" and node["reserved"]["device"] == 0
-                        and not (node["resident"] or {}).get("caches") and not (source_root / cache.id).exists())
+                return (
+                    node["state"] == "draining"
+                    and node["reserved"]["device"] == 0
+                    and not (node["resident"] or {}).get("caches")
+                    and not (source_root / cache.id).exists()
+                )
 
             assert eventually(drained_node_is_empty, timeout=30)
             assert (target_root / cache.id).is_dir()  # the target's own root holds the moved cache's SSD tier

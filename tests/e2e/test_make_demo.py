@@ -17,12 +17,30 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_make_demo_reports_hits_against_make_up(tmp_path):
     port = free_port()
-    env = {k: v for k, v in os.environ.items()
-           if k not in {"DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "DJANGO_SETTINGS_MODULE", "KCAAS_API_KEY",
-                        "KCAAS_CA_FILE", "KCAAS_URL"}}  # fmt: skip
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in {
+            "DATABASE_URL",
+            "REDIS_URL",
+            "CELERY_BROKER_URL",
+            "DJANGO_SETTINGS_MODULE",
+            "KCAAS_API_KEY",
+            "KCAAS_CA_FILE",
+            "KCAAS_URL",
+        }
+    }
     env.update(KCAAS_VAR_DIR=str(tmp_path / "var"), KCAAS_PORT=str(port), KCAAS_NODE_DEVICE_BYTES=str(64 << 20))
-    up = subprocess.Popen([sys.executable, "scripts/up.py"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    up = subprocess.Popen(
+        [sys.executable, "scripts/up.py"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     try:
         banner = ""
         deadline = time.monotonic() + 120
@@ -30,8 +48,14 @@ def test_make_demo_reports_hits_against_make_up(tmp_path):
             assert time.monotonic() < deadline and up.poll() is None, f"make up did not come up: {banner[-2000:]}"
             banner += up.stdout.readline()
 
-        demo = subprocess.run([sys.executable, "scripts/demo.py"], cwd=REPO, capture_output=True, text=True,
-                              env={**env, "KCAAS_URL": f"http://127.0.0.1:{port}"}, timeout=90)  # fmt: skip
+        demo = subprocess.run(
+            [sys.executable, "scripts/demo.py"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            env={**env, "KCAAS_URL": f"http://127.0.0.1:{port}"},
+            timeout=90,
+        )
         assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
         hit_rate = float(re.search(r"hit rate\s+([\d.]+)%", demo.stdout).group(1))
         assert hit_rate > 0, demo.stdout

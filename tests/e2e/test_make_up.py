@@ -11,8 +11,15 @@ import kcaas
 from tests.e2e.up_support import assert_session_gone, kill_session, read_banner, start_up
 from tests.faults import free_port
 
-SPEC = {"model_fingerprint": "tiny@1", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 16,
-        "kv_dtype": "float16", "storage_dtype": "float16"}
+SPEC = {
+    "model_fingerprint": "tiny@1",
+    "num_layers": 2,
+    "num_kv_heads": 2,
+    "head_dim": 8,
+    "block_size": 16,
+    "kv_dtype": "float16",
+    "storage_dtype": "float16",
+}
 
 
 def test_make_up_serves_a_cache_end_to_end_and_stops_on_ctrl_c(tmp_path):

@@ -21,8 +21,14 @@ import pytest
 import kcaas
 from tests.e2e.test_make_up import SPEC
 from tests.e2e.up_support import (
-    REPO, assert_session_gone, keep_draining, kill_session, read_banner, reported_pids, start_up,
-)  # fmt: skip
+    REPO,
+    assert_session_gone,
+    keep_draining,
+    kill_session,
+    read_banner,
+    reported_pids,
+    start_up,
+)
 from tests.faults import free_port
 from tests.waiting import eventually
 
@@ -45,8 +51,9 @@ def kill_and_await_restart(up: subprocess.Popen, stderr_file: Path, name: str, p
     """SIGKILLs the child, waits until up.py reports it (`<name> exited (-9): restarting ...`) and has started it
     again; returns the new pid, alive. up.py itself keeps running."""
     os.kill(pid, signal.SIGKILL)
-    assert eventually(lambda: restarted_pid(stderr_file, name, pid) or up.poll() is not None, timeout=60), \
+    assert eventually(lambda: restarted_pid(stderr_file, name, pid) or up.poll() is not None, timeout=60), (
         stderr_file.read_text()[-3000:]
+    )
     assert up.poll() is None, f"make up stopped when {name} died: {stderr_file.read_text()[-3000:]}"
     assert f"{name} exited (-9): restarting" in stderr_file.read_text()
     new_pid = restarted_pid(stderr_file, name, pid)

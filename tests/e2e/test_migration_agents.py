@@ -68,8 +68,9 @@ class PutGetLoop(threading.Thread):
             self.errors.append(f"read {n} tokens of put {self.acked.index(pair)} on {self.dp.endpoint}")
 
 
-def test_drain_moves_a_live_cache_between_agent_processes(live_server, agent_launcher, pki, model, settings,
-                                                         staff_client, monkeypatch):  # noqa: F811
+def test_drain_moves_a_live_cache_between_agent_processes(
+    live_server, agent_launcher, pki, model, settings, staff_client, monkeypatch
+):  # noqa: F811
     spec = spec_for(model)
     settings.KCAAS_NODE_HEARTBEAT_SECONDS = 1  # resident snapshots come quickly
     monkeypatch.setenv("KCAAS_NODE_MIGRATION_LISTEN", "127.0.0.1:0")
@@ -77,12 +78,14 @@ def test_drain_moves_a_live_cache_between_agent_processes(live_server, agent_lau
     agents = {agent.node_id: agent for agent in (agent_launcher.start(), agent_launcher.start())}
     client = kcaas.Client(live_server.url, tenant_key())
     try:
-        cache = client.attach("moving", spec, {"device": 8 * spec.block_bytes, "dram": 64 * spec.block_bytes},
-                              timeout=30)  # fmt: skip
+        cache = client.attach(
+            "moving", spec, {"device": 8 * spec.block_bytes, "dram": 64 * spec.block_bytes}, timeout=30
+        )
         source = Cache.objects.get(pk=cache.id).node_id
         (target,) = set(agents) - {source}
-        with DataPlaneClient(cache.endpoint, TokenSource(client, cache.id), cache.id, spec,
-                             ssl_context=client_tls(pki), timeout=10.0) as dp:  # fmt: skip
+        with DataPlaneClient(
+            cache.endpoint, TokenSource(client, cache.id), cache.id, spec, ssl_context=client_tls(pki), timeout=10.0
+        ) as dp:
             loop = PutGetLoop(dp, spec)
             loop.start()
             assert eventually(lambda: len(loop.acked) >= 10 or loop.errors, timeout=20) and not loop.errors

@@ -96,10 +96,12 @@ def wait(predicate, timeout: float, what: str):
 def cache_with_data(live_server, pki, spec):
     client = kcaas.Client(live_server.url, tenant_key())
     cache = client.attach("moving", spec, {"device": 64 * spec.block_bytes, "ssd": 256 * spec.block_bytes}, timeout=30)
-    sequences = [(random_tokens(SEQ_TOKENS, seed=s)[0], random_kv(spec, SEQ_TOKENS, seed=s + 100))
-                 for s in range(NUM_SEQS)]  # fmt: skip
-    with DataPlaneClient(cache.endpoint, TokenSource(client, cache.id), cache.id, spec, ssl_context=client_tls(pki),
-                         timeout=10.0) as dp:  # fmt: skip
+    sequences = [
+        (random_tokens(SEQ_TOKENS, seed=s)[0], random_kv(spec, SEQ_TOKENS, seed=s + 100)) for s in range(NUM_SEQS)
+    ]
+    with DataPlaneClient(
+        cache.endpoint, TokenSource(client, cache.id), cache.id, spec, ssl_context=client_tls(pki), timeout=10.0
+    ) as dp:
         for tokens, kv in sequences:
             assert dp.put(tokens, kv)["num_cached"] == SEQ_TOKENS
     return client, cache, sequences
@@ -109,8 +111,9 @@ def served(client, cache_id, spec, pki, sequences) -> list[int]:
     """Tokens served per sequence from where the cache is now; every served prefix must be bit-exact."""
     now = client.get_cache(cache_id)
     counts = []
-    with DataPlaneClient(now.endpoint, TokenSource(client, cache_id), cache_id, spec, ssl_context=client_tls(pki),
-                         timeout=10.0) as dp:  # fmt: skip
+    with DataPlaneClient(
+        now.endpoint, TokenSource(client, cache_id), cache_id, spec, ssl_context=client_tls(pki), timeout=10.0
+    ) as dp:
         for tokens, kv in sequences:
             n, got = dp.get(tokens)
             assert n == 0 or torch.equal(got, kv[:, :, :n])  # never wrong KV

@@ -39,8 +39,9 @@ PUT_TOKENS = 64  # 4 full blocks of 16
 
 
 def data_plane(client: kcaas.Client, cache, spec, pki) -> DataPlaneClient:
-    return DataPlaneClient(cache.endpoint, TokenSource(client, cache.id), cache.id, spec, ssl_context=client_tls(pki),
-                           timeout=10.0)  # fmt: skip
+    return DataPlaneClient(
+        cache.endpoint, TokenSource(client, cache.id), cache.id, spec, ssl_context=client_tls(pki), timeout=10.0
+    )
 
 
 def start_half_put(conn: RawConnection, client: kcaas.Client, cache, spec, tokens, kv) -> int:
@@ -48,8 +49,14 @@ def start_half_put(conn: RawConnection, client: kcaas.Client, cache, spec, token
     sent. Returns the bytes of the frame left unsent."""
     ok, _ = conn.hello(cache.id, client.issue_token(cache.id).token)
     assert ok.opcode == Opcode.OK
-    head, token_ids, kv_bytes = wire.encode_request(Opcode.PUT, conn.new_id() + 1, cache_id=cache.id, identity=spec,
-                                                    token_ids=[tokens.to(torch.int32).numpy()], kv=[kv.numpy()])
+    head, token_ids, kv_bytes = wire.encode_request(
+        Opcode.PUT,
+        conn.new_id() + 1,
+        cache_id=cache.id,
+        identity=spec,
+        token_ids=[tokens.to(torch.int32).numpy()],
+        kv=[kv.numpy()],
+    )
     kv_bytes = memoryview(kv_bytes)
     assert kv_bytes.nbytes == PUT_TOKENS * spec.kv_bytes_per_token
     conn.send([head, token_ids, kv_bytes[: kv_bytes.nbytes // 2]])
@@ -95,8 +102,9 @@ def put_and_read_back(dp: DataPlaneClient, tokens, kv) -> None:
     assert n == len(tokens) and torch.equal(got, kv)
 
 
-def test_sigkill_mid_put_then_restart_reprovisions_and_shows_nothing_of_the_cut_put(live_server, agent_launcher,
-                                                                                    pki, model):  # fmt: skip
+def test_sigkill_mid_put_then_restart_reprovisions_and_shows_nothing_of_the_cut_put(
+    live_server, agent_launcher, pki, model
+):
     spec = spec_for(model)
     agent = agent_launcher.start()
     client = kcaas.Client(live_server.url, tenant_key())
@@ -181,8 +189,9 @@ def sweep(timeout: float = 20.0) -> None:
     assert states == ["SUCCESS"], states
 
 
-def test_a_killed_node_is_lost_after_its_lease_and_the_tenant_sees_its_cache_failed(live_server, agent_launcher,
-                                                                                    settings, model):  # fmt: skip
+def test_a_killed_node_is_lost_after_its_lease_and_the_tenant_sees_its_cache_failed(
+    live_server, agent_launcher, settings, model
+):
     settings.KCAAS_NODE_HEARTBEAT_SECONDS = 1  # the live server is a thread of this process: it answers with these
     settings.KCAAS_NODE_LEASE_SECONDS = 4
     spec = spec_for(model)

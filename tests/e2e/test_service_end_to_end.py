@@ -40,14 +40,18 @@ def plain_generate(model, input_ids, cache=None):
 
 def close_output(a, b) -> bool:
     """The same tokens, logits equal to fp32 rounding (a run without a cache prefills every row at once)."""
-    return torch.equal(a.sequences, b.sequences) and len(a.logits) == len(b.logits) and all(
-        torch.allclose(x, y, **FP32_ROUNDING) for x, y in zip(a.logits, b.logits)
+    return (
+        torch.equal(a.sequences, b.sequences)
+        and len(a.logits) == len(b.logits)
+        and all(torch.allclose(x, y, **FP32_ROUNDING) for x, y in zip(a.logits, b.logits))
     )
 
 
 def same_output(a, b) -> bool:
-    return torch.equal(a.sequences, b.sequences) and len(a.logits) == len(b.logits) and all(
-        torch.equal(x, y) for x, y in zip(a.logits, b.logits)
+    return (
+        torch.equal(a.sequences, b.sequences)
+        and len(a.logits) == len(b.logits)
+        and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
     )
 
 
@@ -66,8 +70,9 @@ def test_attach_generate_isolate_and_hand_off_through_the_real_service(live_serv
         return client
 
     def data_plane(client: kcaas.Client, cache, token=None) -> DataPlaneClient:
-        dp = DataPlaneClient(cache.endpoint, token or TokenSource(client, cache.id), cache.id, spec,
-                             ssl_context=tls, timeout=10.0)  # fmt: skip
+        dp = DataPlaneClient(
+            cache.endpoint, token or TokenSource(client, cache.id), cache.id, spec, ssl_context=tls, timeout=10.0
+        )
         opened.append(dp)
         return dp
 
@@ -107,8 +112,12 @@ def test_attach_generate_isolate_and_hand_off_through_the_real_service(live_serv
         against_a, against_nothing = refusal(cache_a.id), refusal(str(uuid.uuid4()))
         assert against_a.code == against_nothing.code == "not_found"
         assert (against_a.status, against_a.message, against_a.details) == (
-            against_nothing.status, against_nothing.message, against_nothing.details)
+            against_nothing.status,
+            against_nothing.message,
+            against_nothing.details,
+        )
         assert cache_a.id not in str(against_a.message) and cache_a.id not in str(against_a.details)
+
         # ... and so does B's key asking the control plane for a data token for A's cache
         def token_refusal(cache_id: str) -> KcaasError:
             with pytest.raises(KcaasError) as info:

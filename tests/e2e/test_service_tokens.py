@@ -82,8 +82,9 @@ def b64url(data: bytes) -> str:
 
 def platform_signed(claims: dict) -> str:
     """Signed with the platform's real data-token key (the live server runs in this process: same settings)."""
-    return jwt.encode(claims, signing.signing_key(), algorithm="EdDSA",
-                      headers={"kid": signing.public_jwk()["kid"], "typ": "JWT"})  # fmt: skip
+    return jwt.encode(
+        claims, signing.signing_key(), algorithm="EdDSA", headers={"kid": signing.public_jwk()["kid"], "typ": "JWT"}
+    )
 
 
 def ids(tokens: torch.Tensor):
@@ -121,8 +122,10 @@ def alg_none(scene: Scene) -> str:
 
 def hs256_keyed_with_the_public_key(scene: Scene) -> str:
     """The algorithm-confusion attack: HMAC-SHA256 whose secret is the platform's (public) verification key."""
-    public_pem = signing.signing_key().public_key().public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    public_pem = (
+        signing.signing_key()
+        .public_key()
+        .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
     )
     header = {"alg": "HS256", "typ": "JWT", "kid": signing.public_jwk()["kid"]}
     unsigned = unsigned_jwt(header, scene.claims_a(), b"").rstrip(".")
@@ -224,14 +227,21 @@ def no_data_after_refusal(scene: Scene, pki, token: str, prompt: torch.Tensor) -
     A's cache. Returns the problems found (empty when every one was refused without data)."""
     extended = torch.cat([prompt, random_tokens(16, seed=99)[0]])
     requests = {
-        "lookup": wire.encode_request(Opcode.LOOKUP, 2, cache_id=scene.cache_a.id, identity=scene.spec,
-                                      token_ids=[ids(prompt)]),
-        "get": wire.encode_request(Opcode.GET, 3, cache_id=scene.cache_a.id, identity=scene.spec,
-                                   token_ids=[ids(prompt)]),
-        "put": wire.encode_request(Opcode.PUT, 4, cache_id=scene.cache_a.id, identity=scene.spec,
-                                   token_ids=[ids(extended)],
-                                   kv=[random_kv(scene.spec, len(extended), seed=7).numpy()]),
-    }  # fmt: skip
+        "lookup": wire.encode_request(
+            Opcode.LOOKUP, 2, cache_id=scene.cache_a.id, identity=scene.spec, token_ids=[ids(prompt)]
+        ),
+        "get": wire.encode_request(
+            Opcode.GET, 3, cache_id=scene.cache_a.id, identity=scene.spec, token_ids=[ids(prompt)]
+        ),
+        "put": wire.encode_request(
+            Opcode.PUT,
+            4,
+            cache_id=scene.cache_a.id,
+            identity=scene.spec,
+            token_ids=[ids(extended)],
+            kv=[random_kv(scene.spec, len(extended), seed=7).numpy()],
+        ),
+    }
     problems = []
     with RawConnection(scene.endpoint, pki) as conn:
         error_of(conn.hello(scene.cache_a.id, token)[0])
@@ -257,8 +267,14 @@ def test_hostile_tokens_are_refused_alike_and_leave_a_intact(live_server, agent,
 
         prompt = random_tokens(PROMPT_TOKENS, seed=5)[0]
         kv = random_kv(spec, PROMPT_TOKENS, seed=6)
-        dp_a = DataPlaneClient(agent.endpoint, TokenSource(client_a, cache_a.id), cache_a.id, spec,
-                               ssl_context=client_tls(pki), timeout=10.0)  # fmt: skip
+        dp_a = DataPlaneClient(
+            agent.endpoint,
+            TokenSource(client_a, cache_a.id),
+            cache_a.id,
+            spec,
+            ssl_context=client_tls(pki),
+            timeout=10.0,
+        )
         assert dp_a.put(prompt, kv)["num_cached"] == PROMPT_TOKENS
 
         # the control: A's own real token opens A's cache over the same hand-made client
@@ -286,7 +302,9 @@ def test_hostile_tokens_are_refused_alike_and_leave_a_intact(live_server, agent,
         # B's real token presented for A's cache: code and message byte for byte those of a nonexistent cache
         token_b = tenant_b_token(scene)
         (a_reply, a_raw), (none_reply, none_raw) = (
-            refused_hello(scene, pki, cache_a.id, token_b), refused_hello(scene, pki, str(uuid.uuid4()), token_b))
+            refused_hello(scene, pki, cache_a.id, token_b),
+            refused_hello(scene, pki, str(uuid.uuid4()), token_b),
+        )
         assert a_reply.code == none_reply.code == ErrorCode.NOT_FOUND
         assert a_reply.message.encode() == none_reply.message.encode() and a_raw == none_raw
 
@@ -294,16 +312,25 @@ def test_hostile_tokens_are_refused_alike_and_leave_a_intact(live_server, agent,
         with RawConnection(agent.endpoint, pki) as conn:
             assert conn.hello(cache_b.id, token_b)[0].opcode == Opcode.OK
             for op in (Opcode.LOOKUP, Opcode.GET):
-                frame, raw = conn.exchange(wire.encode_request(op, conn.new_id() + 10, cache_id=cache_a.id,
-                                                               identity=spec, token_ids=[ids(prompt)]))
+                frame, raw = conn.exchange(
+                    wire.encode_request(
+                        op, conn.new_id() + 10, cache_id=cache_a.id, identity=spec, token_ids=[ids(prompt)]
+                    )
+                )
                 assert error_of(frame).code == ErrorCode.UNAUTHENTICATED and not frame.payload_len
-            put = wire.encode_request(Opcode.PUT, 20, cache_id=cache_a.id, identity=spec,
-                                      token_ids=[ids(torch.cat([prompt, prompt[:16]]))],
-                                      kv=[random_kv(spec, PROMPT_TOKENS + 16, seed=8).numpy()])  # fmt: skip
+            put = wire.encode_request(
+                Opcode.PUT,
+                20,
+                cache_id=cache_a.id,
+                identity=spec,
+                token_ids=[ids(torch.cat([prompt, prompt[:16]]))],
+                kv=[random_kv(spec, PROMPT_TOKENS + 16, seed=8).numpy()],
+            )
             assert error_of(conn.exchange(put)[0]).code == ErrorCode.UNAUTHENTICATED
             # the stream stayed in sync past the discarded payload: B's own cache still answers on it
-            frame, _ = conn.exchange(wire.encode_request(Opcode.LOOKUP, 21, cache_id=cache_b.id, identity=spec,
-                                                         token_ids=[ids(prompt)]))  # fmt: skip
+            frame, _ = conn.exchange(
+                wire.encode_request(Opcode.LOOKUP, 21, cache_id=cache_b.id, identity=spec, token_ids=[ids(prompt)])
+            )
             assert frame.opcode == Opcode.OK and frame.meta["num_cached"] == [0]
 
         # A is intact: no refused PUT changed it, and its own client reads back exactly the bytes it put
@@ -327,8 +354,9 @@ def test_a_revoked_token_is_cut_off_on_its_open_connection(live_server, agent, p
         cache = client.attach("revoked", spec, {"device": 16 * spec.block_bytes}, timeout=30)
         issued = client.issue_token(cache.id)
         prompt = random_tokens(16, seed=11)[0]
-        with DataPlaneClient(agent.endpoint, issued.token, cache.id, spec, ssl_context=client_tls(pki),
-                             timeout=10.0) as dp:  # fmt: skip
+        with DataPlaneClient(
+            agent.endpoint, issued.token, cache.id, spec, ssl_context=client_tls(pki), timeout=10.0
+        ) as dp:
             assert dp.lookup(prompt) == 0  # authenticated with the plain token string (no refresh)
             assert client.revoke_token(cache.id) == 1  # every outstanding token of the cache
 
@@ -340,8 +368,9 @@ def test_a_revoked_token_is_cut_off_on_its_open_connection(live_server, agent, p
                 return False
 
             assert eventually(refused)
-        with DataPlaneClient(agent.endpoint, TokenSource(client, cache.id), cache.id, spec,
-                             ssl_context=client_tls(pki), timeout=10.0) as dp:  # fmt: skip
+        with DataPlaneClient(
+            agent.endpoint, TokenSource(client, cache.id), cache.id, spec, ssl_context=client_tls(pki), timeout=10.0
+        ) as dp:
             assert dp.lookup(prompt) == 0
     finally:
         client.close()
@@ -369,8 +398,9 @@ def test_suspending_the_tenant_or_revoking_the_key_cuts_the_data_plane(live_serv
         tenant_services.api_key_revoke(api_key=key)
         assert data_tokens_revoke_cascade() == 1  # what beat does within KCAAS_TOKEN_CASCADE_SECONDS
         assert eventually(conn.closed, timeout=20)  # pushed to the agent: its session is cut, not merely refused
-        with DataPlaneClient(agent.endpoint, issued.token, cache.id, spec, ssl_context=client_tls(pki),
-                             timeout=10.0) as dp:  # fmt: skip
+        with DataPlaneClient(
+            agent.endpoint, issued.token, cache.id, spec, ssl_context=client_tls(pki), timeout=10.0
+        ) as dp:
             with pytest.raises(kcaas.dataplane.DataPlaneError) as refused:
                 dp.lookup(prompt)
         assert refused.value.code == ErrorCode.UNAUTHENTICATED

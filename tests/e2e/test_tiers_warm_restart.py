@@ -26,8 +26,9 @@ def indexed_blocks(directory) -> int:
         return 0
 
 
-def test_sigkill_then_restart_serves_the_ssd_blocks_again(live_server, agent_launcher, pki, model, tmp_path,
-                                                          monkeypatch):  # fmt: skip
+def test_sigkill_then_restart_serves_the_ssd_blocks_again(
+    live_server, agent_launcher, pki, model, tmp_path, monkeypatch
+):
     spec = spec_for(model)
     ssd_root = tmp_path / "ssd"
     monkeypatch.setenv("KCAAS_NODE_SSD_DIR", str(ssd_root))
@@ -37,8 +38,9 @@ def test_sigkill_then_restart_serves_the_ssd_blocks_again(live_server, agent_lau
     sequences = [(random_tokens(SEQ_TOKENS, seed=s)[0], random_kv(spec, SEQ_TOKENS, seed=s + 100)) for s in range(4)]
     try:
         cache = client.attach("warm", spec, {"device": 8 * spec.block_bytes, "ssd": 256 * spec.block_bytes}, timeout=30)
-        with DataPlaneClient(cache.endpoint, TokenSource(client, cache.id), cache.id, spec, ssl_context=client_tls(pki),
-                             timeout=10.0) as dp:  # fmt: skip
+        with DataPlaneClient(
+            cache.endpoint, TokenSource(client, cache.id), cache.id, spec, ssl_context=client_tls(pki), timeout=10.0
+        ) as dp:
             for tokens, kv in sequences:
                 assert dp.put(tokens, kv)["num_cached"] == SEQ_TOKENS
         directory = ssd_root / cache.id
@@ -50,8 +52,9 @@ def test_sigkill_then_restart_serves_the_ssd_blocks_again(live_server, agent_lau
         restarted = agent_launcher.restart(agent)
         again = client.wait_for(cache.id, "ready", timeout=30)
         assert (again.endpoint, again.epoch) == (cache.endpoint, cache.epoch) and restarted.alive
-        with DataPlaneClient(again.endpoint, TokenSource(client, again.id), again.id, spec,
-                             ssl_context=client_tls(pki), timeout=10.0) as dp:  # fmt: skip
+        with DataPlaneClient(
+            again.endpoint, TokenSource(client, again.id), again.id, spec, ssl_context=client_tls(pki), timeout=10.0
+        ) as dp:
             for tokens, kv in sequences[:2]:
                 assert dp.lookup(tokens) == SEQ_TOKENS
                 n, got = dp.get(tokens)

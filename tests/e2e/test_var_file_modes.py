@@ -61,8 +61,9 @@ def test_dev_pki_files_are_owner_only_whatever_the_umask(tmp_path):
     with umask(0):
         paths = dev_pki.write_dev_pki(tmp_path / "pki")
         ca_key, ca_cert = dev_pki.new_ca("t", valid_for=__import__("datetime").timedelta(hours=1))
-        paths.update({f"node_{k}": v for k, v in dev_pki.write_node_pki(tmp_path / "nodes", ca_key, ca_cert,
-                                                                          "n1").items()})  # fmt: skip
+        paths.update(
+            {f"node_{k}": v for k, v in dev_pki.write_node_pki(tmp_path / "nodes", ca_key, ca_cert, "n1").items()}
+        )
         stale = tmp_path / "stale.pem"
         stale.write_bytes(b"old")
         os.chmod(stale, 0o644)

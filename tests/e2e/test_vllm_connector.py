@@ -99,14 +99,19 @@ def test_bfloat16_kv_loads_exactly_too(live_server, pki, vllm_models, vllm_agent
     """The CPU build runs bf16: a cache of bf16 KV, a fresh engine's greedy tokens equal a bf16 engine's alone."""
     model = vllm_models["llama"]
     tenant = tenants()
-    cache = tenant.attach("bf16", engine_spec(model, block_size=16, kv_dtype="bfloat16", storage_dtype="bfloat16"),
-                          device_bytes=CACHE_DEVICE_BYTES // 2)  # fmt: skip
+    cache = tenant.attach(
+        "bf16",
+        engine_spec(model, block_size=16, kv_dtype="bfloat16", storage_dtype="bfloat16"),
+        device_bytes=CACHE_DEVICE_BYTES // 2,
+    )
     common = dict(role="kv_both", url=live_server.url, cache="bf16", pki=pki, dtype="bfloat16", logprobs=None)
-    alone = vllm_processes.start(engine_job(model, prompts(*FRESH), dtype="bfloat16", logprobs=None), tenant.env(),
-                                 "bf16-alone")  # fmt: skip
+    alone = vllm_processes.start(
+        engine_job(model, prompts(*FRESH), dtype="bfloat16", logprobs=None), tenant.env(), "bf16-alone"
+    )
     seeder = vllm_processes.start(connector_job(model, prompts(*SEED), **common), tenant.env(), "bf16-seed")
-    fresh = vllm_processes.start(connector_job(model, prompts(*FRESH), start_paused=True, **common), tenant.env(),
-                                 "bf16-fresh")  # fmt: skip
+    fresh = vllm_processes.start(
+        connector_job(model, prompts(*FRESH), start_paused=True, **common), tenant.env(), "bf16-fresh"
+    )
     expected = alone.message()["outputs"]
     assert seeder.message()["num_cached_tokens"] == [0, 0]
     wait_cached(tenant.data_plane(cache), {"a_seed": 256, "b_seed": 384})
@@ -128,10 +133,14 @@ def test_prefill_on_a_producer_decode_on_a_read_only_consumer(
     common = dict(url=live_server.url, cache="pd", pki=pki, multiprocess=True)  # engine core and worker processes
     decode = ["a_seed", "b_seed", "a_other", "b_other", "unrelated"]
 
-    producer = vllm_processes.start(connector_job(model, prompts(*SEED), role="kv_producer", max_tokens=1, **common),
-                                    tenant.env(), "producer")  # fmt: skip
-    consumer = vllm_processes.start(connector_job(model, prompts(*decode), role="kv_consumer", start_paused=True,
-                                                  **common), tenant.env(), "consumer")  # fmt: skip
+    producer = vllm_processes.start(
+        connector_job(model, prompts(*SEED), role="kv_producer", max_tokens=1, **common), tenant.env(), "producer"
+    )
+    consumer = vllm_processes.start(
+        connector_job(model, prompts(*decode), role="kv_consumer", start_paused=True, **common),
+        tenant.env(),
+        "consumer",
+    )
 
     prefilled = producer.message()
     assert_same_as_baseline(prefilled, SEED, baseline["qwen2"], max_tokens=1)
@@ -160,9 +169,20 @@ def test_requests_after_the_data_tokens_expired_still_hit(
     cache = tenant.attach("chat", engine_spec(model))
     rounds = [{"prompts": prompts(*SEED)}, {"prompts": prompts("a_other", "b_other")}]
     engine = vllm_processes.start(
-        connector_job(model, [], role="kv_both", url=live_server.url, cache="chat", pki=pki,
-                      extra={"token_ttl_seconds": 3}, rounds=rounds, pause_between_rounds=True),
-        tenant.env(), "expiry")  # fmt: skip
+        connector_job(
+            model,
+            [],
+            role="kv_both",
+            url=live_server.url,
+            cache="chat",
+            pki=pki,
+            extra={"token_ttl_seconds": 3},
+            rounds=rounds,
+            pause_between_rounds=True,
+        ),
+        tenant.env(),
+        "expiry",
+    )
 
     first = engine.message()
     assert_same_as_baseline(first, SEED, baseline["llama"])
@@ -210,8 +230,9 @@ def test_an_engine_with_a_bad_configuration_refuses_to_start_naming_the_problem(
     tenant.attach("other-layout", engine_spec(model, num_kv_heads=4))  # as if for another model's heads
 
     def start(name: str, cache: str, env: dict[str, str], **options):
-        job = connector_job(model, prompts("a_seed"), role="kv_both", url=live_server.url, cache=cache, pki=pki,
-                            **options)  # fmt: skip
+        job = connector_job(
+            model, prompts("a_seed"), role="kv_both", url=live_server.url, cache=cache, pki=pki, **options
+        )
         return vllm_processes.start(job, env, name)
 
     no_key = start("no-key", "chat", tenant.env(KCAAS_API_KEY=""))

@@ -43,8 +43,9 @@ def test_the_node_dies_while_an_engine_runs_and_before_another_starts(
     common = dict(role="kv_both", url=live_server.url, cache="chat", pki=pki)
     after_kill = ["b_other", "a_seed", "unrelated"]
     rounds = [{"prompts": prompts(*names)} for names in (["a_seed", "b_seed"], ["a_other"], after_kill)]
-    running = vllm_processes.start(connector_job(model, [], rounds=rounds, pause_between_rounds=True, **common),
-                                   tenant.env(), "running")  # fmt: skip
+    running = vllm_processes.start(
+        connector_job(model, [], rounds=rounds, pause_between_rounds=True, **common), tenant.env(), "running"
+    )
 
     seeded = running.message()
     assert_same_as_baseline(seeded, ["a_seed", "b_seed"], baseline["llama"])
@@ -78,9 +79,16 @@ def test_a_load_that_fails_after_the_promise_is_recomputed(
     for seed, shared in enumerate((PROMPTS["a_other"][:256], PROMPTS["b_other"][:256])):
         dp.put(shared, random_kv(spec, 256, seed=seed))  # what a load would scatter if the promise were kept
     names = ["a_other", "b_other"]
-    job = connector_job(model, prompts(*names), role="kv_consumer", url=live_server.url, cache="chat", pki=pki,
-                        connector="DeletingKCaaSConnector",
-                        connector_module="tests.e2e.vllm_faulty_connector")  # fmt: skip
+    job = connector_job(
+        model,
+        prompts(*names),
+        role="kv_consumer",
+        url=live_server.url,
+        cache="chat",
+        pki=pki,
+        connector="DeletingKCaaSConnector",
+        connector_module="tests.e2e.vllm_faulty_connector",
+    )
     engine = vllm_processes.start(job, tenant.env(), "faulty")
 
     result = engine.message(timeout=ROUND_TIMEOUT + 180)

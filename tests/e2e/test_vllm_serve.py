@@ -48,12 +48,34 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / f"{name}.log"
         self._log = open(self.log_path, "w+")
-        command = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-                   "--port", str(self.port), "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "1024",
-                   "--enforce-eager", "--no-enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0",
-                   "--kv-cache-memory-bytes", str(64 << 20), "--kv-transfer-config", json.dumps(transfer)]  # fmt: skip
-        self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)  # fmt: skip
+        command = [
+            vllm_python(),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--skip-tokenizer-init",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "1024",
+            "--enforce-eager",
+            "--no-enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            "--seed",
+            "0",
+            "--kv-cache-memory-bytes",
+            str(64 << 20),
+            "--kv-transfer-config",
+            json.dumps(transfer),
+        ]
+        self.process = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     def log_tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-6000:]
@@ -67,10 +89,17 @@ class VllmServer:
             return False
 
     def complete(self, prompt: list[int], max_tokens: int = 8) -> dict:
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True}  # fmt: skip
-        request = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        request = urllib.request.Request(
+            self.url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(request, timeout=60) as response:
                 return json.load(response)
@@ -82,8 +111,7 @@ class VllmServer:
 
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as response:
             text = response.read().decode()
-        return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-                   if s.name == name)  # fmt: skip
+        return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name)
 
     def close(self) -> None:
         try:
@@ -100,9 +128,12 @@ def test_two_vllm_servers_share_a_prefix_through_kcaas(
     model = vllm_models["llama"]
     tenant = tenants()
     cache = tenant.attach("chat", engine_spec(model))
-    transfer = {"kv_connector": "KCaaSConnector", "kv_connector_module_path": "kcaas.connectors.vllm",
-                "kv_role": "kv_both",
-                "kv_connector_extra_config": {"kcaas_url": live_server.url, "cache": "chat", "ca_file": pki["ca"]}}
+    transfer = {
+        "kv_connector": "KCaaSConnector",
+        "kv_connector_module_path": "kcaas.connectors.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"kcaas_url": live_server.url, "cache": "chat", "ca_file": pki["ca"]},
+    }
     servers = [VllmServer(model, transfer, tenant.env(), tmp_path, f"server-{i}") for i in range(2)]
     try:
         for server in servers:

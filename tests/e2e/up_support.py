@@ -23,8 +23,15 @@ SERVICE_ENV = {"DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "DJANGO_SETTING
 
 def start_script(script: str, env: dict, stderr, *args: str) -> subprocess.Popen:
     """`python scripts/<script> *args` from the repository root, in its own session, its stdout a text pipe."""
-    return subprocess.Popen([sys.executable, f"scripts/{script}", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=stderr, text=True, start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, f"scripts/{script}", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def start_up(tmp_path: Path, port: int, stderr=subprocess.DEVNULL) -> subprocess.Popen:

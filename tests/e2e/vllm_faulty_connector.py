@@ -28,8 +28,12 @@ class DeletingKCaaSConnector(KCaaSConnector):
         promised, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if promised:
             removed = self._node().delete(np.asarray(request.prompt_token_ids, dtype=np.int32))
-            print(f"vllm_faulty_connector: deleted {removed} blocks of request {request.request_id} after promising "
-                  f"{promised} tokens", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"vllm_faulty_connector: deleted {removed} blocks of request {request.request_id} after promising "
+                f"{promised} tokens",
+                file=sys.stderr,
+                flush=True,
+            )
         return promised, load_async
 
     def _node(self) -> DataPlaneClient:
@@ -39,6 +43,12 @@ class DeletingKCaaSConnector(KCaaSConnector):
             client = kcaas.Client(extra["kcaas_url"], os.environ[extra.get("api_key_env") or "KCAAS_API_KEY"])
             cache = next(c for c in client.list_caches(state="ready") if extra["cache"] in (c.id, c.name))
             tls = ssl.create_default_context(cafile=extra["ca_file"])
-            self._deleter = DataPlaneClient(cache.endpoint, TokenSource(client, cache.id, "readwrite"), cache.id,
-                                            cache.spec, ssl_context=tls, timeout=10.0)  # fmt: skip
+            self._deleter = DataPlaneClient(
+                cache.endpoint,
+                TokenSource(client, cache.id, "readwrite"),
+                cache.id,
+                cache.spec,
+                ssl_context=tls,
+                timeout=10.0,
+            )
         return self._deleter

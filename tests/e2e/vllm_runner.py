@@ -53,9 +53,18 @@ def build_model(arch: str, out: str) -> None:
     import torch
     import transformers
 
-    common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=2048,
-                  tie_word_embeddings=False, initializer_range=0.2)  # fmt: skip - sharp logits: clear greedy picks
+    common = dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=512,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+    )  # sharp logits: clear greedy picks
     if arch == "llama":
         config = transformers.LlamaConfig(**common)
         model_cls = transformers.LlamaForCausalLM
@@ -103,8 +112,10 @@ class _StatsTap:
             self.hits += int(getattr(prefix, "hits", 0) or 0)
 
     def take(self) -> dict:
-        result = {"external_hits": {"queries": self.queries, "hits": self.hits} if self.seen else None,
-                  "connector_stats": self.connector_stats}  # fmt: skip
+        result = {
+            "external_hits": {"queries": self.queries, "hits": self.hits} if self.seen else None,
+            "connector_stats": self.connector_stats,
+        }
         self.connector_stats, self.queries, self.hits = [], 0, 0
         return result
 
@@ -119,9 +130,16 @@ def generate(job: dict, proto, commands) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kwargs = dict(model=job["model"], skip_tokenizer_init=True, dtype=job.get("dtype", "float32"),
-                  max_model_len=job.get("max_model_len", 1024), enforce_eager=True, seed=0,
-                  enable_prefix_caching=job.get("enable_prefix_caching", False), disable_log_stats=False)  # fmt: skip
+    kwargs = dict(
+        model=job["model"],
+        skip_tokenizer_init=True,
+        dtype=job.get("dtype", "float32"),
+        max_model_len=job.get("max_model_len", 1024),
+        enforce_eager=True,
+        seed=0,
+        enable_prefix_caching=job.get("enable_prefix_caching", False),
+        disable_log_stats=False,
+    )
     for name in ("kv_cache_memory_bytes", "max_num_batched_tokens", "max_num_seqs"):
         if job.get(name) is not None:
             kwargs[name] = job[name]
@@ -152,8 +170,13 @@ def generate(job: dict, proto, commands) -> None:
         wait_for_go()
     rounds = job.get("rounds") or [{"prompts": job["prompts"], "max_tokens": job.get("max_tokens", 8)}]
     for i, spec in enumerate(rounds):
-        params = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 8), detokenize=False,
-                                ignore_eos=True, logprobs=job.get("logprobs"))  # fmt: skip
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=spec.get("max_tokens", 8),
+            detokenize=False,
+            ignore_eos=True,
+            logprobs=job.get("logprobs"),
+        )
         started = time.monotonic()
         outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in spec["prompts"]], params, use_tqdm=False)
         result = {
@@ -163,8 +186,9 @@ def generate(job: dict, proto, commands) -> None:
             **tap.take(),
         }
         if job.get("logprobs") is not None:  # per request, per step: {token id: logprob} of the top ones
-            result["logprobs"] = [[{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs]
-                                  for o in outs]  # fmt: skip
+            result["logprobs"] = [
+                [{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs] for o in outs
+            ]
         if i < len(rounds) - 1:
             emit({"round": i, **result})
             if job.get("pause_between_rounds"):

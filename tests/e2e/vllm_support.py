@@ -67,9 +67,15 @@ def runner_env(api_key: str | None = None, **extra: str) -> dict[str, str]:
     (kcaas and tests.e2e.vllm_faulty_connector), the tenant's key in KCAAS_API_KEY when given."""
     drop = {"DJANGO_SETTINGS_MODULE", "TRITON_INTERPRET", "KCAAS_API_KEY", "KCAAS_URL"}
     env = {k: v for k, v in os.environ.items() if k not in drop}
-    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-               VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")  # fmt: skip
+    env.update(
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
     if api_key is not None:
         env["KCAAS_API_KEY"] = api_key
     env.update(extra)
@@ -88,9 +94,16 @@ class VllmProcess:
         self.stderr_path = Path(workdir) / f"vllm-{name}.stderr"
         self._stderr = open(self.stderr_path, "w+")
         self.started = time.monotonic()
-        self.process = subprocess.Popen([vllm_python(), str(RUNNER), "generate"], cwd=REPO, env=env,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
-                                        text=True, start_new_session=True)  # fmt: skip
+        self.process = subprocess.Popen(
+            [vllm_python(), str(RUNNER), "generate"],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+            start_new_session=True,
+        )
         self.process.stdin.write(json.dumps(job) + "\n")
         self.process.stdin.flush()
         self._lines: queue.Queue = queue.Queue()
@@ -207,14 +220,32 @@ def run_vllm(job: dict, env: dict[str, str], workdir: Path, name: str = "run", t
 
 def engine_job(model_dir: str, prompts: list[list[int]], *, max_tokens: int = 8, **options) -> dict:
     """A job without a connector (options: the runner's, e.g. multiprocess, rounds, start_paused)."""
-    job = {"model": model_dir, "dtype": "float32", "max_model_len": 1024, "kv_role": None, "prompts": prompts,
-           "max_tokens": max_tokens, "logprobs": 0, "multiprocess": False, "kv_cache_memory_bytes": 64 << 20}
-    job.update(options)  # fmt: skip
+    job = {
+        "model": model_dir,
+        "dtype": "float32",
+        "max_model_len": 1024,
+        "kv_role": None,
+        "prompts": prompts,
+        "max_tokens": max_tokens,
+        "logprobs": 0,
+        "multiprocess": False,
+        "kv_cache_memory_bytes": 64 << 20,
+    }
+    job.update(options)
     return job
 
 
-def connector_job(model_dir: str, prompts: list[list[int]], *, role: str, url: str, cache: str, pki,
-                  extra: dict | None = None, **options) -> dict:  # fmt: skip
+def connector_job(
+    model_dir: str,
+    prompts: list[list[int]],
+    *,
+    role: str,
+    url: str,
+    cache: str,
+    pki,
+    extra: dict | None = None,
+    **options,
+) -> dict:
     """A job with KCaaSConnector: the cache by name, the agent's dev CA, the key in KCAAS_API_KEY (runner_env)."""
     config = {"kcaas_url": url, "cache": cache, "ca_file": pki["ca"], **(extra or {})}
     return engine_job(model_dir, prompts, kv_role=role, extra_config=config, **options)
@@ -242,9 +273,17 @@ def _build_models(tmp_path_factory) -> dict[str, str]:
     python = vllm_python()
     root = tmp_path_factory.mktemp("vllm-models")
     built = {arch: str(root / arch) for arch in ("llama", "qwen2")}
-    procs = {arch: subprocess.Popen([python, str(RUNNER), "build-model", "--arch", arch, "--out", out], cwd=REPO,
-                                    env=runner_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for arch, out in built.items()}  # fmt: skip
+    procs = {
+        arch: subprocess.Popen(
+            [python, str(RUNNER), "build-model", "--arch", arch, "--out", out],
+            cwd=REPO,
+            env=runner_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for arch, out in built.items()
+    }
     for arch, proc in procs.items():
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, f"building the tiny {arch} failed:\n{err[-4000:]}"
@@ -282,13 +321,17 @@ def _run_baseline(vllm_models, tmp_path_factory) -> dict[str, dict[str, dict]]:
     processes = VllmProcesses(workdir)
     names = list(PROMPTS)
     try:
-        running = {arch: processes.start(engine_job(model, prompts(*names)), runner_env(), f"baseline-{arch}")
-                   for arch, model in vllm_models.items()}  # fmt: skip
+        running = {
+            arch: processes.start(engine_job(model, prompts(*names)), runner_env(), f"baseline-{arch}")
+            for arch, model in vllm_models.items()
+        }
         results = {arch: process.message() for arch, process in running.items()}
     finally:
         processes.close()
-    return {arch: {name: {"tokens": r["outputs"][i], "logprobs": sampled_logprobs(r, i)}
-                   for i, name in enumerate(names)} for arch, r in results.items()}  # fmt: skip
+    return {
+        arch: {name: {"tokens": r["outputs"][i], "logprobs": sampled_logprobs(r, i)} for i, name in enumerate(names)}
+        for arch, r in results.items()
+    }
 
 
 def sampled_logprobs(result: dict, index: int) -> list[float]:
@@ -353,8 +396,14 @@ class Tenant:
         return cache
 
     def data_plane(self, cache, access: str = "readwrite") -> DataPlaneClient:
-        dp = DataPlaneClient(cache.endpoint, TokenSource(self.client, cache.id, access), cache.id, cache.spec,
-                             ssl_context=client_tls(self.pki), timeout=10.0)  # fmt: skip
+        dp = DataPlaneClient(
+            cache.endpoint,
+            TokenSource(self.client, cache.id, access),
+            cache.id,
+            cache.spec,
+            ssl_context=client_tls(self.pki),
+            timeout=10.0,
+        )
         self._opened.append(dp)
         return dp
 
@@ -392,12 +441,17 @@ def agent_metric(agent, name: str, **labels: str) -> float:
     port = next(int(v.split(b"=", 1)[1]) for v in environ if v.startswith(b"KCAAS_NODE_METRICS_PORT="))
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
-    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))  # fmt: skip
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def wait_cached(dp: DataPlaneClient, expected: dict[str, int], timeout: float = 60.0) -> None:
     """Until the cache holds at least expected[name] tokens of each prompt (an engine's async saves landed)."""
+
     def landed() -> bool:
         return all(dp.lookup(PROMPTS[name]) >= n for name, n in expected.items())
 

@@ -72,15 +72,25 @@ def make_node(db):
     register=False; `state` then forces a state directly.
     """
 
-    def make(name, *, device=0, dram=0, ssd=0, state=None, register=True, now=None,
-             sealing_public_key=TEST_SEALING_PUBLIC_KEY) -> NodeHandle:  # fmt: skip
+    def make(
+        name,
+        *,
+        device=0,
+        dram=0,
+        ssd=0,
+        state=None,
+        register=True,
+        now=None,
+        sealing_public_key=TEST_SEALING_PUBLIC_KEY,
+    ) -> NodeHandle:
         issued = services.node_create(name=name)
         if register:
             services.node_register(
                 node_id=issued.node.pk,
                 endpoint=f"10.0.0.1:{next(_ports)}",
                 capacity={"device": device, "dram": dram, "ssd": ssd},
-                now=now, sealing_public_key=sealing_public_key,
+                now=now,
+                sealing_public_key=sealing_public_key,
             )
         if state is not None:
             Node.objects.filter(pk=issued.node.pk).update(state=state)

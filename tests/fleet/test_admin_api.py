@@ -39,8 +39,14 @@ def test_duplicate_node_name_is_409(staff_client):
 
 @pytest.mark.parametrize(
     "body, field",
-    [({}, "name"), ({"name": ""}, "name"), ({"name": "-x"}, "name"), ({"name": "a b"}, "name"),
-     ({"name": "x" * 101}, "name"), ({"name": ["a"]}, "name")],
+    [
+        ({}, "name"),
+        ({"name": ""}, "name"),
+        ({"name": "-x"}, "name"),
+        ({"name": "a b"}, "name"),
+        ({"name": "x" * 101}, "name"),
+        ({"name": ["a"]}, "name"),
+    ],
 )
 def test_bad_node_names_are_400_with_field_details(staff_client, body, field):
     response = staff_client.post(NODES, body, format="json")
@@ -83,8 +89,12 @@ def test_detail_shows_capacity_reservations_and_resident_snapshot(staff_client, 
 
 def test_unknown_node_is_404(staff_client):
     missing = uuid.uuid4()
-    for method, url in (("get", _node_url(missing)), ("post", _node_url(missing, "cordon")),
-                        ("post", _node_url(missing, "uncordon")), ("get", f"{NODES}/not-a-uuid")):
+    for method, url in (
+        ("get", _node_url(missing)),
+        ("post", _node_url(missing, "cordon")),
+        ("post", _node_url(missing, "uncordon")),
+        ("get", f"{NODES}/not-a-uuid"),
+    ):
         response = getattr(staff_client, method)(url)
         assert response.status_code == 404, url
         assert response.json()["error"]["code"] == "not_found"
@@ -107,8 +117,16 @@ def test_a_draining_node_can_be_returned_to_service(staff_client, make_node):
     assert handle.refresh().state == "ready"
 
 
-@pytest.mark.parametrize("state, action", [("lost", "cordon"), ("registering", "cordon"), ("draining", "cordon"),
-                                           ("lost", "uncordon"), ("registering", "uncordon")])
+@pytest.mark.parametrize(
+    "state, action",
+    [
+        ("lost", "cordon"),
+        ("registering", "cordon"),
+        ("draining", "cordon"),
+        ("lost", "uncordon"),
+        ("registering", "uncordon"),
+    ],
+)
 def test_cordon_from_the_wrong_state_is_409(staff_client, make_node, state, action):
     handle = make_node("n1", device=GIB, state=state)
     response = staff_client.post(_node_url(handle.node.pk, action))
@@ -119,8 +137,13 @@ def test_cordon_from_the_wrong_state_is_409(staff_client, make_node, state, acti
 
 
 def _admin_calls(node_id):
-    return [("get", NODES, None), ("post", NODES, {"name": "x"}), ("get", _node_url(node_id), None),
-            ("post", _node_url(node_id, "cordon"), None), ("post", _node_url(node_id, "uncordon"), None)]
+    return [
+        ("get", NODES, None),
+        ("post", NODES, {"name": "x"}),
+        ("get", _node_url(node_id), None),
+        ("post", _node_url(node_id, "cordon"), None),
+        ("post", _node_url(node_id, "uncordon"), None),
+    ]
 
 
 def test_admin_endpoints_refuse_non_staff_users(user_client, make_node):

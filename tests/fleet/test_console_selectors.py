@@ -15,8 +15,10 @@ CACHE_A, CACHE_B = "0b7f3c1e-5d2a-4b8e-9f10-1a2b3c4d5e6f", "7a1e2b3c-4d5e-4f60-8
 
 def test_heartbeat_keeps_hit_and_miss_counters_when_reported(make_node):
     handle = make_node("n1", device=8 * GIB)
-    resident = [{"cache_id": CACHE_A, "device_bytes": 1024, "hit_tokens": 7, "miss_tokens": 3},
-                {"cache_id": CACHE_B, "dram_bytes": 2048}]  # an agent that does not report counters
+    resident = [
+        {"cache_id": CACHE_A, "device_bytes": 1024, "hit_tokens": 7, "miss_tokens": 3},
+        {"cache_id": CACHE_B, "dram_bytes": 2048},
+    ]  # an agent that does not report counters
     response = handle.client.post(HEARTBEAT, {"capacity": capacity_body(), "resident": resident}, format="json")
     assert response.status_code == 200, response.json()
     assert handle.refresh().resident_snapshot["caches"] == {
@@ -40,13 +42,19 @@ def test_heartbeat_refuses_bad_counters_and_keeps_the_snapshot(make_node, bad):
 def test_hit_totals_sum_live_nodes_only_and_rate_is_none_without_reads(make_node):
     assert selectors.fleet_hit_totals().rate is None
     lost = make_node("lost")
-    services.node_heartbeat(node_id=lost.node.pk, capacity=capacity_body(),
-                            resident=[{"cache_id": CACHE_A, "hit_tokens": 100, "miss_tokens": 100}])  # fmt: skip
+    services.node_heartbeat(
+        node_id=lost.node.pk,
+        capacity=capacity_body(),
+        resident=[{"cache_id": CACHE_A, "hit_tokens": 100, "miss_tokens": 100}],
+    )
     services.nodes_expire_leases(now=timezone.now() + timedelta(seconds=60))
     live = make_node("live")
     services.node_cordon(node_id=live.node.pk)
-    services.node_heartbeat(node_id=live.node.pk, capacity=capacity_body(),
-                            resident=[{"cache_id": CACHE_B, "hit_tokens": 0, "miss_tokens": 4}])  # fmt: skip
+    services.node_heartbeat(
+        node_id=live.node.pk,
+        capacity=capacity_body(),
+        resident=[{"cache_id": CACHE_B, "hit_tokens": 0, "miss_tokens": 4}],
+    )
     assert selectors.fleet_hit_totals() == selectors.HitTotals(hit_tokens=0, miss_tokens=4)
     assert selectors.fleet_hit_totals().rate == 0.0
 
@@ -58,11 +66,17 @@ def test_tier_use_and_state_counts_leave_lost_nodes_out(make_node):
     ready = make_node("ready", device=8 * GIB, dram=2 * GIB)
     make_node("new", register=False)
     services.node_place(capacity={"device": GIB})
-    services.node_heartbeat(node_id=ready.node.pk, capacity={"device": 8 * GIB, "dram": 2 * GIB, "ssd": 0},
-                            resident=[{"cache_id": CACHE_A, "device_bytes": 512, "dram_bytes": 256}])  # fmt: skip
+    services.node_heartbeat(
+        node_id=ready.node.pk,
+        capacity={"device": 8 * GIB, "dram": 2 * GIB, "ssd": 0},
+        resident=[{"cache_id": CACHE_A, "device_bytes": 512, "dram_bytes": 256}],
+    )
     use = {t.tier: (t.capacity_bytes, t.reserved_bytes, t.resident_bytes) for t in selectors.fleet_tier_use()}
     assert use == {"device": (8 * GIB, GIB, 512), "dram": (2 * GIB, 0, 256), "ssd": (0, 0, 0)}
     assert selectors.node_state_counts() == {"registering": 1, "ready": 1, "draining": 0, "cordoned": 0, "lost": 1}
     node_use = selectors.node_tier_use(ready.refresh())
     assert [(t.tier, t.reserved_bytes, t.resident_bytes) for t in node_use] == [
-        ("device", GIB, 512), ("dram", 0, 256), ("ssd", 0, 0)]
+        ("device", GIB, 512),
+        ("dram", 0, 256),
+        ("ssd", 0, 0),
+    ]

@@ -5,10 +5,10 @@ import re
 import pytest
 from rest_framework.test import APIRequestFactory
 
+from core.keys import checksum, generate_key, parse_key
 from fleet.authentication import NodeCredentialAuthentication
 from fleet.models import Node
 from fleet.principals import NodePrincipal
-from core.keys import checksum, generate_key, parse_key
 
 from .conftest import bearer_client, capacity_body
 

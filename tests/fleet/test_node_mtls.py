@@ -20,8 +20,9 @@ TIMEOUT = 5.0
 
 def _issue(node: Node, identity: NodeIdentity, *, now=None, install=True) -> tuple[str, str]:
     with transaction.atomic():
-        cert, ca = pki.node_certificate_issue(node=Node.objects.select_for_update().get(pk=node.pk),
-                                              csr_pem=identity.csr_pem(), now=now)  # fmt: skip
+        cert, ca = pki.node_certificate_issue(
+            node=Node.objects.select_for_update().get(pk=node.pk), csr_pem=identity.csr_pem(), now=now
+        )
     if install:
         identity.install(cert, ca)
     return cert, ca
@@ -105,16 +106,17 @@ def _sign_like_the_platform(identity, ca_key, ca_cert, *, node_id):
 
     node = Node(pk=node_id, endpoint="127.0.0.1:7000")
     csr = x509.load_pem_x509_csr(identity.csr_pem())
-    now = dt.datetime.now(dt.timezone.utc)
-    return pki._node_certificate(node, csr.public_key(), ca_key, ca_cert, not_before=now - pki.BACKDATE,
-                                 not_after=now + dt.timedelta(hours=1))  # fmt: skip
+    now = dt.datetime.now(dt.UTC)
+    return pki._node_certificate(
+        node, csr.public_key(), ca_key, ca_cert, not_before=now - pki.BACKDATE, not_after=now + dt.timedelta(hours=1)
+    )
 
 
 def test_an_expired_certificate_is_refused(node_identity, make_node):
     a_id, a = node_identity("a")
     stale = NodeIdentity()
-    _issue(make_node("stale").node, stale, now=dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=13))
-    assert stale.not_valid_after < dt.datetime.now(dt.timezone.utc)
+    _issue(make_node("stale").node, stale, now=dt.datetime.now(dt.UTC) - dt.timedelta(hours=13))
+    assert stale.not_valid_after < dt.datetime.now(dt.UTC)
     server, _ = _handshake(a.server_context(), stale.client_context())
     assert isinstance(server, ssl.SSLError) and "expired" in str(server)
     _, client = _handshake(stale.server_context(), a.client_context())
@@ -155,15 +157,17 @@ def test_renewal_through_the_live_rest_api_rotates_the_key_and_keeps_listeners_s
     handle = make_node("renewing")
     control = ControlPlane(live_server.url, handle.credential)
     identity = NodeIdentity()
-    first = control.register(endpoint="127.0.0.1:7444", capacity={"device": 1, "dram": 0, "ssd": 0},
-                             csr=identity.csr_pem().decode())  # fmt: skip
+    first = control.register(
+        endpoint="127.0.0.1:7444", capacity={"device": 1, "dram": 0, "ssd": 0}, csr=identity.csr_pem().decode()
+    )
     identity.install(first["certificate"], first["ca_certificate"])
     listener_ctx = identity.server_context()  # handed out before the renewal
     old_serial = Node.objects.get(pk=handle.node.pk).certificate_serial
     old_pem = identity.certificate_pem
 
-    loop = RenewalLoop(identity, send=control.certificate,
-                       clock=lambda: dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=7))  # fmt: skip
+    loop = RenewalLoop(
+        identity, send=control.certificate, clock=lambda: dt.datetime.now(dt.UTC) + dt.timedelta(hours=7)
+    )
     assert loop.seconds_until_due() == 0  # past half-life on that clock
     assert loop.tick() is True
     assert identity.certificate_pem != old_pem

@@ -6,8 +6,9 @@ import schemathesis
 from django.core.signals import request_finished, request_started
 from django.core.wsgi import get_wsgi_application
 from django.db import close_old_connections
+from hypothesis import HealthCheck, Phase, given
+from hypothesis import settings as hsettings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
-from hypothesis import HealthCheck, Phase, given, settings as hsettings
 
 from .conftest import GIB, PASSWORD
 

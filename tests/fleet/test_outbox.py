@@ -17,12 +17,11 @@ from caches import services
 from caches.models import Cache, CacheState
 from fleet.models import Node, NodeOrder, NodeState, OrderState
 from fleet.outbox import open_orders, orders_dispatch
-from kcaas.node_messages import DETACH_TASK, PROVISION_TASK, node_queue
+from kcaas.node_messages import DETACH_TASK, PROVISION_TASK, DetachCache, node_queue
 from tests.caches.conftest import attach_body, make_node, make_tenant, node, tenant_a  # noqa: F401 - fixtures
 from tests.control_broker import use_broker
 from tests.faults import PrivateRedis
 from tests.fleet.node_keys import opened
-from kcaas.node_messages import DetachCache
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -84,7 +83,9 @@ def test_the_order_row_never_holds_the_keys_its_message_carries(broker, tenant_a
     assert order.args == [cache["id"], 1]  # the cache id and epoch only
     (message,) = queued(broker, node.pk)
     # the hash key, unsealed into the message at send time, sealed to the node (tests/fleet/test_sealed_orders.py)
-    assert len(opened(message["kwargs"]["hash_key_box"], task=PROVISION_TASK, node_id=node.pk, cache_id=cache["id"])) == 32
+    assert (
+        len(opened(message["kwargs"]["hash_key_box"], task=PROVISION_TASK, node_id=node.pk, cache_id=cache["id"])) == 32
+    )
     assert message["kwargs"]["hash_key_box"] not in json.dumps(order.args)
 
 

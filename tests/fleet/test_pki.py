@@ -28,9 +28,11 @@ def _csr(key, *, common_name="kcaas node", names=()) -> str:
     )
     if names:
         builder = builder.add_extension(x509.SubjectAlternativeName(list(names)), critical=False)
-    return builder.sign(key, None if isinstance(key, ed25519.Ed25519PrivateKey) else hashes.SHA256()).public_bytes(
-        serialization.Encoding.PEM
-    ).decode()
+    return (
+        builder.sign(key, None if isinstance(key, ed25519.Ed25519PrivateKey) else hashes.SHA256())
+        .public_bytes(serialization.Encoding.PEM)
+        .decode()
+    )
 
 
 def _forged(csr_pem: str) -> str:
@@ -54,14 +56,19 @@ def _sans(cert: x509.Certificate) -> list:
 def test_register_with_csr_issues_exactly_the_spiffe_and_endpoint_names(make_node):
     handle = make_node("n1", register=False)
     key = ec.generate_private_key(ec.SECP256R1())
-    greedy = _csr(key, common_name="admin", names=[x509.DNSName("evil.example"),
-                                                   x509.UniformResourceIdentifier("spiffe://kcaas/node/other")])
+    greedy = _csr(
+        key,
+        common_name="admin",
+        names=[x509.DNSName("evil.example"), x509.UniformResourceIdentifier("spiffe://kcaas/node/other")],
+    )
     response = _register(handle, greedy)
     assert response.status_code == 200, response.json()
     cert = x509.load_pem_x509_certificate(response.json()["certificate"].encode())
     ca = x509.load_pem_x509_certificate(response.json()["ca_certificate"].encode())
-    assert _sans(cert) == [x509.UniformResourceIdentifier(f"spiffe://kcaas/node/{handle.node.pk}"),
-                           x509.IPAddress(ipaddress.ip_address("10.1.2.3"))]
+    assert _sans(cert) == [
+        x509.UniformResourceIdentifier(f"spiffe://kcaas/node/{handle.node.pk}"),
+        x509.IPAddress(ipaddress.ip_address("10.1.2.3")),
+    ]
     assert cert.subject == x509.Name([])  # the CSR's CN=admin is ignored
     assert cert.public_key().public_numbers() == key.public_key().public_numbers()
     cert.verify_directly_issued_by(ca)
@@ -166,7 +173,7 @@ def test_ca_key_file_is_created_once_0600_and_the_ca_certificate_follows_the_key
 def test_service_issues_with_an_injected_clock(make_node):
     handle = make_node("n1")
     node = Node.objects.get(pk=handle.node.pk)
-    past = dt.datetime(2020, 1, 1, tzinfo=dt.timezone.utc)
+    past = dt.datetime(2020, 1, 1, tzinfo=dt.UTC)
     from django.db import transaction
 
     with transaction.atomic():

@@ -87,8 +87,9 @@ def later(minutes: float):
 
 def test_provision_cache_on_the_broker_holds_no_usable_key(broker, tenant_a, make_node):
     node = make_node()
-    response = tenant_a.client.post("/api/v1/caches", attach_body(device=8 * BLOCK_BYTES, ssd=64 * BLOCK_BYTES),
-                                    format="json")  # fmt: skip
+    response = tenant_a.client.post(
+        "/api/v1/caches", attach_body(device=8 * BLOCK_BYTES, ssd=64 * BLOCK_BYTES), format="json"
+    )
     assert response.status_code == 201, response.content
     cache = Cache.objects.get(pk=response.json()["id"])
     hash_key = hash_key_unseal(cache_id=cache.pk, sealed=cache.hash_key_sealed)
@@ -98,14 +99,17 @@ def test_provision_cache_on_the_broker_holds_no_usable_key(broker, tenant_a, mak
     assert_nowhere(ssd_key, raw)
     args = message_args(raw)
     assert opened(args["hash_key_box"], task=PROVISION_TASK, node_id=node.pk, cache_id=cache.pk) == hash_key
-    assert opened(args["ssd_key_box"], task=PROVISION_TASK, node_id=node.pk, cache_id=cache.pk, field="ssd_key") == ssd_key
+    assert (
+        opened(args["ssd_key_box"], task=PROVISION_TASK, node_id=node.pk, cache_id=cache.pk, field="ssd_key") == ssd_key
+    )
     assert NodeOrder.objects.get(node=node, task=PROVISION_TASK).args == [str(cache.pk), 1]  # nor in the outbox
 
 
 def test_migrate_in_on_the_broker_holds_no_usable_key(broker, tenant_a, make_node):
     source, target = make_node(device=40 * BLOCK_BYTES), make_node(device=80 * BLOCK_BYTES)
-    response = tenant_a.client.post("/api/v1/caches", attach_body(device=8 * BLOCK_BYTES, ssd=64 * BLOCK_BYTES),
-                                    format="json")  # fmt: skip
+    response = tenant_a.client.post(
+        "/api/v1/caches", attach_body(device=8 * BLOCK_BYTES, ssd=64 * BLOCK_BYTES), format="json"
+    )
     cache = make_ready(response.json()["id"])
     assert cache.node_id == source.pk
     migration_start(cache_id=cache.pk, target_node_id=target.pk)
@@ -117,23 +121,29 @@ def test_migrate_in_on_the_broker_holds_no_usable_key(broker, tenant_a, make_nod
     assert_nowhere(ssd_key, raw)
     args = message_args(raw)
     assert opened(args["hash_key_box"], task=MIGRATE_IN_TASK, node_id=target.pk, cache_id=cache.pk) == hash_key
-    assert opened(args["ssd_key_box"], task=MIGRATE_IN_TASK, node_id=target.pk, cache_id=cache.pk, field="ssd_key") == ssd_key
+    assert (
+        opened(args["ssd_key_box"], task=MIGRATE_IN_TASK, node_id=target.pk, cache_id=cache.pk, field="ssd_key")
+        == ssd_key
+    )
 
 
 def test_a_resent_order_is_sealed_to_the_key_the_node_registered_last(broker, tenant_a, make_node):
     node = make_node()
     cache_id = tenant_a.client.post("/api/v1/caches", attach_body(), format="json").json()["id"]
     restarted = NodeSealingKey()  # the agent restarted without a persisted key and registered a new one
-    fleet_services.node_register(node_id=node.pk, endpoint=node.endpoint, capacity=node.capacity,
-                                 sealing_public_key=restarted.public_key_b64)  # fmt: skip
+    fleet_services.node_register(
+        node_id=node.pk, endpoint=node.endpoint, capacity=node.capacity, sealing_public_key=restarted.public_key_b64
+    )
     assert orders_dispatch(now=later(5))["sent"] == 1
     first, again = (message_args(raw)["hash_key_box"] for raw in raw_queue(broker, node.pk))
     assert opened(first, task=PROVISION_TASK, node_id=node.pk, cache_id=cache_id) == opened(
-        again, task=PROVISION_TASK, node_id=node.pk, cache_id=cache_id, key=restarted)
+        again, task=PROVISION_TASK, node_id=node.pk, cache_id=cache_id, key=restarted
+    )
 
 
-def test_a_node_without_a_sealing_key_is_sent_no_key_and_its_cache_fails_saying_why(broker, tenant_a, make_node,
-                                                                                     settings):  # fmt: skip
+def test_a_node_without_a_sealing_key_is_sent_no_key_and_its_cache_fails_saying_why(
+    broker, tenant_a, make_node, settings
+):
     node = make_node(sealing_public_key=None)  # an agent from before key sealing
     assert Node.objects.get(pk=node.pk).sealing_public_key == ""
     response = tenant_a.client.post("/api/v1/caches", attach_body(), format="json")
@@ -153,13 +163,15 @@ def test_an_order_waiting_for_a_key_goes_once_the_node_registers_one(broker, ten
     node = make_node(sealing_public_key=None)
     cache_id = tenant_a.client.post("/api/v1/caches", attach_body(), format="json").json()["id"]
     assert raw_queue(broker, node.pk) == []
-    fleet_services.node_register(node_id=node.pk, endpoint=node.endpoint, capacity=node.capacity,
-                                 sealing_public_key=TEST_SEALING_PUBLIC_KEY)  # fmt: skip - the upgraded agent
+    fleet_services.node_register(
+        node_id=node.pk, endpoint=node.endpoint, capacity=node.capacity, sealing_public_key=TEST_SEALING_PUBLIC_KEY
+    )  # the upgraded agent
     assert orders_dispatch(now=later(5))["sent"] == 1
     (raw,) = raw_queue(broker, node.pk)
     cache = Cache.objects.get(pk=cache_id)
-    assert opened(message_args(raw)["hash_key_box"], task=PROVISION_TASK, node_id=node.pk, cache_id=cache_id) == hash_key_unseal(
-        cache_id=cache.pk, sealed=cache.hash_key_sealed)
+    assert opened(
+        message_args(raw)["hash_key_box"], task=PROVISION_TASK, node_id=node.pk, cache_id=cache_id
+    ) == hash_key_unseal(cache_id=cache.pk, sealed=cache.hash_key_sealed)
 
 
 # ---- registration --------------------------------------------------------------------------------------------------
@@ -188,13 +200,20 @@ def test_registration_records_the_nodes_sealing_key_and_a_registration_without_o
     assert Node.objects.get(pk=agent.node_id).sealing_public_key == ""
 
 
-@pytest.mark.parametrize("bad", [
-    "not base64!", base64.b64encode(b"short").decode(), base64.b64encode(bytes(32)).decode(),  # a low-order point
-    base64.b64encode(TEST_SEALING_KEY.private_bytes() + b"x").decode(),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "not base64!",
+        base64.b64encode(b"short").decode(),
+        base64.b64encode(bytes(32)).decode(),  # a low-order point
+        base64.b64encode(TEST_SEALING_KEY.private_bytes() + b"x").decode(),
+    ],
+)
 def test_a_sealing_key_nothing_can_be_sealed_to_refuses_the_registration(agent, bad):
     response = _register(agent, sealing_public_key=bad)
-    assert response.status_code == 400 and response.json()["error"]["code"] in ("invalid_sealing_key",
-                                                                                 "validation_error")  # fmt: skip
+    assert response.status_code == 400 and response.json()["error"]["code"] in (
+        "invalid_sealing_key",
+        "validation_error",
+    )
     node = Node.objects.get(pk=agent.node_id)
     assert node.sealing_public_key == "" and node.state == "registering"  # nothing changed

@@ -1,7 +1,9 @@
 """Bad input to node endpoints is a 400 with field details, never a 500 and never a state change."""
 
 import pytest
-from hypothesis import given, settings as hsettings, strategies as st
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 from fleet.validators import endpoint_error, endpoint_normalize
 
@@ -21,10 +23,34 @@ def test_valid_endpoints(endpoint):
 
 @pytest.mark.parametrize(
     "endpoint",
-    ["", "node-a", "node-a:", "node-a:0", "node-a:65536", "node-a:+80", "node-a:http", "::1:7000", "[::1]7000",
-     "http://node-a:7000", "node-a:7000/x", "-bad:7000", "bad-:7000", "a..b:7000", "0.0.0.0:7000", "[::]:7000",
-     "256.1.1.1:7000", "1.2.3:7000", "[fe80::1%eth0]:7000", "224.0.0.1:7000", "a_b:7000", "x" * 64 + ":7000",
-     "é.example:7000", " node-a:7000", "node-a:7000 ", ("a." * 130) + "b:7000"],
+    [
+        "",
+        "node-a",
+        "node-a:",
+        "node-a:0",
+        "node-a:65536",
+        "node-a:+80",
+        "node-a:http",
+        "::1:7000",
+        "[::1]7000",
+        "http://node-a:7000",
+        "node-a:7000/x",
+        "-bad:7000",
+        "bad-:7000",
+        "a..b:7000",
+        "0.0.0.0:7000",
+        "[::]:7000",
+        "256.1.1.1:7000",
+        "1.2.3:7000",
+        "[fe80::1%eth0]:7000",
+        "224.0.0.1:7000",
+        "a_b:7000",
+        "x" * 64 + ":7000",
+        "é.example:7000",
+        " node-a:7000",
+        "node-a:7000 ",
+        ("a." * 130) + "b:7000",
+    ],
 )
 def test_invalid_endpoints_are_400_with_details(make_node, endpoint):
     assert endpoint_error(endpoint) is not None
@@ -76,8 +102,10 @@ def test_bad_capacities_are_400_with_tier_details(make_node, capacity, bad_field
         {"capacity": [1, 2, 3]},
         {"capacity": capacity_body(), "resident": {"cache_id": "x"}},
         {"capacity": capacity_body(), "resident": [{"cache_id": "not-a-uuid"}]},
-        {"capacity": capacity_body(), "resident": [{"cache_id": "0b7f3c1e-5d2a-4b8e-9f10-1a2b3c4d5e6f",
-                                                    "device_bytes": -5}]},
+        {
+            "capacity": capacity_body(),
+            "resident": [{"cache_id": "0b7f3c1e-5d2a-4b8e-9f10-1a2b3c4d5e6f", "device_bytes": -5}],
+        },
         {"capacity": capacity_body(), "resident": [{"cache_id": "0b7f3c1e-5d2a-4b8e-9f10-1a2b3c4d5e6f"}] * 2},
     ],
 )

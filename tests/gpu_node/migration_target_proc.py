@@ -25,12 +25,19 @@ from kcaas.spec import KVCacheSpec
 
 def _serve(config: dict) -> tuple[MigrationListener, CacheRegistry]:
     registry = CacheRegistry(device_capacity_bytes=1 << 30, device="cpu", ssd_dir=config["ssd_dir"])
-    registry.provision(cache_id=config["cache_id"], spec=KVCacheSpec(**config["spec"]), capacity=config["capacity"],
-                       hash_key=bytes.fromhex(config["hash_key_hex"]), epoch=config["epoch"], tenant_id="t1",
-                       ssd_key=bytes.fromhex(config["ssd_key_hex"]))  # fmt: skip
+    registry.provision(
+        cache_id=config["cache_id"],
+        spec=KVCacheSpec(**config["spec"]),
+        capacity=config["capacity"],
+        hash_key=bytes.fromhex(config["hash_key_hex"]),
+        epoch=config["epoch"],
+        tenant_id="t1",
+        ssd_key=bytes.fromhex(config["ssd_key_hex"]),
+    )
     pki = config["pki"]
-    listener = MigrationListener(registry, mtls_server_context(pki["cert"], pki["key"], pki["ca"]),
-                                 durable_every=config["durable_every"]).start()  # fmt: skip
+    listener = MigrationListener(
+        registry, mtls_server_context(pki["cert"], pki["key"], pki["ca"]), durable_every=config["durable_every"]
+    ).start()
     listener.expect(Incoming(config["migration_id"], config["cache_id"], config["source_node_id"], config["epoch"]))
     return listener, registry
 

@@ -17,8 +17,9 @@ def refused_limit(fn, *args) -> str:
 
 def test_each_limit_refuses_only_its_tenant_and_counts_come_back():
     refusals = []
-    admission = TenantAdmission(TenantLimits(max_connections=1, max_inflight_requests=2, max_inflight_bytes=100),
-                                on_refusal=refusals.append)  # fmt: skip
+    admission = TenantAdmission(
+        TenantLimits(max_connections=1, max_inflight_requests=2, max_inflight_bytes=100), on_refusal=refusals.append
+    )
     admission.connect("a")
     assert refused_limit(admission.connect, "a") == "connections"
     admission.connect("b")  # another tenant is untouched

@@ -71,7 +71,9 @@ def test_weak_or_malformed_keys_are_refused(key):
 def test_c_chain_is_byte_identical_to_hashlib(block_bytes, key_len):
     assert _chain_hashes_c is not None, "the C extension is not built: `make install` builds it"
     key, parent, data = os.urandom(key_len), os.urandom(16), os.urandom(block_bytes * 5 + 3)
-    assert _chain_hashes_c(key, parent, data, block_bytes, 16) == chain_hashes_python(key, parent, data, block_bytes, 16)
+    assert _chain_hashes_c(key, parent, data, block_bytes, 16) == chain_hashes_python(
+        key, parent, data, block_bytes, 16
+    )
     expected, previous = b"", parent
     for i in range(5):
         previous = hashlib.blake2b(previous + data[i * block_bytes : (i + 1) * block_bytes], key=key, digest_size=16)

@@ -22,7 +22,7 @@ from celery import Celery
 
 from gpu_node.node_tasks import build_node_app
 from gpu_node.registry import CacheRegistry
-from kcaas.node_messages import ProvisionCache, PROVISION_TASK, node_queue
+from kcaas.node_messages import PROVISION_TASK, ProvisionCache, node_queue
 from kcaas.sealing import seal
 from tests.faults import PrivateRedis
 from tests.fleet.node_keys import TEST_SEALING_KEY, TEST_SEALING_PUBLIC_KEY
@@ -45,10 +45,23 @@ def private_redis(tmp_path, monkeypatch):
 
 def provision_order(cache_id: str) -> dict:
     spec = tiny_spec()
-    box = seal(b"k" * 32, public_key_b64=TEST_SEALING_PUBLIC_KEY, task=PROVISION_TASK, node_id=NODE_ID,
-               cache_id=cache_id, field="hash_key")  # fmt: skip
-    order = ProvisionCache(cache_id=cache_id, spec=spec.to_dict(), capacity={"device": 8 * spec.block_bytes},
-                           hash_key_box=box, epoch=1, tenant_id="tenant-1", ssd_key_box="")  # fmt: skip
+    box = seal(
+        b"k" * 32,
+        public_key_b64=TEST_SEALING_PUBLIC_KEY,
+        task=PROVISION_TASK,
+        node_id=NODE_ID,
+        cache_id=cache_id,
+        field="hash_key",
+    )
+    order = ProvisionCache(
+        cache_id=cache_id,
+        spec=spec.to_dict(),
+        capacity={"device": 8 * spec.block_bytes},
+        hash_key_box=box,
+        epoch=1,
+        tenant_id="tenant-1",
+        ssd_key_box="",
+    )
     return order.to_dict()
 
 
@@ -74,11 +87,25 @@ def _worker_process(broker_url: str, marker_dir: str, stall_seconds: float) -> N
 
     os.environ.pop("CELERY_BROKER_URL", None)  # Celery prefers that variable to the broker it is given
     registry = MarkingRegistry(device_capacity_bytes=1 << 20, device="cpu")
-    app = build_node_app(broker_url=broker_url, node_id=NODE_ID, endpoint="127.0.0.1:1", registry=registry,
-                         transport_options=VISIBILITY, sealing_key=TEST_SEALING_KEY)  # fmt: skip
-    app.WorkController(app=app, queues=[node_queue(NODE_ID)], pool_cls="solo", concurrency=1,
-                       without_heartbeat=True, without_mingle=True, without_gossip=True, use_eventloop=False,
-                       hostname=f"{NODE_ID}-{os.getpid()}@test").start()  # fmt: skip
+    app = build_node_app(
+        broker_url=broker_url,
+        node_id=NODE_ID,
+        endpoint="127.0.0.1:1",
+        registry=registry,
+        transport_options=VISIBILITY,
+        sealing_key=TEST_SEALING_KEY,
+    )
+    app.WorkController(
+        app=app,
+        queues=[node_queue(NODE_ID)],
+        pool_cls="solo",
+        concurrency=1,
+        without_heartbeat=True,
+        without_mingle=True,
+        without_gossip=True,
+        use_eventloop=False,
+        hostname=f"{NODE_ID}-{os.getpid()}@test",
+    ).start()
 
 
 @contextlib.contextmanager

@@ -15,8 +15,9 @@ def joined(views) -> bytes:
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_views_equal_get_for_odd_ranges(dtype):
-    cache = tiny_cache(num_blocks=32, num_layers=3, num_kv_heads=3, head_dim=5, block_size=4, kv_dtype=dtype,
-                       storage_dtype=dtype)  # fmt: skip
+    cache = tiny_cache(
+        num_blocks=32, num_layers=3, num_kv_heads=3, head_dim=5, block_size=4, kv_dtype=dtype, storage_dtype=dtype
+    )
     tokens = np.arange(300, 323, dtype=np.int32)  # 23 tokens: 5 full blocks and a partial tail of 3
     cache.put(tokens[:10], prefix_kv(cache.spec, tokens[:10]))  # fill some blocks first: ids are not in order
     cache.put(tokens, prefix_kv(cache.spec, tokens))

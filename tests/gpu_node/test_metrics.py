@@ -12,8 +12,9 @@ SPEC = tiny_spec(block_size=4)
 
 def test_engine_counters_are_exported_per_cache_at_scrape_time():
     registry = CacheRegistry(device_capacity_bytes=64 * SPEC.block_bytes, device="cpu")
-    hosted = registry.provision(cache_id="c1", spec=SPEC, capacity={"device": 8 * SPEC.block_bytes},
-                                hash_key=b"k" * 32, epoch=1)
+    hosted = registry.provision(
+        cache_id="c1", spec=SPEC, capacity={"device": 8 * SPEC.block_bytes}, hash_key=b"k" * 32, epoch=1
+    )
     tokens = list(range(6))
     hosted.engine.put(tokens, prefix_kv(SPEC, tokens))
     hosted.engine.get(tokens + [9, 9])

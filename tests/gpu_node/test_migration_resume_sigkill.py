@@ -37,9 +37,13 @@ class TargetProcess:
     """tests/gpu_node/migration_target_proc.py in a child process; its stdout lines are read on a thread."""
 
     def __init__(self, config: dict):
-        self.process = subprocess.Popen([sys.executable, "-m", "tests.gpu_node.migration_target_proc",
-                                         json.dumps(config)], cwd=REPO, stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True)  # fmt: skip
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.gpu_node.migration_target_proc", json.dumps(config)],
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         self.ready = json.loads(self._next(lambda line: line.startswith("{")))
@@ -83,8 +87,9 @@ def pki(tmp_path_factory):
 def source_with_data(spec, num_seqs=6):
     """A device-only source cache whose sequences are whole blocks (every block is full: all go to SSD)."""
     registry = CacheRegistry(device_capacity_bytes=1 << 30, device="cpu")
-    engine = registry.provision(cache_id="c1", spec=spec, capacity={"device": 64 * spec.block_bytes, "dram": 0,
-                                                                    "ssd": 0}, hash_key=KEY, epoch=1).engine  # fmt: skip
+    engine = registry.provision(
+        cache_id="c1", spec=spec, capacity={"device": 64 * spec.block_bytes, "dram": 0, "ssd": 0}, hash_key=KEY, epoch=1
+    ).engine
     rng = np.random.default_rng(7)
     seqs = [rng.integers(0, 50_000, size=4 * spec.block_size).astype(np.int32) for _ in range(num_seqs)]
     for tokens in seqs:
@@ -94,17 +99,37 @@ def source_with_data(spec, num_seqs=6):
 
 def target_config(spec, pki, tmp_path, seqs) -> dict:
     capacity = {"device": 64 * spec.block_bytes, "dram": 0, "ssd": 256 * spec.block_bytes}
-    return {"ssd_dir": str(tmp_path / "ssd"), "cache_id": "c1", "epoch": 2, "migration_id": MIGRATION,
-            "source_node_id": SRC, "capacity": capacity, "hash_key_hex": KEY.hex(), "ssd_key_hex": SSD_KEY.hex(),
-            "spec": dataclasses.asdict(spec), "pki": pki["dst"], "durable_every": DURABLE_EVERY,
-            "sequences": [s.tolist() for s in seqs], "dump": str(tmp_path / "dump.pt")}  # fmt: skip
+    return {
+        "ssd_dir": str(tmp_path / "ssd"),
+        "cache_id": "c1",
+        "epoch": 2,
+        "migration_id": MIGRATION,
+        "source_node_id": SRC,
+        "capacity": capacity,
+        "hash_key_hex": KEY.hex(),
+        "ssd_key_hex": SSD_KEY.hex(),
+        "spec": dataclasses.asdict(spec),
+        "pki": pki["dst"],
+        "durable_every": DURABLE_EVERY,
+        "sequences": [s.tolist() for s in seqs],
+        "dump": str(tmp_path / "dump.pt"),
+    }
 
 
 def sender(engine, endpoint, pki, hook=None) -> MigrationSender:
-    return MigrationSender(engine, migration_id=MIGRATION, cache_id="c1", epoch=2, target_endpoint=endpoint,
-                           target_node_id=DST, tls_context=mtls_client_context(**{
-                               "cert_file": pki["src"]["cert"], "key_file": pki["src"]["key"],
-                               "ca_file": pki["src"]["ca"]}), corrupt=hook, connect_timeout=5)  # fmt: skip
+    return MigrationSender(
+        engine,
+        migration_id=MIGRATION,
+        cache_id="c1",
+        epoch=2,
+        target_endpoint=endpoint,
+        target_node_id=DST,
+        tls_context=mtls_client_context(
+            **{"cert_file": pki["src"]["cert"], "key_file": pki["src"]["key"], "ca_file": pki["src"]["ca"]}
+        ),
+        corrupt=hook,
+        connect_timeout=5,
+    )
 
 
 def kill_after(target: TargetProcess, count: int):

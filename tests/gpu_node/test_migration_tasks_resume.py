@@ -36,11 +36,19 @@ def test_second_migrate_out_repoints_the_running_sender_instead_of_starting_anot
     stale = MigrationListener(target, server_ctx(pki["dst"])).start()  # expects nothing: refuses the migration
     listener = listener_for(target, pki)
     own = MigrationListener(source, server_ctx(pki["src"])).start()
-    node = NodeMigration(registry=source, node_id=SRC, listener=own, client_context=client_ctx(pki["src"]),
-                         resume_seconds=20)  # fmt: skip
+    node = NodeMigration(
+        registry=source, node_id=SRC, listener=own, client_context=client_ctx(pki["src"]), resume_seconds=20
+    )
     answers = []
-    order = MigrateOut(migration_id="m1", cache_id="c1", epoch_from=1, epoch_to=2, target_node_id=DST,
-                       target_migration_endpoint=stale.endpoint, target_endpoint="10.0.0.2:7000")  # fmt: skip
+    order = MigrateOut(
+        migration_id="m1",
+        cache_id="c1",
+        epoch_from=1,
+        epoch_to=2,
+        target_node_id=DST,
+        target_migration_endpoint=stale.endpoint,
+        target_endpoint="10.0.0.2:7000",
+    )
     try:
         assert node.start_sender(answers.append, order)
         first = node.senders["m1"]

@@ -6,7 +6,6 @@ transfer); a block is never sent before its parent; a corrupted DRAM copy on the
 """
 
 import numpy as np
-import pytest
 import torch
 
 from gpu_node import block_transfer as bt
@@ -19,13 +18,22 @@ SSD_KEY = b"s" * 32
 
 def tiered_pair(tmp_path, spec, device_blocks=12, dram_blocks=16, ssd_blocks=400):
     """Source (epoch 1) and target (epoch 2) registries for cache c1, each with its own SSD directory."""
-    capacity = {"device": device_blocks * spec.block_bytes, "dram": dram_blocks * spec.block_bytes,
-                "ssd": ssd_blocks * spec.block_bytes}  # fmt: skip
+    capacity = {
+        "device": device_blocks * spec.block_bytes,
+        "dram": dram_blocks * spec.block_bytes,
+        "ssd": ssd_blocks * spec.block_bytes,
+    }
     engines = []
     for name, epoch in (("src", 1), ("dst", 2)):
         registry = CacheRegistry(device_capacity_bytes=1 << 30, device="cpu", ssd_dir=str(tmp_path / name))
-        engines.append((registry, registry.provision(cache_id="c1", spec=spec, capacity=capacity, hash_key=KEY,
-                                                     epoch=epoch, ssd_key=SSD_KEY).engine))  # fmt: skip
+        engines.append(
+            (
+                registry,
+                registry.provision(
+                    cache_id="c1", spec=spec, capacity=capacity, hash_key=KEY, epoch=epoch, ssd_key=SSD_KEY
+                ).engine,
+            )
+        )
     return engines
 
 

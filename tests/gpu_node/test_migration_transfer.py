@@ -12,6 +12,7 @@ import torch
 
 from gpu_node import block_transfer as bt
 from gpu_node.dev_pki import new_ca, write_node_pki
+from gpu_node.metrics import NodeMetrics
 from gpu_node.migration import (
     Incoming,
     MigrationError,
@@ -20,7 +21,6 @@ from gpu_node.migration import (
     mtls_client_context,
     mtls_server_context,
 )
-from gpu_node.metrics import NodeMetrics
 from gpu_node.migration_fence import FenceTable, MovedError
 from gpu_node.registry import CacheRegistry
 from tests.gpu_node.kv_fixtures import prefix_kv, tiny_spec
@@ -36,8 +36,11 @@ def pki(tmp_path_factory):
     directory = tmp_path_factory.mktemp("pki")
     ca_key, ca_cert = new_ca("KCaaS platform CA (test)", valid_for=dt.timedelta(hours=1))
     other_key, other_cert = new_ca("another CA", valid_for=dt.timedelta(hours=1))
-    files = {node: write_node_pki(directory / node, ca_key, ca_cert, IDS[node]) for node in ("src", "dst", "evil")
-             if (directory / node).mkdir() is None}  # fmt: skip
+    files = {
+        node: write_node_pki(directory / node, ca_key, ca_cert, IDS[node])
+        for node in ("src", "dst", "evil")
+        if (directory / node).mkdir() is None
+    }
     (directory / "rogue").mkdir()
     files["rogue"] = write_node_pki(directory / "rogue", other_key, other_cert, SRC)  # "src", wrong CA
     return files
@@ -76,8 +79,17 @@ def listener_for(target, pki, source_node=SRC, migration_id="m1", metrics=None):
 
 
 def sender_for(src, listener, files, **hooks):
-    return MigrationSender(src, migration_id="m1", cache_id="c1", epoch=2, target_endpoint=listener.endpoint,
-                           target_node_id=DST, tls_context=client_ctx(files), connect_timeout=2, **hooks)
+    return MigrationSender(
+        src,
+        migration_id="m1",
+        cache_id="c1",
+        epoch=2,
+        target_endpoint=listener.endpoint,
+        target_node_id=DST,
+        tls_context=client_ctx(files),
+        connect_timeout=2,
+        **hooks,
+    )
 
 
 def wait_stored(listener, count, timeout=5.0):

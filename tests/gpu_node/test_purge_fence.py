@@ -60,7 +60,9 @@ def test_the_purge_waits_for_views_being_sent_then_zeroes_them():
     sent = b"".join(bytes(view) for view in views)
     expected = prefix_kv(cache.spec, TOKENS)
     assert torch.frombuffer(bytearray(sent), dtype=torch.float32).abs().sum() > 0  # real KV, not zeros
-    assert torch.frombuffer(bytearray(sent), dtype=torch.float32).sum() == pytest.approx(float(expected.sum()), rel=1e-5)
+    assert torch.frombuffer(bytearray(sent), dtype=torch.float32).sum() == pytest.approx(
+        float(expected.sum()), rel=1e-5
+    )
     handle.release()
     purger.join(10)
     assert wiped.is_set() and not cache.pool.any()

@@ -109,10 +109,19 @@ def test_quantized_storage_refuses_values_beyond_its_input_range(storage):
 
 
 # ---- unquantized storage ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kv_dtype,storage", [("float32", "float32"), ("float16", "float16"),
-                                              ("bfloat16", "bfloat16"), ("float16", "float32"),
-                                              ("bfloat16", "float32"), ("float16", "bfloat16"),
-                                              ("float32", "float16"), ("float32", "bfloat16")])  # fmt: skip
+@pytest.mark.parametrize(
+    "kv_dtype,storage",
+    [
+        ("float32", "float32"),
+        ("float16", "float16"),
+        ("bfloat16", "bfloat16"),
+        ("float16", "float32"),
+        ("bfloat16", "float32"),
+        ("float16", "bfloat16"),
+        ("float32", "float16"),
+        ("float32", "bfloat16"),
+    ],
+)
 def test_non_finite_kv_in_float_storage_is_stored_as_is(kv_dtype, storage):
     cache = tiny_cache(kv_dtype=kv_dtype, storage_dtype=storage)
     kv = prefix_kv(cache.spec, TOKENS)
@@ -129,12 +138,21 @@ def test_non_finite_kv_in_float_storage_is_stored_as_is(kv_dtype, storage):
         assert torch.equal(got.isinf(), kv.isinf())
 
 
-@pytest.mark.parametrize("kv_dtype,storage,beyond,largest,stored", [
-    ("float32", "float16", 65520.0, 65519.99, 65504.0),  # 65520 = max + half an ulp rounds to inf; 65519.99 does not
-    ("float32", "float16", 1e30, 65504.0, 65504.0),
-    ("float32", "bfloat16", torch.finfo(torch.float32).max, 3.3961e38, torch.finfo(torch.bfloat16).max),
-    ("bfloat16", "float16", 1e5, 65280.0, 65280.0),  # 65280: the largest bf16 value below 65520
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kv_dtype,storage,beyond,largest,stored",
+    [
+        (
+            "float32",
+            "float16",
+            65520.0,
+            65519.99,
+            65504.0,
+        ),  # 65520 = max + half an ulp rounds to inf; 65519.99 does not
+        ("float32", "float16", 1e30, 65504.0, 65504.0),
+        ("float32", "bfloat16", torch.finfo(torch.float32).max, 3.3961e38, torch.finfo(torch.bfloat16).max),
+        ("bfloat16", "float16", 1e5, 65280.0, 65280.0),  # 65280: the largest bf16 value below 65520
+    ],
+)
 def test_finite_kv_beyond_a_narrower_storage_range_is_refused(kv_dtype, storage, beyond, largest, stored):
     cache = tiny_cache(kv_dtype=kv_dtype, storage_dtype=storage)
     cache.put(OTHER, prefix_kv(cache.spec, OTHER))

@@ -74,8 +74,16 @@ def test_resident_snapshot_reports_absolute_bytes_per_cache():
     hosted = provision_one(reg)
     tokens = list(range(9))
     hosted.engine.put(tokens, prefix_kv(SPEC, tokens))
-    assert reg.resident_snapshot() == [{"cache_id": "c1", "device_bytes": 3 * BLOCK, "dram_bytes": 0, "ssd_bytes": 0,
-                                        "hit_tokens": 0, "miss_tokens": 0}]  # fmt: skip
+    assert reg.resident_snapshot() == [
+        {
+            "cache_id": "c1",
+            "device_bytes": 3 * BLOCK,
+            "dram_bytes": 0,
+            "ssd_bytes": 0,
+            "hit_tokens": 0,
+            "miss_tokens": 0,
+        }
+    ]
 
 
 def test_resident_snapshot_carries_the_engines_hit_and_miss_token_counters():
@@ -116,8 +124,15 @@ def ssd_registry(root) -> CacheRegistry:
 
 
 def provision_on_ssd(reg, cache_id="c1", *, epoch=1):
-    return reg.provision(cache_id=cache_id, spec=SPEC, capacity={"device": 4 * BLOCK, "ssd": 64 * BLOCK},
-                         hash_key=KEY, epoch=epoch, tenant_id="t1", ssd_key=SSD_KEY)  # fmt: skip
+    return reg.provision(
+        cache_id=cache_id,
+        spec=SPEC,
+        capacity={"device": 4 * BLOCK, "ssd": 64 * BLOCK},
+        hash_key=KEY,
+        epoch=epoch,
+        tenant_id="t1",
+        ssd_key=SSD_KEY,
+    )
 
 
 def test_detaching_a_cache_not_hosted_deletes_its_ssd_directory(tmp_path):

@@ -58,9 +58,15 @@ def test_a_box_sealed_for_one_node_does_not_open_on_another():
     assert refusal(other, "kcs1." + base64.urlsafe_b64encode(claimed).decode().rstrip("=")) == SEALED_KEY_INVALID
 
 
-@pytest.mark.parametrize("where", [
-    {"task": MIGRATE_IN_TASK}, {"node_id": str(uuid.uuid4())}, {"cache_id": str(uuid.uuid4())}, {"field": "ssd_key"},
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "where",
+    [
+        {"task": MIGRATE_IN_TASK},
+        {"node_id": str(uuid.uuid4())},
+        {"cache_id": str(uuid.uuid4())},
+        {"field": "ssd_key"},
+    ],
+)
 def test_a_box_replayed_into_another_message_does_not_open(where):
     node = NodeSealingKey()
     assert refusal(node, box_for(node), **where) == SEALED_KEY_INVALID
@@ -87,8 +93,12 @@ def test_a_key_in_clear_is_refused():
 
 def test_only_usable_public_keys_are_accepted():
     assert public_key_bytes(NodeSealingKey().public_key_b64)
-    for bad in ("not base64", base64.b64encode(b"x" * 31).decode(), base64.b64encode(bytes(32)).decode(),
-                base64.b64encode((1).to_bytes(32, "little")).decode()):  # fmt: skip - low-order points
+    for bad in (
+        "not base64",
+        base64.b64encode(b"x" * 31).decode(),
+        base64.b64encode(bytes(32)).decode(),
+        base64.b64encode((1).to_bytes(32, "little")).decode(),
+    ):  # low-order points
         with pytest.raises(ValueError):
             public_key_bytes(bad)
 
@@ -133,9 +143,15 @@ def test_the_agent_registers_its_sealing_key(tmp_path):
             self.bodies.append(body)
             return {"node": {"id": NODE}}
 
-    config = AgentConfig(control_url="http://unused", credential="x", broker_url="memory://", endpoint="127.0.0.1:1",
-                         device_capacity_bytes=1 << 20, identity=False,
-                         identity_dir=str(tmp_path / "identity"))  # fmt: skip
+    config = AgentConfig(
+        control_url="http://unused",
+        credential="x",
+        broker_url="memory://",
+        endpoint="127.0.0.1:1",
+        device_capacity_bytes=1 << 20,
+        identity=False,
+        identity_dir=str(tmp_path / "identity"),
+    )
     agent = NodeAgent(config, control=(control := Control()))
     agent.registry = CacheRegistry(device_capacity_bytes=1 << 20, device="cpu")
     agent._load_identity()

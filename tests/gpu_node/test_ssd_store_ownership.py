@@ -58,8 +58,13 @@ class Holder:
 
     def __init__(self, root: Path, cache_id: str = CACHE_ID):
         env = {**os.environ, "PYTHONPATH": str(REPO)}
-        self.process = subprocess.Popen([sys.executable, "-c", HOLDER, str(root), cache_id, TENANT], env=env,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, str(root), cache_id, TENANT],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         line = self.process.stdout.readline()  # blocks until the store is open (or the child failed)
         assert line == "held\n", f"the holder did not open its store: {line!r}"
 

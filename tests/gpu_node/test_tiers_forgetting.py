@@ -19,7 +19,11 @@ def seq(n: int, start: int) -> list[int]:
 def tiered(directory=None, *, num_blocks=4, dram_blocks=8, ssd_blocks=64):
     cache = tiny_cache(num_blocks=num_blocks, key=HASH_KEY)
     block_bytes = cache.spec.block_bytes
-    store = SsdStore(str(directory), DATA_KEY, ssd_blocks * block_bytes, segment_bytes=8 * block_bytes) if directory else None
+    store = (
+        SsdStore(str(directory), DATA_KEY, ssd_blocks * block_bytes, segment_bytes=8 * block_bytes)
+        if directory
+        else None
+    )
     cache.attach_tiers(LowerTiers(dram_blocks * block_bytes, store))
     return cache
 

@@ -42,8 +42,12 @@ class TieredCacheMachine(RuleBasedStateMachine):
         self.open_handles = []
 
     # ---- set-up ---------------------------------------------------------------------------------------------------
-    @rule(block_size=st.sampled_from([1, 3, 4]), num_blocks=st.integers(2, 6), dram_blocks=st.integers(0, 3),
-          ssd_blocks=st.sampled_from([0, 4, 12]))  # fmt: skip
+    @rule(
+        block_size=st.sampled_from([1, 3, 4]),
+        num_blocks=st.integers(2, 6),
+        dram_blocks=st.integers(0, 3),
+        ssd_blocks=st.sampled_from([0, 4, 12]),
+    )
     @precondition(lambda self: self.cache is None)
     def attach(self, block_size, num_blocks, dram_blocks, ssd_blocks):
         self.shape = dict(block_size=block_size, num_blocks=num_blocks, dram_blocks=dram_blocks, ssd_blocks=ssd_blocks)
@@ -51,8 +55,14 @@ class TieredCacheMachine(RuleBasedStateMachine):
 
     def _open(self):
         shape = self.shape
-        cache = tiny_cache(block_size=shape["block_size"], num_blocks=shape["num_blocks"], key=HASH_KEY, num_layers=1,
-                           num_kv_heads=1, head_dim=2)  # fmt: skip
+        cache = tiny_cache(
+            block_size=shape["block_size"],
+            num_blocks=shape["num_blocks"],
+            key=HASH_KEY,
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=2,
+        )
         block_bytes = cache.spec.block_bytes
         store = None
         if shape["ssd_blocks"]:

@@ -27,8 +27,9 @@ def seq(start: int) -> list[int]:
 
 
 def hosted_cache(registry, cache_id="c1", tenant="t1", ssd_key=SSD_KEY):
-    return registry.provision(cache_id=cache_id, spec=SPEC, capacity=CAPACITY, hash_key=HASH_KEY, epoch=1,
-                              tenant_id=tenant, ssd_key=ssd_key).engine  # fmt: skip
+    return registry.provision(
+        cache_id=cache_id, spec=SPEC, capacity=CAPACITY, hash_key=HASH_KEY, epoch=1, tenant_id=tenant, ssd_key=ssd_key
+    ).engine
 
 
 def put_seqs(engine, starts):
@@ -47,7 +48,9 @@ def test_resident_bytes_per_tier_in_snapshots_and_metrics(tmp_path):
     [usage] = registry.usage_snapshot()
     assert (usage["dram_bytes"], usage["ssd_bytes"]) == (resident["dram_bytes"], resident["ssd_bytes"])
     metrics = NodeMetrics(registry).registry
-    assert metrics.get_sample_value("kcaas_cache_resident_bytes", {"cache": "c1", "tier": "ssd"}) == resident["ssd_bytes"]
+    assert (
+        metrics.get_sample_value("kcaas_cache_resident_bytes", {"cache": "c1", "tier": "ssd"}) == resident["ssd_bytes"]
+    )
     assert metrics.get_sample_value("kcaas_block_checksum_failures_total", {"cache": "c1", "where": "ssd"}) == 0
     registry.detach(cache_id="c1", epoch=1)
     assert not (tmp_path / "c1").exists()  # detach deletes the cache's blocks from disk
@@ -94,7 +97,9 @@ def _writer_process(ssd_dir: str, progress_path: str) -> None:
         start += 100
         store.flush()
         indexed = set(store._index)  # fsync'd records only (not the pending ones)
-        durable = [s for s in range(100, start, 100) if indexed.issuperset(hasher.block_hashes(tokens_as_int32(seq(s))))]
+        durable = [
+            s for s in range(100, start, 100) if indexed.issuperset(hasher.block_hashes(tokens_as_int32(seq(s))))
+        ]
         with open(progress_path + ".tmp", "w") as file:
             json.dump(durable, file)
         os.replace(progress_path + ".tmp", progress_path)

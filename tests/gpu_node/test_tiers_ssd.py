@@ -68,7 +68,7 @@ def test_files_never_hold_plaintext_and_a_wrong_key_reads_nothing(tmp_path):
     store.flush()
     store.close()
     plaintext = prefix_kv(cache.spec, seq(16, 100)).numpy().tobytes()
-    block_plain = plaintext[: 64]  # any run of stored bytes (the pool layout differs, a 64-byte run must not appear)
+    block_plain = plaintext[:64]  # any run of stored bytes (the pool layout differs, a 64-byte run must not appear)
     pool_bytes = bytes(cache.pool.numpy().tobytes())  # the device holds `200`; `100` is only on SSD
     data = b"".join((tmp_path / name).read_bytes() for name in segment_files(tmp_path))
     assert len(data) > 0 and block_plain not in data
@@ -107,7 +107,9 @@ def test_a_torn_write_at_a_segment_end_is_dropped_at_rescan(tmp_path):
     store.close()
     last = tmp_path / segment_files(tmp_path)[-1]
     payload = bytearray(os.urandom(cache.spec.block_bytes))
-    record = HEADER.pack(MAGIC, len(payload) + 16, b"h" * 16, b"n" * 12, block_checksum(payload), NO_PARENT, 0, b"t" * 12)
+    record = HEADER.pack(
+        MAGIC, len(payload) + 16, b"h" * 16, b"n" * 12, block_checksum(payload), NO_PARENT, 0, b"t" * 12
+    )
     record += payload
     with open(last, "ab") as file:
         file.write(record[: len(record) // 2])

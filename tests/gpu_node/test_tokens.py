@@ -27,8 +27,16 @@ def test_listed_until_expiry_plus_leeway_then_pruned():
 def test_update_takes_control_plane_entries_and_skips_malformed_ones():
     clock = Clock()
     revoked = RevocationList(clock=clock)
-    count = revoked.update([{"jti": "a", "exp": clock.now + 60}, {"jti": "b"}, {"exp": 5}, "junk", {"jti": ""},
-                            {"jti": "c", "exp": "not a number"}])  # fmt: skip
+    count = revoked.update(
+        [
+            {"jti": "a", "exp": clock.now + 60},
+            {"jti": "b"},
+            {"exp": 5},
+            "junk",
+            {"jti": ""},
+            {"jti": "c", "exp": "not a number"},
+        ]
+    )
     assert count == 3
     assert all(jti in revoked for jti in ("a", "b", "c"))
     clock.now += 3600  # "a" expired; unknown exps are kept a day

@@ -17,8 +17,9 @@ def _registry() -> CacheRegistry:
 
 
 def _provision(reg, epoch=1):
-    return reg.provision(cache_id="c1", spec=SPEC, capacity={"device": 32 * SPEC.block_bytes}, hash_key=b"k" * 32,
-                         epoch=epoch)  # fmt: skip
+    return reg.provision(
+        cache_id="c1", spec=SPEC, capacity={"device": 32 * SPEC.block_bytes}, hash_key=b"k" * 32, epoch=epoch
+    )
 
 
 def _entries(reg) -> dict:
@@ -33,8 +34,14 @@ def test_writes_count_pool_bytes_and_reads_count_only_what_was_sent():
     engine.get(TOKENS)  # an internal read (e.g. a put's prefix read-back): not served to anyone
     engine.count_served(7)
     entry = _entries(reg)["c1"]
-    assert entry == {"cache_id": "c1", "device_bytes": engine.stats().bytes_resident, "dram_bytes": 0, "ssd_bytes": 0,
-                     "bytes_written_total": 10 * SPEC.storage_bytes_per_token, "tokens_served_total": 7}  # fmt: skip
+    assert entry == {
+        "cache_id": "c1",
+        "device_bytes": engine.stats().bytes_resident,
+        "dram_bytes": 0,
+        "ssd_bytes": 0,
+        "bytes_written_total": 10 * SPEC.storage_bytes_per_token,
+        "tokens_served_total": 7,
+    }
     assert engine.stats().num_hit_tokens == 10  # what the old counter would have billed
 
 
@@ -46,7 +53,9 @@ def test_a_detached_cache_is_reported_once_with_zero_bytes_and_its_counters_stay
     assert reg.detach(cache_id="c1", epoch=1)
     closing = _entries(reg)["c1"]
     assert (closing["device_bytes"], closing["bytes_written_total"], closing["tokens_served_total"]) == (
-        0, 10 * SPEC.storage_bytes_per_token, 4
+        0,
+        10 * SPEC.storage_bytes_per_token,
+        4,
     )
     assert "c1" not in _entries(reg)  # reported once
     back = _provision(reg, epoch=2).engine  # hosted again by the same process: counting goes on from the totals

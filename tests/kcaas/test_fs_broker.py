@@ -16,8 +16,11 @@ from kcaas import fs_broker
 
 QUEUE = kombu.Queue("jobs", kombu.Exchange("jobs"), routing_key="jobs")
 FIRST = "0" * 20  # sorts before every message's stamp: the reader meets these files first
-STRAYS = {f"{FIRST}_a-empty.jobs.msg": b"", f"{FIRST}_b-truncated.jobs.msg": b'{"body": "eyJ',
-          f"{FIRST}_c-list.jobs.msg": b"[1, 2]"}  # fmt: skip
+STRAYS = {
+    f"{FIRST}_a-empty.jobs.msg": b"",
+    f"{FIRST}_b-truncated.jobs.msg": b'{"body": "eyJ',
+    f"{FIRST}_c-list.jobs.msg": b"[1, 2]",
+}
 
 
 def connection(tmp_path, **extra) -> kombu.Connection:
@@ -42,8 +45,9 @@ def consume(tmp_path, count: int, *, into: list | None = None, **extra) -> list[
     passed; returns `into`, bodies in delivery order."""
     received = [] if into is None else into
     with connection(tmp_path, **extra) as conn:
-        consumer = kombu.Consumer(conn, [QUEUE], accept=["json"],
-                                  callbacks=[lambda body, message: (received.append(body), message.ack())])  # fmt: skip
+        consumer = kombu.Consumer(
+            conn, [QUEUE], accept=["json"], callbacks=[lambda body, message: (received.append(body), message.ack())]
+        )
         with consumer:
             deadline = time.monotonic() + 20
             while len(received) < count and time.monotonic() < deadline:
@@ -102,8 +106,12 @@ def test_concurrent_consumers_each_message_once(tmp_path):
     bodies = [{"n": n} for n in range(60)]
     publish(tmp_path, bodies)
     delivered: list[dict] = []  # shared: each consumer stops once all were delivered
-    threads = [threading.Thread(target=consume, args=(tmp_path, len(bodies)),
-                                kwargs={"into": delivered, "polling_interval": 0.01}) for _ in range(3)]  # fmt: skip
+    threads = [
+        threading.Thread(
+            target=consume, args=(tmp_path, len(bodies)), kwargs={"into": delivered, "polling_interval": 0.01}
+        )
+        for _ in range(3)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -11,15 +11,38 @@ from kcaas import node_messages as nm
 
 SPEC = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 16, "dtype": "float16"}
 SAMPLES = {
-    nm.ProvisionCache: dict(cache_id="c", spec=SPEC, capacity={"device": 1 << 20, "ssd": 0}, hash_key_box="kcs1.x",
-                            epoch=1, tenant_id="t", ssd_key_box=""),
+    nm.ProvisionCache: dict(
+        cache_id="c",
+        spec=SPEC,
+        capacity={"device": 1 << 20, "ssd": 0},
+        hash_key_box="kcs1.x",
+        epoch=1,
+        tenant_id="t",
+        ssd_key_box="",
+    ),
     nm.DetachCache: dict(cache_id="c", epoch=3),
     nm.RevokeTokens: dict(entries=[{"jti": "j", "exp": 1700000000}]),
     nm.PurgeTenant: dict(tenant_id="t", job_id="job"),
-    nm.MigrateIn: dict(migration_id="m", cache_id="c", spec=SPEC, capacity={"device": 1}, hash_key_box="kcs1.x",
-                       epoch_to=2, source_node_id="n1", tenant_id="t", ssd_key_box=""),
-    nm.MigrateOut: dict(migration_id="m", cache_id="c", epoch_from=1, epoch_to=2, target_node_id="n2",
-                        target_migration_endpoint="h:1", target_endpoint="h:2"),
+    nm.MigrateIn: dict(
+        migration_id="m",
+        cache_id="c",
+        spec=SPEC,
+        capacity={"device": 1},
+        hash_key_box="kcs1.x",
+        epoch_to=2,
+        source_node_id="n1",
+        tenant_id="t",
+        ssd_key_box="",
+    ),
+    nm.MigrateOut: dict(
+        migration_id="m",
+        cache_id="c",
+        epoch_from=1,
+        epoch_to=2,
+        target_node_id="n2",
+        target_migration_endpoint="h:1",
+        target_endpoint="h:2",
+    ),
     nm.MigrateCutover: dict(migration_id="m", cache_id="c", epoch_from=1, target_endpoint="h:2", epoch_to=2),
     nm.MigrateAbort: dict(migration_id="m", cache_id="c"),
     nm.ProvisionResult: dict(cache_id="c", node_id="n", ok=True, reason="", endpoint="h:1"),
@@ -67,24 +90,27 @@ def test_positional_missing_unknown_and_versioned_calls_are_refused_naming_the_f
         kind.from_dict([good])
 
 
-@pytest.mark.parametrize("kind, field, bad", [
-    (nm.ProvisionCache, "epoch", 0),
-    (nm.ProvisionCache, "epoch", True),  # a bool is not an integer
-    (nm.ProvisionCache, "epoch", "1"),
-    (nm.ProvisionCache, "cache_id", ""),
-    (nm.ProvisionCache, "cache_id", 7),
-    (nm.ProvisionCache, "capacity", {"hbm": 1}),
-    (nm.ProvisionCache, "capacity", {"device": -1}),
-    (nm.ProvisionCache, "spec", []),
-    (nm.ProvisionCache, "hash_key_box", None),
-    (nm.ProvisionResult, "ok", 1),
-    (nm.MigrationProgress, "phase", "done"),
-    (nm.MigrationProgress, "info", {"nested": {"a": 1}}),
-    (nm.RevokeTokens, "entries", [{"jti": "j"}]),
-    (nm.RevokeTokens, "entries", [{"jti": "j", "exp": "soon"}]),
-    (nm.PurgeResult, "purged", [{"cache_id": "c", "freed_bytes": -1}]),
-    (nm.PurgeResult, "purged", {"cache_id": "c"}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kind, field, bad",
+    [
+        (nm.ProvisionCache, "epoch", 0),
+        (nm.ProvisionCache, "epoch", True),  # a bool is not an integer
+        (nm.ProvisionCache, "epoch", "1"),
+        (nm.ProvisionCache, "cache_id", ""),
+        (nm.ProvisionCache, "cache_id", 7),
+        (nm.ProvisionCache, "capacity", {"hbm": 1}),
+        (nm.ProvisionCache, "capacity", {"device": -1}),
+        (nm.ProvisionCache, "spec", []),
+        (nm.ProvisionCache, "hash_key_box", None),
+        (nm.ProvisionResult, "ok", 1),
+        (nm.MigrationProgress, "phase", "done"),
+        (nm.MigrationProgress, "info", {"nested": {"a": 1}}),
+        (nm.RevokeTokens, "entries", [{"jti": "j"}]),
+        (nm.RevokeTokens, "entries", [{"jti": "j", "exp": "soon"}]),
+        (nm.PurgeResult, "purged", [{"cache_id": "c", "freed_bytes": -1}]),
+        (nm.PurgeResult, "purged", {"cache_id": "c"}),
+    ],
+)
 def test_a_mistyped_field_is_refused_on_both_sides(kind, field, bad):
     with pytest.raises(nm.MessageError) as built:  # the sender cannot build it
         kind(**{**SAMPLES[kind], field: bad})
@@ -97,8 +123,9 @@ def test_a_mistyped_field_is_refused_on_both_sides(kind, field, bad):
 def test_the_error_names_the_field_never_its_value():
     secret = "kcs1.secret-box-contents"
     with pytest.raises(nm.MessageError) as error:
-        nm.ProvisionCache.from_dict({**nm.ProvisionCache(**SAMPLES[nm.ProvisionCache]).to_dict(), "epoch": secret,
-                                     "hash_key_box": secret})  # fmt: skip
+        nm.ProvisionCache.from_dict(
+            {**nm.ProvisionCache(**SAMPLES[nm.ProvisionCache]).to_dict(), "epoch": secret, "hash_key_box": secret}
+        )
     assert secret not in str(error.value)
 
 

@@ -22,8 +22,9 @@ def reference_kv(kind: str, layers, block_ids) -> torch.Tensor:
     rows = []
     for layer in layers:
         k, v = backend_k_v(kind, layer)
-        rows.append(torch.stack([torch.stack([part[b, :, t] for b in block_ids for t in range(BLOCK)])
-                                 for part in (k, v)]))  # fmt: skip
+        rows.append(
+            torch.stack([torch.stack([part[b, :, t] for b in block_ids for t in range(BLOCK)]) for part in (k, v)])
+        )
     return torch.stack(rows)
 
 

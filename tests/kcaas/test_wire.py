@@ -24,8 +24,19 @@ def kv_bytes(num_tokens: int, seed: int = 0) -> bytes:
     return bytes((seed + i) % 251 for i in range(wire.kv_nbytes(SPEC, num_tokens)))
 
 
-def raw_frame(opcode=Opcode.HELLO, meta=b"{}", payload=b"", *, magic=wire.MAGIC, version=1, flags=0, request_id=9,
-              reserved=0, meta_len=None, payload_len=None) -> bytes:  # fmt: skip
+def raw_frame(
+    opcode=Opcode.HELLO,
+    meta=b"{}",
+    payload=b"",
+    *,
+    magic=wire.MAGIC,
+    version=1,
+    flags=0,
+    request_id=9,
+    reserved=0,
+    meta_len=None,
+    payload_len=None,
+) -> bytes:
     meta_len = len(meta) if meta_len is None else meta_len
     payload_len = len(payload) if payload_len is None else payload_len
     return wire.HEADER.pack(magic, version, opcode, flags, request_id, meta_len, reserved, payload_len) + meta + payload
@@ -60,8 +71,11 @@ def test_encode_frame_does_not_join_the_payload():
 
 def test_put_batch_payload_is_all_token_arrays_then_all_kv_in_order():
     kv0, kv1 = kv_bytes(3, 1), kv_bytes(2, 2)
-    frame = join(wire.encode_request(Opcode.PUT_BATCH, 5, cache_id="c", identity=SPEC,
-                                     token_ids=[[1, 2, -3], [2**31 - 1, 0]], kv=[kv0, kv1]))  # fmt: skip
+    frame = join(
+        wire.encode_request(
+            Opcode.PUT_BATCH, 5, cache_id="c", identity=SPEC, token_ids=[[1, 2, -3], [2**31 - 1, 0]], kv=[kv0, kv1]
+        )
+    )
     meta_len = struct.unpack("<I", frame[16:20])[0]
     meta = json.loads(frame[32 : 32 + meta_len])
     assert meta == {"cache_id": "c", "identity": SPEC.to_dict(), "num_tokens": [3, 2]}
@@ -77,11 +91,13 @@ def test_hello_round_trip():
 
 
 def test_hello_carries_the_identity_and_the_answers_the_client_takes():
-    frame = wire.decode_frame(join(wire.encode_hello(1, cache_id="c", token="t", identity=SPEC,
-                                                     max_answer_bytes=1 << 40)))  # fmt: skip
+    frame = wire.decode_frame(
+        join(wire.encode_hello(1, cache_id="c", token="t", identity=SPEC, max_answer_bytes=1 << 40))
+    )
     assert wire.parse_hello(frame) == wire.Hello(1, "c", "t", "kcaas-py/0.1", SPEC, 1 << 40)
-    ok = wire.decode_frame(join(wire.encode_hello_ok(1, cache_id="c", identity=SPEC, epoch=2, node_id="n",
-                                                     max_answer_bytes=1 << 30)))  # fmt: skip
+    ok = wire.decode_frame(
+        join(wire.encode_hello_ok(1, cache_id="c", identity=SPEC, epoch=2, node_id="n", max_answer_bytes=1 << 30))
+    )
     assert wire.parse_response(ok, request_opcode=Opcode.HELLO).max_answer_bytes == 1 << 30
     old_ok = wire.decode_frame(join(wire.encode_hello_ok(1, cache_id="c", identity=SPEC, epoch=2, node_id="n")))
     assert "max_answer_bytes" not in old_ok.meta  # an older client refuses unknown fields: sent only when offered
@@ -92,8 +108,19 @@ def test_hello_carries_the_identity_and_the_answers_the_client_takes():
 
 
 def test_a_request_may_leave_the_identity_to_its_session():
-    frame = wire.decode_frame(join(wire.encode_request(Opcode.PUT, 1, cache_id="c", identity=None, session_identity=SPEC,
-                                                       token_ids=[[1, 2]], kv=[kv_bytes(2, 1)])))  # fmt: skip
+    frame = wire.decode_frame(
+        join(
+            wire.encode_request(
+                Opcode.PUT,
+                1,
+                cache_id="c",
+                identity=None,
+                session_identity=SPEC,
+                token_ids=[[1, 2]],
+                kv=[kv_bytes(2, 1)],
+            )
+        )
+    )
     assert "identity" not in frame.meta
     head = wire.parse_request_head(frame, SPEC)
     assert head.identity == SPEC and not head.identity_sent and head.op == "put"
@@ -129,8 +156,11 @@ def test_data_request_round_trip(opcode):
 
 
 def test_kv_start_round_trip_for_put_and_get():
-    data = join(wire.encode_request(Opcode.PUT, 1, cache_id="c", identity=SPEC, token_ids=[[1, 2, 3, 4]],
-                                    kv=[kv_bytes(1)], kv_start=[3]))  # fmt: skip
+    data = join(
+        wire.encode_request(
+            Opcode.PUT, 1, cache_id="c", identity=SPEC, token_ids=[[1, 2, 3, 4]], kv=[kv_bytes(1)], kv_start=[3]
+        )
+    )
     request = wire.parse_request(wire.decode_frame(data))
     assert request.kv_start == (3,) and request.kv_bytes == (16,) and bytes(request.kv[0]) == kv_bytes(1)
     data = join(wire.encode_request(Opcode.GET, 2, cache_id="c", identity=SPEC, token_ids=[[1, 2]], kv_start=[2]))
@@ -152,19 +182,25 @@ def response(frames, **kwargs):
 
 
 def test_responses_round_trip():
-    hello = response(wire.encode_hello_ok(1, cache_id="c", identity=SPEC, epoch=3, node_id="n1"),
-                     request_opcode=Opcode.HELLO)  # fmt: skip
+    hello = response(
+        wire.encode_hello_ok(1, cache_id="c", identity=SPEC, epoch=3, node_id="n1"), request_opcode=Opcode.HELLO
+    )
     assert hello == wire.HelloOk("c", SPEC, 3, "n1", wire.DEFAULT_MAX_FRAME_BYTES, wire.DEFAULT_MAX_METADATA_BYTES)
     assert response(wire.encode_lookup_ok(2, [4, 0]), request_opcode=Opcode.LOOKUP_BATCH, num_sequences=2) == (
         wire.LookupOk((4, 0))
     )
-    put = response(wire.encode_put_ok(3, num_cached=[5], num_written=[1], out_of_space=[False]),
-                   request_opcode=Opcode.PUT)  # fmt: skip
+    put = response(
+        wire.encode_put_ok(3, num_cached=[5], num_written=[1], out_of_space=[False]), request_opcode=Opcode.PUT
+    )
     assert put == wire.PutOk((5,), (1,), (False,))
     assert response(wire.encode_delete_ok(4, [2]), request_opcode=Opcode.DELETE) == wire.DeleteOk((2,))
     kv0, kv1 = kv_bytes(3, 1), kv_bytes(0)
-    get = response(wire.encode_get_ok(5, spec=SPEC, num_cached=[3, 0], kv_start=[0, 0], kv_end=[3, 0], kv=[kv0, kv1]),
-                   request_opcode=Opcode.GET_BATCH, num_sequences=2, spec=SPEC)  # fmt: skip
+    get = response(
+        wire.encode_get_ok(5, spec=SPEC, num_cached=[3, 0], kv_start=[0, 0], kv_end=[3, 0], kv=[kv0, kv1]),
+        request_opcode=Opcode.GET_BATCH,
+        num_sequences=2,
+        spec=SPEC,
+    )
     assert (get.num_cached, get.kv_start, get.kv_end) == ((3, 0), (0, 0), (3, 0))
     assert [bytes(k) for k in get.kv] == [kv0, b""]
     error = response(wire.encode_error(6, "overloaded", "slow down", {"retry_after_ms": 50}), request_opcode=Opcode.PUT)
@@ -180,8 +216,9 @@ def test_response_for_another_op_or_count_is_refused():
     with pytest.raises(ProtocolError) as info:
         response(wire.encode_lookup_ok(2, [4]), request_opcode=Opcode.LOOKUP_BATCH, num_sequences=2)
     assert info.value.code == ErrorCode.BAD_REQUEST
-    frame = wire.decode_frame(raw_frame(Opcode.OK, b'{"op":"get","num_cached":[2],"kv_start":[0],"kv_end":[2]}',
-                                        b"x" * 31))  # fmt: skip
+    frame = wire.decode_frame(
+        raw_frame(Opcode.OK, b'{"op":"get","num_cached":[2],"kv_start":[0],"kv_end":[2]}', b"x" * 31)
+    )
     with pytest.raises(ProtocolError) as info:
         wire.parse_response(frame, request_opcode=Opcode.GET, spec=SPEC)
     assert info.value.code == ErrorCode.PAYLOAD_LENGTH_MISMATCH
@@ -194,8 +231,9 @@ def test_get_kv_end_keeps_the_response_within_the_frame():
     assert ends[2] == 10  # kv_start beyond the cached prefix: nothing to send
     assert ends[0] + ends[1] <= limit // big.kv_bytes_per_token and ends[0] <= 500 and ends[1] <= ends[0]
     kv = [bytes(wire.kv_nbytes(big, e - s)) for s, e in zip([0, 0], ends[:2])]
-    frames = wire.encode_get_ok(1, spec=big, num_cached=[500, 300], kv_start=[0, 0], kv_end=ends[:2], kv=kv,
-                                max_frame_bytes=limit)  # fmt: skip
+    frames = wire.encode_get_ok(
+        1, spec=big, num_cached=[500, 300], kv_start=[0, 0], kv_end=ends[:2], kv=kv, max_frame_bytes=limit
+    )
     assert sum(memoryview(b).nbytes for b in frames) <= limit
 
 
@@ -290,8 +328,10 @@ def test_request_errors_have_exact_codes():
     assert bad_request_code(Opcode.LOOKUP, {**ok, "num_tokens": [True]}, b"\0" * 4) == ErrorCode.BAD_TOKENS
     assert bad_request_code(Opcode.LOOKUP, {**ok, "num_tokens": [2**40]}) == ErrorCode.BAD_TOKENS
     assert bad_request_code(Opcode.LOOKUP, {**ok, "identity": [1]}, tokens) == ErrorCode.BAD_REQUEST
-    assert bad_request_code(Opcode.LOOKUP, {**ok, "identity": {**SPEC.to_dict(), "head_dim": 0}},
-                            tokens) == ErrorCode.INVALID_SPEC  # fmt: skip
+    assert (
+        bad_request_code(Opcode.LOOKUP, {**ok, "identity": {**SPEC.to_dict(), "head_dim": 0}}, tokens)
+        == ErrorCode.INVALID_SPEC
+    )
     assert bad_request_code(Opcode.LOOKUP, {**ok, "identity": {"x": 1}}, tokens) == ErrorCode.INVALID_SPEC
     assert bad_request_code(Opcode.LOOKUP, ok, tokens + b"\0") == ErrorCode.PAYLOAD_LENGTH_MISMATCH
     assert bad_request_code(Opcode.PUT, ok, tokens + kv_bytes(2)[:-1]) == ErrorCode.PAYLOAD_LENGTH_MISMATCH
@@ -328,8 +368,9 @@ def test_error_frames_never_carry_exception_text():
 # ---- incremental decoding -------------------------------------------------------------------------------------------
 STREAM_FRAMES = [
     wire.encode_hello(1, cache_id="c", token="t"),
-    wire.encode_request(Opcode.PUT_BATCH, 2, cache_id="c", identity=SPEC, token_ids=[[1, 2, 3], [4]],
-                        kv=[kv_bytes(3), kv_bytes(1, 9)]),  # fmt: skip
+    wire.encode_request(
+        Opcode.PUT_BATCH, 2, cache_id="c", identity=SPEC, token_ids=[[1, 2, 3], [4]], kv=[kv_bytes(3), kv_bytes(1, 9)]
+    ),
     wire.encode_get_ok(3, spec=SPEC, num_cached=[2], kv_start=[0], kv_end=[2], kv=[kv_bytes(2, 5)]),
     wire.encode_error(4, "forbidden", "read-only token"),
     wire.encode_request(Opcode.LOOKUP, 5, cache_id="c", identity=SPEC, token_ids=[[7] * 9]),

@@ -18,8 +18,9 @@ FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCh
 def valid_stream() -> bytes:
     frames = [
         wire.encode_hello(1, cache_id="c", token="t"),
-        wire.encode_request(Opcode.PUT_BATCH, 2, cache_id="c", identity=SPEC, token_ids=[[1, 2, 3], [4]],
-                            kv=[bytes(48), bytes(16)]),  # fmt: skip
+        wire.encode_request(
+            Opcode.PUT_BATCH, 2, cache_id="c", identity=SPEC, token_ids=[[1, 2, 3], [4]], kv=[bytes(48), bytes(16)]
+        ),
         wire.encode_request(Opcode.GET, 3, cache_id="c", identity=SPEC, token_ids=[[1, 2]], kv_start=[1]),
         wire.encode_get_ok(4, spec=SPEC, num_cached=[2], kv_start=[0], kv_end=[2], kv=[bytes(range(32))]),
         wire.encode_put_ok(5, num_cached=[3], num_written=[3], out_of_space=[False]),
@@ -81,9 +82,13 @@ def test_arbitrary_bytes(data, cuts):
 
 @FUZZ
 @given(
-    st.integers(0, 255), st.integers(0, 0xFFFF), st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1),
-    st.binary(max_size=3000), st.lists(st.integers(0, 4096), max_size=8),
-)  # fmt: skip
+    st.integers(0, 255),
+    st.integers(0, 0xFFFF),
+    st.integers(0, 2**32 - 1),
+    st.integers(0, 2**64 - 1),
+    st.binary(max_size=3000),
+    st.lists(st.integers(0, 4096), max_size=8),
+)
 def test_valid_magic_with_arbitrary_fields(opcode, flags, meta_len, payload_len, rest, cuts):
     meta_len, payload_len = meta_len % (MAX_META * 2), payload_len % (MAX_FRAME * 2)  # around the bounds
     header = wire.HEADER.pack(wire.MAGIC, 1, opcode, flags, 1, meta_len, 0, payload_len)
@@ -93,8 +98,9 @@ def test_valid_magic_with_arbitrary_fields(opcode, flags, meta_len, payload_len,
 @FUZZ
 @given(
     st.lists(
-        st.tuples(st.sampled_from(["flip", "set", "insert", "delete"]), st.integers(0, len(VALID) - 1),
-                  st.integers(0, 255)),  # fmt: skip
+        st.tuples(
+            st.sampled_from(["flip", "set", "insert", "delete"]), st.integers(0, len(VALID) - 1), st.integers(0, 255)
+        ),
         min_size=1,
         max_size=4,
     ),
@@ -117,10 +123,21 @@ def test_mutated_valid_streams(mutations, truncate_at, cuts):
 
 
 @FUZZ
-@given(st.dictionaries(st.sampled_from(["cache_id", "identity", "num_tokens", "kv_start", "x"]),
-                       st.one_of(st.none(), st.booleans(), st.integers(-2, 2**40), st.text(max_size=5),
-                                 st.lists(st.integers(-2, 40), max_size=3), st.just(SPEC.to_dict()))),
-       st.sampled_from(sorted(wire.DATA_OPS)), st.binary(max_size=200))  # fmt: skip
+@given(
+    st.dictionaries(
+        st.sampled_from(["cache_id", "identity", "num_tokens", "kv_start", "x"]),
+        st.one_of(
+            st.none(),
+            st.booleans(),
+            st.integers(-2, 2**40),
+            st.text(max_size=5),
+            st.lists(st.integers(-2, 40), max_size=3),
+            st.just(SPEC.to_dict()),
+        ),
+    ),
+    st.sampled_from(sorted(wire.DATA_OPS)),
+    st.binary(max_size=200),
+)
 def test_request_metadata_fuzz(meta, opcode, payload):
     frame = wire.Frame(Opcode(opcode), 1, meta, (memoryview(payload),))
     try:

@@ -9,8 +9,8 @@ import pytest
 
 import kcaas
 from tests.caches import node_consumer
-from tests.waiting import eventually
 from tests.caches.conftest import make_node, make_tenant  # noqa: F401 - fixtures reused
+from tests.waiting import eventually
 
 # The workers outlive each test, so the node they serve keeps one id (its own, distinct from the caches tests').
 NODE_ID = uuid.UUID("6e0de000-0000-4000-8000-0000005d4c11")

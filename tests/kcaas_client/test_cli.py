@@ -15,8 +15,14 @@ from tests.caches.conftest import BLOCK_BYTES, SPEC, free_port
 pytestmark = pytest.mark.django_db(transaction=True)
 
 SPEC_FLAGS = [
-    "--model-fingerprint", SPEC["model_fingerprint"], "--num-layers", str(SPEC["num_layers"]),
-    "--num-kv-heads", str(SPEC["num_kv_heads"]), "--head-dim", str(SPEC["head_dim"]),
+    "--model-fingerprint",
+    SPEC["model_fingerprint"],
+    "--num-layers",
+    str(SPEC["num_layers"]),
+    "--num-kv-heads",
+    str(SPEC["num_kv_heads"]),
+    "--head-dim",
+    str(SPEC["head_dim"]),
 ]  # block size 16 and float16 are the CLI's defaults, as in SPEC
 
 
@@ -64,15 +70,30 @@ def test_attach_waits_showing_each_state_then_ls_show_token_detach(make_tenant, 
     assert code == 0 and json.loads(out) == []
 
 
-def test_attach_from_a_spec_file_and_the_environment_without_waiting(make_tenant, node, live_server, capsys,
-                                                                      monkeypatch, tmp_path):
+def test_attach_from_a_spec_file_and_the_environment_without_waiting(
+    make_tenant, node, live_server, capsys, monkeypatch, tmp_path
+):
     handle = make_tenant()
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(json.dumps({**SPEC, "block_size": 32}))
     monkeypatch.setenv("KCAAS_URL", live_server.url)
     monkeypatch.setenv("KCAAS_API_KEY", handle.raw_key)
-    code = main(["attach", "from-file", "--spec", str(spec_file), "--head-dim", "16", "--device-bytes", "1MiB",
-                 "--dram-bytes", "2MiB", "--no-wait", "--json"])
+    code = main(
+        [
+            "attach",
+            "from-file",
+            "--spec",
+            str(spec_file),
+            "--head-dim",
+            "16",
+            "--device-bytes",
+            "1MiB",
+            "--dram-bytes",
+            "2MiB",
+            "--no-wait",
+            "--json",
+        ]
+    )
     out, err = capsys.readouterr()
     body = json.loads(out)
     assert code == 0 and err == "" and body["state"] == "provisioning"
@@ -195,7 +216,11 @@ def _env(**extra) -> dict:
 def test_python_m_kcaas_reports_a_closed_port_as_a_connection_error_exit_3(tmp_path):
     port, key = free_port(), f"kc_live_{'A' * 12}_{'s' * 40}"
     done = subprocess.run(
-        [sys.executable, "-m", "kcaas", "ls"], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+        [sys.executable, "-m", "kcaas", "ls"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
         env=_env(KCAAS_URL=f"http://127.0.0.1:{port}", KCAAS_API_KEY=key),
     )
     assert done.returncode == 3 and done.stdout == ""
@@ -210,7 +235,11 @@ def test_the_kcaas_console_script_lists_caches_from_the_live_server(make_tenant,
     handle = make_tenant()
     made = sdk(handle.raw_key).attach("scripted", SPEC, {"device": 64 * BLOCK_BYTES}, timeout=20)
     done = subprocess.run(
-        [str(script), "ls", "--json"], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+        [str(script), "ls", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
         env=_env(KCAAS_URL=live_server.url, KCAAS_API_KEY=handle.raw_key),
     )
     assert done.returncode == 0, done.stderr

@@ -3,7 +3,7 @@
 import threading
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
@@ -44,7 +44,7 @@ def test_attach_waits_ready_then_list_get_token_detach(make_tenant, node, sdk):
 
     token = client.issue_token(cache.id, access="read", ttl_seconds=120)
     assert token.cache_id == cache.id and token.access == "read" and token.endpoint == node.endpoint
-    assert token.expires_at > datetime.now(timezone.utc)
+    assert token.expires_at > datetime.now(UTC)
     assert token.claims()["aud"] == f"cache:{cache.id}" and token.token not in repr(token)
 
     detaching = client.detach(cache.id)

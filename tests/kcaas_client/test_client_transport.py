@@ -5,7 +5,7 @@ test_client_live.py."""
 import json
 import select
 import threading
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -133,8 +133,10 @@ def test_non_idempotent_posts_are_not_retried_on_503_but_attach_is_with_one_key(
     assert len(Scripted.seen) == 1
 
     cache = {"id": "c1", "name": "n", "state": "provisioning", "spec": {"bogus": 1}, "future": True}
-    Scripted.script, Scripted.seen = [(503, {}, _err("no_capacity")), (409, {}, _err("idempotency_in_progress")),
-                                      (201, {}, cache)], []
+    Scripted.script, Scripted.seen = (
+        [(503, {}, _err("no_capacity")), (409, {}, _err("idempotency_in_progress")), (201, {}, cache)],
+        [],
+    )
     made = client.attach("n", {"x": 1}, {"device": 1}, wait=False)
     assert made == Cache(id="c1", name="n", state="provisioning")  # an unknown layout parses as spec None
     keys = {headers["Idempotency-Key"] for _, _, headers in Scripted.seen}
@@ -176,7 +178,7 @@ def test_the_key_is_scrubbed_even_if_a_server_echoes_it(server):
 
 def test_retry_after_accepts_seconds_and_http_dates():
     assert _retry_after({"retry-after": "3"}) == 3.0
-    when = datetime.now(timezone.utc) + timedelta(seconds=30)
+    when = datetime.now(UTC) + timedelta(seconds=30)
     assert 25 <= _retry_after({"retry-after": format_datetime(when, usegmt=True)}) <= 30
     assert _retry_after({"retry-after": "soon"}) is None and _retry_after({}) is None
 
@@ -195,8 +197,13 @@ class _FlakyIssuer:
         import base64
 
         body = base64.urlsafe_b64encode(payload).decode().rstrip("=")
-        return DataToken(token=f"h.{body}.s{self.issued}", cache_id=cache_id, access=access,
-                         expires_at=datetime(1970, 1, 1, tzinfo=timezone.utc), jti=str(self.issued))
+        return DataToken(
+            token=f"h.{body}.s{self.issued}",
+            cache_id=cache_id,
+            access=access,
+            expires_at=datetime(1970, 1, 1, tzinfo=UTC),
+            jti=str(self.issued),
+        )
 
 
 def test_token_source_keeps_a_valid_token_when_a_refresh_fails():
@@ -220,7 +227,7 @@ def test_429_is_retried_even_for_a_non_idempotent_post(server):
     Scripted.script = [(429, {"Retry-After": "1"}, _err("rate_limited")), (201, {}, token)]
     client = _client(server)
     issued = client.issue_token("c1", access="read")
-    assert issued.expires_at == datetime(2030, 1, 1, tzinfo=timezone.utc) and len(Scripted.seen) == 2
+    assert issued.expires_at == datetime(2030, 1, 1, tzinfo=UTC) and len(Scripted.seen) == 2
     assert "a.b.c" not in repr(issued)
 
 

@@ -7,8 +7,15 @@ from types import SimpleNamespace
 from kcaas.dataplane import DataPlaneClient
 from kcaas.spec import KVCacheSpec
 
-SPEC = KVCacheSpec(model_fingerprint="m@1", num_layers=1, num_kv_heads=1, head_dim=2, block_size=4,
-                   kv_dtype="float32", storage_dtype="float32")  # fmt: skip
+SPEC = KVCacheSpec(
+    model_fingerprint="m@1",
+    num_layers=1,
+    num_kv_heads=1,
+    head_dim=2,
+    block_size=4,
+    kv_dtype="float32",
+    storage_dtype="float32",
+)
 
 
 def client(token) -> DataPlaneClient:

@@ -40,8 +40,9 @@ def node_with_certificate() -> NodeIdentity:
     node_register(node_id=issued.node.pk, endpoint="127.0.0.1:7777", capacity={"device": 1 << 20, "dram": 0, "ssd": 0})
     identity = NodeIdentity()
     with transaction.atomic():
-        cert, ca = pki.node_certificate_issue(node=Node.objects.select_for_update().get(pk=issued.node.pk),
-                                              csr_pem=identity.csr_pem())  # fmt: skip
+        cert, ca = pki.node_certificate_issue(
+            node=Node.objects.select_for_update().get(pk=issued.node.pk), csr_pem=identity.csr_pem()
+        )
     identity.install(cert, ca)
     return identity
 

@@ -21,7 +21,10 @@ def test_usage_follows_attach_tokens_and_detach(make_tenant, node, sdk):
 
     seen = []
     cache = client.attach(
-        "chat", KVCacheSpec(**SPEC), {"device": 64 * BLOCK_BYTES, "dram": 32 * BLOCK_BYTES}, timeout=20,
+        "chat",
+        KVCacheSpec(**SPEC),
+        {"device": 64 * BLOCK_BYTES, "dram": 32 * BLOCK_BYTES},
+        timeout=20,
         progress=lambda c: seen.append(c.state),
     )
     assert seen[0] == "provisioning" and seen[-1] == "ready"  # the progress hook saw every polled state

@@ -12,15 +12,21 @@ from tests.caches.conftest import BLOCK_BYTES, SPEC
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-ENGINE = EngineLayout(model_fingerprint=SPEC["model_fingerprint"], num_layers=SPEC["num_layers"],
-                      num_kv_heads=SPEC["num_kv_heads"], head_dim=SPEC["head_dim"], kv_dtype=SPEC["kv_dtype"],
-                      block_size=4 * SPEC["block_size"])  # fmt: skip
+ENGINE = EngineLayout(
+    model_fingerprint=SPEC["model_fingerprint"],
+    num_layers=SPEC["num_layers"],
+    num_kv_heads=SPEC["num_kv_heads"],
+    head_dim=SPEC["head_dim"],
+    kv_dtype=SPEC["kv_dtype"],
+    block_size=4 * SPEC["block_size"],
+)
 KEY_ENV = "KCAAS_TEST_VLLM_KEY"
 
 
 def config(url: str, cache: str, role: str = "kv_both", **extra) -> ConnectorConfig:
-    return ConnectorConfig.from_extra({"kcaas_url": url, "cache": cache, "api_key_env": KEY_ENV,
-                                       "ca_file": None, **extra}, role)  # fmt: skip
+    return ConnectorConfig.from_extra(
+        {"kcaas_url": url, "cache": cache, "api_key_env": KEY_ENV, "ca_file": None, **extra}, role
+    )
 
 
 @pytest.fixture
@@ -53,7 +59,10 @@ def test_the_cache_is_found_by_name_or_id_and_a_consumer_gets_a_read_token(live_
 def test_each_set_up_problem_is_one_message_naming_it(live_server, attached):
     tenant, cache = attached
     url, environ = live_server.url, {KEY_ENV: tenant.raw_key}
-    assert setup_error(url, cache.name, {}) == f"KCaaS connector: no API key: the environment variable {KEY_ENV} is not set"
+    assert (
+        setup_error(url, cache.name, {})
+        == f"KCaaS connector: no API key: the environment variable {KEY_ENV} is not set"
+    )
     assert "no cache 'nope' for this API key" in setup_error(url, "nope", environ)
     other_heads = dataclasses.replace(ENGINE, num_kv_heads=SPEC["num_kv_heads"] + 1)
     message = setup_error(url, cache.name, environ, engine=other_heads)

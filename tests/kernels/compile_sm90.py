@@ -35,12 +35,28 @@ def _write_read_variants():
         quantized = storage in QUANT
         shape = dict(BLOCK_SIZE=16, NUM_HEADS=3, HEAD_DIM=128, BLOCK_H=4, BLOCK_D=128, LAYERS_PER_PROGRAM=2)
         scales = "*fp32" if quantized else PTR[storage]
-        yield f"write_kv {engine}->{storage}", _write_kv_kernel, {
-            "kv_ptr": PTR[engine], "pool_ptr": PTR[storage], "scales_ptr": scales, "slot_ptr": "*i64",
-        }, shape | {"QUANTIZED": quantized}
-        yield f"read_kv {storage}->{engine}", _read_kv_kernel, {
-            "pool_ptr": PTR[storage], "scales_ptr": scales, "slot_ptr": "*i64", "out_ptr": PTR[engine],
-        }, shape | {"QUANTIZED": quantized}
+        yield (
+            f"write_kv {engine}->{storage}",
+            _write_kv_kernel,
+            {
+                "kv_ptr": PTR[engine],
+                "pool_ptr": PTR[storage],
+                "scales_ptr": scales,
+                "slot_ptr": "*i64",
+            },
+            shape | {"QUANTIZED": quantized},
+        )
+        yield (
+            f"read_kv {storage}->{engine}",
+            _read_kv_kernel,
+            {
+                "pool_ptr": PTR[storage],
+                "scales_ptr": scales,
+                "slot_ptr": "*i64",
+                "out_ptr": PTR[engine],
+            },
+            shape | {"QUANTIZED": quantized},
+        )
 
 
 def _attention_variants():
@@ -49,24 +65,60 @@ def _attention_variants():
         group_pad, tile_n = triton.next_power_of_2(group), 8 if group > 1 else 16
         cache = PTR[storage]
         scales = "*fp32" if storage in QUANT else cache
-        yield f"paged_decode q={q_dtype} kv={storage} group={group} splits={splits}", _paged_decode_kernel, {
-            "q_ptr": PTR[q_dtype], "k_ptr": cache, "v_ptr": cache, "out_ptr": PTR[q_dtype],
-            "k_scale_ptr": scales, "v_scale_ptr": scales,
-            "bt_ptr": "*i32", "seq_lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
-            "qk_scale_log2": "fp32",
-        }, dict(BLOCK_SIZE=16, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=128, BLOCK_D=128, TILE_N=tile_n,
-                NUM_SPLITS=splits, QUANTIZED=storage in QUANT), _num_warps(group_pad, tile_n, 128)
+        yield (
+            f"paged_decode q={q_dtype} kv={storage} group={group} splits={splits}",
+            _paged_decode_kernel,
+            {
+                "q_ptr": PTR[q_dtype],
+                "k_ptr": cache,
+                "v_ptr": cache,
+                "out_ptr": PTR[q_dtype],
+                "k_scale_ptr": scales,
+                "v_scale_ptr": scales,
+                "bt_ptr": "*i32",
+                "seq_lens_ptr": "*i32",
+                "part_out_ptr": "*fp32",
+                "part_lse_ptr": "*fp32",
+                "qk_scale_log2": "fp32",
+            },
+            dict(
+                BLOCK_SIZE=16,
+                GROUP=group,
+                GROUP_PAD=group_pad,
+                HEAD_DIM=128,
+                BLOCK_D=128,
+                TILE_N=tile_n,
+                NUM_SPLITS=splits,
+                QUANTIZED=storage in QUANT,
+            ),
+            _num_warps(group_pad, tile_n, 128),
+        )
     for out_dtype in ["fp16", "bf16", "fp32"]:
-        yield f"merge_splits {out_dtype}", _merge_splits_kernel, {
-            "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": PTR[out_dtype],
-        }, dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=5, SPLITS_PAD=8)
+        yield (
+            f"merge_splits {out_dtype}",
+            _merge_splits_kernel,
+            {
+                "part_out_ptr": "*fp32",
+                "part_lse_ptr": "*fp32",
+                "out_ptr": PTR[out_dtype],
+            },
+            dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=5, SPLITS_PAD=8),
+        )
 
 
 def _copy_variants():
     for ptr in ["*u8", "*i16", "*i32"]:
-        yield f"copy_blocks {ptr}", _copy_blocks_kernel, {
-            "src_ptr": ptr, "dst_ptr": ptr, "src_ids_ptr": "*i64", "dst_ids_ptr": "*i64",
-        }, dict(CHUNK=4096)
+        yield (
+            f"copy_blocks {ptr}",
+            _copy_blocks_kernel,
+            {
+                "src_ptr": ptr,
+                "dst_ptr": ptr,
+                "src_ids_ptr": "*i64",
+                "dst_ids_ptr": "*i64",
+            },
+            dict(CHUNK=4096),
+        )
 
 
 def main() -> int:

@@ -55,9 +55,7 @@ def _to(device, *tensors):
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("storage", STORAGE, ids=str)
 @pytest.mark.parametrize("block_size,seq_lens,num_q_heads,num_kv_heads,head_dim,q_dtype", CASES)
-def test_triton_matches_reference(
-    device, storage, block_size, seq_lens, num_q_heads, num_kv_heads, head_dim, q_dtype
-):
+def test_triton_matches_reference(device, storage, block_size, seq_lens, num_q_heads, num_kv_heads, head_dim, q_dtype):
     q, pool, scales, table, lens = _to(
         device, *_scenario(storage, block_size, seq_lens, num_q_heads, num_kv_heads, head_dim, q_dtype)
     )

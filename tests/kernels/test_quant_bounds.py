@@ -40,8 +40,22 @@ def test_documented_constants():
 
 
 @pytest.mark.parametrize("storage", QUANT_DTYPES, ids=str)
-@pytest.mark.parametrize("amax", [2.0**-149, 1e-44, 1e-41, 1e-39, 2.0**-127, 2.0**-126, 100 * 2.0**-126,
-                                  127 * 2.0**-126, 448 * 2.0**-126, 1e-36, 1e-30])  # fmt: skip
+@pytest.mark.parametrize(
+    "amax",
+    [
+        2.0**-149,
+        1e-44,
+        1e-41,
+        1e-39,
+        2.0**-127,
+        2.0**-126,
+        100 * 2.0**-126,
+        127 * 2.0**-126,
+        448 * 2.0**-126,
+        1e-36,
+        1e-30,
+    ],
+)
 def test_tiny_rows_get_a_floored_scale_and_stay_within_the_bound(storage, amax):
     """amax/127 or amax/448 underflowing to 0 or to an fp32 subnormal used to read back NaN (fp8) or break the
     int8 bound: the scale is floored at SCALE_FLOOR, the smallest normal fp32."""
@@ -119,9 +133,16 @@ def test_error_bound_defaults_to_reading_back_in_the_input_dtype():
         assert torch.equal(error_bound(x, storage), error_bound(x, storage, torch.float16))
 
 
-@pytest.mark.parametrize("storage,kv_dtype", [(torch.float16, torch.float32), (torch.bfloat16, torch.float32),
-                                              (torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)],
-                         ids=str)  # fmt: skip
+@pytest.mark.parametrize(
+    "storage,kv_dtype",
+    [
+        (torch.float16, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.bfloat16),
+        (torch.bfloat16, torch.float16),
+    ],
+    ids=str,
+)
 def test_float_storage_of_another_dtype_rounds_within_the_bound(storage, kv_dtype):
     """Unquantized storage narrower than the KV rounds once on write (and, read back in the KV dtype, is exact or
     rounds once more): error_bound covers float storage too; finite values beyond the storage range get inf."""

@@ -58,8 +58,9 @@ def expected_pattern() -> bytes:
 @pytest.mark.parametrize("storage", ["float32", "float16", "int8", "float8_e4m3fn"])
 def test_no_temporary_of_a_kernel_keeps_kv_in_freed_memory(storage):
     env = {"GLIBC_TUNABLES": RETAINING_MALLOC, "PYTHONPATH": ".", "PATH": "/usr/bin:/bin"}
-    child = subprocess.Popen([sys.executable, "-c", CHILD, storage], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             env=env, text=True)  # fmt: skip
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, storage], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True
+    )
     try:
         for stage in ("written", "read"):
             said, pool_at, pool_bytes = child.stdout.readline().split()

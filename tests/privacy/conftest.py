@@ -10,11 +10,11 @@ from audit import chain
 from audit.exports import export_lines, export_plan
 from audit.keys import platform_public_jwk
 from audit.models import AuditEvent
-from tests.caches.conftest import running_workers  # noqa: F401 - one helper for every room's worker tests
 from tests.caches.conftest import (  # noqa: F401 - fixtures re-exported for this room's tests
     fast_password_hasher,
     make_node,
     make_tenant,
+    running_workers,  # noqa: F401 - one helper for every room's worker tests
     staff_client,
     tenant_a,
     tenant_b,

@@ -35,8 +35,11 @@ def test_tenant_labels_are_names_and_pseudonyms_once_erased(make_tenant, no_grac
     services.erasures_run_due()  # no node: started and completed in one pass
     gone = uuid.uuid4()  # a tenant whose row no longer exists
     labels = selectors.erasure_tenant_labels(tenant_ids=[kept.pk, str(erased.pk), gone, "not-a-uuid"])
-    assert labels == {kept.pk: kept.name, erased.pk: f"erased-{tenant_pseudonym(erased.pk)}",
-                      gone: f"erased-{tenant_pseudonym(gone)}"}  # fmt: skip
+    assert labels == {
+        kept.pk: kept.name,
+        erased.pk: f"erased-{tenant_pseudonym(erased.pk)}",
+        gone: f"erased-{tenant_pseudonym(gone)}",
+    }
     assert original_name not in labels.values()
 
 
@@ -52,4 +55,3 @@ def test_receipt_verifies_only_while_untouched(make_tenant, no_grace):
     job.refresh_from_db()
     job.receipt_signature = "AAAA"
     assert selectors.erasure_receipt_verifies(job=job) is False
-

@@ -30,8 +30,9 @@ def test_a_tenant_key_is_wrapped_under_the_kek_and_created_once(tenant_a):
 
 def test_new_caches_seal_their_hash_key_under_the_tenant_key(tenant_a, make_node):
     make_node()
-    cache = cache_services.cache_attach(tenant_id=tenant_a.tenant.pk, name="sealed",
-                                        spec=KVCacheSpec.from_dict(SPEC), capacity={"device": 64 * 2048})  # fmt: skip
+    cache = cache_services.cache_attach(
+        tenant_id=tenant_a.tenant.pk, name="sealed", spec=KVCacheSpec.from_dict(SPEC), capacity={"device": 64 * 2048}
+    )
     sealed = bytes(cache.hash_key_sealed)
     key_id = TenantKey.objects.get(tenant_id=tenant_a.tenant.pk).key_id
     assert tenant_keys.is_tenant_sealed(sealed) and tenant_keys.sealed_key_id(sealed) == key_id
@@ -67,8 +68,9 @@ def test_a_tenant_blob_is_bound_to_its_row_and_tenant(tenant_a, tenant_b):
     with pytest.raises(SealError):
         hash_key_unseal(cache_id=uuid.uuid4(), sealed=sealed)  # copied onto another cache
     with pytest.raises(tenant_keys.TenantSealError):
-        tenant_keys.tenant_unseal(sealed=sealed, aad=b"kcaas-cache:" + str(cache_id).encode(),
-                                  tenant_id=tenant_b.tenant.pk)  # fmt: skip
+        tenant_keys.tenant_unseal(
+            sealed=sealed, aad=b"kcaas-cache:" + str(cache_id).encode(), tenant_id=tenant_b.tenant.pk
+        )
     for position in (0, 3, len(sealed) - 1):
         tampered = bytearray(sealed)
         tampered[position] ^= 1

@@ -73,8 +73,11 @@ def frame_bytes(buffers) -> bytes:
 
 def put_frame(rid: int, cache_id: str, tokens: np.ndarray, kv: torch.Tensor, start: int = 0) -> bytes:
     kv_bytes = kv[:, :, start:].contiguous().view(torch.uint8).reshape(-1).numpy()
-    return frame_bytes(wire.encode_request(Opcode.PUT, rid, cache_id=cache_id, identity=LAYOUT, token_ids=[tokens],
-                                           kv=[kv_bytes], kv_start=[start]))  # fmt: skip
+    return frame_bytes(
+        wire.encode_request(
+            Opcode.PUT, rid, cache_id=cache_id, identity=LAYOUT, token_ids=[tokens], kv=[kv_bytes], kv_start=[start]
+        )
+    )
 
 
 class RawTls:
@@ -82,8 +85,9 @@ class RawTls:
 
     def __init__(self, endpoint: str, pki):
         host, _, port = endpoint.rpartition(":")
-        self.sock = client_tls(pki).wrap_socket(socket.create_connection((host, int(port)), timeout=20),
-                                                server_hostname=host)  # fmt: skip
+        self.sock = client_tls(pki).wrap_socket(
+            socket.create_connection((host, int(port)), timeout=20), server_hostname=host
+        )
         self.decoder = wire.FrameDecoder()
 
     def read(self) -> wire.Frame:
@@ -99,8 +103,7 @@ def random_pattern(seed: int) -> bytes:
     return torch.randn(32, generator=torch.Generator().manual_seed(seed)).to(torch.float16).numpy().tobytes()
 
 
-PATHS = ("staged put", "suffix put", "pipelined put", "pipelined put read ahead", "put read whole",
-         "small staged put")
+PATHS = ("staged put", "suffix put", "pipelined put", "pipelined put read ahead", "put read whole", "small staged put")
 SMALL = 48 * BLOCK_TOKENS  # 96 KiB of KV
 READ_AHEAD = 40 * BLOCK_TOKENS  # 80 KiB: a size no later buffer reuses exactly
 
@@ -120,8 +123,10 @@ def send_every_staging_path(endpoint: str, pki, cache_id: str, token: str, patte
     # a small put and a larger one in one write: the larger one's metadata is read with the small one's last bytes,
     # before the small one is handled, so its KV goes into a fresh buffer (the staging is the small one's)
     small, ahead = tokens_from(100_000, 2 * BLOCK_TOKENS), tokens_from(200_000, READ_AHEAD)
-    raw.sock.sendall(put_frame(3, cache_id, small, pattern_kv(patterns["pipelined put"], len(small)))
-                     + put_frame(4, cache_id, ahead, pattern_kv(patterns["pipelined put read ahead"], READ_AHEAD)))
+    raw.sock.sendall(
+        put_frame(3, cache_id, small, pattern_kv(patterns["pipelined put"], len(small)))
+        + put_frame(4, cache_id, ahead, pattern_kv(patterns["pipelined put read ahead"], READ_AHEAD))
+    )
     assert [raw.read().opcode, raw.read().opcode] == [Opcode.OK, Opcode.OK]
     one_block = tokens_from(400_000, BLOCK_TOKENS)  # a frame read whole into the decoder's read buffer, last
     raw.sock.sendall(put_frame(5, cache_id, one_block, pattern_kv(patterns["put read whole"], BLOCK_TOKENS)))

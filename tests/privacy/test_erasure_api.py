@@ -15,7 +15,8 @@ from audit.keys import platform_public_jwk
 from audit.models import AuditEvent
 from audit.services import tenant_pseudonym
 from caches.models import IdempotencyRecord
-from privacy import receipt as receipts, services
+from privacy import receipt as receipts
+from privacy import services
 from privacy.models import ErasureJob
 from tenants.models import ApiKey, Tenant, TenantKey
 from tenants.tenant_keys import tenant_key_ensure
@@ -93,8 +94,9 @@ def test_completed_erasure_revokes_keys_deletes_personal_data_and_signs_a_receip
 ):
     tenant, name = tenant_a.tenant, tenant_a.tenant.name
     named_key = tenant_a.tenant.api_keys.create(name="ci-runner", public_id="pubid0000000001", secret_hash="0" * 64)
-    IdempotencyRecord.objects.create(tenant=tenant, key="k1", fingerprint="f" * 64, locked_at=tenant.created_at,
-                                     expires_at=tenant.created_at)  # fmt: skip
+    IdempotencyRecord.objects.create(
+        tenant=tenant, key="k1", fingerprint="f" * 64, locked_at=tenant.created_at, expires_at=tenant.created_at
+    )
     key_id = tenant_key_ensure(tenant_id=tenant.pk).key_id
     assert audit_rows_mentioning(str(tenant.pk), name)  # the trail knew the tenant before
     envelope = erase_without_nodes(staff_client, tenant)
@@ -112,7 +114,8 @@ def test_completed_erasure_revokes_keys_deletes_personal_data_and_signs_a_receip
     body = receipts.receipt_verify(envelope)
     assert body["tenant_id"] == str(tenant.pk) and body["nodes"] == [] and body["bytes_freed"] == 0
     assert {k["public_id"] for k in body["api_keys_revoked"]} == set(
-        ApiKey.objects.filter(tenant=tenant).values_list("public_id", flat=True))  # fmt: skip
+        ApiKey.objects.filter(tenant=tenant).values_list("public_id", flat=True)
+    )
     assert body["key_material_destroyed"][0]["key_id"] == key_id
     assert body["records_deleted"]["idempotency_records"] == 1 and body["audit_events_pseudonymised"] >= 1
 
@@ -134,8 +137,9 @@ def test_the_receipt_verifies_offline_and_a_tampered_one_fails(staff_client, ten
     def verify(document) -> subprocess.CompletedProcess:
         path = tmp_path / "receipt.json"
         path.write_text(json.dumps(document))
-        return subprocess.run([sys.executable, str(VERIFIER), str(path), str(key_file)], capture_output=True,
-                              text=True, timeout=60)  # fmt: skip
+        return subprocess.run(
+            [sys.executable, str(VERIFIER), str(path), str(key_file)], capture_output=True, text=True, timeout=60
+        )
 
     good = verify(envelope)
     assert good.returncode == 0 and good.stdout.startswith("OK"), good.stdout + good.stderr
@@ -147,8 +151,7 @@ def test_the_receipt_verifies_offline_and_a_tampered_one_fails(staff_client, ten
         receipts.receipt_verify(tampered)
 
 
-def test_a_failing_step_rolls_back_to_error_and_a_new_request_retries_it(staff_client, tenant_a, no_grace,
-                                                                           settings):  # fmt: skip
+def test_a_failing_step_rolls_back_to_error_and_a_new_request_retries_it(staff_client, tenant_a, no_grace, settings):
     tenant = tenant_a.tenant
     tenant_key_ensure(tenant_id=tenant.pk)
     staff_client.post(erasure_url(tenant.pk))

@@ -20,7 +20,6 @@ from rest_framework.test import APIClient
 
 from caches.services import caches_sweep_leases
 from core.celery import app as control_app
-from kcaas.node_messages import node_queue
 from fleet import services as fleet_services
 from fleet.models import Node
 from gpu_node.block_hash import tokens_as_int32
@@ -28,7 +27,9 @@ from gpu_node.engine_tiers import CachePurged
 from gpu_node.node_tasks import build_node_app
 from gpu_node.registry import CacheRegistry
 from gpu_node.tokens import RevocationList
-from privacy import receipt as receipts, services
+from kcaas.node_messages import node_queue
+from privacy import receipt as receipts
+from privacy import services
 from tests.caches.conftest import BLOCK_BYTES, attach_body, purge_node_queue, wait_for_state
 from tests.fleet.node_keys import TEST_SEALING_KEY, TEST_SEALING_PUBLIC_KEY
 from tests.privacy.conftest import audit_chain_problems, audit_rows_mentioning, running_workers
@@ -48,22 +49,31 @@ class FakeHost:
     node: Node
     credential: str
     endpoint: str
-    registry: CacheRegistry = field(default_factory=lambda: CacheRegistry(device_capacity_bytes=NODE_DEVICE_BYTES,
-                                                                          device="cpu"))  # fmt: skip
+    registry: CacheRegistry = field(
+        default_factory=lambda: CacheRegistry(device_capacity_bytes=NODE_DEVICE_BYTES, device="cpu")
+    )
     revocations: RevocationList = field(default_factory=RevocationList)
 
     def consumer(self):
         node_app = build_node_app(
-            broker_url=os.environ["CELERY_BROKER_URL"], node_id=str(self.node.pk), endpoint=self.endpoint,
-            registry=self.registry, revocations=self.revocations, sealing_key=TEST_SEALING_KEY,
+            broker_url=os.environ["CELERY_BROKER_URL"],
+            node_id=str(self.node.pk),
+            endpoint=self.endpoint,
+            registry=self.registry,
+            revocations=self.revocations,
+            sealing_key=TEST_SEALING_KEY,
         )
         return node_app, [node_queue(self.node.pk)]
 
     def register(self) -> dict:
         agent = APIClient()
         agent.credentials(HTTP_AUTHORIZATION=f"Bearer {self.credential}")
-        body = {"endpoint": self.endpoint, "capacity": {"device": NODE_DEVICE_BYTES, "dram": 0, "ssd": 0},
-                "caches": self.registry.cache_ids(), "sealing_public_key": TEST_SEALING_PUBLIC_KEY}  # fmt: skip
+        body = {
+            "endpoint": self.endpoint,
+            "capacity": {"device": NODE_DEVICE_BYTES, "dram": 0, "ssd": 0},
+            "caches": self.registry.cache_ids(),
+            "sealing_public_key": TEST_SEALING_PUBLIC_KEY,
+        }
         response = agent.post("/api/v1/nodes/register", body, format="json")
         assert response.status_code == 200, response.content
         return response.json()
@@ -119,8 +129,7 @@ def assert_purged(host: FakeHost, engine, cache_id: str) -> None:
         engine.lookup(TOKENS)
 
 
-def test_erasure_purges_every_node_and_leaves_other_tenants_alone(staff_client, tenant_a, tenant_b, hosts,
-                                                                  no_grace):  # fmt: skip
+def test_erasure_purges_every_node_and_leaves_other_tenants_alone(staff_client, tenant_a, tenant_b, hosts, no_grace):
     one, two = hosts
     tenant_id, name = tenant_a.tenant.pk, tenant_a.tenant.name
     with workers(one, two):
@@ -133,7 +142,8 @@ def test_erasure_purges_every_node_and_leaves_other_tenants_alone(staff_client, 
 
         start_erasure(staff_client, tenant_id)
         assert eventually(lambda: erasure(staff_client, tenant_id)["state"] == "complete"), erasure(
-            staff_client, tenant_id)
+            staff_client, tenant_id
+        )
         assert eventually(lambda: jti in one.revocations)  # the data token reached its node
 
     assert_purged(one, engines[a1], a1)
@@ -151,7 +161,8 @@ def test_erasure_purges_every_node_and_leaves_other_tenants_alone(staff_client, 
     assert [c["cache_id"] for c in per_node[str(one.node.pk)]["caches"]] == [a1]
     assert [c["cache_id"] for c in per_node[str(two.node.pk)]["caches"]] == [a2]
     assert all(n["freed_bytes"] > 0 for n in body["nodes"]) and body["bytes_freed"] == sum(
-        n["freed_bytes"] for n in body["nodes"])  # fmt: skip
+        n["freed_bytes"] for n in body["nodes"]
+    )
     assert {c["cache_id"] for c in body["caches"]} == {a1, a2}
     assert audit_chain_problems() == []
     assert audit_rows_mentioning(str(tenant_id), name) == []
@@ -171,8 +182,9 @@ def test_a_node_down_during_the_erasure_is_purged_when_it_registers_again(staff_
 
     with workers(one):
         start_erasure(staff_client, tenant_id)
-        assert eventually(lambda: [p["state"] for p in erasure(staff_client, tenant_id)["purges"]].count("confirmed")
-                          == 1)  # fmt: skip
+        assert eventually(
+            lambda: [p["state"] for p in erasure(staff_client, tenant_id)["purges"]].count("confirmed") == 1
+        )
         # Instead of waiting: the beat's dispatcher runs again, here and now, at a time past the resend interval,
         # and a finish arrives (as the one a confirmation enqueues); neither may complete the job nor send to two.
         resend_due = timezone.now() + timedelta(seconds=settings.KCAAS_ERASURE_RESEND_SECONDS + 1)
@@ -189,8 +201,11 @@ def test_a_node_down_during_the_erasure_is_purged_when_it_registers_again(staff_
     assert registration["caches"] == []  # the erased tenant's cache is not provisioned again
     with workers(one, two):
         assert eventually(lambda: erasure(staff_client, tenant_id)["state"] == "complete"), erasure(
-            staff_client, tenant_id)
+            staff_client, tenant_id
+        )
     assert_purged(two, engines[a2], a2)
     body = receipts.receipt_verify(staff_client.get(f"/api/v1/admin/tenants/{tenant_id}/erasure/receipt").json())
     assert {n["node_id"]: [c["cache_id"] for c in n["caches"]] for n in body["nodes"]} == {
-        str(one.node.pk): [a1], str(two.node.pk): [a2]}  # fmt: skip
+        str(one.node.pk): [a1],
+        str(two.node.pk): [a2],
+    }

@@ -35,8 +35,12 @@ def test_a_tenant_exports_its_own_data_and_never_a_secret(exporting, tenant_b):
     assert response.status_code == 200, response.content
     archive = response.json()
     assert archive["format"] == "kcaas.tenant-export" and archive["version"] == 1
-    assert archive["tenant"] == {"id": str(handle.tenant.pk), "name": handle.tenant.name, "status": "active",
-                                 "created_at": handle.tenant.created_at.isoformat()}  # fmt: skip
+    assert archive["tenant"] == {
+        "id": str(handle.tenant.pk),
+        "name": handle.tenant.name,
+        "status": "active",
+        "created_at": handle.tenant.created_at.isoformat(),
+    }
     assert archive["quota"]["effective"]["max_requests_per_second"] == 100_000
     assert {k["name"] for k in archive["api_keys"]} == {"", "exporter"}
     public_ids = set(handle.tenant.api_keys.values_list("public_id", flat=True))

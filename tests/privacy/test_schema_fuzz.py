@@ -33,9 +33,13 @@ def test_privacy_endpoints_conform_to_the_schema(wsgi_app, credentials):
     schema = schemathesis.openapi.from_wsgi("/api/schema/?format=json", wsgi_app).include(path_regex=PRIVACY_PATHS)
     operations = [result.ok() for result in schema.get_all_operations()]
     assert sorted(op.definition.raw["operationId"] for op in operations) == [
-        "admin_tenant_erasure_cancel", "admin_tenant_erasure_receipt", "admin_tenant_erasure_request",
-        "admin_tenant_erasure_retrieve", "admin_tenant_export_retrieve", "export_retrieve",
-    ]  # fmt: skip
+        "admin_tenant_erasure_cancel",
+        "admin_tenant_erasure_receipt",
+        "admin_tenant_erasure_request",
+        "admin_tenant_erasure_retrieve",
+        "admin_tenant_export_retrieve",
+        "export_retrieve",
+    ]
     for operation in operations:
         who = "staff" if operation.path.startswith("/api/v1/admin/") else "tenant"
         for mode, examples in ((GenerationMode.POSITIVE, MAX_EXAMPLES), (GenerationMode.NEGATIVE, MAX_EXAMPLES // 2)):

@@ -197,13 +197,29 @@ def test_make_ups_demo_key_replaces_its_predecessor_instead_of_piling_up(db):
     keys = []
     for _ in range(3):
         out = io.StringIO()
-        call_command("kcaas_create_tenant", "demo", "--reuse", "--replace", "--key-name", "make up", stdout=out,
-                     stderr=io.StringIO())  # fmt: skip
+        call_command(
+            "kcaas_create_tenant",
+            "demo",
+            "--reuse",
+            "--replace",
+            "--key-name",
+            "make up",
+            stdout=out,
+            stderr=io.StringIO(),
+        )
         keys.append(out.getvalue().strip())
     tenant = Tenant.objects.get(name="demo")
     other = services.api_key_issue(tenant=tenant, scopes=["keys:read"], name="mine")
-    call_command("kcaas_create_tenant", "demo", "--reuse", "--replace", "--key-name", "make up",
-                 stdout=io.StringIO(), stderr=io.StringIO())  # fmt: skip
+    call_command(
+        "kcaas_create_tenant",
+        "demo",
+        "--reuse",
+        "--replace",
+        "--key-name",
+        "make up",
+        stdout=io.StringIO(),
+        stderr=io.StringIO(),
+    )
     active = tenant.api_keys.filter(revoked_at__isnull=True)
     assert sorted(k.name for k in active) == ["make up", "mine"] and other.api_key in active
     assert key_client(keys[0]).get("/api/v1/keys").status_code == 401  # the first one was revoked

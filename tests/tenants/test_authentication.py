@@ -1,9 +1,9 @@
 """ApiKeyAuthentication over real requests: every refusal is a 401 in the one error shape, with its own code, and
 an unknown public id is indistinguishable from a wrong secret."""
 
+import hmac
 from datetime import timedelta
 
-import hmac
 import pytest
 from django.utils import timezone
 

@@ -32,8 +32,9 @@ def test_the_default_is_100_and_staff_set_it_through_the_quota_patch(staff_clien
 
 @pytest.mark.parametrize("value", ["3", 3.0, -1, 100_001, True])
 def test_the_limit_is_a_bounded_json_integer(staff_client, tenant, value):
-    error = assert_error(staff_client.patch(_quota_url(tenant), {"max_api_keys": value}, format="json"), 400,
-                         "validation_error")  # fmt: skip
+    error = assert_error(
+        staff_client.patch(_quota_url(tenant), {"max_api_keys": value}, format="json"), 400, "validation_error"
+    )
     assert list(error["details"]["fields"]) == ["max_api_keys"]
 
 
@@ -41,8 +42,9 @@ def test_issuing_past_the_limit_is_403_quota_exceeded(make_tenant, make_key):
     tenant = make_tenant("limited", max_api_keys=2)
     first = make_key(tenant)
     make_key(tenant, scopes=["caches:read"])
-    error = assert_error(key_client(first.raw_key).post(KEYS_URL, {"scopes": ["caches:read"]}, format="json"), 403,
-                         "quota_exceeded")  # fmt: skip
+    error = assert_error(
+        key_client(first.raw_key).post(KEYS_URL, {"scopes": ["caches:read"]}, format="json"), 403, "quota_exceeded"
+    )
     assert error["details"] == {"limit": "max_api_keys", "limit_value": 2, "in_use": 2}
     with pytest.raises(services.QuotaExceeded):
         services.api_key_issue(tenant=tenant, scopes=["caches:read"])

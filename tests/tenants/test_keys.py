@@ -6,7 +6,9 @@ import zlib
 
 import pytest
 from django.test import override_settings
-from hypothesis import given, settings as hypothesis_settings, strategies as st
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 
 from core import keys
 

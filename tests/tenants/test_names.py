@@ -77,7 +77,9 @@ def test_the_key_service_refuses_them_too(tenant):
 
 
 def test_names_are_stored_nfkc_normalised(staff_client, tenant_client):
-    answer = staff_client.post(TENANTS_URL, {"name": "\uff21\uff43\uff4d\uff45 \ufb01nance"}, format="json")  # "Ａｃｍｅ ﬁnance"
+    answer = staff_client.post(
+        TENANTS_URL, {"name": "\uff21\uff43\uff4d\uff45 \ufb01nance"}, format="json"
+    )  # "Ａｃｍｅ ﬁnance"
     assert answer.status_code == 201, answer.content
     assert answer.json()["name"] == "Acme finance" and Tenant.objects.filter(name="Acme finance").exists()
     key = tenant_client.post(KEYS_URL, {"name": "\u2460 build\u2122", "scopes": ["caches:read"]}, format="json")
@@ -86,8 +88,9 @@ def test_names_are_stored_nfkc_normalised(staff_client, tenant_client):
 
 def test_a_name_differing_only_in_compatibility_form_is_the_same_name(staff_client, db):
     assert staff_client.post(TENANTS_URL, {"name": "acme"}, format="json").status_code == 201
-    assert_error(staff_client.post(TENANTS_URL, {"name": "\uff41\uff43\uff4d\uff45"}, format="json"), 409,
-                 "tenant_name_taken")  # fmt: skip - fullwidth "ａｃｍｅ"
+    assert_error(
+        staff_client.post(TENANTS_URL, {"name": "\uff41\uff43\uff4d\uff45"}, format="json"), 409, "tenant_name_taken"
+    )  # fullwidth "ａｃｍｅ"
 
 
 def test_invisible_characters_beyond_the_bmp_are_removed(staff_client, db):
@@ -126,8 +129,15 @@ def test_a_tenant_name_confusable_with_an_existing_one_is_refused(staff_client, 
 
 @pytest.mark.parametrize(
     ("first", "second"),
-    [("paypal", "\u0440\u0430ypal"), ("Apple", "\u0410pple"), ("bank-1", "bank-l"), ("bank-l", "bank-I"),
-     ("OMEGA", "\u039fMEGA"), ("corp0", "corpO"), ("sh\u0435ll", "shell")],
+    [
+        ("paypal", "\u0440\u0430ypal"),
+        ("Apple", "\u0410pple"),
+        ("bank-1", "bank-l"),
+        ("bank-l", "bank-I"),
+        ("OMEGA", "\u039fMEGA"),
+        ("corp0", "corpO"),
+        ("sh\u0435ll", "shell"),
+    ],
 )
 def test_confusables_either_way_round(make_tenant, first, second):
     make_tenant(first)

@@ -10,10 +10,10 @@ import os
 
 import pytest
 import schemathesis
-from schemathesis import GenerationMode
 from django.contrib.auth import get_user_model
 from django.test import override_settings
 from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
 
 from tenants import services
 

@@ -10,7 +10,7 @@ from django.db import migrations
 from console.totp_keys import totp_key_seal, totp_key_unseal
 
 COPIED = ("user_id", "name", "confirmed", "throttling_failure_timestamp", "throttling_failure_count", "created_at",
-          "last_used_at", "step", "t0", "digits", "tolerance", "drift", "last_t")  # fmt: skip
+          "last_used_at", "step", "t0", "digits", "tolerance", "drift", "last_t")
 
 
 def seal_seeds(apps, schema_editor):
@@ -18,7 +18,7 @@ def seal_seeds(apps, schema_editor):
     for device in clear.objects.all().order_by("pk"):
         fields = {name: getattr(device, name) for name in COPIED}
         made = sealed.objects.create(key_sealed=totp_key_seal(user_id=device.user_id, seed=unhexlify(device.key)),
-                                     **fields)  # fmt: skip
+                                     **fields)
         sealed.objects.filter(pk=made.pk).update(created_at=device.created_at)  # auto_now_add set it to now
         device.delete()
 

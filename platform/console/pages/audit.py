@@ -14,7 +14,7 @@ All times on these pages are UTC (the datetime-local inputs are read as UTC).
 from __future__ import annotations
 
 import json
-from datetime import timezone as dt_timezone
+from datetime import UTC
 
 from django import forms
 from django.conf import settings
@@ -51,7 +51,7 @@ class UtcDateTimeField(forms.DateTimeField):
     widget = forms.DateTimeInput(attrs={"type": "datetime-local", "step": "1"}, format="%Y-%m-%dT%H:%M:%S")
 
     def to_python(self, value):
-        with timezone.override(dt_timezone.utc):
+        with timezone.override(UTC):
             return super().to_python(value)
 
 
@@ -97,8 +97,11 @@ class RangeForm(forms.Form):
         return data
 
 
-ACTOR_INVALID = ("An actor is `kind` or `kind:id`, with kind one of " + ", ".join(ACTOR_KINDS)
-                 + " (e.g. user:7, key:<public id>, system).")  # fmt: skip
+ACTOR_INVALID = (
+    "An actor is `kind` or `kind:id`, with kind one of "
+    + ", ".join(ACTOR_KINDS)
+    + " (e.g. user:7, key:<public id>, system)."
+)
 ACTION_CHOICES = [("", "Any action")] + [(int(a), f"{a.code_name} ({int(a)})") for a in AuditAction]
 
 
@@ -106,15 +109,22 @@ class EventFilterForm(RangeForm):
     """The REST list's filters: range, tenant, actor (its ACTOR_PATTERN), action (a known code)."""
 
     tenant = TenantField(label="Tenant (id or name)")
-    actor = forms.RegexField(ACTOR_PATTERN, required=False, max_length=210, label="Actor (kind or kind:id)",
-                             error_messages={"invalid": ACTOR_INVALID})  # fmt: skip
-    action = forms.TypedChoiceField(choices=ACTION_CHOICES, coerce=int, empty_value=None, required=False,
-                                    label="Action")  # fmt: skip
+    actor = forms.RegexField(
+        ACTOR_PATTERN,
+        required=False,
+        max_length=210,
+        label="Actor (kind or kind:id)",
+        error_messages={"invalid": ACTOR_INVALID},
+    )
+    action = forms.TypedChoiceField(
+        choices=ACTION_CHOICES, coerce=int, empty_value=None, required=False, label="Action"
+    )
 
 
 class ExportForm(RangeForm):
-    format = forms.ChoiceField(choices=[("jsonl", "JSONL (one JSON record a line)"), ("csv", "CSV")],
-                               initial="jsonl", label="Format")  # fmt: skip
+    format = forms.ChoiceField(
+        choices=[("jsonl", "JSONL (one JSON record a line)"), ("csv", "CSV")], initial="jsonl", label="Format"
+    )
     tenant = TenantField(label="Tenant (id or name; empty: every tenant)")
 
     def clean(self):
@@ -126,9 +136,14 @@ class ExportForm(RangeForm):
 
 
 class VerifyForm(forms.Form):
-    export = forms.FileField(label="Export file (JSONL or CSV)", allow_empty_file=False,
-                             error_messages={"empty": "The file is empty: it is not an export.",
-                                             "required": "Choose an export file to verify."})  # fmt: skip
+    export = forms.FileField(
+        label="Export file (JSONL or CSV)",
+        allow_empty_file=False,
+        error_messages={
+            "empty": "The file is empty: it is not an export.",
+            "required": "Choose an export file to verify.",
+        },
+    )
 
 
 # ---- events ----------------------------------------------------------------------------------------------------------
@@ -143,15 +158,26 @@ def index(request):
         return render(request, "console/audit/events.html", context, status=400)
     filters = form.cleaned_data
     kind, _, actor_id = (filters["actor"] or "").partition(":")
-    events = queries.audit_event_list(start=filters["from"], end=filters["to"], tenant_id=filters["tenant"],
-                                      actor_kind=kind or None, actor_id=actor_id or None,
-                                      action=filters["action"])  # fmt: skip
+    events = queries.audit_event_list(
+        start=filters["from"],
+        end=filters["to"],
+        tenant_id=filters["tenant"],
+        actor_kind=kind or None,
+        actor_id=actor_id or None,
+        action=filters["action"],
+    )
     page = Paginator(events.reverse(), PAGE_SIZE).get_page(request.GET.get("page"))
     names = dict(tenant_list().filter(pk__in={e.tenant_id for e in page if e.tenant_id}).values_list("pk", "name"))
     query = _filter_query(request.GET)
     export_query = _filter_query(request.GET, keys=("from", "to", "tenant"))
-    context.update(listed=True, page=page, rows=[_row(event, names) for event in page], query=query,
-                   filtered=bool(query), export_query=export_query)  # fmt: skip
+    context.update(
+        listed=True,
+        page=page,
+        rows=[_row(event, names) for event in page],
+        query=query,
+        filtered=bool(query),
+        export_query=export_query,
+    )
     return render(request, "console/audit/events.html", context)
 
 
@@ -193,8 +219,9 @@ def export(request):
     if not form.is_valid():
         return _export_form(request, form, status=400)
     data = form.cleaned_data
-    download = exports.audit_export_begin(fmt=data["format"], start=data["from"], end=data["to"],
-                                          tenant_id=data["tenant"])  # fmt: skip
+    download = exports.audit_export_begin(
+        fmt=data["format"], start=data["from"], end=data["to"], tenant_id=data["tenant"]
+    )
     return exports.export_response(download)
 
 
@@ -263,9 +290,14 @@ def _content_length(request) -> int | None:
 
 
 def _too_large(request, limit: int):
-    return error_page(request, 413, "File too large",
-                      f"The export is larger than the {_size(limit)} this page verifies. Verify it offline with "
-                      "`python audit/chain.py verify FILE --key platform-key.json`.", "file_too_large")  # fmt: skip
+    return error_page(
+        request,
+        413,
+        "File too large",
+        f"The export is larger than the {_size(limit)} this page verifies. Verify it offline with "
+        "`python audit/chain.py verify FILE --key platform-key.json`.",
+        "file_too_large",
+    )
 
 
 def _size(count: int) -> str:
@@ -298,8 +330,15 @@ def verification_of(data: bytes, *, trusted_key: dict) -> dict:
 
 
 def _verify_page(request, form, *, status: int = 200, result: dict | None = None):
-    context = page_context(request, title="Verify an audit export", section="audit", form=form, result=result,
-                           max_size=_size(verify_max_bytes()), key_id=platform_public_jwk()["kid"])  # fmt: skip
+    context = page_context(
+        request,
+        title="Verify an audit export",
+        section="audit",
+        form=form,
+        result=result,
+        max_size=_size(verify_max_bytes()),
+        key_id=platform_public_jwk()["kid"],
+    )
     return render(request, "console/audit/verify.html", context, status=status)
 
 

@@ -67,10 +67,14 @@ def _jobs_context(request) -> dict:
     labels = selectors.erasure_tenant_labels(tenant_ids=[job.tenant_id for job in page])
     requesters = _requester_labels([job.requested_by for job in page])
     rows = [
-        JobRow(job=job, tenant=labels.get(job.tenant_id, ""), requested_by=requesters[job.requested_by],
-               receipt_verifies=selectors.erasure_receipt_verifies(job=job) if job.receipt is not None else None)
+        JobRow(
+            job=job,
+            tenant=labels.get(job.tenant_id, ""),
+            requested_by=requesters[job.requested_by],
+            receipt_verifies=selectors.erasure_receipt_verifies(job=job) if job.receipt is not None else None,
+        )
         for job in page
-    ]  # fmt: skip
+    ]
     return {"page": page, "rows": rows, "query": ""}
 
 
@@ -125,12 +129,19 @@ def _request_confirmation(request, tenant: Tenant, *, error: str = "", status: i
     if job is not None:
         details.append(f"It already has an erasure job ({job.state}); requesting again returns that job.")
     context = page_context(
-        request, **SECTION, title="Request an erasure", danger=True, button="Request erasure",
+        request,
+        **SECTION,
+        title="Request an erasure",
+        danger=True,
+        button="Request erasure",
         question=f"Erase every piece of personal data of {tenant.name}? After the grace window its keys are revoked, "
-                 "its caches detached and purged on every node, and its key material destroyed. This cannot be undone.",
-        details=details, action_url=reverse("console:erasure_request", args=[tenant.pk]),
-        cancel_url=reverse("console:gdpr"), confirm_text=tenant.name, confirm_error=error,
-    )  # fmt: skip
+        "its caches detached and purged on every node, and its key material destroyed. This cannot be undone.",
+        details=details,
+        action_url=reverse("console:erasure_request", args=[tenant.pk]),
+        cancel_url=reverse("console:gdpr"),
+        confirm_text=tenant.name,
+        confirm_error=error,
+    )
     return render(request, "console/confirm.html", context, status=status)
 
 
@@ -145,8 +156,11 @@ def _existing_job(tenant_id) -> ErasureJob | None:
 def erasure_new(request):
     """GET without a tenant: the form; with one: its confirmation step (or the form again with its error, 400)."""
     if "tenant" not in request.GET:
-        return render(request, "console/gdpr/erasure_new.html",
-                      page_context(request, title="Request an erasure", **SECTION, form=TenantChoiceForm()))  # fmt: skip
+        return render(
+            request,
+            "console/gdpr/erasure_new.html",
+            page_context(request, title="Request an erasure", **SECTION, form=TenantChoiceForm()),
+        )
     form = TenantChoiceForm(request.GET)
     if not form.is_valid():
         context = page_context(request, title="Request an erasure", **SECTION, form=form)
@@ -159,19 +173,29 @@ def erasure_request(request, tenant_id):
     """privacy.services.erasure_request, as the REST view calls it, once the tenant's name was typed exactly."""
     tenant = tenant_get(tenant_id=tenant_id)
     if request.POST.get("confirm", "").strip() != tenant.name.strip():
-        return _request_confirmation(request, tenant, error="The name you typed is not the tenant's name. "
-                                                            "Nothing was requested.", status=400)  # fmt: skip
+        return _request_confirmation(
+            request, tenant, error="The name you typed is not the tenant's name. Nothing was requested.", status=400
+        )
     before = _existing_job(tenant.pk)
     job, created = services.erasure_request(tenant_id=tenant.pk, requested_by=services.erasure_requester(request.user))
     if created:
-        messages.success(request, f"Erasure of {tenant.name} requested: scheduled to start at "
-                                  f"{_when(job.scheduled_for)} (cancellable until then).")  # fmt: skip
+        messages.success(
+            request,
+            f"Erasure of {tenant.name} requested: scheduled to start at "
+            f"{_when(job.scheduled_for)} (cancellable until then).",
+        )
     elif before is not None and before.state == ErasureState.ERROR:
-        messages.success(request, f"The failed erasure of {tenant.name} is retried: error -> scheduled, "
-                                  f"starting at {_when(job.scheduled_for)}.")  # fmt: skip
+        messages.success(
+            request,
+            f"The failed erasure of {tenant.name} is retried: error -> scheduled, "
+            f"starting at {_when(job.scheduled_for)}.",
+        )
     else:
-        messages.info(request, f"{tenant.name} already has this erasure job ({job.state}, scheduled start "
-                               f"{_when(job.scheduled_for)}); the same job is kept and nothing changed.")  # fmt: skip
+        messages.info(
+            request,
+            f"{tenant.name} already has this erasure job ({job.state}, scheduled start "
+            f"{_when(job.scheduled_for)}); the same job is kept and nothing changed.",
+        )
     return redirect("console:gdpr")
 
 
@@ -188,16 +212,25 @@ def erasure_cancel(request, tenant_id):
         if job.state == ErasureState.CANCELLED:
             messages.info(request, f"The erasure of {label} was already cancelled; nothing changed.")
         else:
-            messages.success(request, f"Erasure of {label} cancelled: {job.state} -> {cancelled.state}. "
-                                      "The tenant was not touched.")  # fmt: skip
+            messages.success(
+                request, f"Erasure of {label} cancelled: {job.state} -> {cancelled.state}. The tenant was not touched."
+            )
         return redirect("console:gdpr")
     context = page_context(
-        request, **SECTION, title="Cancel an erasure", button="Cancel the erasure", danger=False,
+        request,
+        **SECTION,
+        title="Cancel an erasure",
+        button="Cancel the erasure",
+        danger=False,
         question=f"Cancel the erasure of {label}? Its data stays as it is; a new request starts a new grace window.",
-        details=[f"State: {job.state}", f"Scheduled start: {_when(job.scheduled_for)}",
-                 f"Requested by {job.requested_by} at {_when(job.requested_at)}"],
-        action_url=reverse("console:erasure_cancel", args=[job.tenant_id]), cancel_url=reverse("console:gdpr"),
-    )  # fmt: skip
+        details=[
+            f"State: {job.state}",
+            f"Scheduled start: {_when(job.scheduled_for)}",
+            f"Requested by {job.requested_by} at {_when(job.requested_at)}",
+        ],
+        action_url=reverse("console:erasure_cancel", args=[job.tenant_id]),
+        cancel_url=reverse("console:gdpr"),
+    )
     return render(request, "console/confirm.html", context)
 
 

@@ -53,9 +53,13 @@ def _seconds_between(later, earlier) -> int | None:
 
 
 def node_row(node: Node, *, hosted: int, now) -> NodeRow:
-    return NodeRow(node=node, lease_age_seconds=_seconds_between(now, node.last_heartbeat_at),
-                   lease_expires_in_seconds=_seconds_between(node.lease_expires_at, now),
-                   tiers=fleet_selectors.node_tier_use(node), hosted_caches=hosted)  # fmt: skip
+    return NodeRow(
+        node=node,
+        lease_age_seconds=_seconds_between(now, node.last_heartbeat_at),
+        lease_expires_in_seconds=_seconds_between(node.lease_expires_at, now),
+        tiers=fleet_selectors.node_tier_use(node),
+        hosted_caches=hosted,
+    )
 
 
 # ---- list -----------------------------------------------------------------------------------------------------------
@@ -103,8 +107,15 @@ def _expected_bytes(migration) -> int | None:
 
 
 def _migration_rows(migrations) -> list[dict]:
-    return [{"migration": m, "active": m.state in ACTIVE_MIGRATION_STATES, "expected_bytes": _expected_bytes(m),
-             "tenant_url": tenant_url(m.cache.tenant_id)} for m in migrations]  # fmt: skip
+    return [
+        {
+            "migration": m,
+            "active": m.state in ACTIVE_MIGRATION_STATES,
+            "expected_bytes": _expected_bytes(m),
+            "tenant_url": tenant_url(m.cache.tenant_id),
+        }
+        for m in migrations
+    ]
 
 
 def _detail_context(node_id: uuid.UUID) -> dict:
@@ -125,8 +136,9 @@ def _detail_context(node_id: uuid.UUID) -> dict:
 
 def _detail_page(request, node_id: uuid.UUID, template: str = "console/nodes/detail.html"):
     context = _detail_context(node_id)
-    return render(request, template, page_context(request, title=f"Node {context['node'].name}", section="nodes",
-                                                  **context))  # fmt: skip
+    return render(
+        request, template, page_context(request, title=f"Node {context['node'].name}", section="nodes", **context)
+    )
 
 
 @console_view()
@@ -137,8 +149,9 @@ def detail(request, node_id: uuid.UUID):
 @console_view()
 def detail_live(request, node_id: uuid.UUID):
     """The detail's live part for an htmx poll; the whole page for a plain request."""
-    return _detail_page(request, node_id, "console/nodes/_detail_live.html" if request.htmx else
-                        "console/nodes/detail.html")  # fmt: skip
+    return _detail_page(
+        request, node_id, "console/nodes/_detail_live.html" if request.htmx else "console/nodes/detail.html"
+    )
 
 
 # ---- actions --------------------------------------------------------------------------------------------------------
@@ -154,17 +167,26 @@ class NodeAction:
 
 CORDON = NodeAction("cordon", "Cordon", "Cordon node {name}? It takes no new caches; the caches on it stay.", False)
 UNCORDON = NodeAction("uncordon", "Uncordon", "Uncordon node {name}? It takes new caches again.", False)
-DRAIN = NodeAction("drain", "Drain", "Drain node {name}? It takes no new caches and every ready cache on it is "
-                   "migrated to another node.", True)  # fmt: skip
+DRAIN = NodeAction(
+    "drain",
+    "Drain",
+    "Drain node {name}? It takes no new caches and every ready cache on it is migrated to another node.",
+    True,
+)
 
 
 def _confirm(request, node: Node, action: NodeAction, details: list[str]):
     context = page_context(
-        request, section="nodes", title=f"{action.button} node {node.name}", question=action.question.format(
-            name=node.name), details=details, button=action.button, danger=action.danger,
+        request,
+        section="nodes",
+        title=f"{action.button} node {node.name}",
+        question=action.question.format(name=node.name),
+        details=details,
+        button=action.button,
+        danger=action.danger,
         action_url=reverse(f"console:node_{action.name}", args=[node.pk]),
         cancel_url=reverse("console:node", args=[node.pk]),
-    )  # fmt: skip
+    )
     return render(request, "console/confirm.html", context)
 
 

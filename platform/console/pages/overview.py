@@ -48,8 +48,9 @@ def top_tenants_context(now) -> dict:
 
 
 def _page(request):
-    context = page_context(request, title="Overview", section="overview", **live_context(),
-                           **top_tenants_context(timezone.now()))  # fmt: skip
+    context = page_context(
+        request, title="Overview", section="overview", **live_context(), **top_tenants_context(timezone.now())
+    )
     return render(request, "console/overview.html", context)
 
 

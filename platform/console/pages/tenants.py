@@ -26,7 +26,8 @@ from caches.token_cascade import data_tokens_revoke_cascade
 from console.access import console_view, error_page, page_context
 from console.charts import daily_bars, human_bytes, stacked_bar_chart
 from console.forms import BYTE_FIELDS, QUOTA_LABELS, QuotaForm, TenantSearchForm, limit_text
-from tenants import selectors as tenant_selectors, services as tenant_services
+from tenants import selectors as tenant_selectors
+from tenants import services as tenant_services
 from tenants.models import Tenant
 
 PAGE_SIZE = 25
@@ -51,8 +52,9 @@ def _list_rows(tenants: list[Tenant]) -> list[dict]:
     ids = [tenant.pk for tenant in tenants]
     now = timezone.now()
     usage = cache_selectors.cache_usage_by_tenant(tenant_ids=ids)
-    gb_hours = billing_selectors.gb_hours_by_tenant(tenant_ids=ids, start=_month_start(now),
-                                                    end=now + timedelta(hours=1))  # fmt: skip
+    gb_hours = billing_selectors.gb_hours_by_tenant(
+        tenant_ids=ids, start=_month_start(now), end=now + timedelta(hours=1)
+    )
     keys = tenant_selectors.active_key_counts(tenant_ids=ids, now=now)
     return [
         {
@@ -75,9 +77,17 @@ def index(request):
     query = form.cleaned_data["q"].strip() if valid else ""
     tenants = tenant_selectors.tenant_search(query=query) if valid else Tenant.objects.none()
     page = Paginator(tenants, PAGE_SIZE).get_page(request.GET.get("page"))
-    return _render(request, "console/tenants/list.html", status=200 if valid else 400, title="Tenants", form=form,
-                   query=query, page=page, rows=_list_rows(list(page.object_list)),
-                   page_query=urlencode({"q": query}) if query else "")  # fmt: skip
+    return _render(
+        request,
+        "console/tenants/list.html",
+        status=200 if valid else 400,
+        title="Tenants",
+        form=form,
+        query=query,
+        page=page,
+        rows=_list_rows(list(page.object_list)),
+        page_query=urlencode({"q": query}) if query else "",
+    )
 
 
 # ---- detail ----------------------------------------------------------------------------------------------------------
@@ -100,8 +110,14 @@ def _usage_meters(tenant: Tenant) -> list[dict]:
     caches, caches_limit = usage.caches.num_caches, usage.limits.max_caches
     meters.append(_meter("Caches", caches, caches_limit, f"{caches} of {caches_limit}"))
     tokens_limit = usage.limits.max_data_tokens_outstanding
-    meters.append(_meter("Data tokens", usage.data_tokens_outstanding, tokens_limit,
-                         f"{usage.data_tokens_outstanding} of {tokens_limit} outstanding"))  # fmt: skip
+    meters.append(
+        _meter(
+            "Data tokens",
+            usage.data_tokens_outstanding,
+            tokens_limit,
+            f"{usage.data_tokens_outstanding} of {tokens_limit} outstanding",
+        )
+    )
     return meters
 
 
@@ -118,8 +134,12 @@ def _chart_context(tenant: Tenant) -> dict:
     series = billing_selectors.usage_series(tenant_id=tenant.pk, start=start, end=end, granularity="day")
     points = ((bucket.period_start.astimezone(UTC).date(), bucket.gb_hours) for bucket in series)
     bars = daily_bars(points, first_day=start.date(), days=CHART_DAYS)
-    return {"chart": stacked_bar_chart(bars, title="GB-hours per tier per day", unit="GB-hours"), "chart_bars": bars,
-            "chart_start": start.date(), "chart_end": (end - timedelta(days=1)).date()}  # fmt: skip
+    return {
+        "chart": stacked_bar_chart(bars, title="GB-hours per tier per day", unit="GB-hours"),
+        "chart_bars": bars,
+        "chart_start": start.date(),
+        "chart_end": (end - timedelta(days=1)).date(),
+    }
 
 
 def _quota_rows(tenant: Tenant) -> list[dict]:
@@ -142,8 +162,11 @@ def _quota_form(tenant: Tenant, data=None) -> QuotaForm:
 def _detail_context(tenant: Tenant, *, quota_form: QuotaForm | None = None) -> dict:
     now = timezone.now()
     keys = list(tenant_selectors.api_key_list(tenant=tenant)[:MAX_ROWS])
-    caches = list(cache_selectors.cache_list(tenant_id=tenant.pk).exclude(state=CacheState.DETACHED)
-                  .select_related("node")[:MAX_ROWS])  # fmt: skip
+    caches = list(
+        cache_selectors.cache_list(tenant_id=tenant.pk)
+        .exclude(state=CacheState.DETACHED)
+        .select_related("node")[:MAX_ROWS]
+    )
     invoices = list(billing_selectors.invoices_for_tenant(tenant_id=tenant.pk)[:MAX_ROWS])
     return {
         "title": f"Tenant {tenant.name}",
@@ -152,8 +175,13 @@ def _detail_context(tenant: Tenant, *, quota_form: QuotaForm | None = None) -> d
         "quota_rows": _quota_rows(tenant),
         "quota_form": quota_form or _quota_form(tenant),
         "keys": [{"key": key, "state": key.state_at(now)} for key in keys],
-        "caches": [{"cache": cache, "capacity": {tier: human_bytes(getattr(cache, f"{tier}_capacity_bytes"))
-                                                 for tier in TIERS}} for cache in caches],  # fmt: skip
+        "caches": [
+            {
+                "cache": cache,
+                "capacity": {tier: human_bytes(getattr(cache, f"{tier}_capacity_bytes")) for tier in TIERS},
+            }
+            for cache in caches
+        ],
         "invoices": [{"invoice": invoice, "lines": len(invoice.lines.all())} for invoice in invoices],
         "max_rows": MAX_ROWS,
         **_chart_context(tenant),
@@ -195,12 +223,17 @@ def quota_update(request, tenant_id):
         context = _detail_context(tenant, quota_form=form)
         return _render(request, "console/tenants/detail.html", status=400, **context)
     before = tenant_selectors.quota_overrides(tenant=tenant)
-    changed = {field: form.cleaned_data[field] for field in tenant_services.QUOTA_BOUNDS
-               if field in request.POST and form.cleaned_data[field] != before[field]}  # fmt: skip
+    changed = {
+        field: form.cleaned_data[field]
+        for field in tenant_services.QUOTA_BOUNDS
+        if field in request.POST and form.cleaned_data[field] != before[field]
+    }
     tenant_services.quota_update(tenant=tenant, **changed)
     if changed:
-        what = "; ".join(f"{QUOTA_LABELS[field]}: {_limit_text(field, before[field])} -> {_limit_text(field, value)}"
-                         for field, value in changed.items())  # fmt: skip
+        what = "; ".join(
+            f"{QUOTA_LABELS[field]}: {_limit_text(field, before[field])} -> {_limit_text(field, value)}"
+            for field, value in changed.items()
+        )
         messages.success(request, f"Quota of {tenant.name} updated: {what}.")
     else:
         messages.info(request, f"Quota of {tenant.name}: nothing changed.")
@@ -216,11 +249,18 @@ def key_revoke(request, tenant_id, key_id):
     detail_url = reverse("console:tenant", kwargs={"tenant_id": tenant.pk})
     handle = f"kc_live_{api_key.public_id}_…" + (f" ({api_key.name})" if api_key.name else "")
     if request.method == "GET":
-        return _render(request, "console/confirm.html", title="Revoke API key",
-                       question=f"Revoke the key {handle} of tenant {tenant.name}? Requests with it are refused "
-                                "from then on. This cannot be undone.",
-                       details=[f"Scopes: {', '.join(api_key.scopes)}", f"State: {api_key.state}"],
-                       action_url=request.path, button="Revoke key", cancel_url=detail_url, danger=True)  # fmt: skip
+        return _render(
+            request,
+            "console/confirm.html",
+            title="Revoke API key",
+            question=f"Revoke the key {handle} of tenant {tenant.name}? Requests with it are refused "
+            "from then on. This cannot be undone.",
+            details=[f"Scopes: {', '.join(api_key.scopes)}", f"State: {api_key.state}"],
+            action_url=request.path,
+            button="Revoke key",
+            cancel_url=detail_url,
+            danger=True,
+        )
     already = api_key.revoked_at is not None
     tenant_services.api_key_revoke(api_key=api_key)
     data_tokens_revoke_cascade(tenant_id=tenant.pk)  # the data tokens it minted: refused on the nodes now
@@ -244,14 +284,24 @@ def tenant_status(request, tenant_id):
         return error_page(request, 400, "Refused", "The status must be active or suspended.", "validation_error")
     detail_url = reverse("console:tenant", kwargs={"tenant_id": tenant.pk})
     if request.method == "GET":
-        effect = ("Its API keys are refused until it is reactivated, and its data tokens and live data-plane "
-                  "connections end now." if wanted == Tenant.Status.SUSPENDED
-                  else "Its API keys work again.")  # fmt: skip
+        effect = (
+            "Its API keys are refused until it is reactivated, and its data tokens and live data-plane "
+            "connections end now."
+            if wanted == Tenant.Status.SUSPENDED
+            else "Its API keys work again."
+        )
         verb = _STATUS_ACTIONS[wanted]
-        return _render(request, "console/confirm.html", title=f"{verb} tenant",
-                       question=f"{verb} tenant {tenant.name} ({tenant.status} -> {wanted})? {effect}",
-                       action_url=request.path, button=f"{verb} tenant", cancel_url=detail_url,
-                       danger=wanted == Tenant.Status.SUSPENDED, extra_fields=[("status", wanted)])  # fmt: skip
+        return _render(
+            request,
+            "console/confirm.html",
+            title=f"{verb} tenant",
+            question=f"{verb} tenant {tenant.name} ({tenant.status} -> {wanted})? {effect}",
+            action_url=request.path,
+            button=f"{verb} tenant",
+            cancel_url=detail_url,
+            danger=wanted == Tenant.Status.SUSPENDED,
+            extra_fields=[("status", wanted)],
+        )
     old = tenant.status
     updated = tenant_services.tenant_set_status(tenant=tenant, status=wanted)
     data_tokens_revoke_cascade(tenant_id=tenant.pk)  # a suspended tenant's data tokens and sessions end now

@@ -9,7 +9,8 @@ done goes to stderr. ``make up`` uses it for the demo tenant.
 from django.core.management.base import BaseCommand, CommandError
 
 from core.errors import ApplicationError
-from tenants import scopes as scope_rules, services
+from tenants import scopes as scope_rules
+from tenants import services
 from tenants.models import Tenant
 
 
@@ -19,13 +20,19 @@ class Command(BaseCommand):
     def add_arguments(self, parser):
         parser.add_argument("name")
         parser.add_argument(
-            "--scopes", nargs="+", default=list(scope_rules.ALL_SCOPES), choices=scope_rules.ALL_SCOPES,
+            "--scopes",
+            nargs="+",
+            default=list(scope_rules.ALL_SCOPES),
+            choices=scope_rules.ALL_SCOPES,
             help="Scopes of the key (default: all).",
         )
         parser.add_argument("--key-name", default="created by kcaas_create_tenant")
         parser.add_argument("--reuse", action="store_true", help="Use the tenant of that name if it exists.")
-        parser.add_argument("--replace", action="store_true",
-                            help="Revoke the tenant's active keys of the same --key-name before issuing the new one.")
+        parser.add_argument(
+            "--replace",
+            action="store_true",
+            help="Revoke the tenant's active keys of the same --key-name before issuing the new one.",
+        )
 
     def handle(self, *args, name, scopes, key_name, reuse, replace=False, **options):
         tenant = Tenant.objects.filter(name=name.strip()).first() if reuse else None

@@ -15,8 +15,16 @@ import pytest
 
 from tests.console.conftest import PASSWORD, make_console_user, totp_code
 
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-quic",
-                 "--no-first-run", "--disable-component-update", "--disable-sync"]  # fmt: skip
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-component-update",
+    "--disable-sync",
+]
 LAPTOP = {"width": 1280, "height": 800}
 PHONE = {"width": 375, "height": 740}
 
@@ -58,8 +66,14 @@ def page(browser, live_server):
     errors: list[str] = []
     opened.on("pageerror", lambda error: errors.append(str(error)))
     # Script errors and console errors, but not the browser's note on a 4xx answer (a form refused on purpose).
-    opened.on("console", lambda message: errors.append(message.text)
-              if message.type == "error" and not message.text.startswith("Failed to load resource") else None)
+    opened.on(
+        "console",
+        lambda message: (
+            errors.append(message.text)
+            if message.type == "error" and not message.text.startswith("Failed to load resource")
+            else None
+        ),
+    )
     opened.js_errors = errors
     yield opened
     context.close()

@@ -14,18 +14,28 @@ from console import roles
 from privacy.models import ErasureJob
 from tenants import services as tenant_services
 from tenants.models import Tenant
-from tests.console.browser.conftest import PHONE
 
 pytestmark = pytest.mark.django_db(transaction=True)
-SPEC = {"model_fingerprint": "tiny@1", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 16,
-        "kv_dtype": "float16", "storage_dtype": "float16"}  # fmt: skip
+SPEC = {
+    "model_fingerprint": "tiny@1",
+    "num_layers": 2,
+    "num_kv_heads": 2,
+    "head_dim": 8,
+    "block_size": 16,
+    "kv_dtype": "float16",
+    "storage_dtype": "float16",
+}
 
 
 def api(base: str, method: str, path: str, key: str, body: dict | None = None) -> tuple[int, dict]:
     """One real HTTP request to the live control plane with a tenant key: (status, JSON body)."""
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(base + path, data=data, method=method,
-                                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    request = urllib.request.Request(
+        base + path,
+        data=data,
+        method=method,
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=15) as answer:
             return answer.status, json.loads(answer.read() or b"{}")
@@ -128,8 +138,13 @@ def test_cordon_a_node_and_placement_skips_it(signed_in, shots):
     assert "ready -> cordoned" in page.locator(".messages").inner_text()
     node.refresh_from_db()
     assert node.state == "cordoned"
-    status, body = api(page.base, "POST", "/api/v1/caches", issued.raw_key,
-                       {"name": "c1", "spec": SPEC, "capacity": {"device": 1 << 20}})
+    status, body = api(
+        page.base,
+        "POST",
+        "/api/v1/caches",
+        issued.raw_key,
+        {"name": "c1", "spec": SPEC, "capacity": {"device": 1 << 20}},
+    )
     assert (status, body["error"]["code"]) == (503, "no_capacity")  # the only node is cordoned
     page.get_by_role("link", name="Uncordon").click()
     page.get_by_role("button", name="Uncordon").click()

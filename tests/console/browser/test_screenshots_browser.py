@@ -22,20 +22,34 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 def _fleet(*, requested_by: str):
     """Three nodes (one cordoned), four tenants with caches, 30 days of usage for one, an erasure scheduled."""
-    nodes = [make_node("gpu-a1", device=80 * GIB, dram=512 * GIB, ssd=2048 * GIB),
-             make_node("gpu-a2", device=80 * GIB, dram=512 * GIB, ssd=2048 * GIB),
-             make_node("gpu-b1", device=141 * GIB, dram=1024 * GIB, ssd=4096 * GIB)]  # fmt: skip
+    nodes = [
+        make_node("gpu-a1", device=80 * GIB, dram=512 * GIB, ssd=2048 * GIB),
+        make_node("gpu-a2", device=80 * GIB, dram=512 * GIB, ssd=2048 * GIB),
+        make_node("gpu-b1", device=141 * GIB, dram=1024 * GIB, ssd=4096 * GIB),
+    ]
     tenants = {name: make_tenant(name) for name in ("acme-robotics", "globex-research", "initech", "umbrella-labs")}
-    sizes = {"acme-robotics": (24, 64, 256), "globex-research": (12, 32, 0), "initech": (6, 0, 0),
-             "umbrella-labs": (2, 8, 64)}  # fmt: skip
+    sizes = {
+        "acme-robotics": (24, 64, 256),
+        "globex-research": (12, 32, 0),
+        "initech": (6, 0, 0),
+        "umbrella-labs": (2, 8, 64),
+    }
     resident: dict = {}
     for name, (device, dram, ssd) in sizes.items():
-        tenant_services.quota_update(tenant=tenants[name], max_device_bytes=32 * GIB, max_dram_bytes=128 * GIB,
-                                     max_ssd_bytes=512 * GIB)  # fmt: skip
+        tenant_services.quota_update(
+            tenant=tenants[name], max_device_bytes=32 * GIB, max_dram_bytes=128 * GIB, max_ssd_bytes=512 * GIB
+        )
         cache = make_ready(attach(tenants[name], "llama-3-8b", device=device * GIB, dram=dram * GIB, ssd=ssd * GIB))
         resident.setdefault(cache.node_id, []).append(
-            {"cache_id": str(cache.pk), "device_bytes": device * GIB * 7 // 10, "dram_bytes": dram * GIB // 2,
-             "ssd_bytes": ssd * GIB // 3, "hit_tokens": 9_400_000, "miss_tokens": 2_100_000})  # fmt: skip
+            {
+                "cache_id": str(cache.pk),
+                "device_bytes": device * GIB * 7 // 10,
+                "dram_bytes": dram * GIB // 2,
+                "ssd_bytes": ssd * GIB // 3,
+                "hit_tokens": 9_400_000,
+                "miss_tokens": 2_100_000,
+            }
+        )
         _usage(cache, days=30 if name == "acme-robotics" else 3, device=device, dram=dram, ssd=ssd)
     for node in nodes:
         heartbeat(node, resident.get(node.pk, []))
@@ -51,10 +65,16 @@ def _usage(cache, *, days: int, device: int, dram: int, ssd: int) -> None:
         for hour in range(0, 24, 6):
             at = now - timedelta(days=day, hours=hour)
             load = 0.5 + 0.5 * ((day * 7 + hour) % 5) / 4
-            rows.append(LedgerHour(cache=cache, tenant_id=cache.tenant_id, hour=at,
-                                   device_byte_seconds=int(device * GIB * 3600 * load * 0.7),
-                                   dram_byte_seconds=int(dram * GIB * 3600 * load * 0.5),
-                                   ssd_byte_seconds=int(ssd * GIB * 3600 * load * 0.3)))  # fmt: skip
+            rows.append(
+                LedgerHour(
+                    cache=cache,
+                    tenant_id=cache.tenant_id,
+                    hour=at,
+                    device_byte_seconds=int(device * GIB * 3600 * load * 0.7),
+                    dram_byte_seconds=int(dram * GIB * 3600 * load * 0.5),
+                    ssd_byte_seconds=int(ssd * GIB * 3600 * load * 0.3),
+                )
+            )
     LedgerHour.objects.bulk_create(rows)
 
 

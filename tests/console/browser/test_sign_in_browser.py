@@ -69,7 +69,9 @@ def test_keyboard_reaches_the_content_and_every_section(signed_in):
     assert sections.all_inner_texts() == ["Overview", "Tenants", "Nodes", "Audit", "GDPR"]
 
 
-@pytest.mark.parametrize("path", ["/console/", "/console/tenants/", "/console/nodes/", "/console/audit/", "/console/gdpr/"])
+@pytest.mark.parametrize(
+    "path", ["/console/", "/console/tenants/", "/console/nodes/", "/console/audit/", "/console/gdpr/"]
+)
 def test_main_pages_are_accessible_at_laptop_and_phone_width(signed_in, path):
     page, _ = signed_in(roles.OPERATOR, roles.COMPLIANCE)
     page.goto(page.base + path)
@@ -112,8 +114,12 @@ def test_live_regions_refresh_by_htmx_polling_under_the_csp(signed_in):
     cordoned = page.locator('[data-node-state="cordoned"]')
     assert cordoned.inner_text() == "0"
     polls = []
-    page.on("request", lambda request: polls.append(request.headers.get("x-console-poll"))
-            if "/console/overview/live" in request.url else None)
+    page.on(
+        "request",
+        lambda request: (
+            polls.append(request.headers.get("x-console-poll")) if "/console/overview/live" in request.url else None
+        ),
+    )
     fleet_services.node_cordon(node_id=node.pk)
     expect(page.locator('[data-node-state="cordoned"]')).to_have_text("1", timeout=12_000)
     assert polls and all(header == "1" for header in polls)

@@ -45,8 +45,12 @@ class Command(BaseCommand):
             if reset_otp:
                 ConsoleTOTPDevice.objects.filter(user=user).delete()
                 TOTPDevice.objects.filter(user=user).delete()  # a clear one left by an older version, if any
-        result = {"username": username, "created": created, "roles": sorted(role_names),
-                  "password": password if generated else None}  # fmt: skip
+        result = {
+            "username": username,
+            "created": created,
+            "roles": sorted(role_names),
+            "password": password if generated else None,
+        }
         self.stdout.write(json.dumps(result) if as_json else self._text(result))
 
     def _password(self, path) -> tuple[str | None, bool]:
@@ -65,8 +69,10 @@ class Command(BaseCommand):
 
     @staticmethod
     def _text(result: dict) -> str:
-        lines = [f"{'created' if result['created'] else 'updated'} console user {result['username']} "
-                 f"({', '.join(result['roles'])})"]  # fmt: skip
+        lines = [
+            f"{'created' if result['created'] else 'updated'} console user {result['username']} "
+            f"({', '.join(result['roles'])})"
+        ]
         if result["password"]:
             lines.append(f"password: {result['password']}")
         lines.append("sign in at /console/login; the first sign-in enrols an authenticator app")
