@@ -13,7 +13,8 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import F, Q
+from django.db.models import F, Max, Q
+from django.db.models.functions import Greatest
 from django.utils import timezone
 
 from audit.actions import AuditAction
@@ -381,7 +382,7 @@ def node_place(*, capacity: dict[str, int], now: datetime | None = None) -> Node
     live = Node.objects.filter(state=NodeState.READY, lease_expires_at__gt=now)
     candidates = list(live.filter(fits).select_for_update(no_key=True).order_by("id"))
     if not candidates:
-        raise NoCapacity("No node has the requested capacity free.", details={"requested": want})
+        raise _no_capacity(want, live)
     best = min(candidates, key=lambda node: _fit_rank(node, want, requested))
     Node.objects.filter(pk=best.pk).update(
         **{f"{tier}_reserved_bytes": F(f"{tier}_reserved_bytes") + want[tier] for tier in requested},
@@ -389,6 +390,33 @@ def node_place(*, capacity: dict[str, int], now: datetime | None = None) -> Node
     )
     best.refresh_from_db()
     return best
+
+
+NODE_CAPACITY_SETTINGS = {
+    "device": "KCAAS_NODE_DEVICE_BYTES",
+    "dram": "KCAAS_NODE_DRAM_BYTES",
+    "ssd": "KCAAS_NODE_SSD_BYTES",
+}
+
+
+def _no_capacity(want: dict[str, int], live) -> NoCapacity:
+    """The refusal, with the largest free bytes per tier on any live ready node (fleet-wide maxima only: no node
+    names, nothing about who holds the rest) and a hint naming the node agent settings that size each tier."""
+    largest = live.aggregate(
+        **{tier: Max(Greatest(F(f"{tier}_capacity_bytes") - F(f"{tier}_reserved_bytes"), 0)) for tier in TIERS}
+    )
+    largest_free = {tier: int(largest[tier] or 0) for tier in TIERS}
+    short = [tier for tier in TIERS if want[tier] > largest_free[tier]]
+    settings_named = " / ".join(NODE_CAPACITY_SETTINGS[tier] for tier in short or TIERS)
+    return NoCapacity(
+        "No node has the requested capacity free. Ask for at most `largest_free` bytes per tier, or give the node "
+        f"agents more ({settings_named}).",
+        details={
+            "requested": want,
+            "largest_free": largest_free,
+            "hint": f"Node agents size their tiers from {settings_named} (bytes).",
+        },
+    )
 
 
 def _fit_rank(node: Node, want: dict[str, int], requested: list[str]) -> tuple:

@@ -96,7 +96,13 @@ def test_no_capacity_raises_and_reserves_nothing(make_node):
     response = exception_handler(raised.value, {})
     assert response.status_code == 503
     assert response.data["error"]["code"] == "no_capacity"
-    assert response.data["error"]["details"]["requested"] == {"device": 8 * GIB, "dram": 20 * GIB, "ssd": 0}
+    details = response.data["error"]["details"]
+    assert details["requested"] == {"device": 8 * GIB, "dram": 20 * GIB, "ssd": 0}
+    # The largest free bytes per tier on any ready node (a: 10 GiB device, b: 100 GiB DRAM), never a node's name.
+    assert details["largest_free"] == {"device": 10 * GIB, "dram": 100 * GIB, "ssd": 0}
+    assert "KCAAS_NODE_DEVICE_BYTES" in details["hint"]
+    assert "KCAAS_NODE_DEVICE_BYTES" in response.data["error"]["message"]
+    assert "a" not in details and "b" not in details and "nodes" not in details
     assert {n.name: n.reserved for n in Node.objects.all()} == {
         "a": {"device": 0, "dram": 0, "ssd": 0},
         "b": {"device": 0, "dram": 0, "ssd": 0},
@@ -104,8 +110,20 @@ def test_no_capacity_raises_and_reserves_nothing(make_node):
 
 
 def test_no_nodes_at_all_is_no_capacity(db):
-    with pytest.raises(NoCapacity):
+    with pytest.raises(NoCapacity) as raised:
         services.node_place(capacity={"ssd": 1})
+    assert raised.value.details["largest_free"] == {"device": 0, "dram": 0, "ssd": 0}
+    assert "KCAAS_NODE_SSD_BYTES" in raised.value.details["hint"]
+
+
+def test_no_capacity_counts_only_ready_nodes_and_their_reservations(make_node):
+    make_node("ready", device=10 * GIB)
+    cordoned = make_node("cordoned", device=100 * GIB)
+    services.node_cordon(node_id=cordoned.node.pk)
+    services.node_place(capacity={"device": 4 * GIB})
+    with pytest.raises(NoCapacity) as raised:
+        services.node_place(capacity={"device": 7 * GIB})
+    assert raised.value.details["largest_free"] == {"device": 6 * GIB, "dram": 0, "ssd": 0}
 
 
 @pytest.mark.parametrize(
