@@ -19,6 +19,7 @@ DTYPE_NUM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "fp8_e4
 SCALE_NUM_BYTES = 4  # one float32 scale per (token, layer, K/V, kv head) for quantized storage
 MAX_BLOCK_SIZE = 1024
 MAX_FINGERPRINT_LEN = 256
+DEFAULT_BLOCK_SIZE = 16  # tokens per block unless the engine says otherwise
 
 
 class SpecError(ValueError):
@@ -124,5 +125,69 @@ class KVCacheSpec:
             )
         return cls(**data)
 
+    @classmethod
+    def from_hf_config(
+        cls,
+        config: Any,
+        *,
+        dtype: str | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        model_fingerprint: str | None = None,
+        storage_dtype: str | None = None,
+    ) -> KVCacheSpec:
+        """The identity of a transformers model's KV from its config (a PretrainedConfig or its dict): num_layers
+        from num_hidden_layers; num_kv_heads from num_key_value_heads (num_attention_heads without GQA); head_dim the
+        config's own `head_dim` when it has one (Gemma, Qwen3: not hidden_size // heads), else hidden_size //
+        num_attention_heads; kv_dtype `dtype` or the config's dtype/torch_dtype (float32 when neither says);
+        storage_dtype kv_dtype unless given; the fingerprint `<name_or_path>@<revision or main>` unless given.
+        Raises SpecError naming what the config lacks."""
+        values = _hf_values(config)
+        heads = _hf_int(values, "num_attention_heads")
+        head_dim = values.get("head_dim") or _hf_int(values, "hidden_size") // heads
+        kv_dtype = dtype or _hf_dtype(values)
+        return cls(
+            model_fingerprint=model_fingerprint or _hf_fingerprint(values),
+            num_layers=_hf_int(values, "num_hidden_layers"),
+            num_kv_heads=values.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            block_size=block_size,
+            kv_dtype=kv_dtype,
+            storage_dtype=storage_dtype or kv_dtype,
+        )
+
 
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(KVCacheSpec))
+
+
+def _hf_values(config: Any) -> dict[str, Any]:
+    """The fields of a transformers config (text_config for multimodal ones), or the dict as given."""
+    values = dict(config) if isinstance(config, dict) else dict(config.to_dict())
+    text = values.get("text_config")
+    if isinstance(text, dict) and "num_hidden_layers" not in values:
+        values = {**values, **text}
+    if not isinstance(config, dict):
+        values.setdefault("_name_or_path", getattr(config, "name_or_path", "") or "")
+        values.setdefault("_commit_hash", getattr(config, "_commit_hash", None))
+    return values
+
+
+def _hf_int(values: dict[str, Any], name: str) -> int:
+    value = values.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecError(f"invalid KV cache spec: the model config has no positive integer {name} (got {value!r})")
+    return value
+
+
+def _hf_dtype(values: dict[str, Any]) -> str:
+    raw = values.get("dtype") or values.get("torch_dtype") or "float32"
+    name = str(raw).removeprefix("torch.")
+    if name not in KV_DTYPES:
+        raise SpecError(f"invalid KV cache spec: the model's dtype {name!r} is not one of {KV_DTYPES}; pass dtype=")
+    return name
+
+
+def _hf_fingerprint(values: dict[str, Any]) -> str:
+    name = values.get("_name_or_path") or values.get("name_or_path") or ""
+    if not name:
+        raise SpecError("invalid KV cache spec: the model config has no name_or_path; pass model_fingerprint=")
+    return f"{name}@{values.get('_commit_hash') or values.get('revision') or 'main'}"

@@ -1,0 +1,67 @@
+"""KVCacheSpec.from_hf_config on real transformers configs: the KV layout a model's config implies, including models
+whose explicit head_dim differs from hidden_size // num_attention_heads (Gemma, Qwen3)."""
+
+import pytest
+import torch
+import transformers
+
+from kcaas.spec import KVCacheSpec, SpecError
+
+
+def named(config, name: str, commit: str | None = None):
+    config._name_or_path = name
+    if commit is not None:
+        config._commit_hash = commit
+    return config
+
+
+def test_llama_with_gqa_takes_its_kv_heads_and_dtype():
+    config = named(
+        transformers.LlamaConfig(
+            num_hidden_layers=4, hidden_size=256, num_attention_heads=8, num_key_value_heads=2, dtype=torch.bfloat16
+        ),
+        "meta-llama/Llama-3.2-1B",
+    )
+    spec = KVCacheSpec.from_hf_config(config)
+    assert spec == KVCacheSpec("meta-llama/Llama-3.2-1B@main", 4, 2, 32, 16, "bfloat16", "bfloat16")
+
+
+def test_qwen2_without_kv_heads_falls_back_to_attention_heads():
+    config = transformers.Qwen2Config(num_hidden_layers=3, hidden_size=128, num_attention_heads=4)
+    config.num_key_value_heads = None
+    spec = KVCacheSpec.from_hf_config(config, dtype="float16", block_size=32, model_fingerprint="qwen2-tiny@v1")
+    assert spec == KVCacheSpec("qwen2-tiny@v1", 3, 4, 32, 32, "float16", "float16")
+
+
+@pytest.mark.parametrize(
+    "config_class, kwargs",
+    [
+        (
+            transformers.GemmaConfig,
+            dict(hidden_size=3072, num_attention_heads=16, num_key_value_heads=16, head_dim=256),
+        ),
+        (transformers.Qwen3Config, dict(hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, head_dim=128)),
+    ],
+)
+def test_an_explicit_head_dim_wins_over_hidden_size_by_heads(config_class, kwargs):
+    config = named(config_class(num_hidden_layers=2, **kwargs), "org/model", commit="abc123")
+    spec = KVCacheSpec.from_hf_config(config, dtype="bfloat16")
+    assert kwargs["hidden_size"] // kwargs["num_attention_heads"] != kwargs["head_dim"]
+    assert (spec.head_dim, spec.num_kv_heads, spec.num_layers) == (kwargs["head_dim"], kwargs["num_key_value_heads"], 2)
+    assert spec.model_fingerprint == "org/model@abc123"
+
+
+def test_a_plain_dict_works_like_a_config():
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    values = {**config.to_dict(), "_name_or_path": "tiny", "torch_dtype": "float16"}
+    assert KVCacheSpec.from_hf_config(values) == KVCacheSpec("tiny@main", 2, 2, 16, 16, "float16", "float16")
+
+
+def test_what_the_config_cannot_say_is_a_spec_error():
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4)
+    with pytest.raises(SpecError, match="model_fingerprint="):
+        KVCacheSpec.from_hf_config(config)  # no name_or_path: the fingerprint must be given
+    with pytest.raises(SpecError, match="pass dtype="):
+        KVCacheSpec.from_hf_config({**config.to_dict(), "torch_dtype": "int4"}, model_fingerprint="m")
+    with pytest.raises(SpecError, match="num_hidden_layers"):
+        KVCacheSpec.from_hf_config({"num_attention_heads": 4, "hidden_size": 64}, model_fingerprint="m")
