@@ -232,6 +232,9 @@ KCAAS_PLATFORM_CA_KEY_PEM = os.environ.get("KCAAS_PLATFORM_CA_KEY_PEM", "")
 KCAAS_PLATFORM_CA_KEY_FILE = os.environ.get(
     "KCAAS_PLATFORM_CA_KEY_FILE", str(VAR_DIR / "secrets" / "platform-ca-p256.pem")
 )
+# The CA of data-plane certificates made outside the platform CA (`make up`'s dev CA, an operator's own): published
+# after the platform CA at /.well-known/kcaas-ca.pem so the SDK trusts nodes serving either; "" or a missing file: none.
+KCAAS_DATA_PLANE_CA_FILE = os.environ.get("KCAAS_DATA_PLANE_CA_FILE", str(VAR_DIR / "secrets" / "dev-ca.pem"))
 KCAAS_NODE_CERT_HOURS = env_int("KCAAS_NODE_CERT_HOURS", 12)  # node certificates' validity; agents renew at half
 KCAAS_TOKEN_ISSUER = os.environ.get("KCAAS_TOKEN_ISSUER", "kcaas-control-plane")
 KCAAS_DATA_TOKEN_TTL_SECONDS = env_int("KCAAS_DATA_TOKEN_TTL_SECONDS", 15 * 60)
