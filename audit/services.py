@@ -23,6 +23,7 @@ from audit.actions import AuditAction
 from audit.context import Actor, current_actor, current_request
 from audit.models import AuditChainHead, AuditEvent
 from core.errors import TransientError
+from core.metrics import timed_audit_write
 
 SALT_BYTES = 16
 
@@ -98,34 +99,35 @@ def audit_record(
     actor = actor or current_actor()
     request = current_request()
     sensitive = frozenset(sensitive)
-    try:
-        head = _lock_head()
-        salt = os.urandom(SALT_BYTES)
-        event = AuditEvent(
-            seq=head.seq + 1,
-            occurred_at=timezone.now(),
-            actor_kind=actor.kind,
-            actor_id=str(actor.id),
-            tenant_id=uuid.UUID(str(tenant_id)) if tenant_id else None,
-            action=int(AuditAction(action)),
-            target_type=str(target_type),
-            target_id=str(target_id or ""),
-            request_id=request.request_id if request else "",
-            source_ip=request.source_ip if request else None,
-            old_values=_values(old, sensitive),
-            new_values=_values(new, sensitive),
-            salt=salt,
-            prev_hash=head.hash,
-        )
-        fields = event.chain_fields()
-        event.commitments = chain.commitments_of(salt, fields)
-        event.hash = chain.event_hash(head.hash, fields, event.commitments)
-        with transaction.atomic():  # a savepoint: a failure here leaves the caller's transaction to roll back whole
-            event.save(force_insert=True)
-            head.seq, head.hash = event.seq, event.hash
-            head.save(update_fields=["seq", "hash"])
-    except Exception as error:  # noqa: BLE001 - fail closed: the caller's change must not commit without its event
-        raise AuditWriteError(f"could not record {AuditAction(action).name}: {error}") from error
+    with timed_audit_write():  # latency histogram; a failure is counted (core.metrics)
+        try:
+            head = _lock_head()
+            salt = os.urandom(SALT_BYTES)
+            event = AuditEvent(
+                seq=head.seq + 1,
+                occurred_at=timezone.now(),
+                actor_kind=actor.kind,
+                actor_id=str(actor.id),
+                tenant_id=uuid.UUID(str(tenant_id)) if tenant_id else None,
+                action=int(AuditAction(action)),
+                target_type=str(target_type),
+                target_id=str(target_id or ""),
+                request_id=request.request_id if request else "",
+                source_ip=request.source_ip if request else None,
+                old_values=_values(old, sensitive),
+                new_values=_values(new, sensitive),
+                salt=salt,
+                prev_hash=head.hash,
+            )
+            fields = event.chain_fields()
+            event.commitments = chain.commitments_of(salt, fields)
+            event.hash = chain.event_hash(head.hash, fields, event.commitments)
+            with transaction.atomic():  # a savepoint: a failure here leaves the caller's transaction to roll back whole
+                event.save(force_insert=True)
+                head.seq, head.hash = event.seq, event.hash
+                head.save(update_fields=["seq", "hash"])
+        except Exception as error:  # noqa: BLE001 - fail closed: the caller's change must not commit without its event
+            raise AuditWriteError(f"could not record {AuditAction(action).name}: {error}") from error
     return event
 
 

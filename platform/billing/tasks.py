@@ -5,6 +5,7 @@ from celery import shared_task
 
 from audit.context import SYSTEM, acting_as
 from billing import invoices, services
+from core.metrics import BILLING_LAST_ROLLUP
 
 
 @shared_task(name="billing.rollup")
@@ -13,6 +14,7 @@ def rollup() -> int:
     need (in that order: a sample is pruned only once the hours it fed are frozen and rolled up)."""
     rows = services.ledger_rollup_open_hours()
     services.usage_samples_prune()
+    BILLING_LAST_ROLLUP.set_to_current_time()
     return rows
 
 

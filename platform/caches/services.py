@@ -40,6 +40,7 @@ from caches.sealing import SealError, hash_key_new_sealed, hash_key_unseal, ssd_
 from caches.signing import token_sign
 from core.errors import ConflictError, NotFoundError, QuotaExceeded
 from core.ids import as_uuid
+from core.metrics import CACHE_ATTACHES, counted_outcome
 from fleet.models import NodeState
 from fleet.outbox import order_enqueue, orders_acknowledge, seal_for_node
 from fleet.services import node_place, node_unreserve, nodes_expire_unrecorded, nodes_lock, nodes_lost_record
@@ -121,6 +122,12 @@ def _check_quota(*, tenant: Tenant, capacity: dict[str, int]) -> None:
 
 @transaction.atomic
 def cache_attach(*, tenant_id: uuid.UUID, name: str, spec: KVCacheSpec, capacity: dict[str, int]) -> Cache:
+    """Attach a cache (counted by outcome in kcaas_cache_attaches); see _attach."""
+    with counted_outcome(CACHE_ATTACHES):
+        return _attach(tenant_id=tenant_id, name=name, spec=spec, capacity=capacity)
+
+
+def _attach(*, tenant_id: uuid.UUID, name: str, spec: KVCacheSpec, capacity: dict[str, int]) -> Cache:
     """Attach a cache: quota under the tenant lock, placement, the row, and provisioning sent on commit.
 
     Returns the cache in state `provisioning`. Refusals: 400 invalid_capacity, 409 cache_name_taken,

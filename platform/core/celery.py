@@ -6,8 +6,11 @@ import os
 
 from celery import Celery
 
+from core.metrics import connect_celery_signals
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 
 app = Celery("kcaas")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+connect_celery_signals()  # task outcomes by name (core.metrics)

@@ -21,6 +21,7 @@ from audit.actions import AuditAction
 from audit.context import SYSTEM
 from audit.services import audit_record
 from core.errors import NotFoundError
+from core.metrics import NODE_LEASE_EXPIRIES, PLACEMENT_FAILURES
 from fleet import pki
 from fleet.credentials import credential_new
 from fleet.errors import (
@@ -335,6 +336,7 @@ def nodes_expire_unrecorded(*, now: datetime | None = None) -> dict[uuid.UUID, s
     if lost:
         Node.objects.filter(pk__in=list(lost)).update(state=NodeState.LOST, updated_at=timezone.now())
         logger.warning("nodes lost (lease expired): %s", ", ".join(map(str, lost)))
+        transaction.on_commit(lambda: NODE_LEASE_EXPIRIES.inc(len(lost)))
     return lost
 
 
@@ -382,6 +384,7 @@ def node_place(*, capacity: dict[str, int], now: datetime | None = None) -> Node
     live = Node.objects.filter(state=NodeState.READY, lease_expires_at__gt=now)
     candidates = list(live.filter(fits).select_for_update(no_key=True).order_by("id"))
     if not candidates:
+        PLACEMENT_FAILURES.labels(reason=NoCapacity.code).inc()
         raise _no_capacity(want, live)
     best = min(candidates, key=lambda node: _fit_rank(node, want, requested))
     Node.objects.filter(pk=best.pk).update(

@@ -1,0 +1,126 @@
+"""GET /metrics: the Prometheus exposition of the control plane, read through the real middleware, services, Celery
+tasks (run in process) and broker. Labels are bounded (route names, status codes, error codes), nothing names a
+tenant, and access needs the bearer token when one is set, loopback otherwise."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+
+import pytest
+from django.test import Client
+from django.utils import timezone
+from prometheus_client.parser import text_string_to_metric_families
+
+from billing import tasks as billing_tasks
+from caches import tasks as caches_tasks
+from fleet.models import Node
+from tests.caches.conftest import attach_body, make_node, make_tenant  # noqa: F401 - fixtures
+
+URL = "/api/v1/caches"
+
+
+def scrape(client: Client | None = None, **headers) -> dict[tuple[str, tuple], float]:
+    response = (client or Client()).get("/metrics", **headers)
+    assert response.status_code == 200, response.content
+    assert response["Content-Type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(response.content.decode()):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_a_request_is_counted_and_timed_by_its_route_name(db):
+    before = scrape()
+    assert Client().get("/healthz").status_code == 200
+    after = scrape()
+    timed = "kcaas_http_request_seconds_count"
+    assert value(after, timed, route="healthz", method="GET") == value(before, timed, route="healthz", method="GET") + 1
+    counted = ("kcaas_http_requests_total", {"route": "healthz", "method": "GET", "status": "200"})
+    assert value(after, counted[0], **counted[1]) == value(before, counted[0], **counted[1]) + 1
+
+
+def test_labels_are_bounded_never_the_raw_path(db):
+    secret_path = f"/no-such-page-{uuid.uuid4().hex}"
+    assert Client().get(secret_path).status_code == 404
+    cache_path = f"{URL}/{uuid.uuid4()}"
+    Client().get(cache_path)  # a matched pattern, refused (no credentials): labelled by the pattern's name
+    samples = scrape()
+    text = repr(samples)
+    assert secret_path not in text and cache_path not in text
+    assert value(samples, "kcaas_http_requests_total", route="unmatched", method="GET", status="404") >= 1
+    routes = {dict(labels).get("route") for name, labels in samples if name == "kcaas_http_requests_total"}
+    assert all(route and "/" not in route for route in routes), routes
+    assert not [name for name, _ in samples if name.endswith("_created")]
+
+
+def test_attach_outcomes_placement_failures_and_audit_writes(make_tenant, make_node):  # noqa: F811
+    tenant = make_tenant()
+    before = scrape()
+    refused = tenant.client.post(URL, attach_body("no-room"), format="json")
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "no_capacity"
+    make_node()
+    attached = tenant.client.post(URL, attach_body("room"), format="json")
+    assert attached.status_code == 201, attached.content
+    after = scrape()
+
+    def grew(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert grew("kcaas_cache_attaches_total", outcome="no_capacity") == 1
+    assert grew("kcaas_cache_attaches_total", outcome="ok") == 1
+    assert grew("kcaas_placement_failures_total", reason="no_capacity") == 1
+    assert grew("kcaas_audit_write_seconds_count") >= 1  # CACHE_ATTACHED at least
+    assert grew("kcaas_http_requests_total", route="caches", method="POST", status="201") == 1
+    assert str(tenant.tenant.pk) not in repr(after)  # no tenant id in any label
+
+
+def test_lease_expiries_task_outcomes_and_billing_rollup(make_node, django_capture_on_commit_callbacks):  # noqa: F811
+    node = make_node()
+    before = scrape()
+    Node.objects.filter(pk=node.pk).update(lease_expires_at=timezone.now() - timedelta(seconds=1))
+    with django_capture_on_commit_callbacks(execute=True):  # an expiry is counted once the sweep commits
+        caches_tasks.sweep_leases.apply().get()
+    billing_tasks.rollup.apply().get()
+    after = scrape()
+    assert value(after, "kcaas_node_lease_expiries_total") == value(before, "kcaas_node_lease_expiries_total") + 1
+    for task in ("caches.sweep_leases", "billing.rollup"):
+        labels = {"task": task, "outcome": "success"}
+        name = "kcaas_celery_tasks_total"
+        assert value(after, name, **labels) == value(before, name, **labels) + 1
+    rolled_up = value(after, "kcaas_billing_last_rollup_timestamp_seconds")
+    assert abs(rolled_up - timezone.now().timestamp()) < 60
+
+
+def test_the_control_queue_depth_is_read_from_the_broker(db):
+    samples = scrape()
+    assert value(samples, "kcaas_celery_broker_up") == 1
+    assert ("kcaas_celery_queue_depth", (("queue", "control"),)) in samples
+
+
+def test_a_token_is_required_when_set(db, settings):
+    settings.KCAAS_METRICS_TOKEN = "scrape-secret"
+    refused = Client().get("/metrics")
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "metrics_unauthorized"
+    wrong = Client().get("/metrics", HTTP_AUTHORIZATION="Bearer nope")
+    assert wrong.status_code == 401
+    scrape(HTTP_AUTHORIZATION="Bearer scrape-secret")
+    assert b"scrape-secret" not in Client().get("/metrics", HTTP_AUTHORIZATION="Bearer scrape-secret").content
+
+
+@pytest.mark.parametrize("remote", ["10.0.0.5", "192.168.1.20"])
+def test_without_a_token_only_loopback_may_scrape(db, settings, remote):
+    settings.KCAAS_METRICS_TOKEN = ""
+    refused = Client(REMOTE_ADDR=remote).get("/metrics")
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "metrics_forbidden"
+    scrape(Client(REMOTE_ADDR="127.0.0.1"))
+
+
+def test_only_get_reads_metrics(db):
+    response = Client().post("/metrics")
+    assert response.status_code == 405 and response.json()["error"]["code"] == "method_not_allowed"
