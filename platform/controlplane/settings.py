@@ -59,6 +59,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "controlplane.metrics.RequestMetricsMiddleware",  # /metrics: every answer counted and timed by route name
     "django.middleware.security.SecurityMiddleware",
     "controlplane.middleware.RequestLimits",  # body size and JSON depth (413/411/400), no-store on API answers
     "whitenoise.middleware.WhiteNoiseMiddleware",
@@ -120,6 +121,10 @@ WHITENOISE_USE_FINDERS = True  # serve app static files (Redoc) without a collec
 KCAAS_MAX_REQUEST_BYTES = env_int("KCAAS_MAX_REQUEST_BYTES", 4 * 2**20)
 KCAAS_MAX_JSON_DEPTH = env_int("KCAAS_MAX_JSON_DEPTH", 32)
 DATA_UPLOAD_MAX_MEMORY_SIZE = KCAAS_MAX_REQUEST_BYTES  # Django's own check, for bodies read without the middleware
+
+# GET /metrics (docs/observability.md): with a token, scrapes send `Authorization: Bearer <token>`; without one, only
+# loopback clients may scrape (make up).
+KCAAS_METRICS_TOKEN = os.environ.get("KCAAS_METRICS_TOKEN", "")
 
 REDIS_URL = os.environ.get("REDIS_URL", "")  # empty: the embedded default (in-process rate limiter)
 
