@@ -24,7 +24,7 @@ from core.pagination import BoundedLimitOffsetPagination
 from core.permissions import IsStaff, ScopePermission
 from tenants import scopes as scope_rules
 from tenants import selectors, services
-from tenants.fields import StrictCharField, StrictIntegerField
+from tenants.fields import QuotaValueField, StrictCharField, StrictIntegerField
 from tenants.models import Tenant
 from tenants.principals import TenantPrincipal, request_tenant
 
@@ -313,9 +313,9 @@ def _quota_field(field: str, **kwargs) -> serializers.IntegerField:
     return StrictIntegerField(min_value=low, max_value=high, **kwargs)
 
 
-def _quota_serializer(name: str, doc: str, base=serializers.Serializer, **field_kwargs) -> type:
-    """A serializer class with one bounded integer field per quota limit."""
-    attrs = {field: _quota_field(field, **field_kwargs) for field in services.QUOTA_BOUNDS}
+def _quota_serializer(name: str, doc: str, base=serializers.Serializer, make_field=_quota_field, **field_kwargs):
+    """A serializer class with one bounded field per quota limit."""
+    attrs = {field: make_field(field, **field_kwargs) for field in services.QUOTA_BOUNDS}
     return type(name, (base,), {**attrs, "__doc__": doc, "__module__": __name__})
 
 
@@ -333,10 +333,17 @@ class _QuotaPatchBase(RejectUnknownFieldsMixin, serializers.Serializer):
     pass
 
 
+def _quota_input_field(field: str, **kwargs) -> QuotaValueField:
+    return QuotaValueField(quota_field=field, bounds=services.QUOTA_BOUNDS[field], **kwargs)
+
+
 QuotaPatchSerializer = _quota_serializer(
     "QuotaPatchSerializer",
-    "Any subset of the limits; null resets one to the default. Unknown fields are refused.",
+    "Any subset of the limits; null resets one to the default. A limit is an integer, or a string: a whole number, "
+    'and for the byte limits optionally a binary unit ("1GiB", "512 MiB"), the same values the console takes. '
+    "Unknown fields are refused.",
     base=_QuotaPatchBase,
+    make_field=_quota_input_field,
     required=False,
     allow_null=True,
 )
@@ -371,7 +378,9 @@ class TenantQuotaApi(JsonApi):
         responses={200: QuotaOutputSerializer, **error_responses(*STAFF_ERRORS, 404)},
     )
     def patch(self, request, tenant_id):
-        """Integers within the documented bounds, or null for the default; unknown fields are a 400."""
+        """Integers or unit strings ("1GiB") within the documented bounds, or null for the default; unknown fields
+        are a 400. A limit below what the tenant uses now is accepted: nothing is taken away, new attaches are
+        refused, and GET /api/v1/usage flags it (`over_quota`)."""
         body = QuotaPatchSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         tenant = selectors.tenant_get(tenant_id=tenant_id)

@@ -5,7 +5,10 @@ DRF's CharField turns 42 into "42" and IntegerField turns "42" (and 42.0) into 4
 contract the schema states.
 """
 
+from drf_spectacular.drainage import set_override
 from rest_framework import serializers
+
+from tenants.quota_values import QuotaValueError, quota_value_parse, string_pattern
 
 
 class StrictCharField(serializers.CharField):
@@ -22,3 +25,26 @@ class StrictIntegerField(serializers.IntegerField):
         if isinstance(data, bool) or not isinstance(data, int):
             self.fail("invalid")
         return super().to_internal_value(data)
+
+
+class QuotaValueField(serializers.Field):
+    """A quota limit: an integer, or a string the one quota parser (tenants.quota_values) reads, e.g. "1GiB"."""
+
+    def __init__(self, *, quota_field: str, bounds: tuple[int, int], **kwargs):
+        self.quota_field, self.bounds = quota_field, bounds
+        super().__init__(**kwargs)
+        low, high = bounds
+        alternatives = [
+            {"type": "integer", "minimum": low, "maximum": high},
+            {"type": "string", "pattern": string_pattern(quota_field, bounds)},
+        ]
+        set_override(self, "field", {"oneOf": alternatives})
+
+    def to_internal_value(self, data):
+        try:
+            return quota_value_parse(self.quota_field, data, bounds=self.bounds)
+        except QuotaValueError as error:
+            raise serializers.ValidationError(str(error)) from error
+
+    def to_representation(self, value):
+        return value

@@ -234,6 +234,13 @@ class UsageSerializer(serializers.Serializer):
     limits = UsageLimitsSerializer()
     used = UsageUsedSerializer()
     resident = UsageResidentSerializer()
+    over_quota = serializers.BooleanField(
+        help_text="Some use is above its limit: a quota was lowered below it (accepted; nothing is taken away, "
+        "new caches, keys or tokens past the limit are refused)."
+    )
+    over_quota_limits = serializers.ListField(
+        child=serializers.CharField(), help_text='The limits the use is above, e.g. ["max_device_bytes"].'
+    )
 
 
 @extend_schema_serializer(component_name="UsageBucket")
@@ -376,16 +383,21 @@ def _check_period(start, end, granularity: str) -> None:
 
 def _snapshot(tenant) -> dict:
     usage = cache_selectors.tenant_usage(tenant=tenant)
+    limits = dataclasses.asdict(usage.limits)
+    used = {
+        "caches": usage.caches.num_caches,
+        **_per_tier(usage.caches.capacity_bytes),
+        "data_tokens_outstanding": usage.data_tokens_outstanding,
+        "api_keys": tenant_selectors.api_keys_usable(tenant_id=tenant.pk).count(),
+    }
+    over = [f"max_{name}" for name, count in used.items() if count > limits[f"max_{name}"]]
     return {
         "tenant_id": tenant.pk,
-        "limits": dataclasses.asdict(usage.limits),
-        "used": {
-            "caches": usage.caches.num_caches,
-            **_per_tier(usage.caches.capacity_bytes),
-            "data_tokens_outstanding": usage.data_tokens_outstanding,
-            "api_keys": tenant_selectors.api_keys_usable(tenant_id=tenant.pk).count(),
-        },
+        "limits": limits,
+        "used": used,
         "resident": _per_tier(usage.resident_bytes),
+        "over_quota": bool(over),
+        "over_quota_limits": over,
     }
 
 

@@ -155,4 +155,4 @@ def test_the_operation_is_in_the_openapi_schema(client):
     assert operation["operationId"] == "usage_retrieve"
     assert {"200", "401", "403", "404", "429"} <= set(operation["responses"])
     usage = schema["components"]["schemas"]["Usage"]
-    assert set(usage["properties"]) == {"tenant_id", "limits", "used", "resident"}
+    assert set(usage["properties"]) == {"tenant_id", "limits", "used", "resident", "over_quota", "over_quota_limits"}

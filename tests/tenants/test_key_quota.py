@@ -30,7 +30,8 @@ def test_the_default_is_100_and_staff_set_it_through_the_quota_patch(staff_clien
     assert selectors.quota_limits(tenant=Tenant.objects.get(pk=tenant.pk)).max_api_keys == 3
 
 
-@pytest.mark.parametrize("value", ["3", 3.0, -1, 100_001, True])
+# "3" is a limit (the console's parser), "3 keys" or "3GiB" is not
+@pytest.mark.parametrize("value", ["3 keys", "3GiB", 3.0, -1, "100001", 100_001, True])
 def test_the_limit_is_a_bounded_json_integer(staff_client, tenant, value):
     error = assert_error(
         staff_client.patch(_quota_url(tenant), {"max_api_keys": value}, format="json"), 400, "validation_error"
