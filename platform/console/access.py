@@ -43,8 +43,12 @@ def login_redirect(request, *, reason: str = "") -> HttpResponse:
 
 
 def error_page(request, status: int, title: str, message: str, code: str = "") -> HttpResponse:
+    """The refusal inside the base layout; a signed-in user keeps the navigation (their roles are in the context)."""
     template = "console/error_fragment.html" if request.htmx else "console/error.html"
-    response = render(request, template, {"title": title, "message": message, "code": code}, status=status)
+    context = {"title": title, "message": message, "code": code}
+    if signed_in(request):
+        context = page_context(request, **context)
+    response = render(request, template, context, status=status)
     if request.htmx:  # show the refusal where the request came from, not swapped into a polled region
         response["HX-Retarget"] = "#console-alerts"
         response["HX-Reswap"] = "innerHTML"

@@ -11,6 +11,7 @@ doubles the wait before the next try).
 from __future__ import annotations
 
 import base64
+import math
 import time
 
 import redis
@@ -21,6 +22,7 @@ from django.contrib import auth
 from django.http import HttpResponseRedirect
 from django.shortcuts import render
 from django.urls import reverse
+from django.utils import timezone
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_http_methods
@@ -172,14 +174,22 @@ def _record_throttled(bucket: Bucket, username: str) -> None:
         sessions.record_failure(username=username, step="throttled")
 
 
+def code_wait_seconds(device) -> int:
+    """Whole seconds until django-otp's throttle lets `device` check a code again (rounded up); 0 when it may now."""
+    allowed, data = device.verify_is_allowed()
+    if allowed or not data or data.get("locked_until") is None:
+        return 0
+    return max(1, math.ceil((data["locked_until"] - timezone.now()).total_seconds()))
+
+
 def _code_step(request, *, user, device, template: str, extra: dict):
     """Check the posted code against `device`; sign in on success (enrolment confirms the device first)."""
     form = CodeForm(request.POST or None)
     error = ""
     if request.method == "POST":
-        allowed, _ = device.verify_is_allowed()
-        if not allowed:
-            error = "Too many wrong codes: wait a little, then try again."
+        wait = code_wait_seconds(device)
+        if wait:
+            error = f"Too many wrong codes: try again in {wait} s."
         elif form.is_valid() and device.verify_token(form.cleaned_data["code"]):
             if not device.confirmed:
                 device.confirmed = True
@@ -190,7 +200,8 @@ def _code_step(request, *, user, device, template: str, extra: dict):
                 return _audit_down(request)
             return HttpResponseRedirect(_next_url(request))
         else:
-            error = REFUSED
+            wait = code_wait_seconds(device)  # django-otp's throttle, doubled by this failure
+            error = f"{REFUSED} Try again in {wait} s." if wait else REFUSED
         try:
             sessions.record_failure(username=user.get_username(), step="code", user=user)
         except AuditWriteError:

@@ -2,14 +2,14 @@
 
 from django.shortcuts import render
 
+from console.access import error_page
+
 
 def not_found(request):
-    return render(
-        request,
-        "console/error.html",
-        {"title": "Not found", "message": "There is no such console page.", "code": "not_found"},
-        status=404,
-    )
+    """An unknown console URL: the 404 page in the base layout, with the navigation when signed in."""
+    response = error_page(request, 404, "Not found", "There is no such console page.", "not_found")
+    response["Cache-Control"] = "no-store"
+    return response
 
 
 def csrf_failure(request, reason=""):

@@ -73,9 +73,10 @@ def test_wrong_code_is_refused_audited_and_throttled():
     client.post("/console/login", {"username": user.username, "password": PASSWORD})
     wrong = f"{(int(totp_code(device)) + 1) % 1_000_000:06d}"
     answer = client.post("/console/login/verify", {"code": wrong})
-    assert answer.status_code == 400 and b"Wrong username, password or code." in answer.content
+    assert answer.status_code == 400
+    assert b"Wrong username, password or code. Try again in 1 s." in answer.content  # django-otp's 1 s after one
     answer = client.post("/console/login/verify", {"code": totp_code(device)})  # within the throttle's wait
-    assert answer.status_code == 400 and b"Too many wrong codes" in answer.content
+    assert answer.status_code == 400 and b"Too many wrong codes: try again in 1 s." in answer.content
     assert [e.new_values["step"] for e in _events(AuditAction.CONSOLE_LOGIN_FAILED)] == ["code", "code"]
     assert client.get("/console/").status_code == 302
     for bad in ("", "abcdef", "1234567890123", "12 34"):
@@ -170,6 +171,14 @@ def test_rest_api_refuses_console_sessions_and_console_passwords(operator_client
 def test_unknown_console_url_is_a_console_404(operator_client):
     answer = operator_client.get("/console/no/such/page")
     assert answer.status_code == 404 and b"There is no such console page." in answer.content
+    assert b'<nav aria-label="Sections">' in answer.content and b"Sign out" in answer.content  # the layout kept
+    assert answer["Cache-Control"] == "no-store"
+
+
+def test_unknown_console_url_signed_out_has_no_navigation(db):
+    answer = Client().get("/console/no/such/page")
+    assert answer.status_code == 404 and b"There is no such console page." in answer.content
+    assert b'<nav aria-label="Sections">' not in answer.content
 
 
 @override_settings(KCAAS_CONSOLE_PASSWORD_TRIES_PER_MINUTE=3)

@@ -102,11 +102,13 @@ ACTOR_INVALID = (
     + ", ".join(ACTOR_KINDS)
     + " (e.g. user:7, key:<public id>, system)."
 )
-ACTION_CHOICES = [("", "Any action")] + [(int(a), f"{a.code_name} ({int(a)})") for a in AuditAction]
+ACTION_CHOICES = [("", "Any action")] + sorted((a.code_name, a.code_name) for a in AuditAction)
+ACTION_BY_NAME = {a.code_name: a for a in AuditAction}
 
 
 class EventFilterForm(RangeForm):
-    """The REST list's filters: range, tenant, actor (its ACTOR_PATTERN), action (a known code)."""
+    """The REST list's filters: range, tenant, actor (its ACTOR_PATTERN), action (by its name, as the table shows
+    it: `tenant.created`, not its numeric code)."""
 
     tenant = TenantField(label="Tenant (id or name)")
     actor = forms.RegexField(
@@ -117,7 +119,12 @@ class EventFilterForm(RangeForm):
         error_messages={"invalid": ACTOR_INVALID},
     )
     action = forms.TypedChoiceField(
-        choices=ACTION_CHOICES, coerce=int, empty_value=None, required=False, label="Action"
+        choices=ACTION_CHOICES,
+        coerce=ACTION_BY_NAME.__getitem__,
+        empty_value=None,
+        required=False,
+        label="Action",
+        error_messages={"invalid_choice": "Choose an action from the list (a name such as tenant.created)."},
     )
 
 

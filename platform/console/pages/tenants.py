@@ -94,7 +94,16 @@ def index(request):
 
 
 def _meter(label: str, used: int, limit: int, text: str) -> dict:
-    return {"label": label, "used": used, "limit": limit, "max": max(limit, 1), "over": used > limit, "text": text}
+    """One quota bar; `empty` (a limit of 0 with nothing used) is written as text, not drawn as a bar."""
+    return {
+        "label": label,
+        "used": used,
+        "limit": limit,
+        "max": max(limit, 1),
+        "over": used > limit,
+        "text": text,
+        "empty": limit == 0 and used == 0,
+    }
 
 
 def _usage_meters(tenant: Tenant) -> list[dict]:
