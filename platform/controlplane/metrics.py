@@ -58,9 +58,12 @@ _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"
 class ScrapeTimeCollector:
     """Figures read when scraped: the control queue's depth (the broker's count) and billing's usage lag."""
 
+    def describe(self):
+        """The families without values: registering asks for their names, and must touch no broker or database."""
+        yield from (_depth_family(), _broker_up_family(), _lag_family())
+
     def collect(self):
-        depth = GaugeMetricFamily("kcaas_celery_queue_depth", "Messages waiting in a Celery queue", labels=["queue"])
-        broker_up = GaugeMetricFamily("kcaas_celery_broker_up", "1 when the broker answered the depth query")
+        depth, broker_up = _depth_family(), _broker_up_family()
         queue = settings.CELERY_TASK_DEFAULT_QUEUE
         try:
             depth.add_metric([queue], _queue_depth(queue))
@@ -84,11 +87,23 @@ def _queue_depth(queue: str) -> int:
             return 0
 
 
-def _billing_lag():
-    lag = GaugeMetricFamily(
+def _depth_family() -> GaugeMetricFamily:
+    return GaugeMetricFamily("kcaas_celery_queue_depth", "Messages waiting in a Celery queue", labels=["queue"])
+
+
+def _broker_up_family() -> GaugeMetricFamily:
+    return GaugeMetricFamily("kcaas_celery_broker_up", "1 when the broker answered the depth query")
+
+
+def _lag_family() -> GaugeMetricFamily:
+    return GaugeMetricFamily(
         "kcaas_billing_usage_report_age_seconds",
         "Seconds since the last node usage report arrived (what billing meters GB-hours from)",
     )
+
+
+def _billing_lag():
+    lag = _lag_family()
     last = UsageReport.objects.order_by("-received_at").values_list("received_at", flat=True).first()
     if last is not None:
         lag.add_metric([], max(0.0, (timezone.now() - last).total_seconds()))
