@@ -267,7 +267,7 @@ class NodeAgent:
         self.registry = CacheRegistry(
             device_capacity_bytes=config.device_capacity_bytes, device=config.device, ssd_dir=config.ssd_dir
         )
-        self.metrics = NodeMetrics(self.registry)
+        self.metrics = NodeMetrics(self.registry, self.config.capacity)
         if config.metrics_port is not None:
             self._metrics_server, _ = self.metrics.serve(config.metrics_port, config.metrics_addr)
         self._load_identity()
@@ -325,6 +325,8 @@ class NodeAgent:
     def send_heartbeat(self) -> dict:
         answer = self.control.heartbeat(capacity=self.config.capacity, resident=self.registry.resident_snapshot())
         self.revocations.update(answer.get("revoked_tokens"))
+        if self.metrics is not None:
+            self.metrics.node.heartbeat_succeeded()  # kcaas_node_heartbeat_age_seconds counts from here
         return answer
 
     def _report_once(self) -> None:

@@ -261,13 +261,13 @@ class MigrationListener:
                         journal.sync()  # what K lists survives a SIGKILL of this process
                     _send_msg(sock, b"K", b"".join(bt.held_keys(engine)))
                 elif kind == b"B" and length == len(staging):
-                    self._block(sock, engine, body, staging, journal)
+                    self._block(sock, engine, body, staging, journal, cache_id=incoming.cache_id)
                 else:
                     return
         finally:
             zero(staging)  # it held KV: zeroed before it is freed
 
-    def _block(self, sock, engine, head: bytearray, staging: bytearray, journal=None) -> None:
+    def _block(self, sock, engine, head: bytearray, staging: bytearray, journal=None, cache_id: str = "") -> None:
         parent, key, full, num_tokens, checksum = BLOCK_HEAD.unpack(head)
         if num_tokens > engine.block_size:
             raise MigrationError("a block with too many tokens")
@@ -289,6 +289,8 @@ class MigrationListener:
             self.stats.refused[verdict] = self.stats.refused.get(verdict, 0) + (verdict not in ("stored", "have"))
         if self.metrics is not None:
             self.metrics.migration_blocks_received.labels(verdict=verdict).inc()
+            if verdict == "stored":
+                self.metrics.node.count_migrated(cache_id, len(staging))
         if verdict not in ("stored", "have") and self.metrics is not None:
             self.metrics.migration_blocks_refused.labels(reason=verdict).inc()
 

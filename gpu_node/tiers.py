@@ -297,6 +297,7 @@ class LowerTiers:
     def __init__(self, dram_bytes: int, ssd=None):
         self.dram = DramTier(dram_bytes)
         self.ssd = ssd
+        self.moved: dict[tuple[str, str], int] = {}  # (op "put"/"get", tier) -> payload bytes, for /metrics
         self.lineage = Lineage()
         if ssd is not None:
             for block_hash, (parent, tokens) in ssd.lineages().items():  # durable lineage: a warm restart's
@@ -312,6 +313,8 @@ class LowerTiers:
         self.lineage.add(block_hash, lineage[0], lineage[1])
         if len(self.lineage) > 2 * self._num_blocks() + 1024:
             self.lineage.prune(self.has)
+        if len(payload) <= self.dram.capacity_bytes:  # else DramTier.store hands it straight on to SSD
+            self._count("put", "dram", len(payload))
         for pushed in self.dram.store(block_hash, payload, block_checksum(payload)):
             self._to_ssd(*pushed)
 
@@ -326,6 +329,10 @@ class LowerTiers:
             zero(payload)  # dropped: no tier keeps it
             return
         self.ssd.store(block_hash, payload, checksum, lineage)
+        self._count("put", "ssd", len(payload))
+
+    def _count(self, op: str, tier: str, nbytes: int) -> None:
+        self.moved[(op, tier)] = self.moved.get((op, tier), 0) + nbytes
 
     def _num_blocks(self) -> int:
         return sum(len(tier) for tier in self.tiers)
@@ -360,11 +367,12 @@ class LowerTiers:
         caller owns every payload returned and zeroes it when done)."""
         payloads = []
         for block_hash in hashes:
-            payload = self.dram.take(block_hash)
+            payload, tier = self.dram.take(block_hash), "dram"
             if payload is None and self.ssd is not None:
-                payload = self.ssd.read(block_hash)
+                payload, tier = self.ssd.read(block_hash), "ssd"
             if payload is None:
                 break
+            self._count("get", tier, len(payload))
             payloads.append(payload)
         return payloads
 
@@ -394,6 +402,11 @@ class LowerTiers:
 
     def resident_bytes(self) -> dict[str, int]:
         return {"dram": self.dram.bytes_resident, "ssd": self.ssd.bytes_resident if self.ssd is not None else 0}
+
+    def bytes_moved(self) -> dict[tuple[str, str], int]:
+        """Payload bytes moved since the tiers opened: ("put", tier) stored into DRAM or SSD, ("get", tier) fetched
+        back to the device."""
+        return dict(self.moved)
 
     def checksum_failures(self) -> dict[str, int]:
         return {

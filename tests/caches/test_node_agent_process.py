@@ -81,7 +81,8 @@ def test_the_agent_registers_provisions_heartbeats_and_stops_on_sigterm(agent_pr
         time.sleep(0.1)
 
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-    assert f'kcaas_cache_capacity_bytes{{cache="{ready["id"]}",tier="device"}}' in metrics
+    series = f'kcaas_cache_capacity_bytes{{cache="{ready["id"]}",tenant="{tenant_a.tenant.pk}",tier="device"}}'
+    assert series in metrics
 
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=60) == 0

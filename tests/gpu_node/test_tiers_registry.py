@@ -48,10 +48,9 @@ def test_resident_bytes_per_tier_in_snapshots_and_metrics(tmp_path):
     [usage] = registry.usage_snapshot()
     assert (usage["dram_bytes"], usage["ssd_bytes"]) == (resident["dram_bytes"], resident["ssd_bytes"])
     metrics = NodeMetrics(registry).registry
-    assert (
-        metrics.get_sample_value("kcaas_cache_resident_bytes", {"cache": "c1", "tier": "ssd"}) == resident["ssd_bytes"]
-    )
-    assert metrics.get_sample_value("kcaas_block_checksum_failures_total", {"cache": "c1", "where": "ssd"}) == 0
+    labels = {"cache": "c1", "tenant": "t1"}
+    assert metrics.get_sample_value("kcaas_cache_resident_bytes", {**labels, "tier": "ssd"}) == resident["ssd_bytes"]
+    assert metrics.get_sample_value("kcaas_block_checksum_failures_total", {**labels, "where": "ssd"}) == 0
     registry.detach(cache_id="c1", epoch=1)
     assert not (tmp_path / "c1").exists()  # detach deletes the cache's blocks from disk
 
