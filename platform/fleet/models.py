@@ -152,3 +152,29 @@ class NodeOrder(models.Model):
 
     def __str__(self) -> str:
         return f"{self.task} -> {self.node_id} ({self.state})"
+
+
+class ResidentSample(models.Model):
+    """One cache's resident bytes per tier and hit/miss token counters as one heartbeat of its node reported them.
+
+    Written by fleet.samples (at most one heartbeat per node per KCAAS_SAMPLE_SECONDS is kept) and pruned after
+    KCAAS_SAMPLE_RETENTION_DAYS; the console draws its time-series charts from these rows. `cache_id` names the
+    cache without a foreign key (the caches room sits above fleet). The counters run since the cache was placed on
+    the node (0 when the agent does not report them)."""
+
+    id = models.BigAutoField(primary_key=True)
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="resident_samples")
+    cache_id = models.UUIDField()
+    sampled_at = models.DateTimeField()
+    device_bytes = models.BigIntegerField(default=0)
+    dram_bytes = models.BigIntegerField(default=0)
+    ssd_bytes = models.BigIntegerField(default=0)
+    hit_tokens = models.BigIntegerField(default=0)
+    miss_tokens = models.BigIntegerField(default=0)
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["sampled_at"], name="fleet_sample_at"),
+            models.Index(fields=["node", "sampled_at"], name="fleet_sample_node_at"),
+            models.Index(fields=["cache_id", "sampled_at"], name="fleet_sample_cache_at"),
+        ]

@@ -22,7 +22,7 @@ from audit.context import SYSTEM
 from audit.services import audit_record
 from core.errors import NotFoundError
 from core.metrics import NODE_LEASE_EXPIRIES, PLACEMENT_FAILURES
-from fleet import pki
+from fleet import pki, samples
 from fleet.credentials import credential_new
 from fleet.errors import (
     EndpointInUse,
@@ -236,6 +236,7 @@ def node_heartbeat(
     _set_capacity(node, checked)
     if resident is not None:
         node.resident_snapshot = _snapshot(resident, now)
+        samples.samples_record(node=node, snapshot=node.resident_snapshot, now=now)  # the console's time series
     node.last_heartbeat_at = now
     node.lease_expires_at = _lease_until(now)
     node.save()
