@@ -184,6 +184,7 @@ CELERY_BEAT_SCHEDULE = {
     "privacy-run-erasures": {"task": "privacy.run_erasures", "schedule": KCAAS_ERASURE_TICK_SECONDS},
     # Signs each closed audit period within minutes of its end (idempotent: a period is signed once).
     "audit-sign-digests": {"task": "audit.sign_digests", "schedule": 300.0},
+    "fleet-prune-samples": {"task": "fleet.prune_samples", "schedule": 3600.0},  # the console's chart history
 }
 
 # ---- REST -----------------------------------------------------------------------------------------------------------
@@ -288,6 +289,9 @@ KCAAS_IDEMPOTENCY_TTL_SECONDS = env_int("KCAAS_IDEMPOTENCY_TTL_SECONDS", 24 * 36
 # hold at most the max gap; invoices become final this many days after their month (>= the usage grace).
 KCAAS_USAGE_GRACE_SECONDS = env_int("KCAAS_USAGE_GRACE_SECONDS", 24 * 3600)
 KCAAS_USAGE_MAX_GAP_SECONDS = env_int("KCAAS_USAGE_MAX_GAP_SECONDS", 180)
+# Heartbeat samples for the console's charts (fleet.samples): one per node per interval, kept this many days.
+KCAAS_SAMPLE_SECONDS = env_int("KCAAS_SAMPLE_SECONDS", 60)
+KCAAS_SAMPLE_RETENTION_DAYS = env_int("KCAAS_SAMPLE_RETENTION_DAYS", 30)
 KCAAS_USAGE_MAX_CLOCK_SKEW_SECONDS = env_int("KCAAS_USAGE_MAX_CLOCK_SKEW_SECONDS", 300)
 KCAAS_INVOICE_GRACE_DAYS = env_int("KCAAS_INVOICE_GRACE_DAYS", 3)
 KCAAS_BILLING_CURRENCY = os.environ.get("KCAAS_BILLING_CURRENCY", "USD")
