@@ -3,18 +3,25 @@
     kcaas attach chat --model-fingerprint llama-3-8b@main --num-layers 32 --num-kv-heads 8 --head-dim 128 \\
         --device-bytes 2GiB
     kcaas ls
+    kcaas show chat
     kcaas usage --json
 
 Configuration: `--url` / KCAAS_URL (default http://127.0.0.1:8000, what `make up` serves) and `--api-key` /
 KCAAS_API_KEY. The key is never printed: every line written to stderr is scrubbed of it (and of anything shaped like
 a KCaaS key), and the SDK keeps it out of its errors.
 
-Output: tables and `name: value` lines on stdout, progress, warnings and errors on stderr; `--json` (anywhere on the
-line) prints one JSON document on stdout instead, and an error as `{"error": {...}}` on stderr.
+Naming: wherever a cache or key id is taken, so is its name or an id prefix (kcaas/cli_resolve.py).
 
-Exit codes: 0 done; 1 the API refused or a cache failed (`error: <code>: <message>`, plus a hint where one is
-obvious); 2 a usage error (argparse, an unreadable spec file, no API key); 3 no connection to the control plane;
-130 interrupted. Expected failures never print a traceback.
+Output (kcaas/cli_output.py): tables and `name: value` lines on stdout, progress, notes and errors on stderr; tables
+fit 100 columns (short ids, long cells cut with `...`), `--wide` prints them whole. `ls` leaves detached caches
+out (`--all` lists them). `--json` (anywhere on the line) prints one JSON document on stdout instead, and an error
+as `{"error": {...}}` on stderr. A value the server changed (a token's TTL clamped to its range) is reported on
+stderr as `kcaas: note: ...`.
+
+Exit codes: 0 done; 1 the API refused or a cache failed (`error: <code>: <message>`, the details one per line, and
+a `hint:`; kcaas/cli_errors.py); 2 a usage error (argparse, an unreadable spec file, no API key); 3 no usable
+answer from the control plane (no connection, or a server that does not answer as the KCaaS API); 130 interrupted.
+No failure prints a traceback.
 """
 
 from __future__ import annotations
@@ -24,101 +31,43 @@ import dataclasses
 import itertools
 import json
 import os
-import re
 import sys
 import time
 from collections.abc import Callable, Sequence
-from datetime import datetime
 from typing import Any
 
+from kcaas.cli_errors import EXIT_API, EXIT_CONNECTION, report, unreadable_answer  # noqa: F401 - exit codes
+from kcaas.cli_output import KEY_SHAPE, TABLE_WIDTH, Out, human_bytes, parse_bytes, short_ids, table, when
+from kcaas.cli_resolve import cache_id, key_id
 from kcaas.client import Client
-from kcaas.errors import APIConnectionError, KcaasError
+from kcaas.errors import KcaasError
 from kcaas.spec import KVCacheSpec, SpecError
 from kcaas.usage import QUOTA_PAIRS
+
+__all__ = ["main", "human_bytes", "parse_bytes"]
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 # A person waits at the prompt: the CLI rides out a blip of a few seconds, not the SDK's 30 s outage budget.
 INTERACTIVE_RETRY_BUDGET_SECONDS = 5.0
-EXIT_OK, EXIT_API, EXIT_USAGE, EXIT_CONNECTION, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED = 0, 2, 130
 SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(KVCacheSpec))
 SPEC_DEFAULTS = {"block_size": 16, "kv_dtype": "float16"}  # storage_dtype defaults to kv_dtype
-_KEY_SHAPE = re.compile(r"\b(kc_[a-z]{1,16}_[0-9A-Za-z]+)_[0-9A-Za-z]+")  # core/keys.py: prefix_public_secret
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-_UNITS.update({f"{u}ib": v for u, v in _UNITS.items() if u not in ("", "b")})
-_UNITS.update({"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12})
+HIDDEN_STATES = ("detached",)  # left out of `ls` unless --all (failed caches stay: they hold quota until detached)
+# The server's answers a broken or foreign server turns into these when the SDK reads them.
+_UNREADABLE = (AttributeError, KeyError, TypeError, ValueError)
+EPILOG = f"""\
+environment:
+  KCAAS_URL      the control plane's URL, as --url (default {DEFAULT_URL}, what `make up` serves)
+  KCAAS_API_KEY  the tenant API key, as --api-key (never printed)
+
+names: caches and keys are taken by id, by name, or by an id prefix as `kcaas ls` prints it.
+clamps: the server clamps `token --ttl` to its range (60 s up to its configured maximum); the
+  CLI then says so on stderr (`kcaas: note: ...`) and prints the token it got.
+exit codes: 0 done, 1 refused by the API, 2 usage error, 3 no usable answer from --url, 130 interrupted."""
 
 
 class UsageError(Exception):
     """Bad input found after argparse (a spec file, a missing key): exit 2."""
-
-
-# ---- formatting ------------------------------------------------------------------------------------------------------
-
-
-def parse_bytes(text: str) -> int:
-    """`1048576`, `512MiB`, `2G` (K/M/G/T and KiB.. are powers of 1024; kB/MB/GB/TB of 1000) -> bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    unit = match and _UNITS.get(match.group(2).lower())
-    if not match or unit is None:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 1048576, 512MiB, 2GiB)")
-    return int(float(match.group(1)) * unit)
-
-
-def human_bytes(value: int | None) -> str:
-    """1536 -> `1.5 KiB`; exact below 1 KiB."""
-    if value is None:
-        return "-"
-    size = float(value)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
-            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
-
-
-def _when(value: datetime | None) -> str:
-    return value.astimezone().strftime("%Y-%m-%d %H:%M:%S") if value else "-"
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    cells = [list(headers)] + [["-" if v in (None, "") else str(v) for v in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
-
-
-def _jsonable(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, datetime):
-        return value.isoformat()
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
-
-
-class _Out:
-    """Where a command writes: stdout for results, stderr (scrubbed of the API key) for everything else."""
-
-    def __init__(self, json_mode: bool, api_key: str | None) -> None:
-        self.json_mode = json_mode
-        self._api_key = api_key
-        self.interactive = sys.stderr.isatty()
-
-    def scrub(self, text: str) -> str:
-        key = self._api_key or ""
-        if len(key) >= 8:  # (a shorter "key" is no secret, and would garble the text)
-            text = text.replace(key, "***")
-        return _KEY_SHAPE.sub(r"\1_***", text)
-
-    def result(self, data: Any, human: Callable[[], str]) -> None:
-        text = json.dumps(_jsonable(data), indent=2, sort_keys=True) if self.json_mode else human()
-        if text:
-            print(text, file=sys.stdout, flush=True)
-
-    def note(self, text: str, *, end: str = "\n") -> None:
-        print(self.scrub(text), end=end, file=sys.stderr, flush=True)
 
 
 # ---- commands --------------------------------------------------------------------------------------------------------
@@ -153,6 +102,12 @@ def _spec_from_args(args: argparse.Namespace) -> KVCacheSpec:
 
 def _show_cache(cache) -> str:
     spec = cache.spec
+    layout = "-"
+    if spec:
+        layout = (
+            f"{spec.num_layers} layers, {spec.num_kv_heads} kv heads x {spec.head_dim}, block {spec.block_size}, "
+            f"{spec.kv_dtype} (stored {spec.storage_dtype})"
+        )
     lines = [
         ("id", cache.id),
         ("name", cache.name),
@@ -162,106 +117,131 @@ def _show_cache(cache) -> str:
         ("epoch", cache.epoch),
         ("capacity", ", ".join(f"{tier} {human_bytes(b)}" for tier, b in cache.capacity.items() if b) or "-"),
         ("block bytes", cache.block_bytes),
-        ("spec", ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(spec).items()) if spec else "-"),
-        ("created", _when(cache.created_at)),
-        ("updated", _when(cache.updated_at)),
+        ("model", spec.model_fingerprint if spec else "-"),
+        ("layout", layout),
+        ("created", when(cache.created_at)),
+        ("updated", when(cache.updated_at)),
     ]
     return "\n".join(f"{name + ':':<13}{value}" for name, value in lines)
 
 
-def _progress(out: _Out, name: str) -> Callable[[Any], None]:
+def _progress(out: Out, name: str) -> Callable[[Any], None]:
     """Attach progress on stderr: a spinner with the state on a terminal, else one line per state change."""
     frames, started, last = itertools.cycle("|/-\\"), time.monotonic(), [None]
 
-    def report(cache) -> None:
+    def progress(cache) -> None:
         if out.interactive:
             out.note(f"\r{next(frames)} {name}: {cache.state} ({time.monotonic() - started:.0f} s)\x1b[K", end="")
         elif cache.state != last[0]:
             out.note(f"{name}: {cache.state}")
         last[0] = cache.state
 
-    return report
+    return progress
 
 
-def cmd_attach(client, args, out: _Out) -> None:
+def cmd_attach(client, args, out: Out) -> None:
     spec = _spec_from_args(args)
     capacity = {"device": args.device_bytes, "dram": args.dram_bytes, "ssd": args.ssd_bytes}
-    report = None if args.no_wait or out.json_mode else _progress(out, args.name)
+    progress = None if args.no_wait or out.json_mode else _progress(out, args.name)
     try:
-        cache = client.attach(args.name, spec, capacity, wait=not args.no_wait, timeout=args.timeout, progress=report)
+        cache = client.attach(args.name, spec, capacity, wait=not args.no_wait, timeout=args.timeout, progress=progress)
     finally:
-        if report is not None and out.interactive:
+        if progress is not None and out.interactive:
             out.note("\r\x1b[K", end="")
     out.result(cache, lambda: _show_cache(cache))
 
 
-def cmd_ls(client, args, out: _Out) -> None:
+def cmd_ls(client, args, out: Out) -> None:
     caches = client.list_caches(state=args.state)
-    rows = [(c.id, c.name, c.state, c.endpoint, human_bytes(c.capacity.get("device"))) for c in caches]
-    out.result(caches, lambda: _table(("ID", "NAME", "STATE", "ENDPOINT", "DEVICE"), rows))
+    shown = caches if args.all or args.state else [c for c in caches if c.state not in HIDDEN_STATES]
+    short = short_ids(c.id for c in caches)
+
+    def human() -> str:
+        headers = ["ID", "NAME", "STATE", "ENDPOINT", "DEVICE"]
+        rows = [[short[c.id], c.name, c.state, c.endpoint, human_bytes(c.capacity.get("device"))] for c in shown]
+        if not args.wide:
+            return table(headers, rows, elidable=("NAME", "ENDPOINT"))
+        headers += ["DRAM", "SSD", "CREATED"]
+        for row, c in zip(rows, shown):
+            row[0] = c.id
+            row += [human_bytes(c.capacity.get("dram")), human_bytes(c.capacity.get("ssd")), when(c.created_at)]
+        return table(headers, rows, width=None)
+
+    out.result(shown, human)
+    hidden = len(caches) - len(shown)
+    if hidden:
+        out.note(f"kcaas: {hidden} detached cache{'s' * (hidden > 1)} not shown: `kcaas ls --all` lists them")
 
 
-def cmd_show(client, args, out: _Out) -> None:
-    cache = client.get_cache(args.cache_id)
+def cmd_show(client, args, out: Out) -> None:
+    cache = client.get_cache(cache_id(client, args.cache))
     out.result(cache, lambda: _show_cache(cache))
 
 
-def cmd_detach(client, args, out: _Out) -> None:
-    cache = client.detach(args.cache_id, wait=args.wait, timeout=args.timeout)
+def cmd_detach(client, args, out: Out) -> None:
+    cache = client.detach(cache_id(client, args.cache), wait=args.wait, timeout=args.timeout)
     out.result(cache, lambda: f"{cache.id} {cache.name}: {cache.state}")
 
 
-def cmd_token(client, args, out: _Out) -> None:
-    token = client.issue_token(args.cache_id, access="read" if args.read_only else "readwrite", ttl_seconds=args.ttl)
+def cmd_token(client, args, out: Out) -> None:
+    access = "read" if args.read_only else "readwrite"
+    token = client.issue_token(cache_id(client, args.cache), access=access, ttl_seconds=args.ttl)
     out.result(token, lambda: token.token)
+    claims = token.claims()
+    granted = claims.get("exp", 0) - claims.get("iat", 0) if "exp" in claims and "iat" in claims else None
+    if args.ttl is not None and granted is not None and granted != args.ttl:
+        out.note(f"kcaas: note: the server clamped --ttl {args.ttl} to {granted} s (its range: 60 s to its maximum)")
     if not out.json_mode:
         where = token.endpoint or "-"
-        out.note(f"{token.access} token for {token.cache_id} at {where}, expires {_when(token.expires_at)}")
+        out.note(f"{token.access} token for {token.cache_id} at {where}, expires {when(token.expires_at)}")
 
 
-def _key_rows(keys) -> list[tuple]:
-    return [
-        (
-            k.id,
-            k.name,
-            k.public_id,
-            ",".join(k.scopes),
-            k.state,
-            _when(k.created_at),
-            _when(k.last_used_at),
-            _when(k.expires_at),
-        )
+def _keys_table(keys, wide: bool) -> str:
+    short = short_ids(k.id for k in keys)
+    if wide:
+        wide_headers = ("ID", "NAME", "PUBLIC ID", "SCOPES", "STATE", "CREATED", "LAST USED", "EXPIRES")
+        wide_rows = [
+            [k.id, k.name, k.public_id, ",".join(k.scopes), k.state]
+            + [when(k.created_at), when(k.last_used_at), when(k.expires_at)]
+            for k in keys
+        ]
+        return table(wide_headers, wide_rows, width=None)
+    headers = ("ID", "NAME", "SCOPES", "STATE", "LAST USED", "EXPIRES")
+    rows = [
+        [short[k.id], k.name, ",".join(k.scopes), k.state]
+        + [when(k.last_used_at, seconds=False), when(k.expires_at, seconds=False)]
         for k in keys
     ]
+    return table(headers, rows, elidable=("NAME", "SCOPES"))
 
 
-def cmd_keys_ls(client, args, out: _Out) -> None:
+def cmd_keys_ls(client, args, out: Out) -> None:
     keys = client.list_keys()
-    headers = ("ID", "NAME", "PUBLIC ID", "SCOPES", "STATE", "CREATED", "LAST USED", "EXPIRES")
-    out.result(keys, lambda: _table(headers, _key_rows(keys)))
+    out.result(keys, lambda: _keys_table(keys, args.wide))
 
 
-def _issued(issued, out: _Out, what: str) -> None:
+def _issued(issued, out: Out, what: str) -> None:
     out.note(f"{what} {issued.id} ({','.join(issued.scopes)}). The secret below is shown this once: store it now.")
     out.result(issued, lambda: issued.key)
 
 
-def cmd_keys_create(client, args, out: _Out) -> None:
+def cmd_keys_create(client, args, out: Out) -> None:
     scopes = [s.strip() for value in args.scope for s in value.split(",") if s.strip()]
     _issued(client.create_key(scopes, name=args.name, expires_in_seconds=args.expires_in), out, "Created key")
 
 
-def cmd_keys_revoke(client, args, out: _Out) -> None:
-    key = client.revoke_key(args.key_id)
-    out.result(key, lambda: f"{key.id}: {key.state} since {_when(key.revoked_at)}")
+def cmd_keys_revoke(client, args, out: Out) -> None:
+    key = client.revoke_key(key_id(client, args.key))
+    out.result(key, lambda: f"{key.id}: {key.state} since {when(key.revoked_at)}")
 
 
-def cmd_keys_rotate(client, args, out: _Out) -> None:
-    _issued(client.rotate_key(args.key_id, overlap_seconds=args.overlap), out, "Rotated to key")
-    out.note(f"The old key {args.key_id} keeps working for the overlap (server default 1 h), then expires.")
+def cmd_keys_rotate(client, args, out: Out) -> None:
+    old = key_id(client, args.key)
+    _issued(client.rotate_key(old, overlap_seconds=args.overlap), out, "Rotated to key")
+    out.note(f"The old key {old} keeps working for the overlap (server default 1 h), then expires.")
 
 
-def cmd_usage(client, args, out: _Out) -> None:
+def cmd_usage(client, args, out: Out) -> None:
     usage = client.usage()
 
     def human() -> str:
@@ -271,7 +251,7 @@ def cmd_usage(client, args, out: _Out) -> None:
             have, most = usage.used.get(used, 0), usage.limits.get(limit)
             share = f"{100 * have / most:.0f}%" if most else "-"
             rows.append((used.removesuffix("_bytes"), fmt(have), fmt(most) if most is not None else "-", share))
-        lines = [_table(("RESOURCE", "USED", "LIMIT", "USE"), rows)]
+        lines = [table(("RESOURCE", "USED", "LIMIT", "USE"), rows)]
         lines.append(f"rate limit: {usage.limits.get('max_requests_per_second', '-')} requests/s")
         if usage.resident:
             resident = ", ".join(f"{k.removesuffix('_bytes')} {human_bytes(v)}" for k, v in usage.resident.items())
@@ -286,11 +266,16 @@ def cmd_usage(client, args, out: _Out) -> None:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse echoes arguments: never an API key
-        super().error(_KEY_SHAPE.sub(r"\1_***", message))
+        super().error(KEY_SHAPE.sub(r"\1_***", message))
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="kcaas", description="KCaaS command line: caches, data tokens, API keys, usage.")
+    parser = _Parser(
+        prog="kcaas",
+        description="KCaaS command line: caches, data tokens, API keys, usage.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     common = argparse.ArgumentParser(add_help=False)  # the global options, also accepted after the subcommand
     for target, default in ((parser, None), (common, argparse.SUPPRESS)):
         target.add_argument("--url", default=default, help=f"control plane URL (KCAAS_URL; default {DEFAULT_URL})")
@@ -299,7 +284,8 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     def command(sub, name: str, handler, help_text: str) -> argparse.ArgumentParser:
-        made = sub.add_parser(name, parents=[common], help=help_text, description=help_text)
+        made = sub.add_parser(name, parents=[common], help=help_text, description=help_text, epilog=EPILOG)
+        made.formatter_class = argparse.RawDescriptionHelpFormatter
         made.set_defaults(handler=handler)
         return made
 
@@ -318,64 +304,39 @@ def _parser() -> argparse.ArgumentParser:
     attach.add_argument("--no-wait", action="store_true", help="return once provisioning has started")
     attach.add_argument("--timeout", type=float, default=60.0, metavar="S", help="seconds to wait (default 60)")
 
-    ls = command(commands, "ls", cmd_ls, "list the tenant's caches")
+    ls = command(commands, "ls", cmd_ls, "list the tenant's caches (detached ones only with --all)")
     ls.add_argument("--state", choices=("pending", "provisioning", "ready", "failed", "detaching", "detached"))
-    command(commands, "show", cmd_show, "one cache in full").add_argument("cache_id")
+    ls.add_argument("--all", action="store_true", help="also the detached caches")
+    ls.add_argument("--wide", action="store_true", help=f"full ids and every column (wider than {TABLE_WIDTH})")
+    cache_help = "the cache: its id, name or id prefix"
+    command(commands, "show", cmd_show, "one cache in full").add_argument("cache", help=cache_help)
     detach = command(commands, "detach", cmd_detach, "detach a cache (revokes its data tokens)")
-    detach.add_argument("cache_id")
+    detach.add_argument("cache", help=cache_help)
     detach.add_argument("--wait", action="store_true", help="wait until it is detached")
     detach.add_argument("--timeout", type=float, default=60.0, metavar="S")
     token = command(commands, "token", cmd_token, "issue a data-plane token for a ready cache (printed on stdout)")
-    token.add_argument("cache_id")
+    token.add_argument("cache", help=cache_help)
     token.add_argument("--read-only", action="store_true", help="read access only (default: readwrite)")
-    token.add_argument("--ttl", type=int, metavar="S", help="lifetime in seconds (the server clamps it)")
+    token.add_argument("--ttl", type=int, metavar="S", help="lifetime in seconds (clamped by the server: reported)")
     command(commands, "usage", cmd_usage, "quota limits against what the tenant uses")
 
     keys = commands.add_parser("keys", help="API keys", description="API keys of the tenant")
     key_commands = keys.add_subparsers(dest="keys_command", required=True, metavar="COMMAND", parser_class=_Parser)
-    command(key_commands, "ls", cmd_keys_ls, "list the tenant's keys")
+    keys_ls = command(key_commands, "ls", cmd_keys_ls, "list the tenant's keys")
+    keys_ls.add_argument("--wide", action="store_true", help="full ids, public ids and creation times")
     create = command(key_commands, "create", cmd_keys_create, "create a key (its secret is printed once)")
     create.add_argument("--scope", action="append", required=True, help="e.g. caches:write (repeat, or comma-separate)")
     create.add_argument("--name", default="")
     create.add_argument("--expires-in", type=int, metavar="S", help="seconds until it expires (default: never)")
-    command(key_commands, "revoke", cmd_keys_revoke, "revoke a key now").add_argument("key_id")
+    key_help = "the key: its id, id prefix, name or public id"
+    command(key_commands, "revoke", cmd_keys_revoke, "revoke a key now").add_argument("key", help=key_help)
     rotate = command(key_commands, "rotate", cmd_keys_rotate, "a successor key; the old one works for the overlap")
-    rotate.add_argument("key_id")
+    rotate.add_argument("key", help=key_help)
     rotate.add_argument("--overlap", type=int, metavar="S", help="seconds the old key keeps working")
     return parser
 
 
-# ---- errors and the entry point --------------------------------------------------------------------------------------
-
-
-def _hint(exc: KcaasError, url: str) -> str | None:
-    if isinstance(exc, APIConnectionError):
-        return f"is `make up` running at {url}? (set --url or KCAAS_URL)"
-    if exc.status == 401:
-        return "check KCAAS_API_KEY (or --api-key): the key is missing, unknown, revoked or expired"
-    if exc.code == "permission_denied" and exc.details.get("required_scope"):
-        return f"this key lacks {exc.details['required_scope']}: use a key that holds it"
-    if exc.code == "quota_exceeded":
-        return "see `kcaas usage`; detach caches you no longer need"
-    retry_after = getattr(exc, "retry_after", None)
-    if exc.code == "rate_limited" and retry_after is not None:
-        return f"retry after {retry_after:.1f} s"
-    cache = getattr(exc, "cache", None)
-    if exc.code == "cache_failed" and cache is not None:
-        return f"detach it to free its quota: kcaas detach {cache.id}"
-    if exc.code == "wait_timeout" and cache is not None:
-        return f"it may still become ready: kcaas show {cache.id}"
-    return None
-
-
-def _report(out: _Out, exc: KcaasError, url: str) -> int:
-    hint = _hint(exc, url)
-    if out.json_mode:
-        body = {"code": exc.code, "message": exc.message, "status": exc.status, "details": exc.details}
-        out.note(json.dumps({"error": {**_jsonable(body), **({"hint": hint} if hint else {})}}))
-    else:
-        out.note(f"error: {exc.code}: {exc.message}" + (f"\nhint: {hint}" if hint else ""))
-    return EXIT_CONNECTION if isinstance(exc, APIConnectionError) else EXIT_API
+# ---- the entry point -------------------------------------------------------------------------------------------------
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -386,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     url = args.url or os.environ.get("KCAAS_URL") or DEFAULT_URL
     api_key = args.api_key or os.environ.get("KCAAS_API_KEY") or ""
-    out = _Out(args.json, api_key)
+    out = Out(args.json, api_key)
     try:
         if not api_key:
             raise UsageError("no API key: set KCAAS_API_KEY or pass --api-key")
@@ -395,13 +356,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:
             raise UsageError(f"{exc} (got --url/KCAAS_URL {url!r})") from None
         with client:
-            args.handler(client, args, out)
+            try:
+                args.handler(client, args, out)
+            except _UNREADABLE as exc:  # a success answer that is not the API's JSON
+                raise unreadable_answer(exc, url) from None
         return EXIT_OK
     except UsageError as exc:
         out.note(f"kcaas: error: {exc}")
         return EXIT_USAGE
     except KcaasError as exc:
-        return _report(out, exc, url)
+        return report(out, exc, url)
     except KeyboardInterrupt:
         out.note("\ninterrupted")
         return EXIT_INTERRUPTED

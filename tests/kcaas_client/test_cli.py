@@ -53,7 +53,7 @@ def test_attach_waits_showing_each_state_then_ls_show_token_detach(make_tenant, 
     code, out, _ = cli(key, "ls")
     header, row = out.splitlines()
     assert header.split() == ["ID", "NAME", "STATE", "ENDPOINT", "DEVICE"]
-    assert row.split() == [cache_id, "chat", "ready", node.endpoint, "128.0", "KiB"]
+    assert row.split() == [cache_id[:8], "chat", "ready", node.endpoint, "128.0", "KiB"]  # a short id
 
     code, out, _ = cli(key, "show", cache_id, "--json")
     body = json.loads(out)
@@ -113,8 +113,9 @@ def test_failed_provisioning_exits_1_with_the_reason_and_how_to_free_the_quota(m
     workers.fail_reason = "not enough device memory"
     code, out, err = cli(make_tenant().raw_key, "attach", "doomed", *SPEC_FLAGS, "--device-bytes", "64KiB")
     assert code == 1 and out == ""
-    error_line, hint_line = err.splitlines()[-2:]
+    error_line, *detail_lines, hint_line = err.splitlines()[-4:]
     assert error_line.startswith("error: cache_failed: Cache ") and error_line.endswith("not enough device memory")
+    assert [line.split(":")[0] for line in detail_lines] == ["  cache_id", "  failure_reason"]
     assert hint_line.startswith("hint: detach it to free its quota: kcaas detach ")
 
 
@@ -130,8 +131,8 @@ def test_keys_create_prints_the_secret_once_and_rotate_revoke_follow(make_tenant
     assert listed["ci"]["scopes"] == ["caches:read", "usage:read"] and "key" not in listed["ci"]
     ci_id = listed["ci"]["id"]
     code, out, _ = cli(admin, "keys", "ls")
-    assert code == 0 and out.splitlines()[0].split()[:3] == ["ID", "NAME", "PUBLIC"]
-    assert any(line.split()[:2] == [ci_id, "ci"] for line in out.splitlines()[1:])
+    assert code == 0 and out.splitlines()[0].split()[:3] == ["ID", "NAME", "SCOPES"]
+    assert any(line.split()[:2] == [ci_id[:8], "ci"] for line in out.splitlines()[1:])
 
     assert cli(created, "usage")[0] == 0  # the printed secret is a working key
 
@@ -167,11 +168,13 @@ def test_usage_shows_limits_against_use_in_human_bytes(make_tenant, node, sdk, c
 
 def test_api_errors_exit_1_with_code_message_and_hint(make_tenant, cli):
     code, _, err = cli(make_tenant().raw_key, "show", "00000000-0000-4000-8000-000000000000")
-    assert code == 1 and err == "error: not_found: No such cache.\n"
+    assert code == 1 and err.splitlines()[0] == "error: not_found: No such cache."
+    assert err.splitlines()[1].startswith("hint: `kcaas ls --all` lists every cache")
 
     code, _, err = cli(make_tenant(scopes=("caches:read",)).raw_key, "keys", "ls")
     assert code == 1 and err.splitlines() == [
         "error: permission_denied: This key lacks the keys:read scope.",
+        "  required_scope: keys:read",
         "hint: this key lacks keys:read: use a key that holds it",
     ]
 
