@@ -31,6 +31,7 @@ class AuditAction(enum.IntEnum):
     CACHE_DETACHED = 3005
     CACHE_MIGRATED = 3006
     CACHE_REPROVISIONED = 3007  # its node re-registered without it: provisioned again
+    CACHE_EMPTIED = 3008  # its node came back without its blocks (restart, lost pool): what it held is gone
     # data tokens 31xx
     DATA_TOKEN_ISSUED = 3101
     DATA_TOKENS_REVOKED = 3102

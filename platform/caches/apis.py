@@ -6,6 +6,8 @@ own tenant's caches; another tenant's cache id (guessed, listed or forged) is a 
 every tenant's caches (optionally one, with `tenant_id`) and attach for a named tenant; they get no data tokens.
 """
 
+from typing import Literal
+
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_serializer
 from rest_framework import serializers, status
@@ -19,6 +21,7 @@ from caches.errors import InvalidCapacity, InvalidSpec
 from caches.idempotency import HEADER as IDEMPOTENCY_HEADER
 from caches.idempotency import KEY_PATTERN, REPLAYED_HEADER, idempotent
 from caches.models import CacheState
+from caches.selectors import cache_resident_bytes_reported
 from core.errors import ApplicationError
 from core.openapi import AUTH_ERRORS, RATE_LIMIT_HEADERS, RejectUnknownFieldsMixin, error_responses
 from core.pagination import BoundedLimitOffsetPagination
@@ -69,8 +72,20 @@ class CacheOutputSerializer(serializers.Serializer):
     node_id = serializers.UUIDField(allow_null=True)
     endpoint = serializers.CharField(help_text="The node's data-plane address once ready; empty before.")
     epoch = serializers.IntegerField(help_text="Grows whenever the cache moves to another node.")
+    contents = serializers.SerializerMethodField(
+        help_text="warm: its node's last heartbeat reported blocks of it; cold: none (new, or emptied: see "
+        "emptied_at). Reads as of the last heartbeat."
+    )
+    emptied_at = serializers.DateTimeField(
+        allow_null=True,
+        help_text="The last time its node came back without its blocks (an agent restart without them, a lost "
+        "pool): everything stored before is gone, engines recompute and refill it. Null: never.",
+    )
     created_at = serializers.DateTimeField()
     updated_at = serializers.DateTimeField()
+
+    def get_contents(self, cache) -> Literal["warm", "cold"]:
+        return "warm" if cache_resident_bytes_reported(cache) > 0 else "cold"
 
     def get_spec(self, cache) -> SpecSerializer:
         return cache.spec_dict()

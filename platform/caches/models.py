@@ -57,6 +57,9 @@ class Cache(models.Model):
     node = models.ForeignKey("fleet.Node", null=True, blank=True, on_delete=models.PROTECT, related_name="caches")
     endpoint = models.CharField(max_length=300, blank=True, default="")  # the node's data-plane address once ready
     epoch = models.PositiveIntegerField(default=1)
+    # The last time its node came back without its blocks (agent restart without them, or a pool the node no longer
+    # reports): everything stored before is gone and the cache is provisioned again, empty. Null: never.
+    emptied_at = models.DateTimeField(null=True, blank=True)
     hash_key_sealed = models.BinaryField()
     # The SSD tier's data key (32 bytes) sealed under the tenant key (caches.sealing.ssd_key_new_sealed); null for a
     # cache without an SSD tier. Sent in clear only inside provision_cache.

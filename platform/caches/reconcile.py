@@ -42,8 +42,9 @@ from caches.services import (
     PROVISIONING_TIMEOUT,
     _audit,
     _order_detach,
-    _provision,
     _release,
+    audit_cache_emptied,
+    reprovision_emptied,
 )
 from fleet.services import nodes_lock
 
@@ -111,7 +112,7 @@ def caches_reconcile_resident(*, node_id, resident_cache_ids, now: datetime | No
     ]
     for cache in missing:
         logger.warning("node %s no longer reports cache %s: provisioning it again", node_id, cache.pk)
-        _provision(cache)
+        reprovision_emptied(cache)
     for cache in missing:
         _audit(
             AuditAction.CACHE_REPROVISIONED,
@@ -120,4 +121,5 @@ def caches_reconcile_resident(*, node_id, resident_cache_ids, now: datetime | No
             new={"state": cache.state},
             actor=SYSTEM,
         )
+        audit_cache_emptied(cache, actor=SYSTEM)
     return [cache.pk for cache in missing]

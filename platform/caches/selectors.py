@@ -2,6 +2,7 @@
 
 import uuid
 from dataclasses import dataclass
+from datetime import datetime
 
 from django.db.models import Case, Count, Q, QuerySet, Sum, When
 from django.utils import timezone
@@ -24,7 +25,7 @@ class CacheUsage:
 
 def cache_list(*, tenant_id: uuid.UUID | None, state: str | None = None) -> QuerySet[Cache]:
     """The tenant's caches, newest first (tenant_id None: every tenant's, for staff)."""
-    caches = Cache.objects.order_by("-created_at", "id")
+    caches = Cache.objects.select_related("node").order_by("-created_at", "id")  # node: its resident snapshot
     if tenant_id is not None:
         caches = caches.filter(tenant_id=tenant_id)
     if state is not None:
@@ -39,6 +40,19 @@ def cache_get(*, cache_id, tenant_id: uuid.UUID | None) -> Cache:
     if cache is None:
         raise NotFoundError("No such cache.")
     return cache
+
+
+def cache_resident_bytes_reported(cache: Cache) -> int:
+    """Bytes (all tiers) the cache's node last reported holding for it: 0 with no node, no report, or only a report
+    from before the cache was last emptied (that node came back without its blocks since)."""
+    if cache.node_id is None:
+        return 0
+    snapshot = cache.node.resident_snapshot or {}
+    reported_at = snapshot.get("reported_at")
+    if cache.emptied_at is not None and (reported_at is None or datetime.fromisoformat(reported_at) < cache.emptied_at):
+        return 0
+    entry = (snapshot.get("caches") or {}).get(str(cache.pk)) or {}
+    return sum(int(entry.get(tier, 0)) for tier in TIERS)
 
 
 def cache_usage(*, tenant_id: uuid.UUID) -> CacheUsage:

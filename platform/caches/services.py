@@ -196,6 +196,20 @@ def _provision(cache: Cache) -> None:
     cache.save(update_fields=["state", "updated_at"])
 
 
+def reprovision_emptied(cache: Cache) -> None:
+    """Its node came back without the cache's blocks: stamp `emptied_at` (the API shows the cache `contents:
+    "cold"` until its node reports blocks again) and provision it again, same epoch and keys."""
+    cache.emptied_at = timezone.now()
+    cache.save(update_fields=["emptied_at", "updated_at"])
+    _provision(cache)
+
+
+def audit_cache_emptied(cache: Cache, *, actor=None) -> None:
+    """The `cache_emptied` event, after the re-provisioning's: the tenant's trail says its blocks were lost."""
+    new = {"emptied_at": cache.emptied_at, "node_id": str(cache.node_id)}
+    _audit(AuditAction.CACHE_EMPTIED, cache, new=new, actor=actor)
+
+
 def provision_order_message(cache_id: str, epoch: int) -> ProvisionCache | None:
     """The provisioning message for the outbox, made at send time: None once it is moot (the cache is no longer
     provisioning at that epoch, or its keys were shredded by an erasure). Its keys are sealed to the cache's node
@@ -242,9 +256,10 @@ def caches_reconcile_node(*, node_id: uuid.UUID, held_cache_ids: list) -> list[d
     for cache in lost:
         logger.info("node %s no longer holds cache %s: provisioning it again", node_id, cache.pk)
         again.append((cache, cache.state))
-        _provision(cache)
+        reprovision_emptied(cache)
     for cache, previous_state in again:
         _audit(AuditAction.CACHE_REPROVISIONED, cache, old={"state": previous_state}, new={"state": cache.state})
+        audit_cache_emptied(cache)
     return selectors.caches_on_node(node_id=node_id)
 
 

@@ -291,7 +291,7 @@ def test_a_node_that_re_registers_without_its_caches_has_them_reprovisioned_on_t
         format="json",
     )
     assert response.status_code == 200, response.content
-    registered, reprovisioned = events_since(seq)
+    registered, reprovisioned, emptied = events_since(seq)
     assert registered.action == AuditAction.NODE_REGISTERED and registered.actor_id == str(node.node.pk)
     assert_event(
         reprovisioned,
@@ -302,6 +302,18 @@ def test_a_node_that_re_registers_without_its_caches_has_them_reprovisioned_on_t
         tenant_id=handle.tenant.pk,
         old={"state": "ready"},
         new={"state": "provisioning"},
+        response=response,
+    )
+    cache.refresh_from_db()
+    assert_event(
+        emptied,
+        action=AuditAction.CACHE_EMPTIED,
+        actor=node.actor,
+        target_type="cache",
+        target_id=cache.pk,
+        tenant_id=handle.tenant.pk,
+        old=None,
+        new={"emptied_at": iso(cache.emptied_at), "node_id": str(node.node.pk)},
         response=response,
     )
 

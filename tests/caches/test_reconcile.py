@@ -102,5 +102,6 @@ def test_a_ready_cache_the_node_stops_reporting_is_provisioned_again(tenant_a, n
     assert states == {gone.pk: CacheState.PROVISIONING, kept.pk: CacheState.READY, fresh.pk: CacheState.READY}
     order = NodeOrder.objects.get(node=node, state__in=[OrderState.PENDING, OrderState.SENT])
     assert order.args == [str(gone.pk), gone.epoch]  # ordered from the node again, at the same epoch
-    event = AuditEvent.objects.filter(target_id=str(gone.pk)).order_by("-id").first()
-    assert event.action == AuditAction.CACHE_REPROVISIONED
+    actions = list(AuditEvent.objects.filter(target_id=str(gone.pk)).order_by("-id").values_list("action", flat=True))
+    assert actions[:2] == [AuditAction.CACHE_EMPTIED, AuditAction.CACHE_REPROVISIONED]
+    assert Cache.objects.get(pk=gone.pk).emptied_at is not None and Cache.objects.get(pk=kept.pk).emptied_at is None
