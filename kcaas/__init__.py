@@ -1,4 +1,5 @@
-"""KCaaS tenant SDK: the REST client (kcaas.Client) and its response models (kcaas.resources: kcaas.Cache, ...),
+"""KCaaS tenant SDK: `kcaas.connect()` (kcaas.connection: URL + API key -> a ready data-plane client per cache), the
+REST client (kcaas.Client) and its response models (kcaas.resources: kcaas.Cache, ...),
 data-token refresh (kcaas.TokenSource), the shared cache identity (kcaas.spec) and engine connectors. The data-plane
 client is kcaas.DataPlaneClient (kcaas.dataplane)."""
 
@@ -7,6 +8,9 @@ client is kcaas.DataPlaneClient (kcaas.dataplane)."""
 _EXPORTS = {
     "ApiKeyInfo": "kcaas.resources",
     "Cache": "kcaas.resources",
+    "CertificateVerifyError": "kcaas.connection",
+    "Connection": "kcaas.connection",
+    "connect": "kcaas.connection",
     "Client": "kcaas.client",
     "DataPlaneClient": "kcaas.dataplane",
     "DataPlaneError": "kcaas.dataplane",

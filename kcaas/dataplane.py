@@ -1,6 +1,6 @@
 """The SDK's data-plane client: lookup/put/get/delete of one cache's KV on its node, over TLS 1.3 or a Unix socket.
 
-    tokens = kcaas.TokenSource(client, cache.id)
+    tokens = kcaas.TokenSource(client, cache.id, access="readwrite")   # "read" (the default): lookup and get only
     dp = DataPlaneClient(cache.endpoint, tokens, cache.id, spec)      # or uds_path="/run/kcaas/node.sock"
     n = dp.lookup(token_ids)
     dp.put(token_ids, kv)          # kv: torch tensor [num_layers, 2, n, num_kv_heads, head_dim] in spec.kv_dtype

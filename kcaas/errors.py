@@ -4,11 +4,27 @@ Every non-2xx answer of the control plane (`{"error": {"code", "message", "detai
 subclass chosen by status and code, carrying `status`, `code`, `message`, `details`, `request_id` (when the server
 or a proxy sent one) and, for 429, `retry_after`. Nothing here ever holds the API key: the client scrubs it from
 every message and detail before an error is built.
+
+Each error also carries a `hint`: what to do about it, for the codes an engine developer meets on day one (an unknown
+key, no node with room, a control plane that is not running, a node certificate this client does not trust); given
+explicitly, from the server's `details.hint`, or from `hint_for`. `str(error)` is the message, the details and the
+hint, so a traceback alone says what went wrong and what to try.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
+
+CA_URL_PATH = "/.well-known/kcaas-ca.pem"
+AUTHENTICATION_CODES = (
+    "not_authenticated",
+    "authentication_failed",
+    "malformed_api_key",
+    "invalid_api_key",
+    "api_key_revoked",
+    "api_key_expired",
+)
 
 
 class KcaasError(Exception):
@@ -24,6 +40,7 @@ class KcaasError(Exception):
         code: str | None = None,
         details: dict[str, Any] | None = None,
         request_id: str | None = None,
+        hint: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -31,17 +48,23 @@ class KcaasError(Exception):
         self.code = code or self.default_code
         self.details = details or {}
         self.request_id = request_id
+        self.hint = hint or hint_for(self.code, self.message, self.details) or _sent_hint(self.details)
 
     def __str__(self) -> str:
         parts = [f"[{self.status}]" if self.status is not None else None, f"{self.code}:", self.message]
+        shown = {k: v for k, v in self.details.items() if k != "hint"}
+        if shown:
+            parts.append(f"(details: {shown})")
         if self.request_id:
             parts.append(f"(request id {self.request_id})")
+        if self.hint:
+            parts.append(f"-- hint: {self.hint}")
         return " ".join(p for p in parts if p)
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(status={self.status!r}, code={self.code!r}, message={self.message!r}, "
-            f"details={self.details!r}, request_id={self.request_id!r})"
+            f"details={self.details!r}, request_id={self.request_id!r}, hint={self.hint!r})"
         )
 
 
@@ -150,3 +173,55 @@ def error_class_for(status: int, code: str | None) -> type[KcaasError]:
     if status >= 500:
         return ServerError
     return KcaasError
+
+
+def is_certificate_failure(message: str) -> bool:
+    """A TLS failure because the peer's certificate is not trusted (or not for that name)."""
+    return "CERTIFICATE_VERIFY_FAILED" in message or "certificate verify failed" in message.lower()
+
+
+def hint_for(code: str, message: str, details: dict[str, Any]) -> str | None:
+    """What to do about an error with this code, message and details; None when there is nothing useful to say."""
+    if is_certificate_failure(message):
+        return (
+            "the node's certificate is not signed by a CA this client trusts: connect with kcaas.connect(url) (it "
+            f"trusts the CA the control plane publishes at <url>{CA_URL_PATH}), or pass ca= (a PEM file or text; "
+            "`make up` writes var/secrets/dev-ca.pem)"
+        )
+    if code == "no_capacity":
+        return _no_capacity_hint(details)
+    if code in AUTHENTICATION_CODES:
+        return (
+            "pass api_key= or set KCAAS_API_KEY to a valid key (`make up` writes its demo tenant's key to "
+            "var/secrets/demo-api-key); create a new one with `kcaas keys create` if it was revoked or expired"
+        )
+    if code == "connection_error" and ("refused" in message.lower() or "Could not connect" in message):
+        url = details.get("url") or _url_in(message) or "the control plane URL"
+        return (
+            f"is the control plane running at {url}? Start it with `make up`, or point KCAAS_URL (or url=) at "
+            "your KCaaS deployment"
+        )
+    if code == "quota_exceeded":
+        return "detach caches you no longer need (details.limit names the limit), or ask for a higher quota"
+    if code == "cache_not_ready":
+        return "wait for the cache to be ready (Client.wait_for) before asking for a data token"
+    return None
+
+
+def _no_capacity_hint(details: dict[str, Any]) -> str:
+    free = details.get("largest_free")
+    asked = f"ask for at most {free} bytes per tier (the largest free on any node), " if free else "ask for less, "
+    return (
+        f"{asked}or start the node agents with more memory (KCAAS_NODE_DEVICE_BYTES, KCAAS_NODE_DRAM_BYTES, "
+        "KCAAS_NODE_SSD_BYTES)"
+    )
+
+
+def _url_in(message: str) -> str | None:
+    found = re.search(r"https?://[^\s:/]+(?::\d+)?[^\s:]*", message)
+    return found.group(0) if found else None
+
+
+def _sent_hint(details: dict[str, Any]) -> str | None:
+    sent = details.get("hint")
+    return sent if isinstance(sent, str) and sent else None

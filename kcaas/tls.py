@@ -3,7 +3,9 @@ certificate the control plane publishes (`GET /.well-known/kcaas-ca.pem`, public
 context that trusts only it (hostname checked against the node certificate's endpoint SAN).
 
     ctx = kcaas.tls.platform_ssl_context("https://kcaas.example.com")
-    DataPlaneClient(cache.endpoint, TokenSource(client, cache.id), cache.id, spec, ssl_context=ctx)
+    DataPlaneClient(cache.endpoint, TokenSource(client, cache.id, "readwrite"), cache.id, spec, ssl_context=ctx)
+
+kcaas.connect() does all of this itself (kcaas/connection.py).
 
 Pin the CA out of band (a file shipped with the engine) where the control plane's own TLS is not trusted:
 `dataplane_ssl_context(open("kcaas-ca.pem").read())`.

@@ -16,6 +16,9 @@ class TokenSource:
     token and one refresh. The refresh point is measured on this host's monotonic clock from the token's own
     lifetime (exp - iat), so a skewed local wall clock neither expires tokens early nor uses them late.
 
+    `access` is "read" (lookup and get) unless "readwrite" (also put and delete) is asked for, as for the REST API's
+    data tokens: a token grants only what its caller says it needs.
+
     `get()` -> the current DataToken (refreshed when less than `refresh_fraction` of its life, or less than
     `min_margin_seconds`, is left). `invalidate()` forces the next get() to fetch a new one (call it when the node
     refuses a token: revoked, or the cache moved and the epoch changed).
@@ -25,7 +28,7 @@ class TokenSource:
         self,
         client: Client,
         cache_id: str,
-        access: str = "readwrite",
+        access: str = "read",
         *,
         ttl_seconds: int | None = None,
         refresh_fraction: float = 0.2,

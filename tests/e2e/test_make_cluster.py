@@ -63,7 +63,7 @@ def round_trip(client: kcaas.Client, cache, ca_file: str, seed: int) -> None:
     tokens = torch.randint(0, 1000, (48,), generator=generator)
     kv = torch.randn(SPEC.num_layers, 2, 48, SPEC.num_kv_heads, SPEC.head_dim, generator=generator).half()
     with DataPlaneClient(
-        cache.endpoint, TokenSource(client, cache.id), cache.id, SPEC, ssl_context=tls, timeout=10.0
+        cache.endpoint, TokenSource(client, cache.id, access="readwrite"), cache.id, SPEC, ssl_context=tls, timeout=10.0
     ) as dp:
         assert dp.put(tokens, kv)["num_cached"] == 48
         assert dp.lookup(tokens) == 48

@@ -58,7 +58,7 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 def all_come_back(client: kcaas.Client, cache, tls: ssl.SSLContext, puts) -> bool:
     """Every sequence read back through a fresh connection to the cache's endpoint: the same bytes."""
     with DataPlaneClient(
-        cache.endpoint, TokenSource(client, cache.id), cache.id, SPEC, ssl_context=tls, timeout=10.0
+        cache.endpoint, TokenSource(client, cache.id, access="readwrite"), cache.id, SPEC, ssl_context=tls, timeout=10.0
     ) as dp:
         for tokens, kv in puts:
             n, back = dp.get(tokens)
@@ -122,7 +122,12 @@ def test_a_drain_under_make_cluster_moves_the_cache_and_uncordon_returns_the_nod
             )
             source = cache.node_id
             with DataPlaneClient(
-                cache.endpoint, TokenSource(client, cache.id), cache.id, SPEC, ssl_context=tls, timeout=10.0
+                cache.endpoint,
+                TokenSource(client, cache.id, access="readwrite"),
+                cache.id,
+                SPEC,
+                ssl_context=tls,
+                timeout=10.0,
             ) as dp:
                 for tokens, kv in puts:
                     assert dp.put(tokens, kv)["num_cached"] == SEQ_TOKENS

@@ -84,7 +84,12 @@ def test_drain_moves_a_live_cache_between_agent_processes(
         source = Cache.objects.get(pk=cache.id).node_id
         (target,) = set(agents) - {source}
         with DataPlaneClient(
-            cache.endpoint, TokenSource(client, cache.id), cache.id, spec, ssl_context=client_tls(pki), timeout=10.0
+            cache.endpoint,
+            TokenSource(client, cache.id, access="readwrite"),
+            cache.id,
+            spec,
+            ssl_context=client_tls(pki),
+            timeout=10.0,
         ) as dp:
             loop = PutGetLoop(dp, spec)
             loop.start()

@@ -100,7 +100,12 @@ def cache_with_data(live_server, pki, spec):
         (random_tokens(SEQ_TOKENS, seed=s)[0], random_kv(spec, SEQ_TOKENS, seed=s + 100)) for s in range(NUM_SEQS)
     ]
     with DataPlaneClient(
-        cache.endpoint, TokenSource(client, cache.id), cache.id, spec, ssl_context=client_tls(pki), timeout=10.0
+        cache.endpoint,
+        TokenSource(client, cache.id, access="readwrite"),
+        cache.id,
+        spec,
+        ssl_context=client_tls(pki),
+        timeout=10.0,
     ) as dp:
         for tokens, kv in sequences:
             assert dp.put(tokens, kv)["num_cached"] == SEQ_TOKENS
@@ -112,7 +117,12 @@ def served(client, cache_id, spec, pki, sequences) -> list[int]:
     now = client.get_cache(cache_id)
     counts = []
     with DataPlaneClient(
-        now.endpoint, TokenSource(client, cache_id), cache_id, spec, ssl_context=client_tls(pki), timeout=10.0
+        now.endpoint,
+        TokenSource(client, cache_id, access="readwrite"),
+        cache_id,
+        spec,
+        ssl_context=client_tls(pki),
+        timeout=10.0,
     ) as dp:
         for tokens, kv in sequences:
             n, got = dp.get(tokens)

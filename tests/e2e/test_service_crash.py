@@ -40,7 +40,12 @@ PUT_TOKENS = 64  # 4 full blocks of 16
 
 def data_plane(client: kcaas.Client, cache, spec, pki) -> DataPlaneClient:
     return DataPlaneClient(
-        cache.endpoint, TokenSource(client, cache.id), cache.id, spec, ssl_context=client_tls(pki), timeout=10.0
+        cache.endpoint,
+        TokenSource(client, cache.id, access="readwrite"),
+        cache.id,
+        spec,
+        ssl_context=client_tls(pki),
+        timeout=10.0,
     )
 
 

@@ -71,7 +71,12 @@ def test_attach_generate_isolate_and_hand_off_through_the_real_service(live_serv
 
     def data_plane(client: kcaas.Client, cache, token=None) -> DataPlaneClient:
         dp = DataPlaneClient(
-            cache.endpoint, token or TokenSource(client, cache.id), cache.id, spec, ssl_context=tls, timeout=10.0
+            cache.endpoint,
+            token or TokenSource(client, cache.id, access="readwrite"),
+            cache.id,
+            spec,
+            ssl_context=tls,
+            timeout=10.0,
         )
         opened.append(dp)
         return dp

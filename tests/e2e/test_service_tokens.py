@@ -269,7 +269,7 @@ def test_hostile_tokens_are_refused_alike_and_leave_a_intact(live_server, agent,
         kv = random_kv(spec, PROMPT_TOKENS, seed=6)
         dp_a = DataPlaneClient(
             agent.endpoint,
-            TokenSource(client_a, cache_a.id),
+            TokenSource(client_a, cache_a.id, access="readwrite"),
             cache_a.id,
             spec,
             ssl_context=client_tls(pki),
@@ -369,7 +369,12 @@ def test_a_revoked_token_is_cut_off_on_its_open_connection(live_server, agent, p
 
             assert eventually(refused)
         with DataPlaneClient(
-            agent.endpoint, TokenSource(client, cache.id), cache.id, spec, ssl_context=client_tls(pki), timeout=10.0
+            agent.endpoint,
+            TokenSource(client, cache.id, access="readwrite"),
+            cache.id,
+            spec,
+            ssl_context=client_tls(pki),
+            timeout=10.0,
         ) as dp:
             assert dp.lookup(prompt) == 0
     finally:

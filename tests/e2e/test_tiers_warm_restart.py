@@ -39,7 +39,12 @@ def test_sigkill_then_restart_serves_the_ssd_blocks_again(
     try:
         cache = client.attach("warm", spec, {"device": 8 * spec.block_bytes, "ssd": 256 * spec.block_bytes}, timeout=30)
         with DataPlaneClient(
-            cache.endpoint, TokenSource(client, cache.id), cache.id, spec, ssl_context=client_tls(pki), timeout=10.0
+            cache.endpoint,
+            TokenSource(client, cache.id, access="readwrite"),
+            cache.id,
+            spec,
+            ssl_context=client_tls(pki),
+            timeout=10.0,
         ) as dp:
             for tokens, kv in sequences:
                 assert dp.put(tokens, kv)["num_cached"] == SEQ_TOKENS
@@ -53,7 +58,12 @@ def test_sigkill_then_restart_serves_the_ssd_blocks_again(
         again = client.wait_for(cache.id, "ready", timeout=30)
         assert (again.endpoint, again.epoch) == (cache.endpoint, cache.epoch) and restarted.alive
         with DataPlaneClient(
-            again.endpoint, TokenSource(client, again.id), again.id, spec, ssl_context=client_tls(pki), timeout=10.0
+            again.endpoint,
+            TokenSource(client, again.id, access="readwrite"),
+            again.id,
+            spec,
+            ssl_context=client_tls(pki),
+            timeout=10.0,
         ) as dp:
             for tokens, kv in sequences[:2]:
                 assert dp.lookup(tokens) == SEQ_TOKENS

@@ -47,7 +47,8 @@ def node_with_certificate() -> NodeIdentity:
     return identity
 
 
-def test_the_sdk_verifies_a_node_certificate_through_the_published_ca(live_server, tmp_path):
+def test_the_sdk_verifies_a_node_certificate_through_the_published_ca(live_server, tmp_path, settings):
+    settings.KCAAS_DATA_PLANE_CA_FILE = ""  # the platform CA alone (a `make up` dev CA would follow it)
     ca_pem = tls.platform_ca_pem(live_server.url)
     assert ca_pem == pki.platform_ca_pem()
     client_ctx = tls.dataplane_ssl_context(ca_pem)
