@@ -35,6 +35,9 @@ def _bind_symbols_now() -> None:
 
 if __name__ == "__main__":
     _bind_symbols_now()
+    # The agent serves its own registry: prometheus_client's multiprocess mode (meant for the control plane's
+    # processes, inherited under `make up`) would also put its series in the control plane's /metrics.
+    os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
 
 import faulthandler  # noqa: E402 - after the re-execution above, which must come before any library loads
 import json  # noqa: E402
