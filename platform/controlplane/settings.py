@@ -81,7 +81,7 @@ WSGI_APPLICATION = "controlplane.wsgi.application"
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
-        "DIRS": [],
+        "DIRS": [REPO_ROOT / "platform" / "core" / "templates"],  # the API docs page (core/templates/api_docs)
         "APP_DIRS": True,
         "OPTIONS": {
             "context_processors": [
@@ -209,7 +209,23 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
-    "REDOC_DIST": "SIDECAR",  # the docs page works without internet access
+    "REDOC_DIST": "SIDECAR",  # the docs pages work without internet access: every asset is served from here
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_UI_SETTINGS": {"expandResponses": "200,201"},
+    # Tags by resource, in the order Redoc and Swagger UI show them: the main resources first, the JWKS last.
+    "TAGS": [
+        {"name": "caches", "description": "Attach, list, inspect and detach KV caches."},
+        {"name": "tokens", "description": "Short-lived data-plane tokens for one cache, and their revocation."},
+        {"name": "keys", "description": "The tenant's API keys: issue, rotate, revoke; who am I."},
+        {"name": "usage", "description": "Quota limits against current use, and metered usage over time."},
+        {"name": "invoices", "description": "The tenant's invoices."},
+        {"name": "audit", "description": "The hash-chained audit trail: events, signed digests, exports."},
+        {"name": "privacy", "description": "GDPR: portability exports and erasure (Art. 17, 20)."},
+        {"name": "admin", "description": "Staff: tenants, quotas, nodes, rates."},
+        {"name": "nodes", "description": "Node agents only: register, heartbeat, usage reports, certificates."},
+        {"name": "well-known", "description": "Public keys and CA certificates, no authentication."},
+    ],
     "ENUM_NAME_OVERRIDES": {
         "CacheStateEnum": "caches.models.CacheState",
         "NodeStateEnum": "fleet.models.NodeState",

@@ -1,9 +1,11 @@
 from django.http import JsonResponse
 from django.urls import include, path
-from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView
+from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
 from controlplane.metrics import metrics_view
 from core import errors
+
+API_DOCS_TEMPLATE = "api_docs/redoc.html"  # Redoc without the web fonts drf-spectacular's page pulls from Google
 
 
 def healthz(request):
@@ -14,7 +16,8 @@ urlpatterns = [
     path("healthz", healthz, name="healthz"),
     path("metrics", metrics_view, name="metrics"),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
-    path("api/docs/", SpectacularRedocView.as_view(url_name="schema"), name="docs"),
+    path("api/docs/", SpectacularRedocView.as_view(url_name="schema", template_name=API_DOCS_TEMPLATE), name="docs"),
+    path("api/docs/swagger/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs-swagger"),
     path("api/v1/", include("tenants.urls")),
     path("api/v1/", include("fleet.urls")),
     path("api/v1/", include("caches.urls")),
