@@ -128,6 +128,7 @@ class KeyListCreateApi(PaginatedApi):
 
     @extend_schema(
         operation_id="keys_list",
+        tags=["keys"],
         summary="List this tenant's API keys (never secrets or hashes)",
         parameters=[_TENANT_ID_PARAM, *RATE_LIMIT_HEADERS],
         responses={200: KeyOutputSerializer(many=True), **error_responses(*AUTH_ERRORS, 404)},
@@ -141,6 +142,7 @@ class KeyListCreateApi(PaginatedApi):
 
     @extend_schema(
         operation_id="keys_create",
+        tags=["keys"],
         summary="Issue an API key; the raw key is in this response only",
         request=InputSerializer,
         parameters=RATE_LIMIT_HEADERS,
@@ -172,6 +174,7 @@ class KeyDetailApi(JsonApi):
 
     @extend_schema(
         operation_id="keys_retrieve",
+        tags=["keys"],
         summary="One API key of this tenant",
         parameters=RATE_LIMIT_HEADERS,
         responses={200: KeyOutputSerializer, **error_responses(*AUTH_ERRORS, 404)},
@@ -187,6 +190,7 @@ class KeyRevokeApi(JsonApi):
 
     @extend_schema(
         operation_id="keys_revoke",
+        tags=["keys"],
         summary="Revoke an API key (irreversible)",
         request=None,
         parameters=RATE_LIMIT_HEADERS,
@@ -213,6 +217,7 @@ class KeyRotateApi(JsonApi):
 
     @extend_schema(
         operation_id="keys_rotate",
+        tags=["keys"],
         summary="Rotate an API key: a successor now, the old key expires after the overlap",
         request=InputSerializer,
         parameters=RATE_LIMIT_HEADERS,
@@ -255,15 +260,18 @@ class TenantListCreateApi(PaginatedApi):
 
     @extend_schema(
         operation_id="admin_tenants_list",
+        tags=["admin"],
         summary="List tenants (staff)",
         responses={200: TenantOutputSerializer(many=True), **error_responses(*STAFF_ERRORS)},
     )
     def get(self, request):
-        """All tenants, oldest first, paginated."""
+        """All tenants (id, name, status, created_at), oldest first, paginated with limit/offset. Staff only: a
+        tenant key is refused with 403."""
         return self.paginated(selectors.tenant_list(), TenantOutputSerializer)
 
     @extend_schema(
         operation_id="admin_tenants_create",
+        tags=["admin"],
         summary="Create a tenant (staff)",
         request=InputSerializer,
         responses={201: TenantOutputSerializer, **error_responses(*STAFF_ERRORS, 409)},
@@ -285,15 +293,18 @@ class TenantDetailApi(JsonApi):
 
     @extend_schema(
         operation_id="admin_tenants_retrieve",
+        tags=["admin"],
         summary="One tenant (staff)",
         responses={200: TenantOutputSerializer, **error_responses(*STAFF_ERRORS, 404)},
     )
     def get(self, request, tenant_id):
-        """One tenant by id."""
+        """One tenant by id: its name, status (active or suspended) and creation time; 404 for an unknown id. Its
+        quota is at .../quota, its erasure and export under the privacy operations."""
         return Response(TenantOutputSerializer(selectors.tenant_get(tenant_id=tenant_id)).data)
 
     @extend_schema(
         operation_id="admin_tenants_update_status",
+        tags=["admin"],
         summary="Suspend or reactivate a tenant (staff)",
         request=InputSerializer,
         responses={200: TenantOutputSerializer, **error_responses(*STAFF_ERRORS, 404, 409)},
@@ -363,6 +374,7 @@ class TenantQuotaApi(JsonApi):
 
     @extend_schema(
         operation_id="admin_tenants_quota_retrieve",
+        tags=["admin"],
         summary="A tenant's effective quota and overrides (staff)",
         responses={200: QuotaOutputSerializer, **error_responses(*STAFF_ERRORS, 404)},
     )
@@ -373,6 +385,7 @@ class TenantQuotaApi(JsonApi):
 
     @extend_schema(
         operation_id="admin_tenants_quota_update",
+        tags=["admin"],
         summary="Override quota limits; null resets to the default (staff)",
         request=QuotaPatchSerializer,
         responses={200: QuotaOutputSerializer, **error_responses(*STAFF_ERRORS, 404)},
@@ -402,7 +415,15 @@ class WhoAmIOutputSerializer(serializers.Serializer):
 class WhoAmIApi(JsonApi):
     """The caller as the control plane sees it: lets an SDK check a key (and its scopes) in one cheap request."""
 
-    @extend_schema(operation_id="whoami", responses={200: WhoAmIOutputSerializer, **error_responses(*AUTH_ERRORS)})
+    @extend_schema(
+        operation_id="whoami",
+        tags=["keys"],
+        summary="Who the caller is: its tenant, key and scopes",
+        description="Answers for any valid credential: a tenant key gets its tenant id, key id and scopes (so an SDK "
+        "can check a key in one cheap request); staff get kind `staff`. 401 for a missing, malformed, revoked or "
+        "expired key.",
+        responses={200: WhoAmIOutputSerializer, **error_responses(*AUTH_ERRORS)},
+    )
     def get(self, request):
         user = request.user
         if isinstance(user, TenantPrincipal):

@@ -488,6 +488,10 @@ class InvoiceDetailApi(_InvoiceApi):
         tags=["invoices"],
         parameters=RATE_LIMIT_HEADERS,
         responses={200: InvoiceSerializer, **error_responses(*AUTH_ERRORS, 404)},
+        description=(
+            "One invoice with its lines (per cache and meter; amounts as exact decimal strings). A tenant key "
+            "sees only its own tenant's invoices (another tenant's id is a 404); staff see any."
+        ),
     )
     def get(self, request, invoice_id):
         tenant_id = None if is_staff_user(request.user) else request_tenant(request).pk
@@ -526,6 +530,11 @@ class AdminRatesApi(APIView):
         tags=["admin"],
         parameters=[FilterSerializer, *PAGE_PARAMS],
         responses={200: _page_of(RateSerializer, "PaginatedRateList"), **error_responses(*AUTH_ERRORS)},
+        description=(
+            "The price list: every rate (meter, unit price as an exact decimal string, effective_from) by meter, "
+            "then by effective_from, optionally for one meter. A rate applies from its whole UTC hour until the "
+            "same meter's next rate."
+        ),
     )
     def get(self, request):
         rates = selectors.rate_list(meter=_validated(self.FilterSerializer, request.query_params).get("meter"))

@@ -164,6 +164,12 @@ class CacheListAttachApi(APIView):
             *RATE_LIMIT_HEADERS,
         ],
         responses={200: CacheOutputSerializer(many=True), **error_responses(*AUTH_ERRORS, 404)},
+        description=(
+            "The tenant's caches, newest first, paginated (limit/offset), optionally filtered by state; detached "
+            "caches are listed too. Each shows its spec, capacity, state, node endpoint once ready, epoch, and "
+            "whether it holds blocks (`contents`, `emptied_at`). Needs caches:read; staff list every tenant's, or "
+            "one with tenant_id."
+        ),
     )
     def get(self, request):
         filters = _validated(self.FilterSerializer, request.query_params)
@@ -219,6 +225,12 @@ class CacheDetailDetachApi(APIView):
         tags=["caches"],
         parameters=RATE_LIMIT_HEADERS,
         responses={200: CacheOutputSerializer, **error_responses(*AUTH_ERRORS, 404)},
+        description=(
+            "One cache of the tenant: spec, capacity, state (and failure_reason), the node endpoint engines "
+            "connect to once ready, its epoch, and `contents` warm|cold with `emptied_at` (when its node last "
+            "came back without its blocks). Another tenant's cache is a 404, like a missing one. Needs "
+            "caches:read."
+        ),
     )
     def get(self, request, cache_id):
         cache = selectors.cache_get(cache_id=cache_id, tenant_id=_tenant_scope(request, None))
@@ -300,7 +312,7 @@ class DataTokenIssueApi(APIView):
 
     @extend_schema(
         operation_id="caches_tokens_create",
-        tags=["caches"],
+        tags=["tokens"],
         request=InputSerializer,
         parameters=RATE_LIMIT_HEADERS,
         responses={201: OutputSerializer, **error_responses(*AUTH_ERRORS, 404, 409)},
@@ -365,7 +377,7 @@ class DataTokenRevokeApi(APIView):
 
     @extend_schema(
         operation_id="caches_tokens_revoke",
-        tags=["caches"],
+        tags=["tokens"],
         request=None,
         parameters=RATE_LIMIT_HEADERS,
         responses={200: DataTokensRevokedSerializer, **error_responses(*AUTH_ERRORS, 404)},
@@ -382,7 +394,7 @@ class DataTokensRevokeAllApi(APIView):
 
     @extend_schema(
         operation_id="caches_tokens_revoke_all",
-        tags=["caches"],
+        tags=["tokens"],
         request=None,
         parameters=RATE_LIMIT_HEADERS,
         responses={200: DataTokensRevokedSerializer, **error_responses(*AUTH_ERRORS, 404)},

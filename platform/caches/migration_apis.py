@@ -38,6 +38,12 @@ class AdminNodeDrainApi(APIView):
             **error_responses(401, 403, 404, 409),
         },
         summary="Drain a node: no new placements, every ready cache on it migrated away (staff; audited)",
+        description=(
+            "Marks the node draining (no new placements) and starts one migration per ready cache on it, each to "
+            "where placement puts it; the answer lists the migrations started (follow each to `done`). A cache that "
+            "cannot move now (no room elsewhere, or already moving) is left on the node and logged, for a later "
+            "drain. 409 invalid_node_state for a node that is not ready or cordoned."
+        ),
     )
     def post(self, request, node_id):
         migrations = node_drain_caches(node_id=node_id)

@@ -118,6 +118,13 @@ class NodeRegisterApi(_NodeApi):
         request=InputSerializer,
         responses={200: OutputSerializer, **error_responses(400, 401, 409)},
         summary="Register (or re-register after a restart) the calling node agent",
+        description=(
+            "Called by a node agent at start-up and after every restart, with its node credential: records its "
+            "endpoint and capacity, renews its lease, and (with a csr) issues its certificate from the platform "
+            "CA. The answer lists the caches the control plane believes it hosts; those it no longer holds (named "
+            "in `caches` of the request) are provisioned again, empty, and marked emptied. Also: revoked tokens "
+            "and the caches whose SSD blocks it may keep."
+        ),
     )
     def post(self, request):
         data = _validated(self.InputSerializer, request.data)
@@ -303,6 +310,10 @@ class AdminNodeDetailApi(_AdminApi):
         tags=["admin"],
         responses={200: NodeDetailSerializer, **error_responses(401, 403, 404)},
         summary="One node with its latest resident-bytes snapshot (staff)",
+        description=(
+            "One node: state, endpoint, lease, capacity, reserved and free bytes per tier, and the resident-bytes "
+            "snapshot of its last heartbeat (bytes per tier per cache it hosts). 404 for an unknown id."
+        ),
     )
     def get(self, request, node_id):
         return Response(NodeDetailSerializer(selectors.node_get(node_id=node_id)).data)
@@ -315,6 +326,11 @@ class AdminNodeCordonApi(_AdminApi):
         request=None,
         responses={200: NodeSerializer, **error_responses(401, 403, 404, 409)},
         summary="Cordon a ready node: no new placements, its caches stay (staff; idempotent)",
+        description=(
+            "Stops new placements on a ready (or draining) node; the caches already on it stay and keep serving. "
+            "Idempotent: cordoning a cordoned node changes nothing and writes no audit event. 409 "
+            "invalid_node_state for a lost or registering node. Undo with uncordon."
+        ),
     )
     def post(self, request, node_id):
         return Response(NodeSerializer(services.node_cordon(node_id=node_id)).data)
@@ -327,6 +343,11 @@ class AdminNodeUncordonApi(_AdminApi):
         request=None,
         responses={200: NodeSerializer, **error_responses(401, 403, 404, 409)},
         summary="Return a cordoned or draining node to ready (staff; idempotent)",
+        description=(
+            "Returns a cordoned or draining node to `ready`, so placement may choose it again; caches already "
+            "migrated away stay where they are. Idempotent on a ready node; 409 invalid_node_state for a lost or "
+            "registering node."
+        ),
     )
     def post(self, request, node_id):
         return Response(NodeSerializer(services.node_uncordon(node_id=node_id)).data)

@@ -39,8 +39,8 @@ class PlatformCaApi(APIView):
             )
         },
         description=(
-            'The platform CA certificate (PEM) that signs node certificates, followed by the data-plane CA when '
-            'one is configured: what an SDK or engine trusts for the TLS 1.3 data plane and what node agents '
+            "The platform CA certificate (PEM) that signs node certificates, followed by the data-plane CA when "
+            "one is configured: what an SDK or engine trusts for the TLS 1.3 data plane and what node agents "
             "trust for migration's mutual TLS. Public, no authentication, cacheable for five minutes."
         ),
     )

@@ -65,6 +65,12 @@ class ErasureApi(_StaffApi):
         request=None,
         responses={201: ErasureJobSerializer, 200: ErasureJobSerializer, **error_responses(401, 403, 404)},
         summary="Request the tenant's erasure (staff; idempotent: a second request returns the same job)",
+        description=(
+            "Starts the GDPR Art. 17 erasure of a tenant: after its grace window the job suspends the tenant, "
+            "revokes its keys and data tokens, purges every block of the tenant on every node and tier, destroys "
+            "its data keys (crypto-shredding) and ends with a signed deletion receipt. 201 with the new job; 200 "
+            "with the existing one when an erasure was already requested."
+        ),
     )
     def post(self, request, tenant_id):
         job, created = services.erasure_request(
@@ -78,6 +84,11 @@ class ErasureApi(_StaffApi):
         tags=["privacy"],
         responses={200: ErasureJobSerializer, **error_responses(401, 403, 404)},
         summary="The tenant's erasure job (staff)",
+        description=(
+            "The tenant's erasure job: its state (pending, scheduled inside the grace window until scheduled_for, "
+            "running, complete, error, cancelled), its timestamps, each node's purge, and whether the signed "
+            "receipt is available. 404 when none was requested."
+        ),
     )
     def get(self, request, tenant_id):
         return Response(ErasureJobSerializer(selectors.erasure_job_for_tenant(tenant_id=tenant_id)).data)
@@ -90,6 +101,11 @@ class ErasureCancelApi(_StaffApi):
         request=None,
         responses={200: ErasureJobSerializer, **error_responses(401, 403, 404, 409)},
         summary="Cancel the tenant's erasure inside its grace window (staff; 409 once it runs)",
+        description=(
+            "Cancels a requested erasure while it is still pending or scheduled (inside its grace window): "
+            "nothing was revoked or purged yet and the tenant is left as it was. 409 once the job has started "
+            "(an erasure in progress cannot be undone)."
+        ),
     )
     def post(self, request, tenant_id):
         job = services.erasure_cancel(tenant_id=tenant_id)
@@ -102,6 +118,11 @@ class ErasureReceiptApi(_StaffApi):
         tags=["privacy"],
         responses={200: OpenApiTypes.OBJECT, **error_responses(401, 403, 404, 409)},
         summary="The signed deletion receipt (staff; verify offline with privacy/receipt_verify.py)",
+        description=(
+            "The deletion receipt of a completed erasure: what was revoked, purged and shredded, where and when, "
+            "signed with the platform key (/.well-known/kcaas-platform-key.json). Verify it offline with "
+            "privacy/receipt_verify.py. 409 while the job has not completed."
+        ),
     )
     def get(self, request, tenant_id):
         return Response(receipt.receipt_envelope(selectors.erasure_receipt_job(tenant_id=tenant_id)))
@@ -145,6 +166,11 @@ class AdminTenantExportApi(_StaffApi):
         tags=["privacy"],
         responses={200: OpenApiTypes.OBJECT, **error_responses(401, 403, 404)},
         summary="Export everything held about a tenant as one JSON archive (staff)",
+        description=(
+            "The GDPR Art. 20 portability export of a tenant, for staff: its profile, quota, API keys (never "
+            "secrets or hashes), caches, data tokens, usage, billing and audit events, as one machine-readable "
+            "JSON document. The export itself is audited (counts only)."
+        ),
     )
     def get(self, request, tenant_id):
         return Response(export.tenant_export(tenant=tenant_get(tenant_id=tenant_id)))
