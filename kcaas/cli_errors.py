@@ -78,7 +78,7 @@ def detail_lines(details: Any, prefix: str = "") -> list[str]:
 
 
 def hint(exc: KcaasError, url: str) -> str:
-    """What to do about `exc`: always something."""
+    """What to do about `exc`: always something (report() prefers a `hint` the server put in the details)."""
     if isinstance(exc, APIConnectionError):
         tls = "https://" if any(s in exc.message for s in ("BadStatusLine", "SSL", "Connection reset")) else ""
         also = " (if it speaks TLS, use an https:// URL)" if tls and url.startswith("http://") else ""
@@ -131,16 +131,21 @@ def _state_hint(exc: KcaasError) -> str | None:
 def _refusal_hint(exc: KcaasError) -> str | None:
     if exc.status in (400, 413, 422):
         return "fix what the details name and run it again; `kcaas COMMAND --help` lists the options"
+    if exc.code == "no_capacity":
+        return "ask for less capacity (see the details), or give the nodes more"
     if exc.status == 409:
         return "the resource's state does not allow this now: look at it (kcaas show / kcaas keys ls) and retry"
     return None
 
 
 def report(out: Out, exc: KcaasError, url: str) -> int:
-    """Write `exc` to stderr (human or JSON); returns the exit code: 3 without a usable answer, else 1."""
+    """Write `exc` to stderr (human or JSON); returns the exit code: 3 without a usable answer, else 1. A `hint`
+    in the details (the server's advice) becomes the hint line."""
     if exc.status is not None and not enveloped(exc):
         exc = not_the_api(exc, url)
-    advice = hint(exc, url)
+    server_hint = exc.details.get("hint")
+    advice = server_hint if isinstance(server_hint, str) and server_hint else hint(exc, url)
+    details = {k: v for k, v in exc.details.items() if k != "hint" or v is not server_hint}
     message = one_line(exc.message)
     if isinstance(exc, APIConnectionError) and url not in message:
         message = f"{url}: {message}"
@@ -149,7 +154,7 @@ def report(out: Out, exc: KcaasError, url: str) -> int:
         body["request_id"] = exc.request_id
         out.note(json.dumps({"error": jsonable(body)}))
     else:
-        lines = [f"error: {exc.code}: {message}", *(f"  {line}" for line in detail_lines(exc.details))]
+        lines = [f"error: {exc.code}: {message}", *(f"  {line}" for line in detail_lines(details))]
         out.note("\n".join([*lines, f"hint: {advice}"]))
     unusable = isinstance(exc, (APIConnectionError, UnexpectedAnswer))
     return EXIT_CONNECTION if unusable else EXIT_API

@@ -118,3 +118,16 @@ def test_keys_by_name_ambiguous_names_and_tables_within_100_columns(make_tenant,
     assert code == 0 and made[2].id in out and long_key_name in out and not _lines_fit(out)
     code, out, _ = cli(admin, "ls", "--wide")
     assert code == 0 and LONG_NAME in out and out.splitlines()[0].split()[-3:] == ["DRAM", "SSD", "CREATED"]
+
+
+def test_no_capacity_shows_what_was_asked_what_is_free_and_the_servers_hint(make_tenant, node, cli):  # noqa: F811
+    flags = ["--model-fingerprint", SPEC["model_fingerprint"], "--num-layers", str(SPEC["num_layers"])]
+    flags += ["--num-kv-heads", str(SPEC["num_kv_heads"]), "--head-dim", str(SPEC["head_dim"])]
+    code, out, err = cli(
+        make_tenant(max_device_bytes=1 << 41).raw_key, "attach", "huge", *flags, "--device-bytes", "1TiB", "--no-wait"
+    )
+    lines = err.splitlines()
+    assert code == 1 and out == "" and lines[0].startswith("error: no_capacity: No node has the requested capacity")
+    assert f"  requested.device: {1 << 40}" in lines and "  largest_free.device: " in err
+    assert lines[-1] == "hint: Node agents size their tiers from KCAAS_NODE_DEVICE_BYTES (bytes)."
+    assert not any(line.startswith("  hint") for line in lines)
