@@ -169,7 +169,7 @@ def cmd_ls(client, args, out: Out) -> None:
 
     out.result(shown, human)
     hidden = len(caches) - len(shown)
-    if hidden:
+    if hidden and not out.json_mode:
         out.note(f"kcaas: {hidden} detached cache{'s' * (hidden > 1)} not shown: `kcaas ls --all` lists them")
 
 
@@ -238,7 +238,8 @@ def cmd_keys_revoke(client, args, out: Out) -> None:
 def cmd_keys_rotate(client, args, out: Out) -> None:
     old = key_id(client, args.key)
     _issued(client.rotate_key(old, overlap_seconds=args.overlap), out, "Rotated to key")
-    out.note(f"The old key {old} keeps working for the overlap (server default 1 h), then expires.")
+    expires = client.get_key(old).expires_at  # the overlap, or the old key's own earlier expiry
+    out.note(f"The old key {old} keeps working until {when(expires)}, then expires.")
 
 
 def cmd_usage(client, args, out: Out) -> None:

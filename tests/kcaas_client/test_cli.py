@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kcaas.cli import human_bytes, main, parse_bytes
+from kcaas.cli_output import when
 from tests.caches.conftest import BLOCK_BYTES, SPEC, free_port
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -119,7 +120,7 @@ def test_failed_provisioning_exits_1_with_the_reason_and_how_to_free_the_quota(m
     assert hint_line.startswith("hint: detach it to free its quota: kcaas detach ")
 
 
-def test_keys_create_prints_the_secret_once_and_rotate_revoke_follow(make_tenant, cli):
+def test_keys_create_prints_the_secret_once_and_rotate_revoke_follow(make_tenant, sdk, cli):
     admin = make_tenant(scopes=("caches:write", "keys:write", "usage:read")).raw_key  # a key grants only what it holds
     code, out, err = cli(admin, "keys", "create", "--scope", "caches:read,usage:read", "--name", "ci")
     created = out.strip()
@@ -139,6 +140,8 @@ def test_keys_create_prints_the_secret_once_and_rotate_revoke_follow(make_tenant
     code, out, err = cli(admin, "keys", "rotate", ci_id, "--overlap", "60", "--json")
     rotated = json.loads(out)
     assert code == 0 and rotated["key"].startswith("kc_live_") and rotated["rotated_from"] == ci_id
+    old = sdk(admin).get_key(ci_id)
+    assert err.splitlines()[-1] == f"The old key {ci_id} keeps working until {when(old.expires_at)}, then expires."
 
     code, out, _ = cli(admin, "keys", "revoke", rotated["id"])
     assert code == 0 and out.startswith(f"{rotated['id']}: revoked since ")

@@ -43,6 +43,10 @@ def test_caches_by_name_and_prefix_ttl_clamp_and_detached_hidden_from_ls(make_te
     assert err == "kcaas: 1 detached cache not shown: `kcaas ls --all` lists them\n"
     code, out, err = cli(key, "ls", "--all")
     assert code == 0 and err == "" and out.splitlines()[1].split()[:3] == [first.id[:8], "alpha", "detached"]
+    code, out, err = cli(key, "ls", "--json")
+    assert code == 0 and err == "" and json.loads(out) == []
+    code, out, err = cli(key, "ls", "--all", "--json")
+    assert code == 0 and [(c["id"], c["state"]) for c in json.loads(out)] == [(first.id, "detached")]
 
     second = sdk(key).attach("alpha", SPEC, {"device": 64 * BLOCK_BYTES}, timeout=20)
     code, out, _ = cli(key, "show", "alpha", "--json")  # the attached one before the detached one
