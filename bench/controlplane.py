@@ -270,10 +270,11 @@ class StandInNode(threading.Thread):
         from fleet import services as fleet_services
         from kcaas.node_messages import (
             CONTROL_QUEUE,
-            DETACH_RESULT_TASK,
-            DETACH_TASK,
-            PROVISION_RESULT_TASK,
-            PROVISION_TASK,
+            DetachCache,
+            DetachResult,
+            ProvisionCache,
+            ProvisionResult,
+            message_class,
             node_queue,
         )
 
@@ -282,14 +283,19 @@ class StandInNode(threading.Thread):
         name = node_queue(self.node_id)
         queue = Queue(name, Exchange(name, type="direct"), routing_key=name)
 
+        def send(reply) -> None:
+            sender.send_task(reply.TASK, kwargs=reply.to_dict(), queue=CONTROL_QUEUE)
+
         def answer(body, message) -> None:
-            task, args = message.headers.get("task"), body[0]
-            if task == PROVISION_TASK:
-                sender.send_task(
-                    PROVISION_RESULT_TASK, args=[args[0], self.node_id, True, "", self.endpoint], queue=CONTROL_QUEUE
+            order = message_class(message.headers.get("task")).from_call(body[0], body[1])
+            if isinstance(order, ProvisionCache):
+                send(
+                    ProvisionResult(
+                        cache_id=order.cache_id, node_id=self.node_id, ok=True, reason="", endpoint=self.endpoint
+                    )
                 )
-            elif task == DETACH_TASK:
-                sender.send_task(DETACH_RESULT_TASK, args=[args[0], self.node_id], queue=CONTROL_QUEUE)
+            elif isinstance(order, DetachCache):
+                send(DetachResult(cache_id=order.cache_id, node_id=self.node_id))
             message.ack()
             self.answered += 1
 
