@@ -44,13 +44,16 @@ class UsageBucket:
         }
 
 
-def usage_series(*, tenant_id: uuid.UUID, start: datetime, end: datetime, granularity: str) -> list[UsageBucket]:
-    """The tenant's ledger hours in [start, end) summed per hour, UTC day or UTC month (periods without usage are
-    left out), oldest first. Reads the ledger as the last rollup left it."""
+def usage_series(*, tenant_id: uuid.UUID | None, start: datetime, end: datetime, granularity: str) -> list[UsageBucket]:
+    """The tenant's ledger hours (every tenant's: the fleet's, for tenant_id None) in [start, end) summed per hour,
+    UTC day or UTC month (periods without usage are left out), oldest first. Reads the ledger as the last rollup
+    left it."""
     trunc = GRANULARITIES[granularity]
+    hours = LedgerHour.objects.filter(hour__gte=start, hour__lt=end)
+    if tenant_id is not None:
+        hours = hours.filter(tenant_id=tenant_id)
     rows = (
-        LedgerHour.objects.filter(tenant_id=tenant_id, hour__gte=start, hour__lt=end)
-        .annotate(period=trunc("hour"))
+        hours.annotate(period=trunc("hour"))
         .values("period")
         .annotate(
             **{tier: Sum(f"{tier}_byte_seconds") for tier in TIERS},

@@ -185,3 +185,73 @@ def human_bytes(count: int) -> str:
         exponent, value = exponent + 1, value / 1024
     text = f"{value:.1f}".removesuffix(".0")
     return f"{text} {BINARY_UNITS[exponent]}"
+
+
+LINE_COLOUR = "#0b5cad"
+
+
+@dataclass(frozen=True, slots=True)
+class LinePoint:
+    """One point of a line chart: `label` in full (its title), `tick` on the x axis, `value` (None: no data)."""
+
+    label: str
+    tick: str
+    value: float | None
+
+
+def line_chart(points: Sequence[LinePoint], *, title: str, unit: str, top: Decimal) -> SafeString:
+    """An <svg> line over the points that have a value (a gap where one has none), each drawn as a circle with a
+    <title>, the y axis from 0 to `top`. Empty markup ("") when no point has a value."""
+    if not any(point.value is not None for point in points):
+        return mark_safe("")
+    valued = [p for p in points if p.value is not None]
+    summary = (
+        f"{title}: {len(valued)} of {len(points)} points with data, from {points[0].label} to {points[-1].label}; "
+        f"lowest {min(p.value for p in valued if p.value is not None):.1f} {unit}, "
+        f"highest {max(p.value for p in valued if p.value is not None):.1f} {unit}."
+    )
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {HEIGHT}" role="img" '
+        f'aria-label="{escape(summary)}" focusable="false">'
+    ]
+    parts += _y_axis(top, top / Y_TICKS, unit)
+    parts += _line(points, float(top), unit)
+    baseline = TOP + PLOT_HEIGHT
+    parts.append(
+        f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{baseline}" y2="{baseline}" stroke="{AXIS_COLOUR}" '
+        f'stroke-width="1"/>'
+    )
+    parts.append("</svg>")
+    return mark_safe("".join(parts))
+
+
+def _line(points: Sequence[LinePoint], top: float, unit: str) -> list[str]:
+    slot = PLOT_WIDTH / len(points)
+    label_every = math.ceil(len(points) / MAX_X_LABELS)
+    baseline = TOP + PLOT_HEIGHT
+    parts, run = [], []
+    for index, point in enumerate(points):
+        x = LEFT + index * slot + slot / 2
+        if index % label_every == 0:
+            parts.append(
+                f'<text x="{_num(x)}" y="{baseline + 16}" text-anchor="middle" font-size="11" '
+                f'fill="{TEXT_COLOUR}">{escape(point.tick)}</text>'
+            )
+        if point.value is None:
+            parts += _polyline(run)
+            run = []
+            continue
+        y = baseline - min(point.value / top, 1.0) * PLOT_HEIGHT
+        run.append(f"{_num(x)},{_num(y)}")
+        title = f"{point.label}: {point.value:.1f} {unit}"
+        parts.append(
+            f'<circle cx="{_num(x)}" cy="{_num(y)}" r="3" fill="{LINE_COLOUR}" data-point="{index}">'
+            f"<title>{escape(title)}</title></circle>"
+        )
+    return parts + _polyline(run)
+
+
+def _polyline(run: list[str]) -> list[str]:
+    if len(run) < 2:
+        return []
+    return [f'<polyline points="{" ".join(run)}" fill="none" stroke="{LINE_COLOUR}" stroke-width="2"/>']

@@ -26,6 +26,7 @@ from caches.models import ACTIVE_MIGRATION_STATES, TIERS, CacheState
 from caches.selectors import caches_hosted_on, hosted_cache_counts, migrations_of_node
 from console.access import console_view, page_context
 from console.pages.overview import tenant_url
+from console.series import charts_context
 from fleet import selectors as fleet_selectors
 from fleet import services as fleet_services
 from fleet.models import Node, NodeState
@@ -136,6 +137,8 @@ def _detail_context(node_id: uuid.UUID) -> dict:
 
 def _detail_page(request, node_id: uuid.UUID, template: str = "console/nodes/detail.html"):
     context = _detail_context(node_id)
+    if template == "console/nodes/detail.html":  # the whole page: its charts too (not polled)
+        context.update(charts_context(node_id=node_id), scope=f"node {context['node'].name}")
     return render(
         request, template, page_context(request, title=f"Node {context['node'].name}", section="nodes", **context)
     )

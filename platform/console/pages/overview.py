@@ -16,6 +16,7 @@ from billing.invoices import month_start
 from billing.selectors import top_tenants_by_gb_hours
 from caches.selectors import cache_state_counts
 from console.access import console_view, page_context
+from console.series import charts_context
 from fleet.selectors import fleet_hit_totals, fleet_tier_use, node_state_counts
 
 TOP_TENANTS = 10
@@ -49,7 +50,13 @@ def top_tenants_context(now) -> dict:
 
 def _page(request):
     context = page_context(
-        request, title="Overview", section="overview", **live_context(), **top_tenants_context(timezone.now())
+        request,
+        title="Overview",
+        section="overview",
+        scope="the fleet",
+        **live_context(),
+        **top_tenants_context(timezone.now()),
+        **charts_context(),
     )
     return render(request, "console/overview.html", context)
 

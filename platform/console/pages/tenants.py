@@ -26,6 +26,7 @@ from caches.token_cascade import data_tokens_revoke_cascade
 from console.access import console_view, error_page, page_context
 from console.charts import daily_bars, human_bytes, stacked_bar_chart
 from console.forms import BYTE_FIELDS, QUOTA_LABELS, QuotaForm, TenantSearchForm, limit_text
+from console.series import charts_context
 from tenants import selectors as tenant_selectors
 from tenants import services as tenant_services
 from tenants.models import Tenant
@@ -194,7 +195,15 @@ def _detail_context(tenant: Tenant, *, quota_form: QuotaForm | None = None) -> d
         "invoices": [{"invoice": invoice, "lines": len(invoice.lines.all())} for invoice in invoices],
         "max_rows": MAX_ROWS,
         **_chart_context(tenant),
+        **charts_context(tenant_id=tenant.pk, cache_ids=_cache_ids(tenant)),
+        "scope": f"tenant {tenant.name}",
+        "gb_hours_elsewhere": True,  # the ledger's GB-hours chart has its own section, with the 30-day table
     }
+
+
+def _cache_ids(tenant: Tenant) -> list:
+    """Every cache the tenant ever had (detached ones too: their samples stay in the history)."""
+    return list(cache_selectors.cache_list(tenant_id=tenant.pk).values_list("pk", flat=True))
 
 
 @console_view()
