@@ -6,14 +6,13 @@ run without the service (both measured here). The cache is left attached: detach
 Client.detach when done.
 
 Configuration: KCAAS_URL (default http://127.0.0.1:8000); KCAAS_API_KEY (default: the demo tenant key `make up`
-writes to $KCAAS_VAR_DIR/secrets/demo-api-key); KCAAS_CA_FILE (default: `make up`'s dev CA,
-$KCAAS_VAR_DIR/secrets/dev-ca.pem). KCAAS_VAR_DIR defaults to var/.
+writes to $KCAAS_VAR_DIR/secrets/demo-api-key); KCAAS_CA_FILE (the CA of the nodes' data-plane certificates; default:
+the one the control plane publishes at /.well-known/kcaas-ca.pem, `make up`'s dev CA). KCAAS_VAR_DIR defaults to var/.
 """
 
 from __future__ import annotations
 
 import os
-import ssl
 import sys
 import time
 from pathlib import Path
@@ -43,19 +42,18 @@ def main() -> int:
         if not key_file.exists():
             return fail(f"no API key: set KCAAS_API_KEY, or run `make up` first (it writes {key_file})")
         api_key = key_file.read_text().strip()
-    ca_file = Path(os.environ.get("KCAAS_CA_FILE") or var_dir / "secrets" / "dev-ca.pem")
-    if not ca_file.exists():
-        return fail(f"no CA file at {ca_file}: run `make up` first, or set KCAAS_CA_FILE")
+    ca_file = os.environ.get("KCAAS_CA_FILE") or None
+    if ca_file and not Path(ca_file).exists():
+        return fail(f"no CA file at {ca_file}: unset KCAAS_CA_FILE to trust the CA the control plane publishes")
 
     import torch
     import transformers
 
     import kcaas
     from kcaas.connectors.hf import HFConnector
-    from kcaas.dataplane import DataPlaneClient, DataPlaneError
+    from kcaas.dataplane import DataPlaneError
     from kcaas.errors import KcaasError
     from kcaas.spec import KVCacheSpec
-    from kcaas.tokens import TokenSource
 
     transformers.logging.set_verbosity_error()
     # One intra-op thread: `make up`'s own processes share these CPUs, and torch's spinning worker threads make both
@@ -73,16 +71,7 @@ def main() -> int:
         attn_implementation="eager",
     )
     model = transformers.LlamaForCausalLM(config).eval()
-    c = model.config
-    spec = KVCacheSpec(
-        "kcaas-demo-tiny-llama@seed0",
-        c.num_hidden_layers,
-        c.num_key_value_heads,
-        c.hidden_size // c.num_attention_heads,
-        16,
-        "float32",
-        "float32",
-    )
+    spec = KVCacheSpec.from_hf_config(model.config, dtype="float32", model_fingerprint="kcaas-demo-tiny-llama@seed0")
 
     generator = torch.Generator().manual_seed(1)
     system = torch.randint(0, VOCAB, (SYSTEM_TOKENS,), generator=generator)
@@ -92,23 +81,9 @@ def main() -> int:
     ]
     generate = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
 
-    tls = ssl.create_default_context(cafile=str(ca_file))
-    tls.minimum_version = ssl.TLSVersion.TLSv1_3
-
-    def connect(cache) -> DataPlaneClient:
-        host = cache.endpoint.rpartition(":")[0].strip("[]")
-        return DataPlaneClient(
-            cache.endpoint,
-            TokenSource(client, cache.id),
-            cache.id,
-            spec,
-            ssl_context=tls,
-            server_hostname="localhost" if host in ("0.0.0.0", "::") else None,
-            timeout=30.0,
-        )
-
     try:
-        client = kcaas.Client(url, api_key)
+        kc = kcaas.connect(url, api_key, ca=ca_file)
+        client = kc.client
         existing = [
             cache
             for cache in client.list_caches()
@@ -116,18 +91,18 @@ def main() -> int:
         ]
         cache = data_plane = None
         for candidate in (c for c in existing if c.spec == spec):
-            candidate = client.wait_for(candidate.id, "ready", timeout=60)
-            data_plane = connect(candidate)
             try:
+                data_plane = kc.cache(candidate.id, access="readwrite", spec=spec, ready_timeout=60)
                 data_plane.lookup(system)
             except DataPlaneError as error:  # e.g. the node restarted and no longer holds it: replace it
                 print(f"cache {candidate.id} is unusable ({error.code}): detaching it", flush=True)
-                data_plane.close()
+                if data_plane is not None:
+                    data_plane.close()
                 client.detach(candidate.id, wait=True, timeout=60)
                 existing.remove(candidate)
                 data_plane = None
                 continue
-            cache = candidate
+            cache = client.get_cache(candidate.id)
             print(f"reusing cache {cache.name!r} ({cache.id}) on {cache.endpoint}", flush=True)
             break
         if cache is None:
@@ -135,7 +110,7 @@ def main() -> int:
             print(f"attaching cache {name!r} ...", flush=True)
             cache = client.attach(name, spec, {"device": 16 << 20}, timeout=60)
             print(f"attached {cache.id} on {cache.endpoint}", flush=True)
-            data_plane = connect(cache)
+            data_plane = kc.cache(cache.id, access="readwrite", spec=spec, timeout=30.0)
     except (KcaasError, OSError) as error:
         return fail(f"could not attach a cache through {url}: {error}")
 
@@ -162,8 +137,7 @@ def main() -> int:
     except (KcaasError, OSError) as error:
         return fail(f"the data plane at {cache.endpoint} failed: {error}")
     finally:
-        data_plane.close()
-        client.close()
+        kc.close()
     same = all(
         torch.equal(p if isinstance(p, torch.Tensor) else p.sequences, s.sequences) for p, s in zip(plain, served)
     )
