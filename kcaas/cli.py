@@ -57,13 +57,16 @@ HIDDEN_STATES = ("detached",)  # left out of `ls` unless --all (failed caches st
 _UNREADABLE = (AttributeError, KeyError, TypeError, ValueError)
 EPILOG = f"""\
 environment:
-  KCAAS_URL      the control plane's URL, as --url (default {DEFAULT_URL}, what `make up` serves)
+  KCAAS_URL      the control plane's URL, as --url (default {DEFAULT_URL}, `make up`'s)
   KCAAS_API_KEY  the tenant API key, as --api-key (never printed)
 
 names: caches and keys are taken by id, by name, or by an id prefix as `kcaas ls` prints it.
+ls: detached caches are left out unless --all; failed ones are listed (they hold quota
+  until detached).
 clamps: the server clamps `token --ttl` to its range (60 s up to its configured maximum); the
   CLI then says so on stderr (`kcaas: note: ...`) and prints the token it got.
-exit codes: 0 done, 1 refused by the API, 2 usage error, 3 no usable answer from --url, 130 interrupted."""
+exit codes: 0 done, 1 refused by the API, 2 usage error, 3 no usable answer from --url,
+  130 interrupted."""
 
 
 class UsageError(Exception):

@@ -58,7 +58,8 @@ def not_the_api(exc: KcaasError, url: str) -> UnexpectedAnswer:
 
 def unreadable_answer(exc: Exception, url: str) -> UnexpectedAnswer:
     """A success answer whose body is not the API's JSON (a web page, other JSON)."""
-    return UnexpectedAnswer(f"{url} is not answering as the KCaaS API: its answer is unreadable ({type(exc).__name__})")
+    why = one_line(f"{type(exc).__name__}: {exc}", 120)
+    return UnexpectedAnswer(f"{url} is not answering as the KCaaS API: its answer is unreadable ({why})")
 
 
 def detail_lines(details: Any, prefix: str = "") -> list[str]:

@@ -212,5 +212,6 @@ def test_help_names_the_environment_and_the_ttl_clamp(capsys):
     assert main(["--help"]) == 0
     text = capsys.readouterr().out
     assert "KCAAS_URL" in text and "KCAAS_API_KEY" in text and "clamps" in text
+    assert all(len(line) <= 100 for line in text.splitlines())
     assert main(["ls", "--help"]) == 0
     assert "--all" in capsys.readouterr().out
