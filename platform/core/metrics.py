@@ -12,11 +12,21 @@ code; never a tenant, cache or key id.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
+from prometheus_client.multiprocess import MultiProcessCollector
 
 disable_created_metrics()  # no `_created` series: they double the series count and no dashboard reads them
 
@@ -83,6 +93,23 @@ def connect_celery_signals() -> None:
     signals.task_success.connect(_on_success, weak=False)
     signals.task_failure.connect(_on_failure, weak=False)
     signals.task_retry.connect(_on_retry, weak=False)
+    signals.worker_init.connect(serve_worker_metrics, weak=False)
+
+
+def serve_worker_metrics(**_):
+    """With KCAAS_WORKER_METRICS_PORT set, a Celery worker serves its own /metrics (prometheus_client's server, a
+    daemon thread, on KCAAS_WORKER_METRICS_ADDR, default 127.0.0.1): for a worker that shares no
+    PROMETHEUS_MULTIPROC_DIR with the web server (its own container). Returns the server, or None."""
+    port = os.environ.get("KCAAS_WORKER_METRICS_PORT")
+    if not port:
+        return None
+    registry = REGISTRY
+    if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+    addr = os.environ.get("KCAAS_WORKER_METRICS_ADDR") or "127.0.0.1"
+    server, _thread = start_http_server(int(port), addr=addr, registry=registry)
+    return server
 
 
 def _task_name(task) -> str:

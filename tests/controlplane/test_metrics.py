@@ -4,6 +4,7 @@ tenant, and access needs the bearer token when one is set, loopback otherwise.""
 
 from __future__ import annotations
 
+import urllib.request
 import uuid
 from datetime import timedelta
 
@@ -14,8 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from billing import tasks as billing_tasks
 from caches import tasks as caches_tasks
+from core.metrics import CELERY_TASKS, serve_worker_metrics
 from fleet.models import Node
-from tests.caches.conftest import attach_body, make_node, make_tenant  # noqa: F401 - fixtures
+from tests.caches.conftest import attach_body, free_port, make_node, make_tenant  # noqa: F401 - fixtures
 
 URL = "/api/v1/caches"
 
@@ -119,6 +121,22 @@ def test_without_a_token_only_loopback_may_scrape(db, settings, remote):
     refused = Client(REMOTE_ADDR=remote).get("/metrics")
     assert refused.status_code == 403 and refused.json()["error"]["code"] == "metrics_forbidden"
     scrape(Client(REMOTE_ADDR="127.0.0.1"))
+
+
+def test_a_worker_serves_its_own_metrics_on_its_port(db, monkeypatch):
+    """A Celery worker in its own container (no shared PROMETHEUS_MULTIPROC_DIR) exposes its task outcomes itself."""
+    assert serve_worker_metrics() is None  # no port: nothing served
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    monkeypatch.setenv("KCAAS_WORKER_METRICS_PORT", str(free_port()))
+    server = serve_worker_metrics()
+    try:
+        CELERY_TASKS.labels(task="billing.rollup", outcome="success").inc()
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        body = urllib.request.urlopen(url, timeout=5).read().decode()
+        assert 'kcaas_celery_tasks_total{outcome="success",task="billing.rollup"}' in body
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_only_get_reads_metrics(db):
