@@ -99,7 +99,7 @@ def test_the_scrape_config_names_both_jobs_and_the_rules():
     config = yaml.safe_load(SCRAPE_CONFIG.read_text())
     assert config["rule_files"] == ["alerts.yml"]
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
-    assert set(jobs) == {"kcaas-control-plane", "kcaas-nodes"}
+    assert set(jobs) == {"kcaas-control-plane", "kcaas-control-worker", "kcaas-nodes"}
     assert jobs["kcaas-control-plane"]["authorization"]["type"] == "Bearer"
 
 
