@@ -85,9 +85,10 @@ class CacheMethods(RestTransport):
             return self.wait_for(cache.id, "detached", timeout=timeout, current=cache)
         return cache
 
-    def issue_token(self, cache_id: str, *, access: str = "readwrite", ttl_seconds: int | None = None) -> DataToken:
-        """A short-lived data-plane token for a ready cache (409 cache_not_ready before). Not retried on errors
-        without an answer: each issue counts against max_data_tokens_outstanding."""
+    def issue_token(self, cache_id: str, *, access: str = "read", ttl_seconds: int | None = None) -> DataToken:
+        """A short-lived data-plane token for a ready cache (409 cache_not_ready before). `access` "read" (lookup and
+        get; the default, as for the REST API) or "readwrite" (also put and delete). Not retried on errors without an
+        answer: each issue counts against max_data_tokens_outstanding."""
         body: dict[str, Any] = {"access": access}
         if ttl_seconds is not None:
             body["ttl_seconds"] = int(ttl_seconds)

@@ -61,7 +61,7 @@ def attach_detach_cycles(client: kcaas.Client, worker: int, outcomes: list, erro
     for cycle in range(CYCLES):
         try:
             cache = client.attach(f"c-{worker}-{cycle}", SPEC, {"device": 1 << 20}, timeout=90)
-            client.issue_token(cache.id)
+            client.issue_token(cache.id, access="readwrite")
             detached = client.detach(cache.id, wait=True, timeout=90)
             outcomes.append((cache.id, cache.state, detached.state))
         except KcaasError as exc:

@@ -52,7 +52,7 @@ def data_plane(client: kcaas.Client, cache, spec, pki) -> DataPlaneClient:
 def start_half_put(conn: RawConnection, client: kcaas.Client, cache, spec, tokens, kv) -> int:
     """HELLO with a real token, then a PUT of `tokens` whose header, metadata, token ids and only half of the KV are
     sent. Returns the bytes of the frame left unsent."""
-    ok, _ = conn.hello(cache.id, client.issue_token(cache.id).token)
+    ok, _ = conn.hello(cache.id, client.issue_token(cache.id, access="readwrite").token)
     assert ok.opcode == Opcode.OK
     head, token_ids, kv_bytes = wire.encode_request(
         Opcode.PUT,
@@ -231,7 +231,7 @@ def test_a_killed_node_is_lost_after_its_lease_and_the_tenant_sees_its_cache_fai
         assert (seen.state, seen.failure_reason) == ("failed", "node_lost")
         assert [c.id for c in client.list_caches(state="failed")] == [cache.id]
         with pytest.raises(KcaasError) as refused:  # no data token for a cache whose node is gone
-            client.issue_token(cache.id)
+            client.issue_token(cache.id, access="readwrite")
         assert (refused.value.status, refused.value.code) == (409, "cache_not_ready")
     finally:
         client.close()

@@ -105,7 +105,9 @@ def test_attach_generate_isolate_and_hand_off_through_the_real_service(live_serv
 
         # 2. isolation: B's token against A's cache answers exactly what a nonexistent cache answers
         cache_b = client_b.attach("chat", spec, capacity, timeout=30)
-        token_b = client_b.issue_token(cache_b.id).token  # a plain string: no refresh-and-retry in the way
+        token_b = client_b.issue_token(
+            cache_b.id, access="readwrite"
+        ).token  # a plain string: no refresh-and-retry in the way
 
         def refusal(cache_id: str) -> DataPlaneError:
             dp = DataPlaneClient(cache_a.endpoint, token_b, cache_id, spec, ssl_context=tls, timeout=10.0)
@@ -126,7 +128,7 @@ def test_attach_generate_isolate_and_hand_off_through_the_real_service(live_serv
         # ... and so does B's key asking the control plane for a data token for A's cache
         def token_refusal(cache_id: str) -> KcaasError:
             with pytest.raises(KcaasError) as info:
-                client_b.issue_token(cache_id)
+                client_b.issue_token(cache_id, access="readwrite")
             return info.value
 
         api_a, api_nothing = token_refusal(cache_a.id), token_refusal(str(uuid.uuid4()))

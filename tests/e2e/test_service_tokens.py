@@ -67,7 +67,7 @@ class Scene:
 
     def issue_a(self) -> kcaas.client.DataToken:
         """A fresh, real readwrite data token for A's cache (through the REST API)."""
-        return self.client_a.issue_token(self.cache_a.id)
+        return self.client_a.issue_token(self.cache_a.id, access="readwrite")
 
     def claims_a(self) -> dict:
         """The claims of a real token for A's cache, as the control plane made them."""
@@ -140,7 +140,7 @@ def expired(scene: Scene) -> str:
 
 
 def tenant_b_token(scene: Scene) -> str:
-    token = scene.client_b.issue_token(scene.cache_b.id)
+    token = scene.client_b.issue_token(scene.cache_b.id, access="readwrite")
     assert token.claims()["aud"] == f"cache:{scene.cache_b.id}"
     return token.token
 
@@ -352,7 +352,7 @@ def test_a_revoked_token_is_cut_off_on_its_open_connection(live_server, agent, p
     client = kcaas.Client(live_server.url, tenant_key())
     try:
         cache = client.attach("revoked", spec, {"device": 16 * spec.block_bytes}, timeout=30)
-        issued = client.issue_token(cache.id)
+        issued = client.issue_token(cache.id, access="readwrite")
         prompt = random_tokens(16, seed=11)[0]
         with DataPlaneClient(
             agent.endpoint, issued.token, cache.id, spec, ssl_context=client_tls(pki), timeout=10.0
@@ -395,7 +395,7 @@ def test_suspending_the_tenant_or_revoking_the_key_cuts_the_data_plane(live_serv
     try:
         cache = client.attach("cut", spec, {"device": 16 * spec.block_bytes}, timeout=30)
         prompt = random_tokens(16, seed=12)[0]
-        issued = client.issue_token(cache.id)
+        issued = client.issue_token(cache.id, access="readwrite")
         conn = RawConnection(agent.endpoint, pki)
         frame, _ = conn.exchange(wire.encode_hello(conn.new_id(), cache_id=cache.id, token=issued.token))
         assert frame.opcode == Opcode.OK
@@ -413,7 +413,7 @@ def test_suspending_the_tenant_or_revoking_the_key_cuts_the_data_plane(live_serv
         tenant = key.tenant
         second = tenant_services.api_key_issue(tenant=tenant, scopes=["caches:read", "caches:write"]).raw_key
         client2 = kcaas.Client(live_server.url, second)
-        token = client2.issue_token(cache.id).token
+        token = client2.issue_token(cache.id, access="readwrite").token
         with DataPlaneClient(agent.endpoint, token, cache.id, spec, ssl_context=client_tls(pki), timeout=10.0) as dp:
             assert dp.lookup(prompt) == 0
             tenant_services.tenant_set_status(tenant=Tenant.objects.get(pk=tenant.pk), status=Tenant.Status.SUSPENDED)
