@@ -28,6 +28,11 @@ Files: up.py runs with umask 077 and its children inherit it, so everything made
 SQLite database with TOTP devices and sessions, the file broker's messages, the dev PKI, the secrets, the SSD tiers)
 is 0600 in 0700 directories; `secure_var_dir` brings a var/ left by an older run to the same modes at start.
 
+Address: the API listens on KCAAS_URL's host and port when KCAAS_URL is set (http://HOST:PORT: the variable `make
+demo`, `kcaas` and the SDK read, so one export points all of them at the same place), else on KCAAS_HOST /
+KCAAS_PORT (default 127.0.0.1:8000); the banner ends with the `export KCAAS_URL=... KCAAS_API_KEY=...` line to paste
+into another shell. Each agent's data plane is on the next port up (8001, 8002, ...).
+
 --agents defaults to KCAAS_AGENTS, else 1. --bootstrap-only does the first steps (migrate, login, key, node
 credentials, TLS files; node files under KCAAS_NODE_SECRETS_DIR when set), prints them and exits: the one-shot
 `bootstrap` service of docker-compose.yml.
@@ -45,6 +50,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -510,14 +516,35 @@ def banner(url: str, boot: dict, node_envs: list[dict], processes: dict) -> str:
         f"(dev CA: {boot['tls']['ca']})\n"
         f"  processes     {pids}\n"
         f"  try: curl -H 'Authorization: Bearer {key}' {url}/api/v1/whoami\n"
+        f"  in another shell (kcaas, make demo, the SDK):\n"
+        f"    export KCAAS_URL={url} KCAAS_API_KEY={key}\n"
         f"Ctrl-C stops everything."
     )
+
+
+def api_address() -> tuple[str, int]:
+    """Where the API listens: KCAAS_URL's host and port when it is set (the variable `make demo` and `kcaas` read,
+    so one export serves all three), else KCAAS_HOST / KCAAS_PORT (default 127.0.0.1:8000)."""
+    url = os.environ.get("KCAAS_URL", "").strip()
+    if not url:
+        return os.environ.get("KCAAS_HOST", "127.0.0.1"), int(os.environ.get("KCAAS_PORT", "8000"))
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port or 80
+    except ValueError:
+        port = None
+    if parts.scheme != "http" or not parts.hostname or port is None or parts.path not in ("", "/") or parts.query:
+        raise SystemExit(
+            f"make up: KCAAS_URL={url!r} is not http://HOST:PORT (make up serves plain HTTP); unset it, "
+            "or use KCAAS_HOST / KCAAS_PORT"
+        )
+    return parts.hostname, port
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.umask(PRIVATE_UMASK)  # before anything is made under var/; every child inherits it
-    host, port = os.environ.get("KCAAS_HOST", "127.0.0.1"), int(os.environ.get("KCAAS_PORT", "8000"))
+    host, port = api_address()
     url = f"http://{host}:{port}"
     env = base_env()
     secure_var_dir(Path(env["KCAAS_VAR_DIR"]))

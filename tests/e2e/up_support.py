@@ -18,6 +18,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 BANNER_END = "Ctrl-C stops everything"
+# What the README's `export` line leaves in a developer's shell: KCAAS_URL would override KCAAS_PORT in up.py.
+SHELL_TARGET_ENV = {"KCAAS_URL", "KCAAS_API_KEY"}
 SERVICE_ENV = {"DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "DJANGO_SETTINGS_MODULE"}  # unset: embedded defaults
 
 
@@ -37,7 +39,7 @@ def start_script(script: str, env: dict, stderr, *args: str) -> subprocess.Popen
 def start_up(tmp_path: Path, port: int, stderr=subprocess.DEVNULL) -> subprocess.Popen:
     """scripts/up.py on the embedded defaults (SQLite, the file-system broker: no service variable), its state in
     tmp_path/var, the API on `port`, a 64 MiB device pool."""
-    env = {k: v for k, v in os.environ.items() if k not in SERVICE_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in SERVICE_ENV | SHELL_TARGET_ENV}
     env.update(KCAAS_VAR_DIR=str(tmp_path / "var"), KCAAS_PORT=str(port), KCAAS_NODE_DEVICE_BYTES=str(64 << 20))
     return start_script("up.py", env, stderr)
 
