@@ -113,7 +113,12 @@ def test_alerts_and_panels_read_only_metrics_the_code_exports(exported):
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed (apt: prometheus)")
-def test_promtool_accepts_the_rules_and_the_config():
-    for command in (["check", "rules", str(ALERTS)], ["check", "config", "--syntax-only", str(SCRAPE_CONFIG)]):
-        result = subprocess.run(["promtool", *command], capture_output=True, text=True, timeout=60)
+def test_promtool_accepts_the_rules_and_the_config_and_the_rule_tests_pass():
+    commands = (
+        ["check", "rules", ALERTS.name],
+        ["check", "config", "--syntax-only", SCRAPE_CONFIG.name],
+        ["test", "rules", "alerts_test.yml"],  # the alerts fire on the series they should (promtool's unit tests)
+    )
+    for command in commands:
+        result = subprocess.run(["promtool", *command], capture_output=True, text=True, timeout=60, cwd=ALERTS.parent)
         assert result.returncode == 0, result.stdout + result.stderr
