@@ -4,6 +4,8 @@ retention."""
 
 from datetime import UTC, datetime, timedelta
 
+from django.utils import timezone
+
 from fleet import samples, services
 from fleet.models import ResidentSample
 from tests.fleet.conftest import GIB, capacity_body
@@ -74,3 +76,15 @@ def test_prune_forgets_samples_past_the_retention(make_node, settings):
     _beat(node, T0 + timedelta(days=2), {"cache_id": CACHE_A, "device_bytes": 2})
     assert samples.samples_prune(now=T0 + timedelta(days=31)) == 1
     assert list(ResidentSample.objects.values_list("device_bytes", flat=True)) == [2]
+
+
+def test_the_beat_schedule_prunes_samples_hourly(make_node, settings):
+    from fleet.tasks import prune_samples
+
+    entry = settings.CELERY_BEAT_SCHEDULE["fleet-prune-samples"]
+    assert entry["task"] == prune_samples.name == "fleet.prune_samples" and entry["schedule"] <= 3600
+    settings.KCAAS_SAMPLE_SECONDS, settings.KCAAS_SAMPLE_RETENTION_DAYS = 1, 30
+    past = timezone.now() - timedelta(days=31)  # past the retention
+    node = make_node("n1", device=8 * GIB, now=past).node
+    _beat(node, past, {"cache_id": CACHE_A, "device_bytes": 1})
+    assert prune_samples.apply().get() == 1 and not ResidentSample.objects.exists()
