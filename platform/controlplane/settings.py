@@ -212,6 +212,7 @@ SPECTACULAR_SETTINGS = {
     "REDOC_DIST": "SIDECAR",  # the docs pages work without internet access: every asset is served from here
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "SWAGGER_UI_SETTINGS": {"deepLinking": True, "validatorUrl": None},  # no badge fetched from validator.swagger.io
     "REDOC_UI_SETTINGS": {"expandResponses": "200,201"},
     # Tags by resource, in the order Redoc and Swagger UI show them: the main resources first, the JWKS last.
     "TAGS": [
