@@ -53,3 +53,8 @@ def test_the_docs_pages_reference_no_external_url(page):
     assert EXTERNAL_URL.findall(html) == []
     assert "fonts.googleapis" not in html and "cdn.jsdelivr" not in html
     assert "/static/drf_spectacular_sidecar/" in html  # the UI itself comes from the sidecar's static files
+
+
+def test_swagger_ui_asks_no_outside_validator():
+    html = Client().get("/api/docs/swagger/").content.decode()
+    assert re.search(r'"validatorUrl":\s*null', html)  # else the bundle fetches a badge from validator.swagger.io
