@@ -17,6 +17,7 @@ import os
 import time
 
 from django.conf import settings
+from django.db import DatabaseError
 from django.http import HttpResponse, JsonResponse
 from django.utils import timezone
 from kombu.exceptions import ChannelError
@@ -104,7 +105,11 @@ def _lag_family() -> GaugeMetricFamily:
 
 def _billing_lag():
     lag = _lag_family()
-    last = UsageReport.objects.order_by("-received_at").values_list("received_at", flat=True).first()
+    try:
+        last = UsageReport.objects.order_by("-received_at").values_list("received_at", flat=True).first()
+    except DatabaseError as error:  # a database outage must not fail the scrape: the other figures still matter
+        logger.warning("metrics: the database did not answer: %s", error)
+        last = None
     if last is not None:
         lag.add_metric([], max(0.0, (timezone.now() - last).total_seconds()))
     yield lag

@@ -123,6 +123,24 @@ def test_without_a_token_only_loopback_may_scrape(db, settings, remote):
     scrape(Client(REMOTE_ADDR="127.0.0.1"))
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_database_outage_does_not_fail_the_scrape():
+    """The last usage report's age is left out while the database refuses connections; the rest is served."""
+    from django.db import connection
+
+    assert ("kcaas_billing_usage_report_age_seconds", ()) not in scrape()  # no report yet: no sample either
+    connection.close()
+    port = connection.settings_dict["PORT"]
+    connection.settings_dict["PORT"] = free_port()  # nothing listens there: every connection is refused
+    try:
+        samples = scrape()
+        assert value(samples, "kcaas_celery_broker_up") == 1
+        assert ("kcaas_billing_usage_report_age_seconds", ()) not in samples
+    finally:
+        connection.close()
+        connection.settings_dict["PORT"] = port
+
+
 def test_a_worker_serves_its_own_metrics_on_its_port(db, monkeypatch):
     """A Celery worker in its own container (no shared PROMETHEUS_MULTIPROC_DIR) exposes its task outcomes itself."""
     assert serve_worker_metrics() is None  # no port: nothing served
