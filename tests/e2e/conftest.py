@@ -42,6 +42,15 @@ REPO = Path(__file__).resolve().parents[2]
 # ---- the model -------------------------------------------------------------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def _no_exported_kcaas_target(monkeypatch):
+    """A developer's shell may hold the README's `export KCAAS_URL=... KCAAS_API_KEY=...`: make up would then listen
+    on that URL's port and the demo use that key, not the port and key each test chooses for the processes it
+    starts."""
+    for name in ("KCAAS_URL", "KCAAS_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.fixture(scope="module")
 def deterministic_threads():
     previous = torch.get_num_threads()
