@@ -192,6 +192,9 @@ def test_corrupted_block_is_refused_and_resent(pki):
     assert corrupted == [victim]
     assert listener.stats.checksum_failures == 1
     assert metrics.registry.get_sample_value("kcaas_migration_blocks_refused_total", {"reason": "checksum"}) == 1
+    migrated = {"cache": "c1", "tenant": "", "op": "migrate", "tier": "device"}
+    moved = metrics.registry.get_sample_value("kcaas_node_bytes_moved_total", migrated)
+    assert moved == listener.stats.bytes_stored > 0  # the stored blocks' bytes, the refused one not counted twice
     assert stats.keys_sent.count(victim) == 2  # refused, then sent again
     assert_same(dst, spec, seqs)  # never stored wrong
 
