@@ -77,6 +77,8 @@ def test_an_untrusted_node_certificate_says_to_pass_ca(live_server, agent, setti
         assert pinned.cache("chat").lookup(random_tokens(16, seed=3)[0]) == 0
     with kcaas.connect(live_server.url, key, ca=open(pki["ca"]).read()) as pinned:  # ... or as PEM text
         assert pinned.cache("chat").hello is not None
+    with kcaas.connect(live_server.url, key, verify=False) as unchecked:  # a local experiment: no certificate check
+        assert unchecked.cache("chat").hello is not None
 
 
 def test_the_published_ca_is_the_platform_ca_then_the_data_plane_ca(settings, tmp_path, pki):  # noqa: F811
