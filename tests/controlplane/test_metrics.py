@@ -100,9 +100,19 @@ def test_lease_expiries_task_outcomes_and_billing_rollup(make_node, django_captu
 
 
 def test_the_control_queue_depth_is_read_from_the_broker(db):
-    samples = scrape()
-    assert value(samples, "kcaas_celery_broker_up") == 1
-    assert ("kcaas_celery_queue_depth", (("queue", "control"),)) in samples
+    from core.celery import app
+
+    depth = ("kcaas_celery_queue_depth", (("queue", "control"),))
+    with app.connection_for_write() as connection:
+        connection.default_channel.queue_purge("control")  # this test's own broker (CELERY_BROKER_URL)
+        try:
+            assert scrape()[depth] == 0
+            for _ in range(3):  # waiting messages, with no worker to take them
+                app.send_task("caches.sweep_leases", queue="control", connection=connection)
+            samples = scrape()
+            assert samples[depth] == 3 and value(samples, "kcaas_celery_broker_up") == 1
+        finally:
+            connection.default_channel.queue_purge("control")
 
 
 def test_a_token_is_required_when_set(db, settings):
