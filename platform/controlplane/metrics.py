@@ -67,7 +67,7 @@ class ScrapeTimeCollector:
         depth, broker_up = _depth_family(), _broker_up_family()
         queue = settings.CELERY_TASK_DEFAULT_QUEUE
         try:
-            depth.add_metric([queue], _queue_depth(queue))
+            depth.add_metric([queue], queue_depth(queue))
             broker_up.add_metric([], 1)
         except Exception as error:  # noqa: BLE001 - a broker outage must not fail the scrape: it is what we report
             logger.warning("metrics: the broker did not answer: %s", error)
@@ -77,8 +77,11 @@ class ScrapeTimeCollector:
         yield from _billing_lag()
 
 
-def _queue_depth(queue: str) -> int:
-    from core.celery import app
+def queue_depth(queue: str, app=None) -> int:
+    """Messages waiting on `queue`, asked of the broker of `app` (default the control plane's): Redis counts its
+    list (every priority), the embedded file broker its queue folder's files."""
+    if app is None:
+        from core.celery import app
 
     with app.connection_for_read() as connection:
         connection.ensure_connection(max_retries=1, timeout=2)

@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from billing import tasks as billing_tasks
 from caches import tasks as caches_tasks
+from controlplane.metrics import queue_depth
 from core.metrics import CELERY_TASKS, serve_worker_metrics
 from fleet.models import Node
 from tests.caches.conftest import attach_body, free_port, make_node, make_tenant  # noqa: F401 - fixtures
@@ -113,6 +114,20 @@ def test_the_control_queue_depth_is_read_from_the_broker(db):
             assert samples[depth] == 3 and value(samples, "kcaas_celery_broker_up") == 1
         finally:
             connection.default_channel.queue_purge("control")
+
+
+def test_the_embedded_file_broker_counts_its_queue_folder(tmp_path):
+    from celery import Celery
+
+    from kcaas import fs_broker
+
+    app = Celery("depth", broker=fs_broker.URL)
+    app.conf.broker_transport_options = fs_broker.folder_options(tmp_path / "celery")
+    assert queue_depth("control", app) == 0
+    with app.connection_for_write() as connection:
+        for _ in range(2):
+            app.send_task("caches.sweep_leases", queue="control", connection=connection)
+    assert queue_depth("control", app) == 2
 
 
 def test_a_token_is_required_when_set(db, settings):
