@@ -103,6 +103,13 @@ def _spec_from_args(args: argparse.Namespace) -> KVCacheSpec:
         raise UsageError(str(exc)) from None
 
 
+def _contents(cache) -> str:
+    """warm, or cold with when its node came back without it (the cache is ready but must be filled again)."""
+    if cache.contents == "cold":
+        return f"cold: its node came back without it at {when(cache.emptied_at)}; prefixes are recomputed until re-put"
+    return cache.contents or "-"
+
+
 def _show_cache(cache) -> str:
     spec = cache.spec
     layout = "-"
@@ -118,6 +125,7 @@ def _show_cache(cache) -> str:
         ("node", cache.node_id or "-"),
         ("endpoint", cache.endpoint or "-"),
         ("epoch", cache.epoch),
+        ("contents", _contents(cache)),
         ("capacity", ", ".join(f"{tier} {human_bytes(b)}" for tier, b in cache.capacity.items() if b) or "-"),
         ("block bytes", cache.block_bytes),
         ("model", spec.model_fingerprint if spec else "-"),

@@ -55,6 +55,8 @@ class Cache:
     node_id: str | None = None
     endpoint: str = ""
     epoch: int = 0
+    contents: str = ""  # "warm" | "cold" (cold: its node came back without it, no block reported since)
+    emptied_at: datetime | None = None  # when its node last came back without it (None: never)
     created_at: datetime | None = None
     updated_at: datetime | None = None
 
@@ -65,7 +67,8 @@ class Cache:
         values["capacity"] = dict(data.get("capacity") or {})
         values["failure_reason"] = data.get("failure_reason") or ""
         values["endpoint"] = data.get("endpoint") or ""
-        for name in ("created_at", "updated_at"):
+        values["contents"] = data.get("contents") or ""
+        for name in ("created_at", "updated_at", "emptied_at"):
             values[name] = _parse_time(data.get(name))
         return cls(**values)
 

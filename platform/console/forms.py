@@ -10,11 +10,9 @@ import re
 
 from django import forms
 
-from console.charts import human_bytes
+from tenants.quota_values import BYTE_FIELDS, BYTE_UNITS, QuotaValueError, quota_value_parse, string_pattern
 from tenants.services import QUOTA_BOUNDS
 
-BYTE_FIELDS = ("max_device_bytes", "max_dram_bytes", "max_ssd_bytes")
-BYTE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50}
 QUOTA_LABELS = {
     "max_caches": "Caches",
     "max_device_bytes": "Device bytes",
@@ -24,8 +22,7 @@ QUOTA_LABELS = {
     "max_data_tokens_outstanding": "Data tokens outstanding",
     "max_api_keys": "API keys",
 }
-_WHOLE_NUMBER = re.compile(r"^([0-9]{1,40})$")
-_BYTES = re.compile(r"^([0-9]{1,40}) ?([a-z]*)$")
+_WHOLE_NUMBER = re.compile(r"^(?:0|[1-9][0-9]{0,39})$")
 
 
 class TenantSearchForm(forms.Form):
@@ -34,44 +31,35 @@ class TenantSearchForm(forms.Form):
     q = forms.CharField(required=False, max_length=100, label="Name or id")
 
 
-def bytes_text(count: int) -> str:
-    """The exact form of a byte count an operator would type: "16 GiB" when a whole number of a binary unit, else
-    the plain integer (parses back to the same number)."""
+def bytes_text(count: int, field: str = "max_device_bytes") -> str:
+    """The exact form of a byte count an operator would type: "16 GiB" when a whole number of a binary unit that the
+    field's parser takes back (tenants.quota_values), else the plain integer (parses back to the same number)."""
+    pattern = re.compile(string_pattern(field, QUOTA_BOUNDS[field]))
     for unit in ("PiB", "TiB", "GiB", "MiB"):
         size = BYTE_UNITS[unit.lower()]
-        if count and count % size == 0:
+        if count and count % size == 0 and pattern.match(f"{count // size} {unit}"):
             return f"{count // size} {unit}"
     return str(count)
 
 
 def limit_text(field: str, value: int) -> str:
     """A limit as an operator would type it: bytes fields by bytes_text, the others as plain integers."""
-    return bytes_text(value) if field in BYTE_FIELDS else str(value)
+    return bytes_text(value, field) if field in BYTE_FIELDS else str(value)
 
 
 def parse_limit(field: str, text: str) -> int | None:
-    """A quota limit as typed: blank -> None (the default); a whole number (bytes fields: optionally followed by
-    KiB, MiB, GiB, TiB or PiB) within QUOTA_BOUNDS[field]. Anything else raises forms.ValidationError."""
+    """A quota limit as typed: blank -> None (the default); else what the REST API takes for it, parsed by the same
+    parser (tenants.quota_values: a whole number, bytes fields optionally with KiB, MiB, GiB, TiB or PiB, within
+    QUOTA_BOUNDS[field]); a form's digits are a number, as a JSON integer is. Anything else raises
+    forms.ValidationError."""
     text = (text or "").strip()
     if not text:
         return None
-    low, high = QUOTA_BOUNDS[field]
-    if field in BYTE_FIELDS:
-        match = _BYTES.match(text.lower())
-        if match is None or match.group(2) not in BYTE_UNITS:
-            raise forms.ValidationError(
-                "A whole number of bytes, optionally with a unit (KiB, MiB, GiB, TiB, PiB), or blank for the default."
-            )
-        value = int(match.group(1)) * BYTE_UNITS[match.group(2)]
-    else:
-        match = _WHOLE_NUMBER.match(text)
-        if match is None:
-            raise forms.ValidationError("A whole number, or blank for the default.")
-        value = int(match.group(1))
-    if not low <= value <= high:
-        shown = f"{low} and {high}" if field not in BYTE_FIELDS else f"{low} and {high} ({human_bytes(high)})"
-        raise forms.ValidationError(f"Between {shown}.")
-    return value
+    value: int | str = int(text) if _WHOLE_NUMBER.match(text) else text
+    try:
+        return quota_value_parse(field, value, bounds=QUOTA_BOUNDS[field])
+    except QuotaValueError as error:
+        raise forms.ValidationError(f"{error} Or blank for the default.") from None
 
 
 class QuotaForm(forms.Form):

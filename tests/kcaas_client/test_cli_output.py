@@ -44,3 +44,17 @@ def test_an_answer_without_the_api_envelope_is_told_from_the_apis_own():
     assert not enveloped(NotFoundError("Not Found", status=404))  # the reason phrase: a body without the envelope
     assert not enveloped(ServerError("<html><body>502</body></html>", status=502))
     assert enveloped(ServerError("An internal error occurred.", status=500, code="internal_error"))
+
+
+def test_show_says_a_cold_cache_was_emptied_and_when():
+    from kcaas.cli import _show_cache
+    from kcaas.resources import Cache
+
+    body = {"id": "c1", "name": "chat", "state": "ready", "contents": "cold", "emptied_at": "2026-12-02T10:00:00Z"}
+    cold = Cache.from_json(body)
+    assert cold.contents == "cold" and cold.emptied_at is not None and cold.emptied_at.year == 2026
+    shown = _show_cache(cold)
+    assert "contents:    cold: its node came back without it at" in shown and "2026-12-02" in shown
+    warm = Cache.from_json({**body, "contents": "warm", "emptied_at": None})
+    assert warm.emptied_at is None and "contents:    warm" in _show_cache(warm)
+    assert Cache.from_json({"id": "c1", "name": "chat", "state": "ready"}).contents == ""  # an older server
