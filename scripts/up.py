@@ -45,6 +45,7 @@ import datetime as dt
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -75,6 +76,13 @@ def base_env() -> dict:
     var_dir = Path(os.environ.get("KCAAS_VAR_DIR", REPO / "var"))
     env = {**os.environ, "KCAAS_VAR_DIR": str(var_dir), "PYTHONPATH": f"{REPO / 'platform'}:{REPO}"}
     env.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+    if not env.get("PROMETHEUS_MULTIPROC_DIR"):
+        # gunicorn's workers, the control worker and beat write their metrics here; /metrics answers for all of them
+        # (docs/observability.md). Emptied at each start: a run's counters begin at zero. Node agents drop it.
+        metrics_dir = var_dir / "metrics"
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        metrics_dir.mkdir(mode=0o700, parents=True)
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
     env["CELERY_BROKER_URL"] = fs_broker.broker_url(
         env.get("CELERY_BROKER_URL") or env.get("REDIS_URL") or fs_broker.URL
     )

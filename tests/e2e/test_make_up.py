@@ -10,6 +10,7 @@ from pathlib import Path
 import kcaas
 from tests.e2e.up_support import assert_session_gone, kill_session, read_banner, start_up
 from tests.faults import free_port
+from tests.waiting import eventually
 
 SPEC = {
     "model_fingerprint": "tiny@1",
@@ -45,6 +46,7 @@ def test_make_up_serves_a_cache_end_to_end_and_stops_on_ctrl_c(tmp_path):
         cache = client.attach("demo", SPEC, {"device": 1 << 20}, timeout=60)
         assert cache.state == "ready" and cache.endpoint == f"127.0.0.1:{port + 1}"
         client.close()
+        _metrics_cover_every_control_plane_process(f"http://127.0.0.1:{port}")
 
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0
@@ -52,6 +54,19 @@ def test_make_up_serves_a_cache_end_to_end_and_stops_on_ctrl_c(tmp_path):
     finally:
         kill_session(up)
     assert_session_gone(up)  # no child of make up outlives it
+
+
+def _metrics_cover_every_control_plane_process(base: str) -> None:
+    """One /metrics answer for gunicorn's workers and the Celery worker (make up's shared PROMETHEUS_MULTIPROC_DIR):
+    the attach counted by the web process, the node's provisioning answer by the control worker."""
+
+    def scrape() -> str:
+        with urllib.request.urlopen(base + "/metrics", timeout=10) as answer:
+            return answer.read().decode()
+
+    worker_line = re.compile(r'^kcaas_celery_tasks_total\{[^}]*task="caches.provision_result"[^}]*\} [1-9]', re.M)
+    assert eventually(lambda: worker_line.search(scrape()), timeout=30), "the control worker's tasks are not shown"
+    assert re.search(r'^kcaas_cache_attaches_total\{outcome="ok"\} 1\.0$', scrape(), re.M)
 
 
 def _console_is_served(base: str) -> None:
