@@ -21,7 +21,7 @@ from caches.errors import InvalidCapacity, InvalidSpec
 from caches.idempotency import HEADER as IDEMPOTENCY_HEADER
 from caches.idempotency import KEY_PATTERN, REPLAYED_HEADER, idempotent
 from caches.models import CacheState
-from caches.selectors import cache_resident_bytes_reported
+from caches.selectors import cache_resident_bytes_reported, caches_contents
 from core.errors import ApplicationError
 from core.openapi import AUTH_ERRORS, RATE_LIMIT_HEADERS, RejectUnknownFieldsMixin, error_responses
 from core.pagination import BoundedLimitOffsetPagination
@@ -85,6 +85,9 @@ class CacheOutputSerializer(serializers.Serializer):
     updated_at = serializers.DateTimeField()
 
     def get_contents(self, cache) -> Literal["warm", "cold"]:
+        known = self.context.get("contents") or {}  # a list's page: read once for all its caches (caches_contents)
+        if cache.pk in known:
+            return known[cache.pk]
         return "warm" if cache_resident_bytes_reported(cache) > 0 else "cold"
 
     def get_spec(self, cache) -> SpecSerializer:
@@ -178,7 +181,10 @@ class CacheListAttachApi(APIView):
         )
         paginator = self.pagination_class()
         page = paginator.paginate_queryset(caches, request, view=self)
-        return paginator.get_paginated_response(CacheOutputSerializer(page, many=True).data)
+        contents = caches_contents(page)
+        return paginator.get_paginated_response(
+            CacheOutputSerializer(page, many=True, context={"contents": contents}).data
+        )
 
     @extend_schema(
         operation_id="caches_attach",

@@ -66,3 +66,28 @@ def test_a_re_register_that_kept_the_blocks_empties_nothing(tenant_a):
     _register(agent, [cache_id])
     assert tenant_a.client.get(f"/api/v1/caches/{cache_id}").json()["emptied_at"] is None
     assert not AuditEvent.objects.filter(action=AuditAction.CACHE_EMPTIED).exists()
+
+
+def test_a_list_reads_each_nodes_snapshot_once_whatever_the_page_size(tenant_a, django_assert_max_num_queries):
+    """contents on a list page costs one query for all its caches' nodes, not one (with the node's whole resident
+    snapshot) per cache."""
+    issued = fleet_services.node_create(name="listed-node")
+    agent = APIClient()
+    agent.credentials(HTTP_AUTHORIZATION=f"Bearer {issued.credential}")
+    _register(agent, [])
+    ids = [tenant_a.client.post("/api/v1/caches", attach_body(f"c{i}"), format="json").json()["id"] for i in range(6)]
+    for cache_id in ids:
+        make_ready(cache_id)
+    _heartbeat(agent, ids[0], 4096)
+
+    def listed(limit: int) -> list[str]:
+        answer = tenant_a.client.get(f"/api/v1/caches?limit={limit}")
+        assert answer.status_code == 200, answer.content
+        return [cache["contents"] for cache in answer.json()["results"]]
+
+    listed(2)  # warms the per-process caches (rate limits, key lookups) so both counts below are like for like
+    with django_assert_max_num_queries(50) as two:
+        assert len(listed(2)) == 2
+    with django_assert_max_num_queries(50) as six:
+        assert sorted(listed(6)) == ["cold"] * 5 + ["warm"]
+    assert len(six.captured_queries) == len(two.captured_queries)
