@@ -367,15 +367,18 @@ def test_an_export_resigned_with_another_key_is_untrusted(compliance_client, sig
     forger = Ed25519PrivateKey.generate()
     forged_key = public_jwk_of(forger.public_key())
     records[0]["platform_key"] = forged_key
-    for digest in (r for r in records if r["record_type"] == "digest"):
+    digests = [r for r in records if r["record_type"] == "digest"]
+    assert digests
+    prev_digest_hash = digests[0]["prev_digest_hash"]
+    for digest in digests:  # the trail may span one or two periods: re-chain each forged digest to the one before
         body = chain.digest_body(
-            **{
-                **{k: digest[k] for k in ("period_start", "period_end", "head_seq", "head_hash", "prev_digest_hash")},
-                "key_id": forged_key["kid"],
-            }
+            **{k: digest[k] for k in ("period_start", "period_end", "head_seq", "head_hash")},
+            prev_digest_hash=prev_digest_hash,
+            key_id=forged_key["kid"],
         )
         digest.update(key_id=forged_key["kid"], signature=b64url(forger.sign(chain.canonical(body))))
-        digest["digest_hash"] = chain.digest_hash(body)
+        digest.update(prev_digest_hash=prev_digest_hash, digest_hash=chain.digest_hash(body))
+        prev_digest_hash = digest["digest_hash"]
     forged = "".join(chain.canonical(r).decode() + "\n" for r in records)
     assert chain.verify_export(forged.splitlines(keepends=True)).ok  # self-consistent under its own key
     page = upload(compliance_client, forged)
