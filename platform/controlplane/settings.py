@@ -159,6 +159,10 @@ KCAAS_ORDER_MAX_AGE_SECONDS = float(os.environ.get("KCAAS_ORDER_MAX_AGE_SECONDS"
 # A cache provisioning (or detaching) for longer than this is ended by the reconciler: failed with
 # `provisioning_timeout` (its reservation released, the node told to drop it), or detached (`detach_unconfirmed`).
 KCAAS_PROVISION_DEADLINE_SECONDS = float(os.environ.get("KCAAS_PROVISION_DEADLINE_SECONDS", "300"))
+# The fleet's network store (docs/ARCHITECTURE.md, the network tier): the bytes caches may ask for in all
+# (capacity.network, summed over caches not detached). 0: no network tier configured (an attach asking for one is
+# refused: network_tier_absent).
+KCAAS_NETWORK_STORE_BYTES = env_int("KCAAS_NETWORK_STORE_BYTES", 0)
 KCAAS_DETACH_DEADLINE_SECONDS = float(os.environ.get("KCAAS_DETACH_DEADLINE_SECONDS", "300"))
 KCAAS_RECONCILE_SECONDS = float(os.environ.get("KCAAS_RECONCILE_SECONDS", "30"))
 CELERY_BEAT_SCHEDULE = {
@@ -275,6 +279,7 @@ KCAAS_QUOTA_DEFAULTS = {
     "max_device_bytes": env_int("KCAAS_QUOTA_MAX_DEVICE_BYTES", 16 * 2**30),
     "max_dram_bytes": env_int("KCAAS_QUOTA_MAX_DRAM_BYTES", 64 * 2**30),
     "max_ssd_bytes": env_int("KCAAS_QUOTA_MAX_SSD_BYTES", 256 * 2**30),
+    "max_network_bytes": env_int("KCAAS_QUOTA_MAX_NETWORK_BYTES", 256 * 2**30),
     "max_requests_per_second": env_int("KCAAS_QUOTA_MAX_RPS", 50),
     "max_data_tokens_outstanding": env_int("KCAAS_QUOTA_MAX_DATA_TOKENS", 100),
     "max_api_keys": env_int("KCAAS_QUOTA_MAX_API_KEYS", 100),  # usable (neither revoked nor expired) keys
