@@ -11,7 +11,10 @@ they never see the cache. Every tier operation takes the request's BlockChain, c
   installed under it — unless the cache was purged or a delete/clear ran meanwhile (then only blocks not forgotten
   are kept, demoted back; the rest are zeroed and dropped: a deleted prefix never comes back);
 - forgetting (delete, clear, wipe): device removals and the lower tiers' subtrees happen under the cache lock, so
-  no promotion can interleave; the SSD makes them durable afterwards (`_sync_lower`, without the lock).
+  no promotion can interleave; the SSD makes them durable afterwards (`_sync_lower`, without the lock);
+- the network tier: lookups and gets first probe the store (without the lock) for the chain's blocks after the
+  device prefix that no lower tier knows; with write-through, a put's full blocks are copied out under the lock and
+  the put returns once the store has them (or the store failed: counted, never an error of the put).
 
 Every payload copy this module owns (fetched for promotion, copied out for demotion) is handed to a tier or zeroed.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from gpu_node.block_hash import BlockChain
+from gpu_node.checksum import block_checksum
 from gpu_node.tiers import block_payloads, write_payloads
 from gpu_node.zeroing import zero
 
@@ -98,6 +102,36 @@ class TierOperations:
                 return False
             self._tiers.write_through(key, payload, (parent, tokens))
         return True
+
+    def _write_through_network(self, tokens: np.ndarray, hashes: list) -> None:
+        """Without the cache lock, after a put: the put's full blocks the network tier lacks are copied out (under
+        the lock) and stored; returns once the store has them, or its writes failed or timed out."""
+        network, size, parent = self._tiers.network, self.block_size, self._hasher.root
+        with self._lock:
+            if self._purged:
+                return
+            index = self._blocks.cached_hash_to_block
+            wanted = []
+            for i, block_hash in enumerate(hashes):
+                if not network.contains(block_hash) and block_hash in index:
+                    wanted.append((block_hash, index[block_hash], (parent, tokens[i * size : (i + 1) * size].copy())))
+                parent = block_hash
+            payloads = block_payloads(self.pool, self.scales, [block_id for _, block_id, _ in wanted])
+            for (block_hash, _, lineage), payload in zip(wanted, payloads):
+                self._tiers.to_network(block_hash, payload, block_checksum(payload), lineage)
+                zero(payload)
+        if wanted and not network.flush():
+            network.num_write_through_timeouts += 1
+
+    def _probe_network(self, tokens: np.ndarray, chain: BlockChain | None = None) -> None:
+        """Without the cache lock: have the network tier learn which blocks of the chain after the device prefix the
+        store holds (one batched question), so the lookup/promotion under the lock sees them."""
+        if self._tiers is None or self._tiers.network is None:
+            return
+        chain = chain if chain is not None else self._hasher.block_chain(tokens)
+        with self._lock:
+            num_full = self._num_cached_full_blocks(chain)
+        self._tiers.probe(chain.hashes(num_full))
 
     # ---- reads ----------------------------------------------------------------------------------------------------
     def _lower_run_end(self, chain: BlockChain, num_full: int, tokens: np.ndarray) -> int:

@@ -22,7 +22,8 @@ from gpu_node.registry import CacheRegistry
 disable_created_metrics()
 
 OPS = ("hello", "lookup", "put", "get", "delete")
-TIERS = ("device", "dram", "ssd")
+TIERS = ("device", "dram", "ssd", "network")
+LOWER_TIERS = ("dram", "ssd", "network")
 CACHE = ["cache", "tenant"]
 
 
@@ -88,6 +89,7 @@ class CacheStatsCollector:
         yield from counters.values()
         yield from gauges.values()
         yield from self._node.collect(used)
+        yield from _network_store_figures(self._registry.network_store)
 
     @staticmethod
     def _add_lower_tiers(labels: list[str], hosted, counters: dict, gauges: dict) -> dict[str, int]:
@@ -95,13 +97,31 @@ class CacheStatsCollector:
         resident = lower.resident_bytes() if lower is not None else {}
         failures = lower.checksum_failures() if lower is not None else {}
         moved = lower.bytes_moved() if lower is not None else {}
-        for tier in ("dram", "ssd"):
+        for tier in LOWER_TIERS:
             gauges["resident_bytes"].add_metric([*labels, tier], resident.get(tier, 0))
             gauges["capacity_bytes"].add_metric([*labels, tier], hosted.capacity.get(tier, 0))
             counters["checksum_failures"].add_metric([*labels, tier], failures.get(tier, 0))
             for op in ("put", "get"):
                 counters["bytes_moved"].add_metric([*labels, op, tier], moved.get((op, tier), 0))
-        return {tier: resident.get(tier, 0) for tier in ("dram", "ssd")}
+        return {tier: resident.get(tier, 0) for tier in LOWER_TIERS}
+
+
+def _network_store_figures(store):
+    """The node's client of the fleet's network store: whether it answers now, and its faults and skipped calls
+    (nothing when the node has no network store)."""
+    if store is None:
+        return
+    healthy = GaugeMetricFamily(
+        "kcaas_node_network_store_healthy", "1 while the network store answers this node, 0 while its breaker is open"
+    )
+    healthy.add_metric([], 1 if store.healthy else 0)
+    faults = CounterMetricFamily("kcaas_node_network_store_faults", "Network store calls that timed out or failed")
+    faults.add_metric([], store.num_faults)
+    skipped = CounterMetricFamily(
+        "kcaas_node_network_store_skipped", "Network store calls answered as misses while the store was down"
+    )
+    skipped.add_metric([], store.num_skipped)
+    yield from (healthy, faults, skipped)
 
 
 class NodeFigures:

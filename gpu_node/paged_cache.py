@@ -241,6 +241,7 @@ class PagedKVCache(PurgeFence, TierOperations, BlockExchange):
         """
         self._check_identity(identity)
         tokens = tokens_as_int32(tokens)
+        self._probe_network(tokens)
         with self._lock:
             self._check_not_purged()
             index = self._blocks.cached_hash_to_block
@@ -258,6 +259,7 @@ class PagedKVCache(PurgeFence, TierOperations, BlockExchange):
         tokens = tokens_as_int32(tokens)
         chain = self._hasher.block_chain(tokens)
         if self._tiers is not None:
+            self._probe_network(tokens, chain)
             self._promote(tokens, chain)
         with self._lock:
             self._check_not_purged()
@@ -395,6 +397,8 @@ class PagedKVCache(PurgeFence, TierOperations, BlockExchange):
                 self._end_io_locked()
             self._num_cow_copies += plan.num_cow_copies
             self._num_stored_tokens += plan.num_written_tokens
+        if self._tiers is not None and self._tiers.writes_through and num_cached >= self.block_size:
+            self._write_through_network(tokens, hashes[: num_cached // self.block_size])
         return PutResult(
             num_tokens=len(tokens),
             num_cached_tokens=num_cached,

@@ -17,6 +17,10 @@ epoch closes the old one first. Detach deletes the cache's directory, hosted or 
 when a newer epoch wrote it, nor while a provisioning of it is in flight); purge_tenant zeroes DRAM and deletes the
 tenant's directories, hosted or left over from an earlier run; remove_unplaced_directories (at registration)
 deletes those of every cache the control plane no longer places here, never one hosted or being provisioned.
+A capacity with `network` bytes and a data key gets a network tier when the node has a network store (`network_store`,
+a gpu_node.object_store.GuardedStore shared by every cache of this process); `network_write_through` (per cache)
+makes puts wait until their full blocks are in it. Detach closes it and leaves its objects (the cache may come
+back elsewhere); purge_tenant removes them.
 
 Purge listeners (the data plane) run inside purge_tenant after the tenant's caches stop being hosted and before
 their pools are wiped: they close the tenant's connections and zero their buffers.
@@ -38,7 +42,7 @@ from gpu_node import cache_dirs, tiers
 from gpu_node.paged_cache import PagedKVCache
 from kcaas.spec import KVCacheSpec
 
-TIERS = ("device", "dram", "ssd")
+TIERS = ("device", "dram", "ssd", "network")
 log = logging.getLogger(__name__)
 
 
@@ -62,9 +66,15 @@ class HostedCache:
 
 class CacheRegistry:
     def __init__(
-        self, *, device_capacity_bytes: int, device: torch.device | str | None = None, ssd_dir: str | None = None
+        self,
+        *,
+        device_capacity_bytes: int,
+        device: torch.device | str | None = None,
+        ssd_dir: str | None = None,
+        network_store=None,
     ):
         self.device_capacity_bytes = device_capacity_bytes
+        self.network_store = network_store  # a GuardedStore, or None: caches get no network tier
         self.device = device
         self.ssd_dir = ssd_dir or cache_dirs.default_ssd_root()
         self._lock = threading.Lock()
@@ -86,6 +96,7 @@ class CacheRegistry:
         epoch: int,
         tenant_id: str = "",
         ssd_key: bytes | None = None,
+        network_write_through: bool = False,
     ) -> HostedCache:
         device_bytes = int(capacity.get("device", 0))
         if device_bytes < spec.block_bytes:
@@ -105,7 +116,16 @@ class CacheRegistry:
             hosted.engine.close()  # one open store per directory: the newer epoch rescans it
         try:
             engine = PagedKVCache(spec, hash_key=hash_key, capacity_bytes=device_bytes, device=self.device)
-            lower = tiers.open_tiers(self.ssd_dir, cache_id, str(tenant_id or ""), capacity, spec.block_bytes, ssd_key)
+            lower = tiers.open_tiers(
+                self.ssd_dir,
+                cache_id,
+                str(tenant_id or ""),
+                capacity,
+                spec.block_bytes,
+                ssd_key,
+                network_store=self.network_store,
+                network_write_through=network_write_through,
+            )
             if lower is not None:
                 engine.attach_tiers(lower)
             cache_dirs.record_epoch(self.ssd_dir, cache_id, epoch)

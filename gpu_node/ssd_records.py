@@ -30,8 +30,11 @@ AAD_PREFIX = b"kcaas/ssd/v1/"
 TAG_BYTES = 16
 
 
-def encode(aead: AESGCM, block_hash: bytes, payload, checksum: int, lineage: tuple | None) -> bytearray:
-    """The whole record of one block (lineage: (parent hash, tokens), or None)."""
+def encode(
+    aead: AESGCM, block_hash: bytes, payload, checksum: int, lineage: tuple | None, *, aad_prefix: bytes = AAD_PREFIX
+) -> bytearray:
+    """The whole record of one block (lineage: (parent hash, tokens), or None). `aad_prefix` binds the record to
+    where it lives (the SSD's by default; the network tier binds each object's name)."""
     parent, tokens = lineage if lineage is not None else (NO_PARENT, np.zeros(0, np.int32))
     token_bytes = np.ascontiguousarray(tokens, dtype="<i4").tobytes()
     nonce, token_nonce = os.urandom(12), os.urandom(12)
@@ -40,7 +43,7 @@ def encode(aead: AESGCM, block_hash: bytes, payload, checksum: int, lineage: tup
     HEADER.pack_into(
         record, 0, MAGIC, len(payload) + TAG_BYTES, block_hash, nonce, checksum, bytes(parent), len(tokens), token_nonce
     )
-    aad = _aad(block_hash, bytes(parent), len(tokens))
+    aad = _aad(block_hash, bytes(parent), len(tokens), aad_prefix)
     aead.encrypt_into(nonce, payload, b"kv" + aad, memoryview(record)[HEADER.size : payload_end])
     if len(tokens):
         aead.encrypt_into(token_nonce, token_bytes, b"tk" + aad, memoryview(record)[payload_end:])
@@ -48,7 +51,7 @@ def encode(aead: AESGCM, block_hash: bytes, payload, checksum: int, lineage: tup
 
 
 def decode(
-    aead: AESGCM, data, at: int, *, want_lineage: bool = True
+    aead: AESGCM, data, at: int, *, want_lineage: bool = True, aad_prefix: bytes = AAD_PREFIX
 ) -> tuple[bytes, bytearray, int, tuple | None] | None:
     """(block hash, verified payload, record length, lineage) of the record at `at`, or None if torn/corrupt."""
     if len(data) - at < HEADER.size:
@@ -61,7 +64,7 @@ def decode(
     payload = bytearray(cipher_len - TAG_BYTES)
     lineage = None
     try:
-        aad = _aad(block_hash, parent, num_tokens)
+        aad = _aad(block_hash, parent, num_tokens, aad_prefix)
         aead.decrypt_into(nonce, data[at + HEADER.size : payload_end], b"kv" + aad, payload)
         if num_tokens and want_lineage:
             tokens = aead.decrypt(token_nonce, bytes(data[payload_end:end]), b"tk" + aad)
@@ -73,5 +76,10 @@ def decode(
     return block_hash, payload, end - at, lineage
 
 
-def _aad(block_hash: bytes, parent: bytes, num_tokens: int) -> bytes:
-    return AAD_PREFIX + bytes(block_hash) + bytes(parent) + struct.pack("<I", num_tokens)
+def record_bytes(payload_bytes: int, num_tokens: int) -> int:
+    """The length of the record of a `payload_bytes` payload with `num_tokens` tokens of lineage."""
+    return HEADER.size + payload_bytes + TAG_BYTES + (4 * num_tokens + TAG_BYTES if num_tokens else 0)
+
+
+def _aad(block_hash: bytes, parent: bytes, num_tokens: int, prefix: bytes = AAD_PREFIX) -> bytes:
+    return prefix + bytes(block_hash) + bytes(parent) + struct.pack("<I", num_tokens)

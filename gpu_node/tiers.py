@@ -1,4 +1,5 @@
-"""Lower tiers of one cache: host DRAM, then encrypted SSD segments (gpu_node/ssd_store.py) — storage only.
+"""Lower tiers of one cache: host DRAM, encrypted SSD segments (gpu_node/ssd_store.py), then the fleet's network
+store (gpu_node/network_tier.py) — storage only.
 
 The engine facade (PagedKVCache, with its tier operations in gpu_node/engine_tiers.py) decides what moves when; this
 module stores and forgets blocks by hash and never touches the cache's own state. Each tier implements `Tier`.
@@ -9,7 +10,10 @@ tails stay on the device only. A block's *payload* is its pool bytes followed by
 storage), exactly what gpu_node/checksum.py sums; every read is verified (a mismatch is a miss and a counter).
 
 Tiering: DRAM is exclusive (a promoted block leaves DRAM), SSD is inclusive (a block stays on SSD after promotion,
-so a later demotion of the same hash costs no write, and a restart finds it: warm restart).
+so a later demotion of the same hash costs no write, and a restart finds it: warm restart). The network tier is
+inclusive of both: every block demoted from the device is also queued for it (asynchronously, unless it holds the
+block already), so the SSD's own eviction needs no read-back and a lost node loses only what was still queued. Its
+index is completed by `probe` (the store's answer for hashes no tier knows), called without the cache lock.
 
 Lineage: every lower-tier block has its (parent hash, tokens) in `LowerTiers.lineage` (a `Lineage`: also indexed
 parent -> children). It is what delete/clear follow to remove a prefix and everything chained under it from every
@@ -294,9 +298,10 @@ class LowerTiers:
     Every method is callable under the cache lock except `sync`, `wipe` and `close` (they may do SSD I/O).
     """
 
-    def __init__(self, dram_bytes: int, ssd=None):
+    def __init__(self, dram_bytes: int, ssd=None, network=None):
         self.dram = DramTier(dram_bytes)
         self.ssd = ssd
+        self.network = network  # a NetworkTier, or None
         self.moved: dict[tuple[str, str], int] = {}  # (op "put"/"get", tier) -> payload bytes, for /metrics
         self.lineage = Lineage()
         if ssd is not None:
@@ -305,7 +310,12 @@ class LowerTiers:
 
     @property
     def tiers(self) -> list[Tier]:
-        return [self.dram] + ([self.ssd] if self.ssd is not None else [])
+        return [self.dram] + [tier for tier in (self.ssd, self.network) if tier is not None]
+
+    @property
+    def writes_through(self) -> bool:
+        """Whether a put's full blocks go to the network store before the put is acknowledged."""
+        return self.network is not None and self.network.write_through
 
     def demote(self, block_hash: bytes, payload: bytearray, lineage: tuple[bytes, np.ndarray]) -> None:
         """Keep an evicted full block: DRAM when it fits, its overflow (or the block itself) to SSD, else drop.
@@ -313,10 +323,26 @@ class LowerTiers:
         self.lineage.add(block_hash, lineage[0], lineage[1])
         if len(self.lineage) > 2 * self._num_blocks() + 1024:
             self.lineage.prune(self.has)
+        checksum = block_checksum(payload)
+        self.to_network(block_hash, payload, checksum, lineage)
         if len(payload) <= self.dram.capacity_bytes:  # else DramTier.store hands it straight on to SSD
             self._count("put", "dram", len(payload))
-        for pushed in self.dram.store(block_hash, payload, block_checksum(payload)):
+        for pushed in self.dram.store(block_hash, payload, checksum):
             self._to_ssd(*pushed)
+
+    def to_network(self, block_hash: bytes, payload, checksum: int, lineage: tuple[bytes, np.ndarray]) -> None:
+        """Queue a copy of a block for the network tier unless it holds it (the caller keeps `payload`)."""
+        network = self.network
+        if network is not None and not network.contains(block_hash) and network.healthy:
+            network.store(block_hash, bytearray(payload), checksum, lineage)
+            self._count("put", "network", len(payload))
+
+    def probe(self, hashes: list[bytes]) -> int:
+        """Without the cache lock: let the network tier learn which of `hashes` (held by no lower tier) the store
+        holds, so `has`/`count_run` under the lock see them. Returns how many it found."""
+        if self.network is None:
+            return 0
+        return self.network.probe([h for h in hashes if not self.has(h)])
 
     def write_through(self, block_hash: bytes, payload: bytearray, lineage: tuple[bytes, np.ndarray]) -> None:
         """Queue a block that stays on the device for the SSD too (inclusive), with its lineage."""
@@ -370,11 +396,24 @@ class LowerTiers:
             payload, tier = self.dram.take(block_hash), "dram"
             if payload is None and self.ssd is not None:
                 payload, tier = self.ssd.read(block_hash), "ssd"
+            if payload is None and self.network is not None:
+                payload, tier = self._from_network(block_hash), "network"
             if payload is None:
                 break
             self._count("get", tier, len(payload))
             payloads.append(payload)
         return payloads
+
+    def _from_network(self, block_hash: bytes) -> bytearray | None:
+        """A verified payload from the network tier; its lineage (sealed in the object) joins the index, so a block
+        another node stored can be forgotten with its prefix here."""
+        fetched = self.network.fetch(block_hash)
+        if fetched is None:
+            return None
+        payload, lineage = fetched
+        if lineage is not None and block_hash not in self.lineage:
+            self.lineage.add(block_hash, lineage[0], lineage[1])
+        return payload
 
     def discard_subtrees(self, roots) -> list[bytes]:
         """Forget `roots` and every block chained under them from every tier (in memory at once; `sync` makes it
@@ -401,7 +440,10 @@ class LowerTiers:
             tier.sync()
 
     def resident_bytes(self) -> dict[str, int]:
-        return {"dram": self.dram.bytes_resident, "ssd": self.ssd.bytes_resident if self.ssd is not None else 0}
+        return {name: tier.bytes_resident if tier is not None else 0 for name, tier in self._named().items()}
+
+    def _named(self) -> dict:
+        return {"dram": self.dram, "ssd": self.ssd, "network": self.network}
 
     def bytes_moved(self) -> dict[tuple[str, str], int]:
         """Payload bytes moved since the tiers opened: ("put", tier) stored into DRAM or SSD, ("get", tier) fetched
@@ -409,13 +451,11 @@ class LowerTiers:
         return dict(self.moved)
 
     def checksum_failures(self) -> dict[str, int]:
-        return {
-            "dram": self.dram.num_checksum_failures,
-            "ssd": self.ssd.num_checksum_failures if self.ssd is not None else 0,
-        }
+        return {name: tier.num_checksum_failures if tier is not None else 0 for name, tier in self._named().items()}
 
     def wipe(self) -> int:
-        """Erasure: zero DRAM, delete the SSD directory; returns the bytes that were resident in both."""
+        """Erasure: zero DRAM, delete the SSD directory, remove the cache's network objects; returns the bytes that
+        were resident in them."""
         resident = sum(tier.wipe() for tier in self.tiers)
         self.lineage.clear()
         return resident
@@ -427,23 +467,40 @@ class LowerTiers:
     def close(self) -> None:
         if self.ssd is not None:
             self.ssd.close()
+        if self.network is not None:
+            self.network.close()
 
 
 # ---- setting tiers up for a hosted cache (the registry calls this) --------------------------------------------------
 def open_tiers(
-    ssd_root: str, cache_id: str, tenant_id: str, capacity: dict, block_bytes: int, ssd_key: bytes | None
+    ssd_root: str,
+    cache_id: str,
+    tenant_id: str,
+    capacity: dict,
+    block_bytes: int,
+    ssd_key: bytes | None,
+    *,
+    network_store=None,
+    network_write_through: bool = False,
 ) -> LowerTiers | None:
-    """The lower tiers a capacity asks for (None when it asks for none that can hold a block). The SSD tier needs
-    a data key; opening an existing directory rescans it (warm restart)."""
+    """The lower tiers a capacity asks for (None when it asks for none that can hold a block). The SSD and network
+    tiers need the cache's data key (`ssd_key`); opening an existing SSD directory rescans it (warm restart). The
+    network tier needs this node's store client (a GuardedStore; None: the node has no network store, and the
+    tier is absent)."""
     from gpu_node.ssd_store import SsdStore  # cryptography: only nodes with an SSD tier load it
 
     dram_bytes = int(capacity.get("dram", 0)) if int(capacity.get("dram", 0)) >= block_bytes else 0
     ssd_bytes = int(capacity.get("ssd", 0))
-    store = None
+    network_bytes = int(capacity.get("network", 0))
+    store = network = None
     if ssd_key is not None and ssd_bytes >= block_bytes:
         directory = cache_dirs.cache_directory(ssd_root, cache_id)
         store = SsdStore(directory, ssd_key, ssd_bytes)
         cache_dirs.write_owner(directory, tenant_id)
-    if not dram_bytes and store is None:
+    if ssd_key is not None and network_store is not None and network_bytes >= block_bytes:
+        from gpu_node.network_tier import NetworkTier
+
+        network = NetworkTier(network_store, ssd_key, network_bytes, write_through=network_write_through)
+    if not dram_bytes and store is None and network is None:
         return None
-    return LowerTiers(dram_bytes, store)
+    return LowerTiers(dram_bytes, store, network)

@@ -80,6 +80,7 @@ def test_resident_snapshot_reports_absolute_bytes_per_cache():
             "device_bytes": 3 * BLOCK,
             "dram_bytes": 0,
             "ssd_bytes": 0,
+            "network_bytes": 0,
             "hit_tokens": 0,
             "miss_tokens": 0,
         }

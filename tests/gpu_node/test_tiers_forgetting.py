@@ -122,7 +122,7 @@ def test_clear_reaches_every_tier_durably(tmp_path):
     cache.tiers.ssd.flush()
     assert cache.clear() >= 12
     assert all(misses(cache, tokens) for tokens in sequences)
-    assert cache.tiers.resident_bytes() == {"dram": 0, "ssd": 0}
+    assert cache.tiers.resident_bytes() == {"dram": 0, "ssd": 0, "network": 0}
     cache = restart(cache, tmp_path)
     assert all(misses(cache, tokens) for tokens in sequences)
 

@@ -123,7 +123,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
         self.cache.clear()
         self.stored = []
         assert self.cache.stats().num_cached_blocks == 0
-        assert self.cache.tiers.resident_bytes() == {"dram": 0, "ssd": 0}
+        assert self.cache.tiers.resident_bytes() == {"dram": 0, "ssd": 0, "network": 0}
 
     @rule()
     @precondition(lambda self: self.cache is not None and not self.open_handles)

@@ -190,7 +190,7 @@ def test_concurrent_puts_and_gets_across_tiers_never_return_wrong_kv(tmp_path):
     cache.check_invariants()
     cache.tiers.dram.check_invariants()
     store.check_invariants()
-    assert cache.tiers.checksum_failures() == {"dram": 0, "ssd": 0}
+    assert cache.tiers.checksum_failures() == {"dram": 0, "ssd": 0, "network": 0}
     store.close()
 
 

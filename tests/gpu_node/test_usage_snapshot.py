@@ -39,6 +39,7 @@ def test_writes_count_pool_bytes_and_reads_count_only_what_was_sent():
         "device_bytes": engine.stats().bytes_resident,
         "dram_bytes": 0,
         "ssd_bytes": 0,
+        "network_bytes": 0,
         "bytes_written_total": 10 * SPEC.storage_bytes_per_token,
         "tokens_served_total": 7,
     }

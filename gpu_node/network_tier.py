@@ -1,0 +1,314 @@
+"""The network tier of one cache: sealed block objects in the fleet's shared store (gpu_node/object_store.py).
+
+A `tiers.Tier` below DRAM and SSD (docs/ARCHITECTURE.md, "The network tier"):
+
+- names: `kc/<tag>/<id>`, tag = HMAC-SHA256(name key, "cache") and id = HMAC-SHA256(name key, block hash), the name
+  key derived from the cache's data key: the same on every node that hosts the cache, different for every cache, and
+  never the plain token hash (the block hash is the cache's chained *keyed* hash, and the name is a MAC of it);
+- objects: gpu_node/ssd_records.py records (payload and lineage AES-GCM-sealed under the data key) whose associated
+  data binds the object's name; a read that does not decrypt, names another block or fails its checksum is a miss,
+  counted in num_checksum_failures, and the object is removed;
+- the index (hash -> record bytes, LRU order) holds what this tier stored or found by `probe`; `contains` reads only
+  the index (no I/O: callable under the cache lock); `probe` asks the store (without the cache lock);
+- writes are queued to the tier's writer thread (demotions happen under the cache lock) and readable at once from
+  the pending set; `flush` waits for them (write-through puts); removals (discard, clear) are queued behind the
+  writes before them, so a removal always follows the write it undoes;
+- the store's faults are the guard's (misses, never errors); a write the store refused is dropped and counted.
+
+Invariants (under `_lock`): bytes_resident == sum of the index's record bytes <= capacity_bytes; a hash is never both
+pending and indexed; after `wipe` nothing is stored any more and the cache's objects were removed from the store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from gpu_node import ssd_records
+from gpu_node.object_store import GuardedStore
+from gpu_node.zeroing import zero
+
+NAME_KEY_LABEL = b"kcaas/network/names/v1"
+AAD_PREFIX = b"kcaas/net/v1/"
+MAX_PENDING_BYTES = 256 << 20  # writes queued beyond this are dropped (the store is behind): bounded memory
+FLUSH_TIMEOUT_S = 10.0
+
+
+def object_names(data_key: bytes) -> Callable[[bytes], str]:
+    """The name of each block's object for the cache whose data key this is (and its prefix, as `.prefix`)."""
+    name_key = hmac.new(data_key, NAME_KEY_LABEL, hashlib.sha256).digest()
+    tag = hmac.new(name_key, b"cache", hashlib.sha256).hexdigest()[:32]
+
+    def name(block_hash: bytes) -> str:
+        return f"kc/{tag}/{hmac.new(name_key, bytes(block_hash), hashlib.sha256).hexdigest()[:48]}"
+
+    name.prefix = f"kc/{tag}/"  # type: ignore[attr-defined]
+    return name
+
+
+class NetworkTier:
+    """Blocks of one cache in the fleet's store (see the module docstring)."""
+
+    def __init__(self, store: GuardedStore, data_key: bytes, capacity_bytes: int, *, write_through: bool = False):
+        self._store = store
+        self._aead = AESGCM(data_key)
+        self._name = object_names(data_key)
+        self.prefix: str = self._name.prefix  # type: ignore[attr-defined]
+        self.capacity_bytes = int(capacity_bytes)
+        self.write_through = write_through
+        self._lock = threading.Lock()
+        self._index: OrderedDict[bytes, int] = OrderedDict()  # hash -> record bytes, least recently used first
+        self._pending: dict[bytes, tuple[bytearray, int, tuple | None]] = {}
+        self._pending_bytes = 0
+        self._queue: list[tuple[str, Any]] = []  # ("put", hash) | ("remove", [names]) | ("remove_prefix", prefix)
+        self._work = threading.Condition(self._lock)
+        self._idle = threading.Condition(self._lock)
+        self._busy = False
+        self._wiped = False
+        self.bytes_resident = 0
+        self.num_checksum_failures = 0
+        self.num_dropped_writes = 0
+        self.num_probes = 0
+        self.num_write_through_timeouts = 0  # write-through puts acknowledged before the store had their blocks
+        self._writer = threading.Thread(target=self._write_loop, name="kcaas-network-tier", daemon=True)
+        self._writer.start()
+
+    # ---- queries (no I/O) --------------------------------------------------------------------------------------------
+    def contains(self, block_hash: bytes) -> bool:
+        return block_hash in self._index or block_hash in self._pending
+
+    __contains__ = contains
+
+    def __len__(self) -> int:
+        return len(self._index) + len(self._pending)
+
+    def hashes(self) -> list[bytes]:
+        with self._lock:
+            return list(self._index) + list(self._pending)
+
+    @property
+    def healthy(self) -> bool:
+        return self._store.healthy
+
+    # ---- the store (without the cache lock) --------------------------------------------------------------------------
+    def probe(self, hashes: list[bytes]) -> int:
+        """Ask the store which of `hashes` it holds that this tier does not know of yet; they join the index.
+        Returns how many were found. One batched question; a store fault finds nothing."""
+        unknown = [bytes(h) for h in hashes if not self.contains(h)]
+        if not unknown or self._wiped:
+            return 0
+        self.num_probes += 1
+        found = [h for h, held in zip(unknown, self._store.exists([self._name(h) for h in unknown])) if held]
+        with self._lock:
+            for block_hash in found:
+                if block_hash not in self._index and block_hash not in self._pending and not self._wiped:
+                    self._index_locked(block_hash, self._estimated_bytes())
+            self._evict_locked()
+        return len(found)
+
+    def read(self, block_hash: bytes) -> bytearray | None:
+        fetched = self.fetch(block_hash)
+        return fetched[0] if fetched is not None else None
+
+    def fetch(self, block_hash: bytes) -> tuple[bytearray, tuple | None] | None:
+        """(verified payload, lineage) of a block, or None (absent, evicted by the store, corrupt or foreign: the
+        last two counted and removed). The tier keeps the block (inclusive)."""
+        block_hash = bytes(block_hash)
+        with self._lock:
+            pending = self._pending.get(block_hash)
+            if pending is not None:
+                return bytearray(pending[0]), pending[2]
+            if block_hash not in self._index:
+                return None
+            self._index.move_to_end(block_hash)
+        name = self._name(block_hash)
+        record = self._store.get(name)
+        if record is None:  # evicted by the store, removed by another node, or the store is down: a miss
+            if self._store.healthy:  # gone from the store (a fault keeps the entry: the store may come back)
+                self._forget(block_hash)
+            return None
+        decoded = ssd_records.decode(self._aead, record, 0, aad_prefix=AAD_PREFIX + name.encode())
+        if decoded is None or decoded[0] != block_hash or decoded[2] != len(record):
+            if decoded is not None:
+                zero(decoded[1])
+            self._corrupt(block_hash, name)
+            return None
+        with self._lock:
+            if block_hash in self._index:
+                self._resize_locked(block_hash, len(record))
+        return decoded[1], decoded[3]
+
+    def store(self, block_hash: bytes, payload: bytearray, checksum: int, lineage: tuple | None = None) -> list:
+        """Queue a block for the store (the tier owns `payload`: zeroed once written or dropped); readable at once.
+        Returns [] (the last tier: nothing is pushed further)."""
+        block_hash = bytes(block_hash)
+        with self._lock:
+            if self._wiped or block_hash in self._index or block_hash in self._pending:
+                zero(payload)
+                return []
+            if self._pending_bytes + len(payload) > MAX_PENDING_BYTES or len(payload) > self.capacity_bytes:
+                self.num_dropped_writes += 1
+                zero(payload)
+                return []
+            self._pending[block_hash] = (payload, checksum, lineage)
+            self._pending_bytes += len(payload)
+            self._queue.append(("put", block_hash))
+            self._work.notify()
+        return []
+
+    def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
+        """Wait until every queued write and removal reached the store (or was dropped); False on timeout."""
+        with self._lock:
+            return self._idle.wait_for(lambda: not self._queue and not self._busy, timeout_s)
+
+    # ---- forgetting ----------------------------------------------------------------------------------------------
+    def discard(self, hashes) -> int:
+        """Forget these blocks (no I/O: the objects' removal is queued, for every hash given, known here or not:
+        another node may have stored it). Returns how many this tier knew."""
+        names, removed = [], 0
+        with self._lock:
+            for block_hash in hashes:
+                block_hash = bytes(block_hash)
+                removed += self._drop_locked(block_hash)
+                names.append(self._name(block_hash))
+            if names and not self._wiped:
+                self._queue.append(("remove", names))
+                self._work.notify()
+        return removed
+
+    def clear(self) -> int:
+        """Forget every block of the cache, in the store too (every object under the cache's prefix)."""
+        with self._lock:
+            removed = len(self._index) + len(self._pending)
+            for block_hash in list(self._index) + list(self._pending):
+                self._drop_locked(block_hash)
+            if not self._wiped:
+                self._queue.append(("remove_prefix", self.prefix))
+                self._work.notify()
+        return removed
+
+    def sync(self) -> None:
+        """Make forgetting reach the store (waits for the queue, bounded)."""
+        self.flush()
+
+    def wipe(self) -> int:
+        """Erasure: remove every object of the cache from the store, forget everything, store nothing more; returns
+        the bytes that were resident."""
+        with self._lock:
+            resident = self.bytes_resident + self._pending_bytes
+            self._wiped = True
+            for block_hash in list(self._index) + list(self._pending):
+                self._drop_locked(block_hash)
+            self._queue.clear()
+            self._work.notify()
+        self._store.remove_prefix(self.prefix)
+        return resident
+
+    def close(self) -> None:
+        """Stop the writer once its queue is done (objects stay in the store: they are the cache's, not the node's)."""
+        self.flush()
+        with self._lock:
+            self._wiped = True
+            self._queue.clear()
+            self._work.notify()
+
+    def check_invariants(self) -> None:
+        with self._lock:
+            assert self.bytes_resident == sum(self._index.values()) <= self.capacity_bytes
+            assert not set(self._index) & set(self._pending)
+            assert self._pending_bytes == sum(len(p[0]) for p in self._pending.values())
+
+    # ---- the writer thread -------------------------------------------------------------------------------------------
+    def _write_loop(self) -> None:
+        while True:
+            with self._lock:
+                self._busy = False
+                if not self._queue:
+                    self._idle.notify_all()
+                self._work.wait_for(lambda: self._queue or (self._wiped and not self._busy))
+                if not self._queue:
+                    self._idle.notify_all()
+                    return
+                op, arg = self._queue.pop(0)
+                self._busy = True
+                pending = self._pending.get(arg) if op == "put" else None
+            if op == "put" and pending is not None:
+                self._put(arg, pending)
+            elif op == "remove":
+                self._store.remove(arg)
+            elif op == "remove_prefix":
+                self._store.remove_prefix(arg)
+
+    def _put(self, block_hash: bytes, pending: tuple[bytearray, int, tuple | None]) -> None:
+        payload, checksum, lineage = pending
+        name = self._name(block_hash)
+        record = ssd_records.encode(
+            self._aead, block_hash, payload, checksum, lineage, aad_prefix=AAD_PREFIX + name.encode()
+        )
+        stored = self._store.put(name, record)
+        with self._lock:
+            if self._pending.get(block_hash) is pending:  # not forgotten while it was written
+                self._take_pending_locked(block_hash)
+                if stored:
+                    self._index_locked(block_hash, len(record))
+                    self._evict_locked()
+                else:
+                    self.num_dropped_writes += 1
+        zero(payload)
+
+    # ---- bookkeeping (under _lock) -----------------------------------------------------------------------------------
+    def _estimated_bytes(self) -> int:
+        """A probed object's size before it is read: the size of the largest record indexed, else 0 (fixed on
+        read). Blocks of one cache have one payload size and lineage length, so this is exact once one is known."""
+        return max(self._index.values(), default=0)
+
+    def _index_locked(self, block_hash: bytes, nbytes: int) -> None:
+        self._index[block_hash] = nbytes
+        self.bytes_resident += nbytes
+
+    def _resize_locked(self, block_hash: bytes, nbytes: int) -> None:
+        self.bytes_resident += nbytes - self._index[block_hash]
+        self._index[block_hash] = nbytes
+
+    def _take_pending_locked(self, block_hash: bytes) -> tuple | None:
+        pending = self._pending.pop(block_hash, None)
+        if pending is not None:
+            self._pending_bytes -= len(pending[0])
+        return pending
+
+    def _drop_locked(self, block_hash: bytes) -> int:
+        nbytes = self._index.pop(block_hash, None)
+        if nbytes is not None:
+            self.bytes_resident -= nbytes
+        pending = self._take_pending_locked(block_hash)
+        if pending is not None:
+            zero(pending[0])
+        return int(nbytes is not None or pending is not None)
+
+    def _evict_locked(self) -> None:
+        """Keep within capacity: the least recently used objects are removed from the store (queued)."""
+        names = []
+        while self.bytes_resident > self.capacity_bytes and self._index:
+            block_hash, nbytes = self._index.popitem(last=False)
+            self.bytes_resident -= nbytes
+            names.append(self._name(block_hash))
+        if names:
+            self._queue.append(("remove", names))
+            self._work.notify()
+
+    def _forget(self, block_hash: bytes) -> None:
+        with self._lock:
+            self._drop_locked(block_hash)
+
+    def _corrupt(self, block_hash: bytes, name: str) -> None:
+        with self._lock:
+            self.num_checksum_failures += 1
+            self._drop_locked(block_hash)
+            self._queue.append(("remove", [name]))
+            self._work.notify()
