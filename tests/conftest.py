@@ -6,6 +6,9 @@ import pytest
 from django.db.backends.signals import connection_created
 from hypothesis import settings as hypothesis_settings
 
+# The network tier's store (a Mooncake master and store servers as real processes): network_store, fresh_network_store.
+from tests.network_store import fresh_network_store, network_store  # noqa: F401
+
 # CI runs every property test and fuzzer with a fixed seed (a red run blocks landing, so a finding must be
 # reproducible, not a coin toss); locally they explore new inputs each run. KCAAS_FUZZ_EXAMPLES deepens the
 # schemathesis runs.
