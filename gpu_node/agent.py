@@ -89,6 +89,9 @@ class AgentConfig:
     identity: bool = True  # KCAAS_NODE_IDENTITY: send a CSR at register, hold a platform certificate (identity.py)
     identity_dir: str | None = None  # KCAAS_NODE_IDENTITY_DIR: persist key + certificate there (0600); else memory
     tls_from_identity: bool = False  # KCAAS_NODE_TLS_FROM_IDENTITY: no TLS files -> data plane on the platform cert
+    network_store_master: str | None = None  # KCAAS_NETWORK_STORE_MASTER host:port of the fleet's Mooncake master
+    network_store_metadata: str | None = None  # KCAAS_NETWORK_STORE_METADATA http://host:port/metadata
+    network_store_timeout: float = 1.0  # KCAAS_NETWORK_STORE_TIMEOUT_S: the deadline of one store call
 
     @classmethod
     def from_env(cls, environ=os.environ) -> AgentConfig:
@@ -137,11 +140,25 @@ class AgentConfig:
             identity=_flag(environ.get("KCAAS_NODE_IDENTITY"), default=True),
             identity_dir=environ.get("KCAAS_NODE_IDENTITY_DIR") or None,
             tls_from_identity=_flag(environ.get("KCAAS_NODE_TLS_FROM_IDENTITY"), default=False),
+            network_store_master=environ.get("KCAAS_NETWORK_STORE_MASTER") or None,
+            network_store_metadata=environ.get("KCAAS_NETWORK_STORE_METADATA") or None,
+            network_store_timeout=float(environ.get("KCAAS_NETWORK_STORE_TIMEOUT_S") or 1.0),
         )
 
     @property
     def capacity(self) -> dict[str, int]:
         return {"device": self.device_capacity_bytes, "dram": self.dram_capacity_bytes, "ssd": self.ssd_capacity_bytes}
+
+
+def open_network_store(config: AgentConfig):
+    """This node's client of the fleet's network store (a GuardedStore), or None when none is configured. The client
+    connects on first use, on the guard's thread: a store that is down delays nothing (its tier answers misses)."""
+    if not config.network_store_master or not config.network_store_metadata:
+        return None
+    from gpu_node.object_store import GuardedStore, MooncakeObjectStore
+
+    client = MooncakeObjectStore(config.network_store_master, config.network_store_metadata)
+    return GuardedStore(client, timeout_s=config.network_store_timeout)
 
 
 def _flag(value: str | None, *, default: bool) -> bool:
@@ -268,7 +285,10 @@ class NodeAgent:
     def start(self) -> None:
         config = self.config
         self.registry = CacheRegistry(
-            device_capacity_bytes=config.device_capacity_bytes, device=config.device, ssd_dir=config.ssd_dir
+            device_capacity_bytes=config.device_capacity_bytes,
+            device=config.device,
+            ssd_dir=config.ssd_dir,
+            network_store=open_network_store(config),
         )
         self.metrics = NodeMetrics(self.registry, self.config.capacity)
         if config.metrics_port is not None:

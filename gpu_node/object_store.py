@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -60,16 +61,35 @@ class MooncakeObjectStore:
     """ObjectStore on Mooncake Store: `master` "host:port" of the master, `metadata_url` its HTTP metadata server.
 
     This client mounts no memory segment (global segment size 0): objects live on the store servers only. Its local
-    transfer buffer (`buffer_bytes`) bounds one object's size.
+    transfer buffer (`buffer_bytes`) bounds one object's size. It connects on first use (and again after a failed
+    try): a store that is down when the node starts delays nothing, and one that comes up later is used. A master
+    whose port refuses connections fails at once (Mooncake's own setup would retry for ~90 s).
     """
 
     def __init__(self, master: str, metadata_url: str, *, buffer_bytes: int = 64 << 20, host: str = "127.0.0.1"):
+        self._master, self._metadata_url = master, metadata_url
+        self._buffer_bytes, self._host = buffer_bytes, host
+        self._client = None
+
+    @property
+    def _store(self):
+        if self._client is None:
+            self._client = self._connect()
+        return self._client
+
+    def _connect(self):
         from mooncake.store import MooncakeDistributedStore  # only nodes configured with a network store load it
 
-        self._store = MooncakeDistributedStore()
-        code = self._store.setup(host, metadata_url, 0, buffer_bytes, "tcp", "", master)
+        host, _, port = self._master.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=2.0).close()
+        except OSError as error:
+            raise StoreFault(f"the network store's master at {self._master} is not reachable ({error})") from error
+        client = MooncakeDistributedStore()
+        code = client.setup(self._host, self._metadata_url, 0, self._buffer_bytes, "tcp", "", self._master)
         if code != 0:
-            raise StoreFault(f"the network store at {master} refused this client (setup answered {code})")
+            raise StoreFault(f"the network store at {self._master} refused this client (setup answered {code})")
+        return client
 
     def put(self, name: str, value) -> bool:
         code = self._store.put(name, value)
@@ -100,7 +120,8 @@ class MooncakeObjectStore:
         return removed
 
     def close(self) -> None:
-        self._store.close()
+        if self._client is not None:
+            self._client.close()
 
 
 class GuardedStore:
