@@ -6,12 +6,20 @@ data-plane port, metrics port, mutual-TLS migration listener (so a drain moves c
 root (var/cluster/kcaas-ssd, var/cluster/kcaas-ssd-2, ...). Its state lives under var/cluster/ (KCAAS_VAR_DIR).
 Extra arguments go to up.py (`--survive-agent-loss`: an agent that dies is reported and its node marked lost, the
 rest keep running).
+
+Before up.py, the network tier's store (gpu_node.store_services: a Mooncake master and one store server with a
+KCAAS_NETWORK_STORE_SEGMENT_BYTES segment, default 256 MiB, on free loopback ports, logs in var/cluster/network-store)
+starts, and its line is printed before up.py's banner; every agent gets KCAAS_NETWORK_STORE_MASTER and
+KCAAS_NETWORK_STORE_METADATA, the control plane KCAAS_NETWORK_STORE_BYTES (the segment) unless set. It is stopped
+after up.py. When KCAAS_NETWORK_STORE_MASTER is already set (a store of the user's own) or the `network` extra is not
+installed, none is started.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import up
@@ -40,7 +48,40 @@ def main(argv: list[str]) -> int:
         )
     ensure_database(url)
     os.environ.setdefault("KCAAS_VAR_DIR", str(up.REPO / "var" / "cluster"))  # not make up's SQLite-bound var/
-    return up.main(["--agents", os.environ.get("KCAAS_AGENTS") or "2", "--require-services", *argv])
+    store = start_network_store(Path(os.environ["KCAAS_VAR_DIR"]) / "network-store")
+    try:
+        return up.main(["--agents", os.environ.get("KCAAS_AGENTS") or "2", "--require-services", *argv])
+    finally:
+        if store is not None:
+            store.stop()
+
+
+def start_network_store(workdir: Path):
+    """The network tier's store for the agents (the started StoreServices), or None when the user's own is configured
+    or the `network` extra is not installed. Its endpoints go into os.environ, which up.py's children inherit."""
+    from gpu_node.store_services import MASTER_ENV, MIB, StoreServices, StoreStartError, mooncake_importable
+
+    if os.environ.get(MASTER_ENV):
+        print(f"network store   {os.environ[MASTER_ENV]} (KCAAS_NETWORK_STORE_MASTER: yours)", flush=True)
+        return None
+    if not mooncake_importable():
+        print("network store   none: the `network` extra is not installed (the agents run without it)", flush=True)
+        return None
+    segment = int(os.environ.get("KCAAS_NETWORK_STORE_SEGMENT_BYTES") or 256 * MIB)
+    store = StoreServices(workdir, segment_bytes=segment)
+    try:
+        endpoints = store.start()
+    except StoreStartError as error:
+        raise SystemExit(f"make cluster: the network store did not start: {error}") from None
+    os.environ.update(endpoints.env())
+    os.environ.setdefault("KCAAS_NETWORK_STORE_BYTES", str(segment))
+    print(
+        f"network store   master {endpoints.master}, metadata {endpoints.metadata_url}, metrics "
+        f"http://127.0.0.1:{endpoints.metrics_port}/metrics; one store server, {segment // MIB} MiB "
+        f"(store pids master={endpoints.master_pid} store-server-0={endpoints.store_server_pids[0]}; logs {workdir})",
+        flush=True,
+    )
+    return store
 
 
 if __name__ == "__main__":

@@ -4,8 +4,10 @@ database (created by the script, dropped here) and Redis dbs 12/13, with a priva
 The printed tenant key attaches two caches that best-fit placement must put on different nodes (each asks for more
 than half a node); KV put through each node's TLS 1.3 endpoint (trusting the printed dev CA) comes back byte for
 byte. Then one agent is SIGKILLed: with short heartbeat, lease and sweep periods the control plane marks its node
-`lost` and its cache `failed` (node_lost) within seconds, while the other node keeps serving. Ctrl-C then stops
-every child: no reported pid and no process of the cluster's session is left. Without --survive-agent-loss (the
+`lost` and its cache `failed` (node_lost) within seconds, while the other node keeps serving. The network tier's
+store (a Mooncake master and store server) runs beside them: its line precedes the banner and both agents report
+it healthy on /metrics (they were given its endpoints). Ctrl-C then stops every child, the store's included: no
+reported pid and no process of the cluster's session is left. Without --survive-agent-loss (the
 default) a dead agent stops the whole cluster instead.
 
 The compose `bootstrap` service's command (scripts/up.py --bootstrap-only) is run here too, on PostgreSQL: it writes
@@ -83,10 +85,18 @@ def test_make_cluster_places_on_two_nodes_sees_one_lost_and_stops_cleanly(tmp_pa
         nodes = dict(re.findall(r"node (local-cpu\S*)\s+(\S+) \(TLS 1.3 data plane\)", banner))
         assert nodes == {"local-cpu": f"127.0.0.1:{node_port}", "local-cpu-2": f"127.0.0.1:{node_port + 1}"}
         pids = reported_pids(banner, agents=2)
+        store = re.search(
+            r"network store\s+master (127\.0\.0\.1:\d+), metadata (http://127\.0\.0\.1:\d+/metadata)", banner
+        )
+        assert store, banner
+        store_pids = {name: int(pid) for name, pid in re.findall(r"(\S+)=(\d+)", banner.split("store pids", 1)[1])[:2]}
+        assert set(store_pids) == {"master", "store-server-0"}
         for index in (0, 1):
             assert f"http://127.0.0.1:{metrics_port + index}/metrics" in banner
             with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port + index}/metrics", timeout=5) as metrics:
                 assert metrics.status == 200
+                # the agent was given the store's endpoints and reaches it
+                assert re.search(r"^kcaas_node_network_store_healthy 1\.0$", metrics.read().decode(), re.M)
 
         with kcaas.Client(f"http://127.0.0.1:{port}", api_key) as client:
             # two caches that each take more than half a node: best fit must use both nodes
@@ -122,6 +132,7 @@ def test_make_cluster_places_on_two_nodes_sees_one_lost_and_stops_cleanly(tmp_pa
         assert cluster.wait(timeout=60) == 0
         wait_for(lambda: "stopped" in "".join(output), timeout=10, what="the output thread to read the last line")
         assert_all_gone(pids)
+        assert_all_gone(store_pids)
     print(
         f"cluster up in {up_seconds:.1f} s; node lost seen {lost_seconds:.1f} s after SIGKILL; "
         f"whole test {time.monotonic() - started:.1f} s"
