@@ -32,6 +32,7 @@ class AuditAction(enum.IntEnum):
     CACHE_MIGRATED = 3006
     CACHE_REPROVISIONED = 3007  # its node re-registered without it: provisioned again
     CACHE_EMPTIED = 3008  # its node came back without its blocks (restart, lost pool): what it held is gone
+    CACHE_RECOVERED = 3009  # its node was lost: re-placed on another node, finding its blocks in the network tier
     # data tokens 31xx
     DATA_TOKEN_ISSUED = 3101
     DATA_TOKENS_REVOKED = 3102

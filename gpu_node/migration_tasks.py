@@ -92,6 +92,7 @@ class NodeMigration:
                     order.epoch_to,
                     order.tenant_id,
                     ssd_key,
+                    network_write_through=order.network_write_through,
                 )
             if not ok:
                 answer(self._result(order.migration_id, ok=False, reason=reason))

@@ -17,6 +17,7 @@ node does not hold is not answered (the control plane re-sends the order under t
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
@@ -54,6 +55,7 @@ HASH_KEY_BYTES = 32
 # lost until some other consumer swept it). Visible again after 15 minutes: longer than any one node task runs.
 REDIS_REDELIVERY = {"visibility_timeout": 900, "polling_interval": 5, "unacked_restore_throttle": 1}
 SSD_KEY_BYTES = 32
+NETWORK_WRITE_THROUGH_UNSUPPORTED = "network_write_through_unsupported"  # a registry without a network tier
 MIGRATION_UNAVAILABLE = "migration_unavailable"  # the reason a node without a migration listener refuses a move
 # How long an answer waits for the broker: about three minutes of reconnecting, at most 5 s apart.
 ANSWER_RETRY_POLICY = {"max_retries": 40, "interval_start": 0.5, "interval_step": 0.5, "interval_max": 5}
@@ -111,10 +113,14 @@ def provision(
     epoch: int,
     tenant_id: str = "",
     ssd_key: bytes | None = None,
+    network_write_through: bool = False,
 ):
     """(ok, reason) for one provisioning request with its keys already opened; never raises for a bad request (it
-    is answered as failed)."""
+    is answered as failed). `network_write_through` goes to the registry as the keyword of that name."""
     try:
+        extra = _write_through_keyword(registry, network_write_through)
+        if extra is None:
+            return False, NETWORK_WRITE_THROUGH_UNSUPPORTED
         layout = KVCacheSpec.from_dict(spec)
         if not isinstance(hash_key, bytes) or len(hash_key) != HASH_KEY_BYTES:
             return False, "invalid_hash_key"
@@ -128,6 +134,7 @@ def provision(
             epoch=int(epoch),
             tenant_id=tenant_id,
             ssd_key=ssd_key,
+            **extra,
         )
     except SpecError:
         return False, "invalid_spec"
@@ -139,6 +146,16 @@ def provision(
         logger.warning("provisioning %s failed: %s", cache_id, error)
         return False, "allocation_failed"
     return True, ""
+
+
+def _write_through_keyword(registry: CacheRegistry, network_write_through: bool) -> dict[str, bool] | None:
+    """The keyword `registry.provision` gets for write-through: `network_write_through=...` when it takes that
+    keyword (CacheRegistry.provision(..., network_write_through: bool = False)); {} from a registry that does not
+    yet, for a cache without write-through; None (refuse the order) for one with it: a put acknowledged before its
+    blocks are in the network store would break the promise write-through makes."""
+    if "network_write_through" in inspect.signature(registry.provision).parameters:
+        return {"network_write_through": bool(network_write_through)}
+    return None if network_write_through else {}
 
 
 def refusal_answer(
@@ -243,7 +260,15 @@ def build_node_app(
         ok = False
         if not reason:
             ok, reason = provision(
-                registry, order.cache_id, order.spec, order.capacity, hash_key, order.epoch, order.tenant_id, ssd_key
+                registry,
+                order.cache_id,
+                order.spec,
+                order.capacity,
+                hash_key,
+                order.epoch,
+                order.tenant_id,
+                ssd_key,
+                network_write_through=order.network_write_through,
             )
         answer(
             ProvisionResult(

@@ -6,23 +6,30 @@ Every message is a frozen dataclass below. It travels as Celery KEYWORD argument
     app.send_task(msg.TASK, kwargs=msg.to_dict(), queue=...)        # the sender
     msg = ProvisionCache.from_call(args, kwargs)                     # the receiving task (`def task(*args, **kwargs)`)
 
-`to_dict()` is the message's fields plus its version `"v"` (VERSION, 1); `from_dict()` / `from_call()` refuse, with a
-MessageError naming the task and the field, anything that is not exactly this message: positional arguments, a
-missing or unknown version, a missing or unknown field, a field of the wrong type or shape (a bool is not an
-integer). Building a message checks the same, so neither side can send what the other would refuse. The receiving
-side decides what a refusal means: a node answers a malformed order that expects an answer as failed with the
-reason (`invalid_message: ...`, see gpu_node/node_tasks.py); the control plane logs a malformed answer and changes
-nothing. A change that is not backwards compatible (a field added, renamed or retyped) bumps VERSION: a receiver
-refuses a version it does not speak, so control plane and nodes move to a new version together.
+`to_dict()` is the message's fields plus its version `"v"` (the class's VERSION: 1, or 2 for the messages that grew
+a field); `from_dict()` / `from_call()` refuse, with a MessageError naming the task and the field, anything that is
+not exactly this message: positional arguments, a missing or unknown version, a missing or unknown field, a field of
+the wrong type or shape (a bool is not an integer). Building a message checks the same, so neither side can send
+what the other would refuse. The receiving side decides what a refusal means: a node answers a malformed order that
+expects an answer as failed with the reason (`invalid_message: ...`, see gpu_node/node_tasks.py); the control plane
+logs a malformed answer and changes nothing. A field added to a message bumps that message's VERSION and names, in
+its EARLIER map, each earlier version it still reads and the value each field that version lacked means there
+(ProvisionCache / MigrateIn v1 had no `network_write_through`: False), so an order written by an older sender (an
+outbox row, a redelivery) still parses; such an older message may not carry the newer field. A change that is not
+backwards compatible (a field renamed or retyped) bumps VERSION with no EARLIER entry: a receiver refuses a version
+it does not speak, so control plane and nodes move to a new version together.
 
 Key material is never in clear in a message: each key is a box sealed to the receiving node's X25519 key
 (kcaas/sealing.py, `kcs1.`...), bound to the task name, the node id, the cache id and the field ("hash_key",
 "ssd_key"); here a box is only a string (the node opens it, and refuses a key in clear: key_not_sealed).
 
 control -> node, on the node's own queue `node.<node id>` (answered on the `control` queue):
-    ProvisionCache   provision_cache(cache_id, spec: KVCacheSpec fields, capacity: {"device","dram","ssd": bytes},
-                     hash_key_box (sealed, 32 bytes), epoch, tenant_id, ssd_key_box ("" = no SSD tier; else the
-                     cache's SSD data key, sealed: the node keeps it in memory only))
+    ProvisionCache   provision_cache(cache_id, spec: KVCacheSpec fields, capacity: {"device","dram","ssd",
+                     "network": bytes} (network: the cache's share of the fleet's network store, not a node's bytes),
+                     hash_key_box (sealed, 32 bytes), epoch, tenant_id, ssd_key_box ("" = neither an SSD nor a network
+                     tier; else the cache's data key, sealed: the node keeps it in memory only; it seals SSD records
+                     and names and seals network objects), network_write_through (v2; v1: False: every full block a
+                     put publishes is in the network store before the put is acknowledged))
                      -> ProvisionResult(cache_id, node_id, ok, reason, endpoint)  (reason key_not_sealed /
                      sealed_key_invalid: a key in clear, or a box altered or sealed for another message; nothing was
                      provisioned. A box sealed to a node key the node does not hold is not answered: the order comes
@@ -34,8 +41,8 @@ control -> node, on the node's own queue `node.<node id>` (answered on the `cont
                      -> PurgeResult(job_id, node_id, tenant_id, purged: [{"cache_id": str, "freed_bytes": int}])
 migration (platform/caches/migration.py, gpu_node/migration_tasks.py):
     MigrateIn        control -> target  migrate_in(migration_id, cache_id, spec, capacity, hash_key_box, epoch_to,
-                     source_node_id, tenant_id, ssd_key_box ("" unless the cache has an SSD tier); boxes sealed to
-                     the target for MIGRATE_IN_TASK)
+                     source_node_id, tenant_id, ssd_key_box ("" unless the cache has an SSD or network tier),
+                     network_write_through (v2; v1: False); boxes sealed to the target for MIGRATE_IN_TASK)
     MigrateOut       control -> source  migrate_out(migration_id, cache_id, epoch_from, epoch_to, target_node_id,
                      target_migration_endpoint, target_endpoint)
     MigrateCutover   control -> source  migrate_cutover(migration_id, cache_id, epoch_from, target_endpoint, epoch_to)
@@ -75,7 +82,8 @@ MIGRATE_ABORT_TASK = "kcaas.node.migrate_abort"
 MIGRATION_PROGRESS_TASK = "caches.migration_progress"
 MIGRATION_RESULT_TASK = "caches.migration_result"
 
-TIERS = ("device", "dram", "ssd")
+TIERS = ("device", "dram", "ssd", "network")  # network: the fleet's shared store (docs/ARCHITECTURE.md)
+NODE_TIERS = ("device", "dram", "ssd")  # the tiers a node holds bytes of (network is the fleet's, not a node's)
 PHASES = ("ready", "copying", "fenced")
 MAX_ID_CHARS = 200
 
@@ -218,6 +226,8 @@ class NodeMessage:
 
     TASK: ClassVar[str] = ""
     VERSION: ClassVar[int] = VERSION
+    # Earlier versions still read: {version: {field that version lacks: the value it means there}}.
+    EARLIER: ClassVar[dict[int, dict[str, Any]]] = {}
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -243,12 +253,7 @@ class NodeMessage:
             raise MessageError(cls.TASK, None, f"must be an object of named fields, not {_type_name(data)}")
         if VERSION_FIELD not in data:
             raise MessageError(cls.TASK, VERSION_FIELD, "missing (the message version)")
-        version = data[VERSION_FIELD]
-        if not _is_int(version) or version != cls.VERSION:
-            shown = version if _is_int(version) else _type_name(version)
-            raise MessageError(
-                cls.TASK, VERSION_FIELD, f"version {shown} is not understood (this side speaks {cls.VERSION})"
-            )
+        data = cls._upgraded(data)
         names = cls.field_names()
         unknown = sorted(str(key) for key in data if key not in names and key != VERSION_FIELD)
         if unknown:
@@ -259,6 +264,25 @@ class NodeMessage:
             also = f" (also missing: {', '.join(missing[1:])})" if missing[1:] else ""
             raise MessageError(cls.TASK, missing[0], "missing" + also)
         return cls(**{name: data[name] for name in names})
+
+    @classmethod
+    def _upgraded(cls, data: dict) -> dict:
+        """`data` as a message of this version: an earlier version in EARLIER gets the fields it lacks (refused if
+        it carries one of them); any other version is refused."""
+        version = data[VERSION_FIELD]
+        if _is_int(version) and version == cls.VERSION:
+            return data
+        if not _is_int(version) or version not in cls.EARLIER:
+            shown = version if _is_int(version) else _type_name(version)
+            spoken = ", ".join(str(v) for v in sorted({*cls.EARLIER, cls.VERSION}))
+            raise MessageError(
+                cls.TASK, VERSION_FIELD, f"version {shown} is not understood (this side speaks {spoken})"
+            )
+        lacked = cls.EARLIER[version]
+        carried = sorted(name for name in lacked if name in data)
+        if carried:
+            raise MessageError(cls.TASK, carried[0], f"unknown field in version {version}")
+        return {**data, **copy.deepcopy(lacked), VERSION_FIELD: cls.VERSION}
 
     @classmethod
     def from_call(cls, args: tuple | list, kwargs: dict):
@@ -280,7 +304,11 @@ class ProvisionCache(NodeMessage):
     hash_key_box: Text  # sealed to the node (kcaas/sealing.py), field "hash_key"
     epoch: Epoch
     tenant_id: Id
-    ssd_key_box: Text  # sealed, field "ssd_key"; "" = no SSD tier
+    ssd_key_box: Text  # sealed, field "ssd_key": the cache's data key; "" = neither an SSD nor a network tier
+    network_write_through: Flag  # v2: a put is acknowledged once its full blocks are in the network store
+
+    VERSION: ClassVar[int] = 2
+    EARLIER: ClassVar[dict[int, dict[str, Any]]] = {1: {"network_write_through": False}}
 
 
 @dataclass(frozen=True)
@@ -314,7 +342,11 @@ class MigrateIn(NodeMessage):
     epoch_to: Epoch
     source_node_id: Id
     tenant_id: Id
-    ssd_key_box: Text  # "" unless the cache has an SSD tier
+    ssd_key_box: Text  # "" unless the cache has an SSD or network tier
+    network_write_through: Flag  # v2, as ProvisionCache's
+
+    VERSION: ClassVar[int] = 2
+    EARLIER: ClassVar[dict[int, dict[str, Any]]] = {1: {"network_write_through": False}}
 
 
 @dataclass(frozen=True)

@@ -48,3 +48,14 @@ class QuotaValueField(serializers.Field):
 
     def to_representation(self, value):
         return value
+
+
+class StrictBooleanField(serializers.BooleanField):
+    """true or false only: DRF's BooleanField also takes "yes", "1", 1 and "on"."""
+
+    default_error_messages = {"not_a_boolean": "Must be true or false."}
+
+    def to_internal_value(self, data):
+        if not isinstance(data, bool):
+            self.fail("not_a_boolean")
+        return data

@@ -87,6 +87,7 @@ QUOTA_FIELDS = (
     "max_device_bytes",
     "max_dram_bytes",
     "max_ssd_bytes",
+    "max_network_bytes",
     "max_requests_per_second",
     "max_data_tokens_outstanding",
     "max_api_keys",
@@ -99,6 +100,7 @@ class Quota(models.Model):
     max_device_bytes = models.BigIntegerField(null=True, blank=True)
     max_dram_bytes = models.BigIntegerField(null=True, blank=True)
     max_ssd_bytes = models.BigIntegerField(null=True, blank=True)
+    max_network_bytes = models.BigIntegerField(null=True, blank=True)  # its caches' share of the network store
     max_requests_per_second = models.BigIntegerField(null=True, blank=True)
     max_data_tokens_outstanding = models.BigIntegerField(null=True, blank=True)
     max_api_keys = models.BigIntegerField(null=True, blank=True)  # usable (neither revoked nor expired) keys

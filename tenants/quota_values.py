@@ -1,8 +1,8 @@
 """Quota limit values as people write them: the one parser behind the REST API (PATCH .../quota) and the console.
 
 A value is an integer, or a string: a whole number without leading zeros, and for the byte limits (max_device_bytes,
-max_dram_bytes, max_ssd_bytes) optionally a binary unit after it, with or without a space, in any case: "1GiB",
-"512 MiB", "3tib". Nothing else is a quota value: no decimals ("1.5GiB"), no signs, no SI units ("1GB"), no units on
+max_dram_bytes, max_ssd_bytes, max_network_bytes) optionally a binary unit after it, with or without a space, in any
+case: "1GiB", "512 MiB", "3tib". Nothing else is a quota value: no decimals ("1.5GiB"), no signs, no SI units ("1GB"), no units on
 counts ("5GiB" of caches), no booleans. The result must lie within the field's bounds (tenants.services.QUOTA_BOUNDS).
 
 The strings taken are exactly those `string_pattern` matches, which the OpenAPI schema publishes: per unit, only as
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-BYTE_FIELDS = ("max_device_bytes", "max_dram_bytes", "max_ssd_bytes")
+BYTE_FIELDS = ("max_device_bytes", "max_dram_bytes", "max_ssd_bytes", "max_network_bytes")
 BYTE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50}
 _PARTS = re.compile(r"([0-9]+) ?([a-z]*)")
 

@@ -21,13 +21,19 @@ class QuotaLimits:
     max_device_bytes: int
     max_dram_bytes: int
     max_ssd_bytes: int
+    max_network_bytes: int
     max_requests_per_second: int
     max_data_tokens_outstanding: int
     max_api_keys: int
 
     def capacity_bytes(self) -> dict[str, int]:
-        """Per-tier byte limits keyed like cache capacities (``device``/``dram``/``ssd``)."""
-        return {"device": self.max_device_bytes, "dram": self.max_dram_bytes, "ssd": self.max_ssd_bytes}
+        """Per-tier byte limits keyed like cache capacities (``device``/``dram``/``ssd``/``network``)."""
+        return {
+            "device": self.max_device_bytes,
+            "dram": self.max_dram_bytes,
+            "ssd": self.max_ssd_bytes,
+            "network": self.max_network_bytes,
+        }
 
 
 def _loaded_quota(tenant: Tenant) -> Quota | None:

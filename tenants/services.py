@@ -43,6 +43,7 @@ QUOTA_BOUNDS: dict[str, tuple[int, int]] = {
     "max_device_bytes": (0, 2**50),  # 1 PiB
     "max_dram_bytes": (0, 2**50),
     "max_ssd_bytes": (0, 2**52),  # 4 PiB
+    "max_network_bytes": (0, 2**52),  # 4 PiB of the fleet's network store
     "max_requests_per_second": (1, 100_000),  # 0 would lock a tenant out of its own API: suspend it instead
     "max_data_tokens_outstanding": (0, 1_000_000),
     "max_api_keys": (0, 100_000),  # usable keys (neither revoked nor expired); 0: no new keys

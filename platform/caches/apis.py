@@ -27,7 +27,7 @@ from core.openapi import AUTH_ERRORS, RATE_LIMIT_HEADERS, RejectUnknownFieldsMix
 from core.pagination import BoundedLimitOffsetPagination
 from core.permissions import ScopePermission
 from kcaas.spec import KV_DTYPES, MAX_BLOCK_SIZE, MAX_FINGERPRINT_LEN, STORAGE_DTYPES, KVCacheSpec, SpecError
-from tenants.fields import StrictIntegerField
+from tenants.fields import StrictBooleanField, StrictIntegerField
 from tenants.principals import TenantPrincipal, is_staff_user, request_tenant
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
@@ -52,11 +52,19 @@ class SpecSerializer(RejectUnknownFieldsMixin, serializers.Serializer):
 
 
 class CapacitySerializer(RejectUnknownFieldsMixin, serializers.Serializer):
-    """Bytes per tier. device: at least one block; dram/ssd: 0 (default) or at least one block."""
+    """Bytes per tier. device: at least one block; dram/ssd/network: 0 (default) or at least one block. device, dram
+    and ssd are reserved on the cache's node; network is a share of the fleet's network store (outlives the node)."""
 
     device = StrictIntegerField(min_value=1, max_value=services.MAX_TIER_BYTES)
     dram = StrictIntegerField(min_value=0, max_value=services.MAX_TIER_BYTES, required=False, default=0)
     ssd = StrictIntegerField(min_value=0, max_value=services.MAX_TIER_BYTES, required=False, default=0)
+    network = StrictIntegerField(
+        min_value=0,
+        max_value=services.MAX_TIER_BYTES,
+        required=False,
+        default=0,
+        help_text="Bytes of the fleet's network store (0: none). 409 network_tier_absent when the fleet has none.",
+    )
 
 
 @extend_schema_serializer(component_name="Cache")
@@ -66,6 +74,10 @@ class CacheOutputSerializer(serializers.Serializer):
     name = serializers.CharField()
     spec = serializers.SerializerMethodField()
     capacity = serializers.SerializerMethodField()
+    network_write_through = serializers.BooleanField(
+        help_text="A put is acknowledged once its full blocks are in the network store (a lost node loses nothing "
+        "acknowledged)."
+    )
     block_bytes = serializers.SerializerMethodField(help_text="Bytes of one block in this layout.")
     state = serializers.ChoiceField(choices=CacheState.choices)
     failure_reason = serializers.CharField(help_text="Why the cache failed (e.g. node_lost); empty otherwise.")
@@ -154,6 +166,11 @@ class CacheListAttachApi(APIView):
         )
         spec = SpecSerializer()
         capacity = CapacitySerializer()
+        network_write_through = StrictBooleanField(
+            required=False,
+            default=False,
+            help_text="Acknowledge a put only once its full blocks are in the network store (needs capacity.network).",
+        )
 
     def idempotency_tenant_id(self, request):
         return request_tenant(request, _validated(self.FilterSerializer, request.query_params).get("tenant_id")).pk
@@ -195,10 +212,12 @@ class CacheListAttachApi(APIView):
             201: CacheOutputSerializer,
             **error_responses(*AUTH_ERRORS, 404, 409, 422, 503),
         },
-        description="Attach a cache. 400 invalid_spec / invalid_capacity / validation_error; 403 quota_exceeded "
-        "(details.limit names the limit) or permission_denied; 409 cache_name_taken or idempotency_in_progress; "
-        "422 idempotency_key_reused; 503 no_capacity. The cache is returned `provisioning`; it becomes `ready` "
-        "(or `failed`) when its node answers.",
+        description="Attach a cache. 400 invalid_spec / invalid_capacity (network_write_through without "
+        "capacity.network too) / validation_error; 403 quota_exceeded (details.limit names the limit) or "
+        "permission_denied; 409 cache_name_taken, idempotency_in_progress or network_tier_absent (capacity.network "
+        "asked of a fleet without a network store); 422 idempotency_key_reused; 503 no_capacity (no node has the "
+        "device/dram/ssd bytes, or the network store has not the network bytes left: details.largest_free). The "
+        "cache is returned `provisioning`; it becomes `ready` (or `failed`) when its node answers.",
     )
     @idempotent
     def post(self, request):
@@ -217,7 +236,11 @@ class CacheListAttachApi(APIView):
         except SpecError as exc:
             raise InvalidSpec(str(exc), details={"fields": {"spec": [str(exc)]}}) from None
         cache = services.cache_attach(
-            tenant_id=tenant.pk, name=data["name"], spec=spec, capacity=dict(data["capacity"])
+            tenant_id=tenant.pk,
+            name=data["name"],
+            spec=spec,
+            capacity=dict(data["capacity"]),
+            network_write_through=data["network_write_through"],
         )
         return Response(CacheOutputSerializer(cache).data, status=status.HTTP_201_CREATED)
 

@@ -37,3 +37,15 @@ class IdempotencyInProgress(ConflictError):
     """A request with this Idempotency-Key is still being processed; retry after it finishes."""
 
     code = "idempotency_in_progress"
+
+
+class NetworkTierAbsent(ConflictError):
+    """The cache asks for network bytes, but the fleet has no network store (KCAAS_NETWORK_STORE_BYTES is 0)."""
+
+    code = "network_tier_absent"
+
+
+class CacheNotRecoverable(ConflictError):
+    """POST .../recover on a cache that is not failed with node_lost, or has no network tier to recover from."""
+
+    code = "cache_not_recoverable"

@@ -82,7 +82,7 @@ def migration_start(*, cache_id, target_node_id=None, reason: str = "rebalance")
         raise NotFoundError("No such cache.")
     if cache.state != CacheState.READY or cache.node_id is None:
         raise MigrationConflict("Only a ready cache can be migrated.", details={"state": cache.state})
-    capacity = cache.capacity()
+    capacity = cache.node_capacity()
     target = _reserve_on(target_node_id, capacity) if target_node_id else node_place(capacity=capacity)
     if target.pk == cache.node_id:
         raise MigrationConflict("The cache is already on that node.")  # rolls the reservation back
@@ -149,7 +149,7 @@ def _migrate_in_message(migration: Migration, cache: Cache) -> MigrateIn:
         )
 
     ssd_key_box = ""
-    if cache.ssd_key_sealed:  # the target's SSD tier encrypts under the cache's own data key, as the source's did
+    if cache.ssd_key_sealed:  # the target's SSD/network tiers seal under the cache's own data key, as the source's
         ssd_key_box = sealed("ssd_key", ssd_key_unseal(cache_id=cache.pk, sealed=cache.ssd_key_sealed))
     return MigrateIn(
         migration_id=str(migration.pk),
@@ -161,6 +161,7 @@ def _migrate_in_message(migration: Migration, cache: Cache) -> MigrateIn:
         source_node_id=str(migration.source_id),
         tenant_id=str(cache.tenant_id),
         ssd_key_box=ssd_key_box,
+        network_write_through=cache.network_write_through,
     )
 
 
@@ -242,7 +243,7 @@ def _is_uuid(value) -> bool:
 def _cutover(migration: Migration, cache: Cache, info: dict) -> Migration:
     """The one transaction that moves the cache: node, endpoint, epoch; source released; audited last."""
     old = {"node": str(cache.node_id), "endpoint": cache.endpoint, "epoch": cache.epoch}
-    node_unreserve(node_id=migration.source_id, capacity=cache.capacity())
+    node_unreserve(node_id=migration.source_id, capacity=cache.node_capacity())
     cache.node_id, cache.endpoint, cache.epoch = migration.target_id, migration.target.endpoint, migration.epoch_to
     cache.save(update_fields=["node", "endpoint", "epoch", "updated_at"])
     migration.state = MigrationState.COMPLETE
@@ -282,7 +283,7 @@ def _fail_state(migration: Migration, reason: str) -> None:
     migration.state = MigrationState.FAILED
     migration.failure_reason = str(reason)[:300]
     migration.save(update_fields=["state", "failure_reason", "updated_at"])
-    node_unreserve(node_id=migration.target_id, capacity=migration.cache.capacity())
+    node_unreserve(node_id=migration.target_id, capacity=migration.cache.node_capacity())
 
 
 def _fail_orders(migration: Migration) -> None:

@@ -17,7 +17,10 @@ from django.db.models import Q
 
 from kcaas.spec import KV_DTYPES, MAX_FINGERPRINT_LEN, STORAGE_DTYPES
 
-TIERS: tuple[str, ...] = ("device", "dram", "ssd")
+TIERS: tuple[str, ...] = ("device", "dram", "ssd", "network")
+# The tiers whose bytes a cache reserves on its node; network bytes are the fleet's store's (KCAAS_NETWORK_STORE_BYTES):
+# placement never looks at them, and the store's bytes in use are the sum over the caches not detached.
+NODE_TIERS: tuple[str, ...] = ("device", "dram", "ssd")
 
 
 class CacheState(models.TextChoices):
@@ -51,6 +54,11 @@ class Cache(models.Model):
     device_capacity_bytes = models.BigIntegerField()
     dram_capacity_bytes = models.BigIntegerField(default=0)
     ssd_capacity_bytes = models.BigIntegerField(default=0)
+    # Its share of the fleet's network store (0: no network tier). Not reserved on a node: held until the cache is
+    # detached (a failed cache too: one whose node was lost keeps its objects for POST .../recover).
+    network_capacity_bytes = models.BigIntegerField(default=0)
+    # A put is acknowledged once its full blocks are in the network store (only with network bytes).
+    network_write_through = models.BooleanField(default=False)
 
     state = models.CharField(max_length=16, choices=CacheState.choices, default=CacheState.PENDING)
     failure_reason = models.CharField(max_length=300, blank=True, default="")
@@ -84,13 +92,23 @@ class Cache(models.Model):
                 condition=Q(dram_capacity_bytes__gte=0) & Q(ssd_capacity_bytes__gte=0),
                 name="caches_cache_tiers_nonneg",
             ),
+            models.CheckConstraint(condition=Q(network_capacity_bytes__gte=0), name="caches_cache_network_nonneg"),
+            models.CheckConstraint(
+                condition=Q(network_write_through=False) | Q(network_capacity_bytes__gt=0),
+                name="caches_cache_write_through_needs_network",
+            ),
         ]
 
     def __str__(self) -> str:
         return f"{self.name} ({self.state})"
 
     def capacity(self) -> dict[str, int]:
+        """Bytes per tier, network included (what the API shows and the node is told)."""
         return {tier: getattr(self, f"{tier}_capacity_bytes") for tier in TIERS}
+
+    def node_capacity(self) -> dict[str, int]:
+        """Bytes per node tier: what the cache reserves on its node (fleet.services.node_place / node_unreserve)."""
+        return {tier: getattr(self, f"{tier}_capacity_bytes") for tier in NODE_TIERS}
 
     def spec_dict(self) -> dict:
         return {

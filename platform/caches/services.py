@@ -35,7 +35,8 @@ from audit.context import SYSTEM
 from audit.services import audit_record
 from caches import selectors
 from caches.errors import CacheNameTaken, CacheNotReady, InvalidCapacity
-from caches.models import RESERVING_STATES, TIERS, Cache, CacheState, DataToken
+from caches.models import NODE_TIERS, RESERVING_STATES, TIERS, Cache, CacheState, DataToken
+from caches.network_store import network_store_reserve, write_through_check
 from caches.sealing import SealError, hash_key_new_sealed, hash_key_unseal, ssd_key_new_sealed, ssd_key_unseal
 from caches.signing import token_sign
 from core.errors import ConflictError, NotFoundError, QuotaExceeded
@@ -77,8 +78,8 @@ def _order_detach(cache: Cache, node_id=None) -> None:
 
 
 def capacity_check(*, spec: KVCacheSpec, capacity: dict[str, int]) -> dict[str, int]:
-    """A full {tier: bytes} mapping: device at least one whole block, dram/ssd 0 or at least one block, each at
-    most MAX_TIER_BYTES. InvalidCapacity (400, details per tier) otherwise."""
+    """A full {tier: bytes} mapping: device at least one whole block, dram/ssd/network 0 or at least one block, each
+    at most MAX_TIER_BYTES. InvalidCapacity (400, details per tier) otherwise."""
     unknown = sorted(set(capacity) - set(TIERS))
     full = {tier: capacity.get(tier, 0) for tier in TIERS}
     problems: dict[str, list[str]] = {tier: [f"unknown tier (tiers: {', '.join(TIERS)})"] for tier in unknown}
@@ -121,26 +122,45 @@ def _check_quota(*, tenant: Tenant, capacity: dict[str, int]) -> None:
 
 
 @transaction.atomic
-def cache_attach(*, tenant_id: uuid.UUID, name: str, spec: KVCacheSpec, capacity: dict[str, int]) -> Cache:
+def cache_attach(
+    *,
+    tenant_id: uuid.UUID,
+    name: str,
+    spec: KVCacheSpec,
+    capacity: dict[str, int],
+    network_write_through: bool = False,
+) -> Cache:
     """Attach a cache (counted by outcome in kcaas_cache_attaches); see _attach."""
     with counted_outcome(CACHE_ATTACHES):
-        return _attach(tenant_id=tenant_id, name=name, spec=spec, capacity=capacity)
+        return _attach(
+            tenant_id=tenant_id,
+            name=name,
+            spec=spec,
+            capacity=capacity,
+            network_write_through=network_write_through,
+        )
 
 
-def _attach(*, tenant_id: uuid.UUID, name: str, spec: KVCacheSpec, capacity: dict[str, int]) -> Cache:
-    """Attach a cache: quota under the tenant lock, placement, the row, and provisioning sent on commit.
+def _attach(
+    *, tenant_id: uuid.UUID, name: str, spec: KVCacheSpec, capacity: dict[str, int], network_write_through: bool
+) -> Cache:
+    """Attach a cache: quota under the tenant lock, the network store's share, placement (node tiers only), the row,
+    and provisioning sent on commit.
 
-    Returns the cache in state `provisioning`. Refusals: 400 invalid_capacity, 409 cache_name_taken,
-    409 tenant_inactive, 403 quota_exceeded (naming the limit), 503 no_capacity (fleet).
+    Returns the cache in state `provisioning`. Refusals: 400 invalid_capacity (network_write_through without network
+    bytes too), 409 cache_name_taken, 409 tenant_inactive, 403 quota_exceeded (naming the limit), 409
+    network_tier_absent / 503 no_capacity (network_store), 503 no_capacity (fleet).
     """
     capacity = capacity_check(spec=spec, capacity=capacity)
+    write_through_check(capacity=capacity, network_write_through=network_write_through)
     tenant = tenant_lock(tenant_id=tenant_id)
     if tenant.status != Tenant.Status.ACTIVE:
         raise ConflictError(f"The tenant is {tenant.status}.", code="tenant_inactive")
     if Cache.objects.filter(tenant_id=tenant.pk, name=name).exclude(state=CacheState.DETACHED).exists():
         raise CacheNameTaken("A cache with this name is attached.", details={"name": name})
     _check_quota(tenant=tenant, capacity=capacity)
-    node = node_place(capacity=capacity)
+    network_store_reserve(nbytes=capacity["network"])
+    node = node_place(capacity={tier: capacity[tier] for tier in NODE_TIERS})
     cache_id = uuid.uuid4()
     try:
         with transaction.atomic():
@@ -150,11 +170,15 @@ def _attach(*, tenant_id: uuid.UUID, name: str, spec: KVCacheSpec, capacity: dic
                 name=name,
                 **spec.to_dict(),
                 **{f"{tier}_capacity_bytes": capacity[tier] for tier in TIERS},
+                network_write_through=network_write_through,
                 state=CacheState.PENDING,
                 node=node,
                 epoch=1,
                 hash_key_sealed=hash_key_new_sealed(cache_id=cache_id, tenant_id=tenant.pk),
-                ssd_key_sealed=ssd_key_new_sealed(cache_id=cache_id, tenant_id=tenant.pk) if capacity["ssd"] else None,
+                # the data key seals SSD records and names and seals network objects: a cache with either has one
+                ssd_key_sealed=ssd_key_new_sealed(cache_id=cache_id, tenant_id=tenant.pk)
+                if capacity["ssd"] or capacity["network"]
+                else None,
             )
     except IntegrityError:  # the partial unique index: cannot happen under the tenant lock, but never a 500
         raise CacheNameTaken("A cache with this name is attached.", details={"name": name}) from None
@@ -166,6 +190,7 @@ def _attach(*, tenant_id: uuid.UUID, name: str, spec: KVCacheSpec, capacity: dic
             "name": cache.name,
             "spec": cache.spec_dict(),
             "capacity": cache.capacity(),
+            "network_write_through": cache.network_write_through,
             "node_id": cache.node_id,
             "epoch": cache.epoch,
             "state": cache.state,
@@ -235,7 +260,8 @@ def provision_order_message(cache_id: str, epoch: int) -> ProvisionCache | None:
         hash_key_box=sealed("hash_key", hash_key),
         epoch=cache.epoch,
         tenant_id=str(cache.tenant_id),
-        ssd_key_box=sealed("ssd_key", ssd_key) if ssd_key is not None else "",  # only caches with an SSD tier
+        ssd_key_box=sealed("ssd_key", ssd_key) if ssd_key is not None else "",  # only caches with SSD or network
+        network_write_through=cache.network_write_through,
     )
 
 
@@ -279,7 +305,7 @@ def _lock_cache(cache_id, *, tenant_id: uuid.UUID | None = None) -> Cache | None
 def _release(cache: Cache) -> None:
     """Give the cache's node reservation back; the caller moves it out of RESERVING_STATES in this transaction."""
     if cache.node_id is not None:
-        node_unreserve(node_id=cache.node_id, capacity=cache.capacity())
+        node_unreserve(node_id=cache.node_id, capacity=cache.node_capacity())
 
 
 def _revoke_tokens(cache: Cache, now: datetime, *, jti: uuid.UUID | None = None) -> int:

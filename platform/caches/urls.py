@@ -1,10 +1,11 @@
 from django.urls import path
 
-from caches import apis, migration_apis
+from caches import apis, migration_apis, recovery_apis
 
 urlpatterns = [
     path("caches", apis.CacheListAttachApi.as_view(), name="caches"),
     path("caches/<uuid:cache_id>", apis.CacheDetailDetachApi.as_view(), name="cache"),
+    path("caches/<uuid:cache_id>/recover", recovery_apis.CacheRecoverApi.as_view(), name="cache-recover"),
     path("caches/<uuid:cache_id>/tokens", apis.DataTokenIssueApi.as_view(), name="cache-tokens"),
     path("caches/<uuid:cache_id>/tokens/revoke", apis.DataTokensRevokeAllApi.as_view(), name="cache-tokens-revoke"),
     path(

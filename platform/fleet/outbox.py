@@ -181,7 +181,8 @@ def _order_message(order: NodeOrder) -> NodeMessage | None:
     kind = message_class(order.task)
     if isinstance(order.args, dict):
         return kind.from_dict(order.args)
-    return kind.from_dict({"v": kind.VERSION, **dict(zip(kind.field_names(), order.args))})
+    first_version = min({kind.VERSION, *kind.EARLIER})  # a positional row predates every later field
+    return kind.from_dict({"v": first_version, **dict(zip(kind.field_names(), order.args))})
 
 
 def _send(order: NodeOrder, now: datetime, connection) -> str:

@@ -96,7 +96,7 @@ def test_attach_creates_a_provisioning_cache_placed_on_a_node(tenant_a, node):
     body = response.json()
     assert body["state"] == "provisioning"
     assert body["spec"] == SPEC
-    assert body["capacity"] == {"device": 10 * BLOCK_BYTES, "dram": 20 * BLOCK_BYTES, "ssd": 0}
+    assert body["capacity"] == {"device": 10 * BLOCK_BYTES, "dram": 20 * BLOCK_BYTES, "ssd": 0, "network": 0}
     assert body["block_bytes"] == BLOCK_BYTES
     assert body["node_id"] == str(node.pk)
     assert body["tenant_id"] == str(tenant_a.tenant.pk)
@@ -126,7 +126,7 @@ def test_provisioning_is_sent_to_the_nodes_queue_on_commit(tenant_a, node, djang
     order = ProvisionCache.from_dict(kwargs)
     assert order.cache_id == str(cache.pk) and order.spec == SPEC and order.epoch == 1
     assert order.tenant_id == str(cache.tenant_id) and order.ssd_key_box == ""
-    assert order.capacity == {"device": 64 * BLOCK_BYTES, "dram": 0, "ssd": 0}
+    assert order.capacity == {"device": 64 * BLOCK_BYTES, "dram": 0, "ssd": 0, "network": 0}
     assert opened(order.hash_key_box, task=PROVISION_TASK, node_id=node.pk, cache_id=cache.pk) == hash_key_unseal(
         cache_id=cache.pk, sealed=cache.hash_key_sealed
     )

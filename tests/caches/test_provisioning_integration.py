@@ -43,9 +43,10 @@ def test_attach_provision_ready_then_detach(tenant_a, node, workers):
 
     ready = wait_for_state(tenant_a.client, cache_id, "ready")
     assert ready["endpoint"] == node.endpoint and ready["node_id"] == str(node.pk)
-    ((name, (sent_id, spec, capacity, hash_key_box, epoch, tenant_id, ssd_key_box)),) = workers.received
+    ((name, (sent_id, spec, capacity, hash_key_box, epoch, tenant_id, _, write_through)),) = workers.received
     cache = Cache.objects.get(pk=cache_id)
     assert (name, sent_id, spec, epoch, tenant_id) == ("provision_cache", cache_id, SPEC, 1, str(cache.tenant_id))
+    assert write_through is False
     assert capacity == cache.capacity()
     assert opened(hash_key_box, task=PROVISION_TASK, node_id=node.pk, cache_id=cache_id) == hash_key_unseal(
         cache_id=cache.pk, sealed=cache.hash_key_sealed

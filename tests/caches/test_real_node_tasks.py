@@ -214,7 +214,7 @@ def test_a_box_sealed_to_another_nodes_key_is_not_opened_nor_answered(tenant_a, 
         (lambda fields: (tuple(v for k, v in fields.items() if k != "v"), {}), "positional"),  # an old sender's list
         (lambda fields: ((), {k: v for k, v in fields.items() if k != "epoch"}), "'epoch': missing"),
         (lambda fields: ((), {**fields, "epoch": "1"}), "'epoch': must be an integer"),
-        (lambda fields: ((), {**fields, "v": 2}), "'v': version 2"),
+        (lambda fields: ((), {**fields, "v": 3}), "'v': version 3"),
     ],
     ids=["positional", "missing", "mistyped", "version"],
 )

@@ -29,6 +29,7 @@ def test_caches_endpoints_conform_to_the_schema(wsgi_app, make_tenant, make_node
         "caches_attach",
         "caches_detach",
         "caches_list",
+        "caches_recover",
         "caches_retrieve",
         "caches_tokens_create",
         "caches_tokens_revoke",

@@ -35,9 +35,14 @@ def test_counts_and_bytes_per_tenant_match_cache_usage(make_tenant, node):
         usage = selectors.cache_usage_by_tenant(tenant_ids=iter(ids))
     assert len(queries) == 1
     assert usage[a.tenant.pk].num_caches == 2
-    assert usage[a.tenant.pk].capacity_bytes == {"device": 12 * BLOCK_BYTES, "dram": 2 * BLOCK_BYTES, "ssd": 0}
+    assert usage[a.tenant.pk].capacity_bytes == {
+        "device": 12 * BLOCK_BYTES,
+        "dram": 2 * BLOCK_BYTES,
+        "ssd": 0,
+        "network": 0,
+    }
     assert usage[idle.tenant.pk].num_caches == 0 and usage[idle.tenant.pk].capacity_bytes == dict.fromkeys(
-        ("device", "dram", "ssd"), 0
+        ("device", "dram", "ssd", "network"), 0
     )
     for tenant_id in ids:
         assert usage[tenant_id] == selectors.cache_usage(tenant_id=tenant_id)

@@ -61,6 +61,7 @@ def provision_order(cache_id: str) -> dict:
         epoch=1,
         tenant_id="tenant-1",
         ssd_key_box="",
+        network_write_through=False,
     )
     return order.to_dict()
 

@@ -14,11 +14,12 @@ SAMPLES = {
     nm.ProvisionCache: dict(
         cache_id="c",
         spec=SPEC,
-        capacity={"device": 1 << 20, "ssd": 0},
+        capacity={"device": 1 << 20, "ssd": 0, "network": 1 << 30},
         hash_key_box="kcs1.x",
         epoch=1,
         tenant_id="t",
-        ssd_key_box="",
+        ssd_key_box="kcs1.y",
+        network_write_through=True,
     ),
     nm.DetachCache: dict(cache_id="c", epoch=3),
     nm.RevokeTokens: dict(entries=[{"jti": "j", "exp": 1700000000}]),
@@ -33,6 +34,7 @@ SAMPLES = {
         source_node_id="n1",
         tenant_id="t",
         ssd_key_box="",
+        network_write_through=False,
     ),
     nm.MigrateOut: dict(
         migration_id="m",
@@ -64,7 +66,7 @@ def test_every_message_has_a_sample_and_a_unique_task():
 def test_a_message_round_trips_through_json_keyword_arguments(kind):
     message = kind(**SAMPLES[kind])
     wire = json.loads(json.dumps(message.to_dict()))  # what the broker carries
-    assert wire["v"] == nm.VERSION and set(wire) == {"v", *kind.field_names()}
+    assert wire["v"] == kind.VERSION and set(wire) == {"v", *kind.field_names()}
     assert kind.from_call((), wire) == message
 
 
@@ -80,7 +82,7 @@ def test_positional_missing_unknown_and_versioned_calls_are_refused_naming_the_f
     with pytest.raises(nm.MessageError) as unknown:
         kind.from_dict({**good, "surprise": 1})
     assert unknown.value.field == "surprise"
-    for version in (None, 0, 2, "1", True):
+    for version in (None, 0, kind.VERSION + 1, str(kind.VERSION), True):
         with pytest.raises(nm.MessageError) as versioned:
             kind.from_dict({**good, "v": version})
         assert versioned.value.field == "v"
@@ -102,6 +104,10 @@ def test_positional_missing_unknown_and_versioned_calls_are_refused_naming_the_f
         (nm.ProvisionCache, "capacity", {"device": -1}),
         (nm.ProvisionCache, "spec", []),
         (nm.ProvisionCache, "hash_key_box", None),
+        (nm.ProvisionCache, "network_write_through", 1),
+        (nm.ProvisionCache, "network_write_through", None),
+        (nm.ProvisionCache, "capacity", {"network": -1}),
+        (nm.MigrateIn, "network_write_through", "yes"),
         (nm.ProvisionResult, "ok", 1),
         (nm.MigrationProgress, "phase", "done"),
         (nm.MigrationProgress, "info", {"nested": {"a": 1}}),
@@ -141,3 +147,26 @@ def test_to_dict_copies_so_a_sent_message_cannot_be_changed_through_it():
 def test_an_unknown_task_is_no_message():
     with pytest.raises(nm.MessageError, match="not a control/node task"):
         nm.message_class("kcaas.node.reboot")
+
+
+@pytest.mark.parametrize("kind", [nm.ProvisionCache, nm.MigrateIn], ids=lambda kind: kind.__name__)
+def test_a_version_1_order_still_parses_without_write_through_which_means_false(kind):
+    """An order written before the network tier (an outbox row, a redelivery) has v 1 and no network_write_through:
+    it reads as False; a version-1 order that carries the field is refused (v1 had no such field)."""
+    assert kind.VERSION == 2
+    v1 = {key: value for key, value in kind(**SAMPLES[kind]).to_dict().items() if key != "network_write_through"}
+    v1["v"] = 1
+    message = kind.from_call((), json.loads(json.dumps(v1)))
+    assert message.network_write_through is False
+    assert message.to_dict()["v"] == 2  # re-sent, it is a message of this version
+    with pytest.raises(nm.MessageError) as carried:
+        kind.from_dict({**v1, "network_write_through": True})
+    assert carried.value.field == "network_write_through"
+    with pytest.raises(nm.MessageError) as missing:  # version 2 must carry it
+        kind.from_dict({**v1, "v": 2})
+    assert missing.value.field == "network_write_through"
+
+
+def test_network_is_a_message_tier_and_not_a_node_tier():
+    assert nm.TIERS == ("device", "dram", "ssd", "network")
+    assert nm.NODE_TIERS == ("device", "dram", "ssd")
