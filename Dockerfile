@@ -4,7 +4,7 @@
 # image runs an agent on the CPU or, given a GPU (docker-compose.gpu.yml), on CUDA.
 FROM python:3.11-slim-bookworm
 
-ARG EXTRAS=control,node,gpu
+ARG EXTRAS=control,node,gpu,network
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -13,9 +13,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     DJANGO_SETTINGS_MODULE=controlplane.settings \
     KCAAS_VAR_DIR=/var/lib/kcaas
 
-# a C compiler for gpu_node/_blockhash.c (the prefix-hash loop; the agent falls back to hashlib without it)
+# a C compiler for gpu_node/_blockhash.c (the prefix-hash loop; the agent falls back to hashlib without it); the RDMA
+# and NUMA libraries the network extra's Mooncake binaries link even over TCP (scripts/store_libs.sh's list)
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && apt-get install -y --no-install-recommends gcc libc6-dev libibverbs1 librdmacm1 libnuma1 \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /app
