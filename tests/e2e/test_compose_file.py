@@ -2,8 +2,9 @@
 the compose file parses and has the topology of `make cluster`; every variable AgentConfig.from_env requires is given
 to both agents (directly, or as NAME_FILE that the entry point turns into NAME); what the agents read is what the
 bootstrap service writes (scripts/up.py's file names); each agent has its own SSD volume and a migration listener
-the other agents can reach; every image, build file, module and script a command names exists; the GPU override
-reserves one GPU per agent."""
+the other agents can reach; the network tier's store (store-master, store-server) is where the agents and the store
+server look for it, with flags its binaries accept; every image, build file, module and script a command names
+exists; the GPU override reserves one GPU per agent."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import yaml
 from gpu_node.agent import AgentConfig
 
 REPO = Path(__file__).resolve().parents[2]
-SERVICES = {"postgres", "redis", "bootstrap", "controlplane", "worker", "beat", "agent-1", "agent-2"}
+STORE = {"store-master", "store-server"}
+SERVICES = {"postgres", "redis", "bootstrap", "controlplane", "worker", "beat", "agent-1", "agent-2", *STORE}
 AGENTS = ("agent-1", "agent-2")
 NODE_DIR = "/var/lib/kcaas-nodes"
 
@@ -74,7 +76,7 @@ def test_the_compose_file_has_the_cluster_topology(compose):
             source = volume.split(":", 1)[0]
             assert source in (compose.get("volumes") or {}), f"{name} mounts an undeclared volume {source}"
     # migrations and credentials come first: everything of ours waits for the one-shot bootstrap
-    for name in SERVICES - {"postgres", "redis", "bootstrap"}:
+    for name in SERVICES - {"postgres", "redis", "bootstrap", *STORE}:
         assert services[name]["depends_on"]["bootstrap"]["condition"] == "service_completed_successfully", name
     assert services["bootstrap"]["depends_on"]["postgres"]["condition"] == "service_healthy"
     assert services["bootstrap"].get("restart") == "no"
@@ -141,6 +143,9 @@ def command_targets_exist(command: list[str]) -> None:
     command = [resolve(part) for part in command]
     if command[0] in {"redis-server"}:
         return
+    if command[0] in {"mooncake_master", "mooncake_client"}:
+        store_flags_accepted(command)
+        return
     assert command[0] == "python", command
     if command[1] != "-m":
         assert (REPO / command[1]).is_file(), command
@@ -157,6 +162,45 @@ def command_targets_exist(command: list[str]) -> None:
         package = REPO / "platform" / app
         exported = re.search(r"^(from \S+ import (\S+ as )?app\b|app = )", (package / "__init__.py").read_text(), re.M)
         assert exported or (package / "celery.py").is_file(), command
+
+
+def store_flags_accepted(command: list[str]) -> None:
+    """Every --flag of a store command is one its binary (the network extra's, when installed here) lists."""
+    from gpu_node.store_services import find_binary, mooncake_importable
+
+    assert re.search(r'^network = \[\n\s+"mooncake-transfer-engine', (REPO / "pyproject.toml").read_text(), re.M)
+    if not mooncake_importable():
+        return
+    listed = subprocess.run([find_binary(command[0]), "--help"], capture_output=True, text=True, timeout=30)
+    known = set(re.findall(r"^\s+-(\w+) \(", listed.stdout + listed.stderr, re.M))
+    for flag in command[1:]:
+        assert flag.startswith("--") and flag[2:].split("=", 1)[0] in known, (command[0], flag)
+
+
+def flag(command: list[str], name: str) -> str:
+    (value,) = [resolve(part).split("=", 1)[1] for part in command if part.startswith(f"--{name}=")]
+    return value
+
+
+def test_the_agents_and_the_store_server_find_the_network_store(compose):
+    services = compose["services"]
+    master, server = services["store-master"]["command"], services["store-server"]["command"]
+    rpc, metadata = flag(master, "rpc_port"), flag(master, "http_metadata_server_port")
+    assert flag(master, "enable_http_metadata_server") == "true"
+    assert flag(server, "master_server_address") == f"store-master:{rpc}"
+    assert flag(server, "metadata_server") == f"http://store-master:{metadata}/metadata"
+    assert flag(server, "host") == "store-server"  # the name the agents' transfer engines resolve
+    assert services["store-server"]["depends_on"]["store-master"]["condition"] == "service_healthy"
+    metrics_port = flag(master, "metrics_port")
+    assert f"127.0.0.1:{metrics_port}/health" in " ".join(services["store-master"]["healthcheck"]["test"])
+    assert f"127.0.0.1:{flag(server, 'http_port')}/health" in " ".join(services["store-server"]["healthcheck"]["test"])
+    # what caches may ask of the store is its segment
+    assert environment(services["controlplane"])["KCAAS_NETWORK_STORE_BYTES"] == flag(server, "global_segment_size")
+    for name in AGENTS:
+        config = AgentConfig.from_env({**environment(services[name]), "KCAAS_NODE_CREDENTIAL": "kc_node_placeholder"})
+        assert config.network_store_master == f"store-master:{rpc}", name
+        assert config.network_store_metadata == f"http://store-master:{metadata}/metadata", name
+        assert services[name]["depends_on"]["store-server"]["condition"] == "service_healthy", name
 
 
 def test_every_command_names_something_that_exists(compose):
