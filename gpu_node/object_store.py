@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 class ObjectStore(Protocol):
     """Whole objects by name in a store shared by the fleet. Names are ASCII; values are bytes-like.
 
-    - `put` stores a whole object or nothing (True when stored); storing a name that exists keeps one of the two;
+    - `put` stores a whole object or nothing (True when stored, False when the store refused it, e.g. full);
+      storing a name that exists keeps one of the two;
     - `get` returns the object's bytes, or None when absent (never a partial object);
     - `exists` answers for each name; `remove` removes what exists and returns how many it removed;
     - `remove_prefix` removes every object whose name starts with the prefix (erasure of a cache).
@@ -92,10 +93,9 @@ class MooncakeObjectStore:
         return client
 
     def put(self, name: str, value) -> bool:
+        """False when the store refused the object (full until its eviction runs, say): an answer, not a fault."""
         code = self._store.put(name, value)
-        if code != 0 and not self._store.is_exist(name):  # an existing object is a put that changed nothing
-            raise StoreFault(f"put answered {code}")
-        return True
+        return code == 0 or self._store.is_exist(name) == 1  # an existing object is a put that changed nothing
 
     def get(self, name: str) -> bytes | None:
         value = self._store.get(name)
