@@ -101,6 +101,13 @@ class UsageEntrySerializer(serializers.Serializer):
     device_bytes = StrictIntegerField(min_value=0, max_value=MAX_COUNTER)
     dram_bytes = StrictIntegerField(min_value=0, max_value=MAX_COUNTER)
     ssd_bytes = StrictIntegerField(min_value=0, max_value=MAX_COUNTER)
+    network_bytes = StrictIntegerField(
+        min_value=0,
+        max_value=MAX_COUNTER,
+        required=False,
+        default=0,
+        help_text="the cache's objects in the fleet's network store; absent (0) from agents without a network tier",
+    )
     bytes_written_total = StrictIntegerField(
         min_value=0, max_value=MAX_COUNTER, help_text="KV bytes written by puts since the agent's boot"
     )
@@ -203,6 +210,7 @@ class UsageLimitsSerializer(serializers.Serializer):
     max_device_bytes = serializers.IntegerField()
     max_dram_bytes = serializers.IntegerField()
     max_ssd_bytes = serializers.IntegerField()
+    max_network_bytes = serializers.IntegerField()
     max_requests_per_second = serializers.IntegerField()
     max_data_tokens_outstanding = serializers.IntegerField()
     max_api_keys = serializers.IntegerField()
@@ -212,6 +220,7 @@ class TierBytesSerializer(serializers.Serializer):
     device_bytes = serializers.IntegerField(min_value=0)
     dram_bytes = serializers.IntegerField(min_value=0)
     ssd_bytes = serializers.IntegerField(min_value=0)
+    network_bytes = serializers.IntegerField(min_value=0, help_text="The fleet's network store (not a node's).")
 
 
 @extend_schema_serializer(component_name="UsageUsed")
@@ -249,9 +258,11 @@ class UsageBucketSerializer(serializers.Serializer):
     device_byte_seconds = serializers.IntegerField()
     dram_byte_seconds = serializers.IntegerField()
     ssd_byte_seconds = serializers.IntegerField()
+    network_byte_seconds = serializers.IntegerField()
     device_gb_hours = serializers.CharField(help_text="byte-seconds / 3.6e12, an exact decimal string")
     dram_gb_hours = serializers.CharField()
     ssd_gb_hours = serializers.CharField()
+    network_gb_hours = serializers.CharField()
     bytes_written = serializers.IntegerField()
     tokens_served = serializers.IntegerField()
 
@@ -289,12 +300,15 @@ class UsageAnswerSchema(OpenApiSerializerExtension):
         return {"anyOf": [auto_schema.resolve_serializer(branch, direction).ref for branch in branches]}
 
 
-CSV_COLUMNS = [
+NODE_TIERS = ("device", "dram", "ssd")
+CSV_COLUMNS = [  # the network tier's columns last: the earlier columns keep their places
     "period_start",
-    *(f"{t}_byte_seconds" for t in TIERS),
-    *(f"{t}_gb_hours" for t in TIERS),
+    *(f"{t}_byte_seconds" for t in NODE_TIERS),
+    *(f"{t}_gb_hours" for t in NODE_TIERS),
     "bytes_written",
     "tokens_served",
+    "network_byte_seconds",
+    "network_gb_hours",
 ]
 
 

@@ -18,7 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 HOUR = 3600
-TIERS: tuple[str, ...] = ("device", "dram", "ssd")
+TIERS: tuple[str, ...] = ("device", "dram", "ssd", "network")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +32,7 @@ class Sample:
     ssd_bytes: int
     bytes_written_total: int
     tokens_served_total: int
+    network_bytes: int = 0  # the cache's objects in the fleet's network store (0: no network tier)
 
     @property
     def order_key(self) -> tuple:

@@ -14,8 +14,15 @@ import uuid
 from django.db import models
 from django.db.models import Q
 
-TIERS: tuple[str, ...] = ("device", "dram", "ssd")
-METERS: tuple[str, ...] = ("device_gb_hour", "dram_gb_hour", "ssd_gb_hour", "write_gb", "read_million_tokens")
+TIERS: tuple[str, ...] = ("device", "dram", "ssd", "network")  # network: the fleet's store's objects of the cache
+METERS: tuple[str, ...] = (
+    "device_gb_hour",
+    "dram_gb_hour",
+    "ssd_gb_hour",
+    "network_gb_hour",
+    "write_gb",
+    "read_million_tokens",
+)
 
 # Amounts below a cent are kept to this many decimal places (far below any currency's smallest unit).
 AMOUNT_PLACES = 30
@@ -54,6 +61,7 @@ class UsageSample(models.Model):
     device_bytes = models.BigIntegerField()
     dram_bytes = models.BigIntegerField()
     ssd_bytes = models.BigIntegerField()
+    network_bytes = models.BigIntegerField(default=0)  # 0 in reports from agents without a network tier
     bytes_written_total = models.BigIntegerField()
     tokens_served_total = models.BigIntegerField()
 
@@ -64,6 +72,7 @@ class UsageSample(models.Model):
                 condition=Q(device_bytes__gte=0)
                 & Q(dram_bytes__gte=0)
                 & Q(ssd_bytes__gte=0)
+                & Q(network_bytes__gte=0)
                 & Q(bytes_written_total__gte=0)
                 & Q(tokens_served_total__gte=0),
                 name="billing_sample_nonneg",
@@ -85,6 +94,7 @@ class LedgerHour(models.Model):
     device_byte_seconds = models.BigIntegerField(default=0)
     dram_byte_seconds = models.BigIntegerField(default=0)
     ssd_byte_seconds = models.BigIntegerField(default=0)
+    network_byte_seconds = models.BigIntegerField(default=0)
     bytes_written = models.BigIntegerField(default=0)
     tokens_served = models.BigIntegerField(default=0)
 

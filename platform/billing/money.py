@@ -27,6 +27,7 @@ METER_SOURCES: dict[str, tuple[str, int]] = {
     "device_gb_hour": ("device_byte_seconds", BYTE_SECONDS_PER_GB_HOUR),
     "dram_gb_hour": ("dram_byte_seconds", BYTE_SECONDS_PER_GB_HOUR),
     "ssd_gb_hour": ("ssd_byte_seconds", BYTE_SECONDS_PER_GB_HOUR),
+    "network_gb_hour": ("network_byte_seconds", BYTE_SECONDS_PER_GB_HOUR),
     "write_gb": ("bytes_written", BYTES_PER_GB),
     "read_million_tokens": ("tokens_served", TOKENS_PER_MILLION),
 }

@@ -74,8 +74,9 @@ def usage_series(*, tenant_id: uuid.UUID | None, start: datetime, end: datetime,
 
 
 def _byte_seconds_by_tenant(hours: QuerySet[LedgerHour]) -> QuerySet:
-    """Rows {tenant_id, tenant__name, total}: the device+dram+ssd byte-seconds of `hours` per tenant, unordered."""
-    total = Sum(F("device_byte_seconds") + F("dram_byte_seconds") + F("ssd_byte_seconds"))
+    """Rows {tenant_id, tenant__name, total}: the byte-seconds of every tier (device, dram, ssd, network) of `hours`
+    per tenant, unordered."""
+    total = Sum(F("device_byte_seconds") + F("dram_byte_seconds") + F("ssd_byte_seconds") + F("network_byte_seconds"))
     return hours.values("tenant_id", "tenant__name").annotate(total=total).order_by()
 
 
@@ -120,7 +121,7 @@ class TenantGbHours:
 
 
 def top_tenants_by_gb_hours(*, since: datetime, limit: int = 10) -> list[TenantGbHours]:
-    """The `limit` tenants with the most device+dram+ssd byte-seconds in ledger hours at or after `since`, most
+    """The `limit` tenants with the most byte-seconds (every tier) in ledger hours at or after `since`, most
     first (ties by tenant name); tenants with no such hours are left out. Reads the ledger as the last rollup
     left it."""
     rows = (

@@ -77,6 +77,7 @@ def _samples(report: UsageReport, entries: list[dict], placed: dict) -> list[Usa
             device_bytes=entry["device_bytes"],
             dram_bytes=entry["dram_bytes"],
             ssd_bytes=entry["ssd_bytes"],
+            network_bytes=entry.get("network_bytes", 0),
             bytes_written_total=entry["bytes_written_total"],
             tokens_served_total=entry["tokens_served_total"],
         )
@@ -97,10 +98,11 @@ def usage_report_record(
 ) -> ReportOutcome:
     """Store one node report's samples, once per (node, boot_id, sequence).
 
-    `entries`: validated dicts (cache_id UUID, device/dram/ssd_bytes, bytes_written_total, tokens_served_total,
-    non-negative ints, each cache once). A duplicate changes nothing; a report sampled before now - grace is
-    ignored (late); entries for caches not placed on the node are refused and audited (USAGE_REPORT_REFUSED, one
-    event per report listing them), the others stored. InvalidUsageReport (400) for a time in the node's future.
+    `entries`: validated dicts (cache_id UUID, device/dram/ssd_bytes, optionally network_bytes (absent: 0),
+    bytes_written_total, tokens_served_total, non-negative ints, each cache once). A duplicate changes nothing; a
+    report sampled before now - grace is ignored (late); entries for caches not placed on the node are refused and
+    audited (USAGE_REPORT_REFUSED, one event per report listing them), the others stored. InvalidUsageReport (400)
+    for a time in the node's future.
     """
     now = now or timezone.now()
     sampled_at = _whole_seconds(sampled_at)
@@ -175,6 +177,7 @@ def _as_sample(row: UsageSample) -> ledger.Sample:
         device_bytes=row.device_bytes,
         dram_bytes=row.dram_bytes,
         ssd_bytes=row.ssd_bytes,
+        network_bytes=row.network_bytes,
         bytes_written_total=row.bytes_written_total,
         tokens_served_total=row.tokens_served_total,
     )
@@ -227,6 +230,7 @@ def _ledger_row(cache_id, tenant_id, hour: int, usage: ledger.HourUsage) -> Ledg
         device_byte_seconds=usage.byte_seconds["device"],
         dram_byte_seconds=usage.byte_seconds["dram"],
         ssd_byte_seconds=usage.byte_seconds["ssd"],
+        network_byte_seconds=usage.byte_seconds["network"],
         bytes_written=usage.bytes_written,
         tokens_served=usage.tokens_served,
     )

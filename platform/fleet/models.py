@@ -17,6 +17,9 @@ from django.db import models
 from django.db.models import Q
 
 TIERS: tuple[str, ...] = ("device", "dram", "ssd")  # fastest first: the order placement ranks tiers in
+# What a node reports resident per cache: its own tiers and the cache's objects in the fleet's network store (which
+# is no node's capacity: nodes neither have nor reserve network bytes).
+RESIDENT_TIERS: tuple[str, ...] = (*TIERS, "network")
 
 
 class NodeState(models.TextChoices):
@@ -169,6 +172,7 @@ class ResidentSample(models.Model):
     device_bytes = models.BigIntegerField(default=0)
     dram_bytes = models.BigIntegerField(default=0)
     ssd_bytes = models.BigIntegerField(default=0)
+    network_bytes = models.BigIntegerField(default=0)
     hit_tokens = models.BigIntegerField(default=0)
     miss_tokens = models.BigIntegerField(default=0)
 

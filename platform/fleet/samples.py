@@ -17,7 +17,8 @@ from datetime import datetime, timedelta
 from django.conf import settings
 from django.utils import timezone
 
-from fleet.models import TIERS, Node, ResidentSample
+from fleet.models import RESIDENT_TIERS as TIERS
+from fleet.models import Node, ResidentSample
 
 COUNTERS = ("hit_tokens", "miss_tokens")
 

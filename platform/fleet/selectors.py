@@ -59,6 +59,14 @@ def node_resident_bytes(node: Node) -> dict[str, int]:
     return totals
 
 
+def fleet_network_resident_bytes() -> int:
+    """Bytes of the network store the live (not lost) nodes' latest snapshots report for their caches."""
+    total = 0
+    for snapshot in Node.objects.exclude(state=NodeState.LOST).values_list("resident_snapshot", flat=True):
+        total += sum(int(entry.get("network", 0) or 0) for entry in _snapshot_caches(snapshot).values())
+    return total
+
+
 def node_tier_use(node: Node) -> list[TierUse]:
     """One node's capacity, reserved and resident bytes per tier, fastest tier first."""
     resident = node_resident_bytes(node)

@@ -43,6 +43,7 @@ class ResidentCacheSerializer(serializers.Serializer):
     device_bytes = _bytes_field(default=0)
     dram_bytes = _bytes_field(default=0)
     ssd_bytes = _bytes_field(default=0)
+    network_bytes = _bytes_field(default=0)  # its objects in the fleet's network store (older agents omit it)
     # The engine's token counters since the cache was provisioned on this node (optional: older agents omit them).
     hit_tokens = StrictIntegerField(min_value=0, max_value=MAX_TOKEN_COUNT, required=False)
     miss_tokens = StrictIntegerField(min_value=0, max_value=MAX_TOKEN_COUNT, required=False)

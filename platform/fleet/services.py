@@ -35,7 +35,7 @@ from fleet.errors import (
     NodeNameTaken,
     ReregisterRequired,
 )
-from fleet.models import TIERS, Node, NodeState
+from fleet.models import RESIDENT_TIERS, TIERS, Node, NodeState
 from fleet.validators import NODE_NAME_RE, capacity_errors, endpoint_error, endpoint_normalize
 from kcaas.sealing import public_key_bytes
 
@@ -222,8 +222,8 @@ def node_heartbeat(
 ) -> Node:
     """Lease renewal with the node's current capacity and, optionally, its per-cache resident bytes.
 
-    `resident` is an absolute snapshot ([{"cache_id", "device_bytes", "dram_bytes", "ssd_bytes", optionally
-    "hit_tokens", "miss_tokens"}]) that replaces the previous one; None keeps the previous one. A `lost` or
+    `resident` is an absolute snapshot ([{"cache_id", "device_bytes", "dram_bytes", "ssd_bytes", "network_bytes",
+    optionally "hit_tokens", "miss_tokens"}]) that replaces the previous one; None keeps the previous one. A `lost` or
     never-registered node is refused with 409 reregister_required: only register brings it back, so the caches
     room has seen it lost before it is ready again.
     A node whose lease has passed but that no sweep has marked lost yet is renewed: it was never declared lost.
@@ -253,7 +253,7 @@ def _snapshot(resident: list[dict], now: datetime) -> dict:
 
 
 def _snapshot_entry(entry: dict) -> dict:
-    kept = {tier: int(entry.get(f"{tier}_bytes", 0)) for tier in TIERS}
+    kept = {tier: int(entry.get(f"{tier}_bytes", 0)) for tier in RESIDENT_TIERS}
     kept.update({name: int(entry[name]) for name in SNAPSHOT_COUNTERS if entry.get(name) is not None})
     return kept
 

@@ -71,6 +71,8 @@ def test_the_series_by_day_has_exact_gb_hours_per_tier(two_tenants):
         "device_gb_hours": "2.5",
         "dram_gb_hours": "0",
         "ssd_gb_hours": "0.000000000001666666666666666667",
+        "network_byte_seconds": 0,
+        "network_gb_hours": "0",
         "bytes_written": 20,
         "tokens_served": 1,
     }

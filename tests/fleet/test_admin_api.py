@@ -84,7 +84,7 @@ def test_detail_shows_capacity_reservations_and_resident_snapshot(staff_client, 
     assert body["capacity"] == {"device": 8 * GIB, "dram": 32 * GIB, "ssd": 0}
     assert body["reserved"] == {"device": 3 * GIB, "dram": 0, "ssd": 0}
     assert body["free"] == {"device": 5 * GIB, "dram": 32 * GIB, "ssd": 0}
-    assert body["resident"]["caches"] == {cache_id: {"device": 5, "dram": 0, "ssd": 0}}
+    assert body["resident"]["caches"] == {cache_id: {"device": 5, "dram": 0, "ssd": 0, "network": 0}}
 
 
 def test_unknown_node_is_404(staff_client):

@@ -16,15 +16,16 @@ CACHE_A, CACHE_B = "0b7f3c1e-5d2a-4b8e-9f10-1a2b3c4d5e6f", "7a1e2b3c-4d5e-4f60-8
 def test_heartbeat_keeps_hit_and_miss_counters_when_reported(make_node):
     handle = make_node("n1", device=8 * GIB)
     resident = [
-        {"cache_id": CACHE_A, "device_bytes": 1024, "hit_tokens": 7, "miss_tokens": 3},
+        {"cache_id": CACHE_A, "device_bytes": 1024, "network_bytes": 4096, "hit_tokens": 7, "miss_tokens": 3},
         {"cache_id": CACHE_B, "dram_bytes": 2048},
-    ]  # an agent that does not report counters
+    ]  # an agent that does not report counters (nor network bytes)
     response = handle.client.post(HEARTBEAT, {"capacity": capacity_body(), "resident": resident}, format="json")
     assert response.status_code == 200, response.json()
     assert handle.refresh().resident_snapshot["caches"] == {
-        CACHE_A: {"device": 1024, "dram": 0, "ssd": 0, "hit_tokens": 7, "miss_tokens": 3},
-        CACHE_B: {"device": 0, "dram": 2048, "ssd": 0},
+        CACHE_A: {"device": 1024, "dram": 0, "ssd": 0, "network": 4096, "hit_tokens": 7, "miss_tokens": 3},
+        CACHE_B: {"device": 0, "dram": 2048, "ssd": 0, "network": 0},
     }
+    assert selectors.fleet_network_resident_bytes() == 4096
     assert selectors.fleet_hit_totals() == selectors.HitTotals(hit_tokens=7, miss_tokens=3)
     assert selectors.fleet_hit_totals().rate == 0.7
 

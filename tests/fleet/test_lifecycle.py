@@ -64,8 +64,8 @@ def test_heartbeat_renews_the_lease_and_records_capacity_and_resident_bytes(make
     assert node.lease_expires_at == parse_datetime(body["lease_expires_at"]) >= first_lease
     assert node.device_capacity_bytes == 4 * GIB
     assert node.resident_snapshot["caches"] == {
-        cache_a: {"device": 1024, "dram": 2048, "ssd": 0},
-        cache_b: {"device": 0, "dram": 0, "ssd": 4096},
+        cache_a: {"device": 1024, "dram": 2048, "ssd": 0, "network": 0},
+        cache_b: {"device": 0, "dram": 0, "ssd": 4096, "network": 0},
     }
     # A heartbeat without `resident` keeps the last snapshot; an empty list replaces it.
     handle.client.post(HEARTBEAT, {"capacity": capacity_body()}, format="json")

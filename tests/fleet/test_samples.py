@@ -57,12 +57,12 @@ def test_series_take_each_caches_latest_sample_per_bucket(make_node, settings):
     _beat(one, T0 + timedelta(hours=2, minutes=1), {"cache_id": CACHE_A, "dram_bytes": 7})
     fleet = samples.resident_series(start=T0, end=T0 + timedelta(hours=3), bucket=timedelta(hours=1))
     assert [p.start for p in fleet] == [T0, T0 + timedelta(hours=1), T0 + timedelta(hours=2)]
-    assert fleet[0].resident_bytes == {"device": 300, "dram": 0, "ssd": 50} and fleet[0].samples == 2
+    assert fleet[0].resident_bytes == {"device": 300, "dram": 0, "ssd": 50, "network": 0} and fleet[0].samples == 2
     assert (fleet[0].hit_tokens, fleet[0].miss_tokens, fleet[0].hit_rate) == (3, 5, 3 / 8)
     assert fleet[1].samples == 0 and fleet[1].hit_rate is None
-    assert fleet[2].resident_bytes == {"device": 0, "dram": 7, "ssd": 0}
+    assert fleet[2].resident_bytes == {"device": 0, "dram": 7, "ssd": 0, "network": 0}
     mine = samples.resident_series(start=T0, end=T0 + timedelta(hours=1), bucket=timedelta(hours=1), node_id=two.pk)
-    assert mine[0].resident_bytes == {"device": 0, "dram": 0, "ssd": 50}
+    assert mine[0].resident_bytes == {"device": 0, "dram": 0, "ssd": 50, "network": 0}
     by_cache = samples.resident_series(
         start=T0, end=T0 + timedelta(hours=1), bucket=timedelta(hours=1), cache_ids=[CACHE_A]
     )
