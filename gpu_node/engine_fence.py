@@ -46,12 +46,14 @@ class PurgeFence:
             self._begin_io()
             handle.reading = True
 
-    def wipe(self, *, wait_seconds: float = 60.0) -> int:
+    def wipe(self, *, wait_seconds: float = 60.0, keep_network: bool = False) -> int:
         """Purge (erasure): fence the cache, forget every block, wait for bytes in motion (puts writing, read
         sections), then overwrite the whole pool (and scales) with zeros and erase every lower tier (DRAM zeroed,
-        the SSD directory deleted). Afterwards every operation raises CachePurged. Returns the bytes that were
-        resident. Idempotent (a second call returns 0). A read section still open after `wait_seconds` (a peer
-        that stopped reading) does not hold erasure up: the bytes are zeroed under it."""
+        the SSD directory deleted, the network store's objects removed unless `keep_network`: the cache lives on
+        elsewhere, as after a migration or a detach that is not a deletion). Afterwards every operation raises
+        CachePurged. Returns the bytes that were resident. Idempotent (a second call returns 0). A read section
+        still open after `wait_seconds` (a peer that stopped reading) does not hold erasure up: the bytes are zeroed
+        under it."""
         with self._lock:
             if self._purged:
                 return 0
@@ -64,4 +66,4 @@ class PurgeFence:
             if self.scales is not None:
                 self.scales.zero_()
             self._pool_bytes = None
-        return resident + self._wipe_lower()
+        return resident + self._wipe_lower(keep_network=keep_network)

@@ -224,6 +224,7 @@ class TierOperations:
         if self._tiers is not None:
             self._tiers.sync()
 
-    def _wipe_lower(self) -> int:
-        """Without the cache lock, after the device pool was fenced and zeroed: erase every lower tier."""
-        return self._tiers.wipe() if self._tiers is not None else 0
+    def _wipe_lower(self, *, keep_network: bool = False) -> int:
+        """Without the cache lock, after the device pool was fenced and zeroed: erase every lower tier (the network
+        store's objects only unless `keep_network`)."""
+        return self._tiers.wipe(keep_network=keep_network) if self._tiers is not None else 0

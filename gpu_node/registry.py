@@ -154,7 +154,7 @@ class CacheRegistry:
         if left:
             self._provisioning[cache_id] = left
 
-    def detach(self, *, cache_id: str, epoch: int) -> bool:
+    def detach(self, *, cache_id: str, epoch: int, forget_network: bool = False) -> bool:
         """Stop hosting a cache and purge its engine (a reader sending its blocks finishes first; holders that have
         not started reading get CachePurged); False if not hosted.
 
@@ -174,7 +174,9 @@ class CacheRegistry:
             return False
         if hosted.epoch > epoch:
             return False
-        hosted.engine.wipe()  # its blocks are no longer this node's to keep: pool zeroed, DRAM zeroed, SSD deleted
+        # its blocks are no longer this node's to keep: pool zeroed, DRAM zeroed, SSD deleted; its network objects
+        # only when the cache itself is deleted (`forget_network`): a migrated cache reads them on its new node
+        hosted.engine.wipe(keep_network=not forget_network)
         return True
 
     def remove_unplaced_directories(self, stored: list[str]) -> list[str]:

@@ -453,10 +453,13 @@ class LowerTiers:
     def checksum_failures(self) -> dict[str, int]:
         return {name: tier.num_checksum_failures if tier is not None else 0 for name, tier in self._named().items()}
 
-    def wipe(self) -> int:
-        """Erasure: zero DRAM, delete the SSD directory, remove the cache's network objects; returns the bytes that
-        were resident in them."""
-        resident = sum(tier.wipe() for tier in self.tiers)
+    def wipe(self, *, keep_network: bool = False) -> int:
+        """Erasure: zero DRAM, delete the SSD directory, remove the cache's network objects (unless `keep_network`:
+        then this node only lets go of them); returns the bytes that were resident in the tiers wiped."""
+        keep = self.network if keep_network else None
+        if keep is not None:
+            keep.close()
+        resident = sum(tier.wipe() for tier in self.tiers if tier is not keep)
         self.lineage.clear()
         return resident
 

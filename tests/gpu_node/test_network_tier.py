@@ -176,7 +176,7 @@ def test_blocks_the_store_evicted_are_misses_never_errors(fresh_network_store):
     reader.attach_tiers(LowerTiers(0, None, NetworkTier(store, keys.data_key, 1 << 40)))
     served = [served_exact(reader, tokens) for tokens in sequences]
     assert min(served) < 32  # the store evicted some: misses, never errors or wrong KV
-    assert max(served) == 32  # and kept others
+    assert max(served) > 0  # and kept others (which ones is the store's choice: puts it refused while full, too)
     store.close()
 
 
@@ -209,3 +209,29 @@ def test_a_lost_store_server_is_a_miss(fresh_network_store):
     reader = engine(store, keys)
     assert eventually(lambda: reader.get(tokens)[0] == 0, timeout=30)
     store.close()
+
+
+def test_a_detach_keeps_the_objects_for_the_next_node_unless_the_cache_is_deleted(store, network_store):
+    from gpu_node.registry import CacheRegistry
+
+    registry = CacheRegistry(device_capacity_bytes=1 << 26, device="cpu", network_store=store)
+    keys, tokens = Keys(), seq(16, 14000)
+    spec = tiny_cache(num_blocks=1).spec
+    capacity = {"device": 64 * spec.block_bytes, "network": 64 * spec.block_bytes}
+
+    def provision(epoch: int):
+        return registry.provision(
+            cache_id="c-net",
+            spec=spec,
+            capacity=capacity,
+            hash_key=keys.hash_key,
+            epoch=epoch,
+            ssd_key=keys.data_key,
+            network_write_through=True,
+        )
+
+    put(provision(1).engine, tokens)
+    assert registry.detach(cache_id="c-net", epoch=1)  # migrated away: the objects stay
+    assert served_exact(provision(2).engine, tokens) == 16
+    assert registry.detach(cache_id="c-net", epoch=2, forget_network=True)  # deleted: they go
+    assert provision(3).engine.lookup(tokens) == 0
