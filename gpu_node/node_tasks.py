@@ -279,7 +279,7 @@ def build_node_app(
 
     @node_task(app, DetachCache, answer, node_id)
     def detach_cache(order: DetachCache) -> bool:
-        detached = registry.detach(cache_id=order.cache_id, epoch=order.epoch)
+        detached = registry.detach(cache_id=order.cache_id, epoch=order.epoch, forget_network=order.forget_network)
         answer(DetachResult(cache_id=order.cache_id, node_id=node_id))
         return detached
 

@@ -34,7 +34,8 @@ control -> node, on the node's own queue `node.<node id>` (answered on the `cont
                      sealed_key_invalid: a key in clear, or a box altered or sealed for another message; nothing was
                      provisioned. A box sealed to a node key the node does not hold is not answered: the order comes
                      again under the key it registered; invalid_message: ...: the order itself was malformed)
-    DetachCache      detach_cache(cache_id, epoch) -> DetachResult(cache_id, node_id)
+    DetachCache      detach_cache(cache_id, epoch, forget_network (v2; v1: False: the cache's network objects stay
+                     for its next node; True when the tenant detaches it for good)) -> DetachResult(cache_id, node_id)
     RevokeTokens     revoke_tokens(entries: [{"jti": str, "exp": int unix seconds}])  (no answer: idempotent, and the
                      same list comes back in every register/heartbeat answer as `revoked_tokens`)
     PurgeTenant      purge_tenant(tenant_id, job_id)  (erasure: drop and zero every cache of the tenant, any epoch)
@@ -316,6 +317,10 @@ class DetachCache(NodeMessage):
     TASK: ClassVar[str] = DETACH_TASK
     cache_id: Id
     epoch: Epoch
+    forget_network: Flag  # v2: the cache is deleted: its network objects go too (else they stay for its next node)
+
+    VERSION: ClassVar[int] = 2
+    EARLIER: ClassVar[dict[int, dict[str, Any]]] = {1: {"forget_network": False}}
 
 
 @dataclass(frozen=True)

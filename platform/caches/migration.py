@@ -294,7 +294,7 @@ def _fail_orders(migration: Migration) -> None:
     abort = MigrateAbort(migration_id=str(migration.pk), cache_id=str(migration.cache_id))
     order_enqueue(node_id=migration.source_id, message=abort, key=_key(migration, "abort"), expects_answer=False)
     cache = migration.cache  # the target's copy goes, at the target's epoch (the cache row keeps its own)
-    detach = DetachCache(cache_id=str(cache.pk), epoch=migration.epoch_to)
+    detach = DetachCache(cache_id=str(cache.pk), epoch=migration.epoch_to, forget_network=False)
     order_enqueue(node_id=migration.target_id, message=detach, key=cache_key(cache.pk))
 
 

@@ -68,9 +68,10 @@ def cache_key(cache_id) -> str:
     return f"cache:{cache_id}"
 
 
-def _order_detach(cache: Cache, node_id=None) -> None:
-    """Tell the node (default: the cache's) to drop the cache's pool at its epoch, until it confirms."""
-    message = DetachCache(cache_id=str(cache.pk), epoch=cache.epoch)
+def _order_detach(cache: Cache, node_id=None, *, forget_network: bool = False) -> None:
+    """Tell the node (default: the cache's) to drop the cache's pool at its epoch, until it confirms; with
+    `forget_network` (the tenant detaches it for good) its network objects too, else they stay for its next node."""
+    message = DetachCache(cache_id=str(cache.pk), epoch=cache.epoch, forget_network=forget_network)
     order_enqueue(node_id=node_id or cache.node_id, message=message, key=cache_key(cache.pk))
 
 
@@ -361,7 +362,7 @@ def cache_detach(*, cache_id: uuid.UUID, tenant_id: uuid.UUID | None) -> Cache:
     if cache is None:
         raise NotFoundError("No such cache.")
     if cache.state == CacheState.DETACHING and cache.node_id is not None:
-        _order_detach(cache)  # the caller asks again: re-drive the order at once instead of at its next resend
+        _order_detach(cache, forget_network=True)  # asked again: re-drive the order now, not at its next resend
     if cache.state in (CacheState.DETACHING, CacheState.DETACHED):
         return cache
     now = timezone.now()
@@ -370,7 +371,7 @@ def cache_detach(*, cache_id: uuid.UUID, tenant_id: uuid.UUID | None) -> Cache:
     cache.state = CacheState.DETACHED if cache.state == CacheState.FAILED else CacheState.DETACHING
     cache.save(update_fields=["state", "updated_at"])
     if cache.node_id is not None:
-        _order_detach(cache)
+        _order_detach(cache, forget_network=True)
     _audit(AuditAction.CACHE_DETACH_REQUESTED, cache, old={"state": old_state}, new={"state": cache.state})
     return cache
 

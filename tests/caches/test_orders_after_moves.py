@@ -32,14 +32,14 @@ def test_a_failed_migrations_detach_does_not_outlive_a_new_migration_to_the_same
     migration_result(migration_id=first.pk, node_id=source.pk, ok=False, reason="ConnectionError")
     (detach,) = [o for o in open_orders(node_id=target.pk) if o.task == DETACH_TASK]
     assert (
-        detach.args == DetachCache(cache_id=str(cache.pk), epoch=2).to_dict()
+        detach.args == DetachCache(cache_id=str(cache.pk), epoch=2, forget_network=False).to_dict()
     )  # the target's copy at epoch_to; its answer is lost, it is re-sent
     second = migration_start(cache_id=cache.pk, target_node_id=target.pk)  # the same target, the same epoch_to
     migration_progress(migration_id=second.pk, node_id=target.pk, phase="ready", info={})
     migration_result(migration_id=second.pk, node_id=source.pk, ok=True, info={"blocks": 3})
     cache.refresh_from_db()
     assert (cache.node_id, cache.epoch, cache.state) == (target.pk, 2, CacheState.READY)
-    old_detach = DetachCache(cache_id=str(cache.pk), epoch=2).to_dict()
+    old_detach = DetachCache(cache_id=str(cache.pk), epoch=2, forget_network=False).to_dict()
     stale = [o for o in open_orders(node_id=target.pk) if o.task == DETACH_TASK and o.args == old_detach]
     assert stale == [], "a re-send of the old detach would drop the cache the target now serves at epoch 2"
 

@@ -107,7 +107,10 @@ def test_a_detach_supersedes_the_provisioning_it_follows(broker, tenant_a, node)
     response = tenant_a.client.delete(f"/api/v1/caches/{cache['id']}")
     assert response.status_code == 202
     (order,) = open_orders(node_id=node.pk)
-    assert order.task == DETACH_TASK and order.args == DetachCache(cache_id=cache["id"], epoch=1).to_dict()
+    assert (
+        order.task == DETACH_TASK
+        and order.args == DetachCache(cache_id=cache["id"], epoch=1, forget_network=True).to_dict()
+    )
     broker.start()
     orders_dispatch()
     assert [m["task"] for m in queued(broker, node.pk)] == [DETACH_TASK]  # the provisioning is never sent

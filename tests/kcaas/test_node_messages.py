@@ -21,7 +21,7 @@ SAMPLES = {
         ssd_key_box="kcs1.y",
         network_write_through=True,
     ),
-    nm.DetachCache: dict(cache_id="c", epoch=3),
+    nm.DetachCache: dict(cache_id="c", epoch=3, forget_network=True),
     nm.RevokeTokens: dict(entries=[{"jti": "j", "exp": 1700000000}]),
     nm.PurgeTenant: dict(tenant_id="t", job_id="job"),
     nm.MigrateIn: dict(
@@ -149,22 +149,31 @@ def test_an_unknown_task_is_no_message():
         nm.message_class("kcaas.node.reboot")
 
 
-@pytest.mark.parametrize("kind", [nm.ProvisionCache, nm.MigrateIn], ids=lambda kind: kind.__name__)
-def test_a_version_1_order_still_parses_without_write_through_which_means_false(kind):
-    """An order written before the network tier (an outbox row, a redelivery) has v 1 and no network_write_through:
-    it reads as False; a version-1 order that carries the field is refused (v1 had no such field)."""
+@pytest.mark.parametrize(
+    "kind, field",
+    [
+        (nm.ProvisionCache, "network_write_through"),
+        (nm.MigrateIn, "network_write_through"),
+        (nm.DetachCache, "forget_network"),
+    ],
+    ids=lambda kind: getattr(kind, "__name__", kind),
+)
+def test_a_version_1_order_still_parses_without_the_network_field_which_means_false(kind, field):
+    """An order written before the network tier (an outbox row, a redelivery) has v 1 and no network field
+    (network_write_through, forget_network): it reads as False; a version-1 order that carries the field is refused
+    (v1 had no such field)."""
     assert kind.VERSION == 2
-    v1 = {key: value for key, value in kind(**SAMPLES[kind]).to_dict().items() if key != "network_write_through"}
+    v1 = {key: value for key, value in kind(**SAMPLES[kind]).to_dict().items() if key != field}
     v1["v"] = 1
     message = kind.from_call((), json.loads(json.dumps(v1)))
-    assert message.network_write_through is False
+    assert getattr(message, field) is False
     assert message.to_dict()["v"] == 2  # re-sent, it is a message of this version
     with pytest.raises(nm.MessageError) as carried:
-        kind.from_dict({**v1, "network_write_through": True})
-    assert carried.value.field == "network_write_through"
+        kind.from_dict({**v1, field: True})
+    assert carried.value.field == field
     with pytest.raises(nm.MessageError) as missing:  # version 2 must carry it
         kind.from_dict({**v1, "v": 2})
-    assert missing.value.field == "network_write_through"
+    assert missing.value.field == field
 
 
 def test_network_is_a_message_tier_and_not_a_node_tier():
