@@ -22,6 +22,7 @@ from django.db.models import Sum
 from caches.errors import InvalidCapacity, NetworkTierAbsent
 from caches.models import Cache, CacheState
 from fleet.errors import NoCapacity
+from fleet.selectors import TierUse, fleet_network_resident_bytes
 
 NETWORK_STORE_LOCK = 0x6B63_6E65_7477  # pg advisory lock key ("kcnetw"): one share granted at a time
 STORE_SETTING = "KCAAS_NETWORK_STORE_BYTES"
@@ -81,3 +82,9 @@ def write_through_check(*, capacity: dict[str, int], network_write_through: obje
     raise InvalidCapacity(
         f"network_write_through {problem}.", details={"fields": {"network_write_through": [problem.capitalize()]}}
     )
+
+
+def network_tier_use() -> TierUse:
+    """The network store as one more tier of the fleet (the console's overview): its size, the bytes granted to
+    caches, and the bytes live nodes report their caches hold in it."""
+    return TierUse("network", network_store_bytes(), network_store_in_use(), fleet_network_resident_bytes())

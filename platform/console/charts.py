@@ -2,7 +2,7 @@
 
 Pure functions (data in, text out, no database). The chart uses SVG presentation attributes only (fill=, x=, ...):
 the console's Content-Security-Policy forbids style attributes and scripts. Every text that enters the markup is
-escaped; the bars' colours are the legend's (.swatch.device/.dram/.ssd in console.css), so a bar and its legend
+escaped; the bars' colours are the legend's (.swatch.device/.dram/.ssd/.network in console.css), so a bar and its legend
 entry always match; each bar carries a <title> with its exact figure, and the <svg> a role="img" and an aria-label
 summarising the whole series for screen readers.
 """
@@ -18,8 +18,13 @@ from decimal import ROUND_CEILING, Decimal
 from django.utils.html import escape
 from django.utils.safestring import SafeString, mark_safe
 
-TIERS: tuple[str, ...] = ("device", "dram", "ssd")
-TIER_COLOURS: dict[str, str] = {"device": "#0b5cad", "dram": "#d97706", "ssd": "#6b7280"}  # = console.css swatches
+TIERS: tuple[str, ...] = ("device", "dram", "ssd", "network")  # network: the fleet's shared store
+TIER_COLOURS: dict[str, str] = {  # = console.css swatches
+    "device": "#0b5cad",
+    "dram": "#d97706",
+    "ssd": "#6b7280",
+    "network": "#0f766e",
+}
 AXIS_COLOUR, GRID_COLOUR, TEXT_COLOUR = "#4f5761", "#d0d7de", "#4f5761"
 
 WIDTH, HEIGHT = 720, 280

@@ -18,6 +18,7 @@ QUOTA_LABELS = {
     "max_device_bytes": "Device bytes",
     "max_dram_bytes": "DRAM bytes",
     "max_ssd_bytes": "SSD bytes",
+    "max_network_bytes": "Network bytes",
     "max_requests_per_second": "Requests per second",
     "max_data_tokens_outstanding": "Data tokens outstanding",
     "max_api_keys": "API keys",

@@ -60,7 +60,7 @@ def test_axes_ticks_and_accessible_summary():
     assert 'role="img"' in svg and "style=" not in svg and "<script" not in svg
     label = re.search(r'aria-label="([^"]*)"', svg).group(1)
     assert label == (
-        "Usage: 2 bars from 2026-03-01 to 2026-03-02; total 8 GB-hours (device 7, dram 1, ssd 0); "
+        "Usage: 2 bars from 2026-03-01 to 2026-03-02; total 8 GB-hours (device 7, dram 1, ssd 0, network 0); "
         "highest 2026-03-01 with 7 GB-hours."
     )
     ticks = re.findall(r'text-anchor="end" font-size="11" fill="#4f5761">([^<]*)</text>', svg)
@@ -97,7 +97,9 @@ def test_daily_bars_fill_missing_days_and_add_points_of_one_day():
     bars = daily_bars(points, first_day=date(2026, 3, 1), days=3)
     assert [bar.label for bar in bars] == ["2026-03-01", "2026-03-02", "2026-03-03"]
     assert [bar.tick for bar in bars] == ["03-01", "03-02", "03-03"]
-    assert bars[1].values == {"device": Decimal("2.5"), "dram": 0, "ssd": 2} and bars[1].total == Decimal("4.5")
+    assert bars[1].values == {"device": Decimal("2.5"), "dram": 0, "ssd": 2, "network": 0} and bars[1].total == Decimal(
+        "4.5"
+    )
     assert bars[0].total == 0 and bars[2].total == 0
 
 

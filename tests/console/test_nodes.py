@@ -100,7 +100,7 @@ def test_detail_shows_facts_tiers_and_hosted_caches(readonly_client, placed):
     assert f'max="{40 * BLOCK}" value="{3 * BLOCK}"' in html  # resident meter from the heartbeat snapshot
     [hosted] = page.context["hosted"]
     assert (hosted["cache"].tenant_name, hosted["cache"].name, hosted["cache"].state) == ("acme", "kv", "ready")
-    assert hosted["cache"].resident_bytes == {"device": 3 * BLOCK, "dram": 0, "ssd": 0}
+    assert hosted["cache"].resident_bytes == {"device": 3 * BLOCK, "dram": 0, "ssd": 0, "network": 0}
     assert hosted["tenant_url"].endswith(f"/console/tenants/{placed['tenant'].pk}/")
     assert b"No incoming migrations." in page.content and b"No outgoing migrations." in page.content
     assert 'id="node-live"' in html and 'hx-get="/console/nodes/' not in html  # nothing moving: no polling

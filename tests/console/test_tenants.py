@@ -290,6 +290,7 @@ def test_quota_update_changes_the_limits_and_is_audited_as_the_console_user(oper
         "max_device_bytes": 8 * GIB,
         "max_dram_bytes": 2**20,
         "max_ssd_bytes": None,
+        "max_network_bytes": None,
         "max_requests_per_second": 200,
         "max_data_tokens_outstanding": None,
         "max_api_keys": None,

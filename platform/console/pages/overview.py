@@ -14,6 +14,7 @@ from django.utils import timezone
 
 from billing.invoices import month_start
 from billing.selectors import top_tenants_by_gb_hours
+from caches.network_store import network_tier_use
 from caches.selectors import cache_state_counts
 from console.access import console_view, page_context
 from console.series import charts_context
@@ -34,7 +35,7 @@ def live_context() -> dict:
     """What the polled part shows: tiers, node and cache counts by state (every state, zeros included), hit rate."""
     hits = fleet_hit_totals()
     return {
-        "tiers": fleet_tier_use(),
+        "tiers": [*fleet_tier_use(), network_tier_use()],  # the fleet's network store after the node tiers
         "node_states": node_state_counts(),
         "cache_states": cache_state_counts(),
         "hits": hits,

@@ -34,7 +34,7 @@ from tenants.models import Tenant
 PAGE_SIZE = 25
 CHART_DAYS = 30
 MAX_ROWS = 100  # keys, caches, invoices shown on the detail page (newest first)
-TIER_LABELS = {"device": "Device", "dram": "DRAM", "ssd": "SSD"}
+TIER_LABELS = {"device": "Device", "dram": "DRAM", "ssd": "SSD", "network": "Network"}
 
 
 def _render(request, template: str, status: int = 200, **context):
