@@ -195,8 +195,14 @@ class StoreServices:
         return self._endpoints
 
     def stop(self) -> None:
-        """Ends every process this object started (store servers first, then the master) and waits for each."""
-        procs = [*self._servers, *([self._master] if self._master is not None else [])]
+        """Ends every process this object started and waits for each: the store servers first (they unmount their
+        segments while the master still answers), then the master."""
+        self._terminate(self._servers)
+        if self._master is not None:
+            self._terminate([self._master])
+
+    def _terminate(self, procs: list[subprocess.Popen]) -> None:
+        """SIGCONT and SIGTERM to each, then SIGKILL to any still running after the grace period; all reaped."""
         for proc in procs:
             _signal(proc, signal.SIGCONT)
             _signal(proc, signal.SIGTERM)
