@@ -18,6 +18,7 @@ installed, none is started.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -48,18 +49,22 @@ def main(argv: list[str]) -> int:
         )
     ensure_database(url)
     os.environ.setdefault("KCAAS_VAR_DIR", str(up.REPO / "var" / "cluster"))  # not make up's SQLite-bound var/
-    store = start_network_store(Path(os.environ["KCAAS_VAR_DIR"]) / "network-store")
+    # until up.py installs its own handlers, SIGTERM interrupts like Ctrl-C: the finally below stops the store
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    store = network_store(Path(os.environ["KCAAS_VAR_DIR"]) / "network-store")  # not started yet: stop() is safe
     try:
+        if store is not None:
+            start_network_store(store)
         return up.main(["--agents", os.environ.get("KCAAS_AGENTS") or "2", "--require-services", *argv])
     finally:
         if store is not None:
             store.stop()
 
 
-def start_network_store(workdir: Path):
-    """The network tier's store for the agents (the started StoreServices), or None when the user's own is configured
-    or the `network` extra is not installed. Its endpoints go into os.environ, which up.py's children inherit."""
-    from gpu_node.store_services import MASTER_ENV, MIB, StoreServices, StoreStartError, mooncake_importable
+def network_store(workdir: Path):
+    """The network tier's store for the agents (a StoreServices, not started), or None when the user's own is
+    configured or the `network` extra is not installed (said on stdout)."""
+    from gpu_node.store_services import MASTER_ENV, MIB, StoreServices, mooncake_importable
 
     if os.environ.get(MASTER_ENV):
         print(f"network store   {os.environ[MASTER_ENV]} (KCAAS_NETWORK_STORE_MASTER: yours)", flush=True)
@@ -68,21 +73,30 @@ def start_network_store(workdir: Path):
         print("network store   none: the `network` extra is not installed (the agents run without it)", flush=True)
         return None
     segment = int(os.environ.get("KCAAS_NETWORK_STORE_SEGMENT_BYTES") or 256 * MIB)
-    store = StoreServices(workdir, segment_bytes=segment)
+    return StoreServices(workdir, segment_bytes=segment)
+
+
+def start_network_store(store) -> None:
+    """Starts the store and prints its line; its endpoints go into os.environ, which up.py's children inherit."""
+    from gpu_node.store_services import MIB, StoreStartError
+
     try:
         endpoints = store.start()
     except StoreStartError as error:
         raise SystemExit(f"make cluster: the network store did not start: {error}") from None
     os.environ.update(endpoints.env())
-    os.environ.setdefault("KCAAS_NETWORK_STORE_BYTES", str(segment))
+    os.environ.setdefault("KCAAS_NETWORK_STORE_BYTES", str(store.segment_bytes))
     print(
         f"network store   master {endpoints.master}, metadata {endpoints.metadata_url}, metrics "
-        f"http://127.0.0.1:{endpoints.metrics_port}/metrics; one store server, {segment // MIB} MiB "
-        f"(store pids master={endpoints.master_pid} store-server-0={endpoints.store_server_pids[0]}; logs {workdir})",
+        f"http://127.0.0.1:{endpoints.metrics_port}/metrics; one store server, {store.segment_bytes // MIB} MiB "
+        f"(store pids master={endpoints.master_pid} store-server-0={endpoints.store_server_pids[0]}; "
+        f"logs {store.workdir})",
         flush=True,
     )
-    return store
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    try:
+        raise SystemExit(main(sys.argv[1:]))
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM before up.py's handlers: everything started is stopped
+        raise SystemExit(130) from None

@@ -34,7 +34,16 @@ import kcaas
 from kcaas.dataplane import DataPlaneClient
 from kcaas.tokens import TokenSource
 from tests.e2e.cluster_support import LEASE_SECONDS, SPEC, admin_url, own_services, running_cluster, staff_call
-from tests.e2e.up_support import REPO, assert_all_gone, reported_pids
+from tests.e2e.up_support import (
+    REPO,
+    assert_all_gone,
+    assert_session_gone,
+    kill_session,
+    reported_pids,
+    start_script,
+)
+
+NETWORK_STORE_ENV = {"KCAAS_NETWORK_STORE_MASTER", "KCAAS_NETWORK_STORE_METADATA"}  # set: cluster.py starts no store
 
 CACHE_BYTES = 160 * SPEC.block_bytes  # more than half a node: two caches cannot share one
 DATABASE = f"kcaas_cluster_it_{os.getpid()}"  # two runs on one machine never share (or drop) one database
@@ -148,6 +157,27 @@ def test_by_default_a_dead_agent_stops_the_whole_cluster(tmp_path, cluster_servi
         cluster.stderr_file.seek(0)
         assert "agent-2 stopped: stopping the rest" in cluster.stderr_file.read()
         assert_all_gone(pids)
+
+
+def test_sigterm_before_the_banner_stops_the_network_store(tmp_path, cluster_services):
+    """The store starts first: a SIGTERM before up.py is up still stops its processes (nothing of the session is
+    left), and the script exits 130 without a traceback."""
+    env = {k: v for k, v in os.environ.items() if k not in {"DJANGO_SETTINGS_MODULE", *NETWORK_STORE_ENV}}
+    env.update(cluster_services, KCAAS_VAR_DIR=str(tmp_path / "var"))
+    with open(tmp_path / "cluster.stderr", "w+") as stderr:
+        cluster = start_script("cluster.py", env, stderr)
+        try:
+            line = cluster.stdout.readline()
+            store_pids = {name: int(pid) for name, pid in re.findall(r"(\S+)=(\d+)", line.split("store pids", 1)[1])}
+            assert set(store_pids) == {"master", "store-server-0"}, line
+            cluster.send_signal(signal.SIGTERM)
+            assert cluster.wait(timeout=60) == 130
+        finally:
+            kill_session(cluster)
+        stderr.seek(0)
+        assert "Traceback" not in stderr.read()
+    assert_all_gone(store_pids)
+    assert_session_gone(cluster)
 
 
 def test_bootstrap_only_makes_what_the_compose_agents_read(tmp_path, cluster_services):
