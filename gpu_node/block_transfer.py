@@ -104,6 +104,24 @@ def _not_ours(engine: PagedKVCache, parent: bytes, key: bytes, full: bool, token
     return full and engine.chained_hash(parent, tokens) != bytes(key)
 
 
+def network_held(engine: PagedKVCache, metas: list[BlockMeta]) -> list[BlockMeta]:
+    """The full blocks among `metas` that the engine's network tier has stored (not merely queued: its writes are
+    flushed first): a migration target with the same keys reads them from the store instead of the wire."""
+    network = engine.tiers.network if engine.tiers is not None else None
+    if network is None:
+        return []
+    network.flush()
+    return [meta for meta in metas if meta.full and network.is_stored(meta.key)]
+
+
+def adopt_network_blocks(engine: PagedKVCache, metas: list[BlockMeta]) -> int:
+    """Migration target: of the full blocks a source says the network store holds, those named h(parent || tokens)
+    under this cache's key and confirmed by the store join this engine's network tier (index and lineage), so the
+    next K lists them and the sender skips them. Returns how many joined."""
+    ours = [meta for meta in metas if not _not_ours(engine, meta.parent, meta.key, True, meta.tokens)]
+    return engine.adopt_network_blocks([(meta.parent, meta.key, meta.tokens) for meta in ours])
+
+
 def insert_block(
     engine: PagedKVCache, parent: bytes, key: bytes, full: bool, tokens: np.ndarray, checksum: int, data: memoryview
 ) -> str:

@@ -123,6 +123,23 @@ class TierOperations:
         if wanted and not network.flush():
             network.num_write_through_timeouts += 1
 
+    def adopt_network_blocks(self, entries: list[tuple[bytes, bytes, np.ndarray]]) -> int:
+        """Without the cache lock: full blocks (parent, key, tokens) another node says the network store holds; those
+        the store confirms join the network tier's index with their lineage. Returns how many the tier holds now."""
+        if self._tiers is None or self._tiers.network is None or not entries:
+            return 0
+        network = self._tiers.network
+        network.probe([key for _, key, _ in entries])
+        held = 0
+        with self._lock:
+            self._check_not_purged()
+            for parent, key, tokens in entries:
+                if network.contains(key):
+                    if key not in self._tiers.lineage:
+                        self._tiers.lineage.add(key, parent, tokens)
+                    held += 1
+        return held
+
     def _probe_network(self, tokens: np.ndarray, chain: BlockChain | None = None) -> None:
         """Without the cache lock: have the network tier learn which blocks of the chain after the device prefix the
         store holds (one batched question), so the lookup/promotion under the lock sees them."""

@@ -8,8 +8,13 @@ from gpu_node.identity.NodeIdentity (server_context()/client_context()) or, in t
 Protocol (after the handshake; every message is 1 type byte + 4-byte little-endian length + body):
     sender -> target  H  JSON {"migration_id", "cache_id", "epoch"}        target -> sender  K  the keys it holds
     sender -> target  B  BLOCK_HEAD (parent, key, full, n tokens, checksum) + tokens int32 + stored bytes
+    sender -> target  N  NET_HEAD (parent, key, n tokens) + tokens int32, repeated: full blocks the fleet's network
+                         store holds (the source's network tier stored them); the target adopts those the store
+                         confirms                                           target -> sender  K  the keys it holds
     sender -> target  Y  sync                                               target -> sender  K  the keys it holds
     target -> sender  E  JSON {"error"} and close (unknown migration, wrong peer, bad block)
+A source with a network tier announces (N) the blocks the store holds right after the first K, so only the blocks
+the store lacks cross the wire; the target reads the others from the store when they are asked for.
 Resumable: the target inserts every verified block as it arrives, and every K lists what it holds, so a sender that
 (re)connects after either side was cut skips verified blocks. A block whose checksum does not match is refused
 (counted in `stats["checksum_failures"]`), is absent from the next K, and is sent again.
@@ -39,6 +44,7 @@ from gpu_node.zeroing import zero
 log = logging.getLogger("kcaas.node.migration")
 MSG_HEAD = struct.Struct("<cI")
 BLOCK_HEAD = struct.Struct("<16s16s?IQ")  # parent, key, full, num tokens, checksum
+NET_HEAD = struct.Struct("<16s16sI")  # parent, key, num tokens
 MAX_CONTROL_BYTES = 64 << 20
 
 
@@ -112,6 +118,30 @@ def _send_msg(sock, kind: bytes, body: bytes = b"") -> None:
 
 def _keys_from(body: bytes) -> set[bytes]:
     return {bytes(body[i : i + HASH_NUM_BYTES]) for i in range(0, len(body), HASH_NUM_BYTES)}
+
+
+def _network_blocks_body(metas: list[bt.BlockMeta]) -> bytes:
+    parts = []
+    for meta in metas:
+        tokens = np.ascontiguousarray(meta.tokens, dtype="<i4")
+        parts.append(NET_HEAD.pack(meta.parent, meta.key, len(tokens)) + tokens.tobytes())
+    return b"".join(parts)
+
+
+def _network_blocks_from(body: bytes, block_size: int) -> list[bt.BlockMeta]:
+    """The N message's entries; MigrationError for a malformed one (a token count over the block size, a short body)."""
+    metas, at = [], 0
+    while at < len(body):
+        if len(body) - at < NET_HEAD.size:
+            raise MigrationError("a truncated network block entry")
+        parent, key, num_tokens = NET_HEAD.unpack_from(body, at)
+        at += NET_HEAD.size
+        if num_tokens != block_size or len(body) - at < 4 * num_tokens:
+            raise MigrationError("a network block entry that is not one full block")
+        tokens = np.frombuffer(body, dtype="<i4", count=num_tokens, offset=at).copy()
+        at += 4 * num_tokens
+        metas.append(bt.BlockMeta(-1, parent, key, True, tokens, lower=True))
+    return metas
 
 
 # ---- the target's listener ----------------------------------------------------------------------------------------
@@ -256,7 +286,10 @@ class MigrationListener:
         try:
             while True:
                 kind, body, length = _recv_msg(sock)
-                if kind == b"Y":
+                if kind == b"N":
+                    bt.adopt_network_blocks(engine, _network_blocks_from(body, engine.block_size))
+                    _send_msg(sock, b"K", b"".join(bt.held_keys(engine)))
+                elif kind == b"Y":
                     if journal is not None:
                         journal.sync()  # what K lists survives a SIGKILL of this process
                     _send_msg(sock, b"K", b"".join(bt.held_keys(engine)))
@@ -308,6 +341,7 @@ class SenderStats:
     rounds: int = 0
     connects: int = 0
     keys_sent: list = field(default_factory=list)  # every block key sent, in order (tests count resends)
+    blocks_from_network: int = 0  # blocks the target adopted from the network store instead of the wire
 
 
 class MigrationSender:
@@ -375,7 +409,14 @@ class MigrationSender:
     def _hello(self, sock) -> set[bytes]:
         body = json.dumps({"migration_id": self.migration_id, "cache_id": self.cache_id, "epoch": self.epoch})
         _send_msg(sock, b"H", body.encode())
-        return self._keys(sock)
+        have = self._keys(sock)
+        announced = bt.network_held(self.engine, [m for m in bt.snapshot(self.engine) if m.key not in have])
+        if not announced:
+            return have
+        _send_msg(sock, b"N", _network_blocks_body(announced))
+        have = self._keys(sock)
+        self.stats.blocks_from_network = sum(meta.key in have for meta in announced)
+        return have
 
     def _keys(self, sock) -> set[bytes]:
         kind, body, _ = _recv_msg(sock)

@@ -88,6 +88,10 @@ class NetworkTier:
     def __len__(self) -> int:
         return len(self._index) + len(self._pending)
 
+    def is_stored(self, block_hash: bytes) -> bool:
+        """In the store (as far as this tier knows), not merely queued for it."""
+        return block_hash in self._index
+
     def hashes(self) -> list[bytes]:
         with self._lock:
             return list(self._index) + list(self._pending)

@@ -14,6 +14,7 @@ from gpu_node.block_hash import tokens_as_int32
 from gpu_node.network_tier import NetworkTier, object_names
 from gpu_node.object_store import GuardedStore, MooncakeObjectStore
 from gpu_node.tiers import LowerTiers
+from tests.gpu_node.test_migration_transfer import pki  # noqa: F401 (fixture)
 from tests.waiting import eventually
 
 from .kv_fixtures import prefix_kv, tiny_cache
@@ -235,3 +236,43 @@ def test_a_detach_keeps_the_objects_for_the_next_node_unless_the_cache_is_delete
     assert served_exact(provision(2).engine, tokens) == 16
     assert registry.detach(cache_id="c-net", epoch=2, forget_network=True)  # deleted: they go
     assert provision(3).engine.lookup(tokens) == 0
+
+
+def test_a_migration_sends_only_the_blocks_the_network_store_lacks(store, pki):  # noqa: F811
+    from gpu_node import block_transfer as bt
+    from gpu_node.registry import CacheRegistry
+    from tests.gpu_node.test_migration_transfer import KEY, listener_for, sender_for
+
+    spec = tiny_cache(num_blocks=1).spec
+    data_key = os.urandom(32)
+    capacity = {"device": 64 * spec.block_bytes, "network": 256 * spec.block_bytes}
+    engines = []
+    for epoch, write_through in ((1, True), (2, False)):
+        registry = CacheRegistry(device_capacity_bytes=1 << 26, device="cpu", network_store=store)
+        hosted = registry.provision(
+            cache_id="c1",  # the name the migration helpers expect (its objects are named by data_key)
+            spec=spec,
+            capacity=capacity,
+            hash_key=KEY,
+            epoch=epoch,
+            ssd_key=data_key,
+            network_write_through=write_through,
+        )
+        engines.append((registry, hosted.engine))
+    (_, source), (target_registry, target) = engines
+    stored = [seq(16, 15000 + 100 * i) for i in range(4)]  # written through: in the store
+    for tokens in stored:
+        put(source, tokens)
+    source.tiers.network.write_through = False
+    local_only = seq(18, 16000)  # 4 full blocks and a tail the store never got
+    put(source, local_only)
+    listener = listener_for(target_registry, pki)
+    try:
+        stats = sender_for(source, listener, pki["src"]).run()
+    finally:
+        listener.stop()
+    assert stats.blocks_from_network == 16
+    assert stats.blocks_sent == 5  # the local-only sequence's 4 full blocks and its tail
+    assert {m.key for m in bt.snapshot(target)} == {m.key for m in bt.snapshot(source)}
+    for tokens in stored + [local_only]:
+        assert served_exact(target, tokens) == len(tokens)
