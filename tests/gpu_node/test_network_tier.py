@@ -276,3 +276,30 @@ def test_a_migration_sends_only_the_blocks_the_network_store_lacks(store, pki): 
     assert {m.key for m in bt.snapshot(target)} == {m.key for m in bt.snapshot(source)}
     for tokens in stored + [local_only]:
         assert served_exact(target, tokens) == len(tokens)
+
+
+def test_erasure_of_a_tenant_leaves_no_object_of_its_caches(store, network_store):
+    from gpu_node.registry import CacheRegistry
+
+    registry = CacheRegistry(device_capacity_bytes=1 << 26, device="cpu", network_store=store)
+    spec = tiny_cache(num_blocks=1).spec
+    names = []
+    for cache_id, tenant in (("erased-1", "t-erased"), ("erased-2", "t-erased"), ("kept", "t-kept")):
+        keys = Keys()
+        engine_of = registry.provision(
+            cache_id=cache_id,
+            spec=spec,
+            capacity={"device": 64 * spec.block_bytes, "network": 64 * spec.block_bytes},
+            hash_key=keys.hash_key,
+            epoch=1,
+            tenant_id=tenant,
+            ssd_key=keys.data_key,
+            network_write_through=True,
+        ).engine
+        put(engine_of, seq(16, 17000))  # the same prompt in every cache
+        names.append([object_names(keys.data_key)(h) for h in engine_of.tiers.network.hashes()])
+    raw = MooncakeObjectStore(network_store.master, network_store.metadata_url)
+    assert all(all(raw.exists(cache_names)) for cache_names in names)
+    assert {entry["cache_id"] for entry in registry.purge_tenant("t-erased")} == {"erased-1", "erased-2"}
+    assert not any(raw.exists(names[0] + names[1]))
+    assert all(raw.exists(names[2]))  # another tenant's identical prompt is untouched
