@@ -127,6 +127,7 @@ def _show_cache(cache) -> str:
         ("epoch", cache.epoch),
         ("contents", _contents(cache)),
         ("capacity", ", ".join(f"{tier} {human_bytes(b)}" for tier, b in cache.capacity.items() if b) or "-"),
+        ("write-through", "network" if cache.network_write_through else "-"),
         ("block bytes", cache.block_bytes),
         ("model", spec.model_fingerprint if spec else "-"),
         ("layout", layout),
@@ -153,9 +154,19 @@ def _progress(out: Out, name: str) -> Callable[[Any], None]:
 def cmd_attach(client, args, out: Out) -> None:
     spec = _spec_from_args(args)
     capacity = {"device": args.device_bytes, "dram": args.dram_bytes, "ssd": args.ssd_bytes}
+    if args.network_bytes:
+        capacity["network"] = args.network_bytes
     progress = None if args.no_wait or out.json_mode else _progress(out, args.name)
     try:
-        cache = client.attach(args.name, spec, capacity, wait=not args.no_wait, timeout=args.timeout, progress=progress)
+        cache = client.attach(
+            args.name,
+            spec,
+            capacity,
+            wait=not args.no_wait,
+            timeout=args.timeout,
+            progress=progress,
+            network_write_through=args.network_write_through,
+        )
     finally:
         if progress is not None and out.interactive:
             out.note("\r\x1b[K", end="")
@@ -172,10 +183,10 @@ def cmd_ls(client, args, out: Out) -> None:
         rows = [[short[c.id], c.name, c.state, c.endpoint, human_bytes(c.capacity.get("device"))] for c in shown]
         if not args.wide:
             return table(headers, rows, elidable=("NAME", "ENDPOINT"))
-        headers += ["DRAM", "SSD", "CREATED"]
+        headers += ["DRAM", "SSD", "NETWORK", "CREATED"]
         for row, c in zip(rows, shown):
             row[0] = c.id
-            row += [human_bytes(c.capacity.get("dram")), human_bytes(c.capacity.get("ssd")), when(c.created_at)]
+            row += [human_bytes(c.capacity.get(tier)) for tier in ("dram", "ssd", "network")] + [when(c.created_at)]
         return table(headers, rows, width=None)
 
     out.result(shown, human)
@@ -192,6 +203,11 @@ def cmd_show(client, args, out: Out) -> None:
 def cmd_detach(client, args, out: Out) -> None:
     cache = client.detach(cache_id(client, args.cache), wait=args.wait, timeout=args.timeout)
     out.result(cache, lambda: f"{cache.id} {cache.name}: {cache.state}")
+
+
+def cmd_recover(client, args, out: Out) -> None:
+    cache = client.recover(cache_id(client, args.cache), wait=args.wait, timeout=args.timeout)
+    out.result(cache, lambda: f"{cache.id} {cache.name}: {cache.state} on node {cache.node_id} (epoch {cache.epoch})")
 
 
 def cmd_token(client, args, out: Out) -> None:
@@ -313,6 +329,14 @@ def _parser() -> argparse.ArgumentParser:
     attach.add_argument("--device-bytes", type=parse_bytes, required=True, metavar="N", help="e.g. 2GiB")
     attach.add_argument("--dram-bytes", type=parse_bytes, default=0, metavar="N")
     attach.add_argument("--ssd-bytes", type=parse_bytes, default=0, metavar="N")
+    attach.add_argument(
+        "--network-bytes", type=parse_bytes, default=0, metavar="N", help="the fleet's network store (outlives a node)"
+    )
+    attach.add_argument(
+        "--network-write-through",
+        action="store_true",
+        help="acknowledge a put once its full blocks are in the network store (needs --network-bytes)",
+    )
     attach.add_argument("--no-wait", action="store_true", help="return once provisioning has started")
     attach.add_argument("--timeout", type=float, default=60.0, metavar="S", help="seconds to wait (default 60)")
 
@@ -326,6 +350,12 @@ def _parser() -> argparse.ArgumentParser:
     detach.add_argument("cache", help=cache_help)
     detach.add_argument("--wait", action="store_true", help="wait until it is detached")
     detach.add_argument("--timeout", type=float, default=60.0, metavar="S")
+    recover = command(
+        commands, "recover", cmd_recover, "re-place a cache whose node was lost, from its network tier (node_lost)"
+    )
+    recover.add_argument("cache", help=cache_help)
+    recover.add_argument("--wait", action="store_true", help="wait until it is ready again")
+    recover.add_argument("--timeout", type=float, default=60.0, metavar="S")
     token = command(commands, "token", cmd_token, "issue a data-plane token for a ready cache (printed on stdout)")
     token.add_argument("cache", help=cache_help)
     token.add_argument("--read-only", action="store_true", help="read access only (default: readwrite)")

@@ -1,5 +1,6 @@
 """kcaas.Client's caches and their data tokens: attach (and wait until ready), poll a cache's state, list, get,
-detach; issue and revoke the short-lived data-plane tokens of a cache."""
+detach, recover (a cache whose node was lost, from the network tier); issue and revoke the short-lived data-plane
+tokens of a cache."""
 
 from __future__ import annotations
 
@@ -27,13 +28,18 @@ class CacheMethods(RestTransport):
         timeout: float = 60.0,
         idempotency_key: str | None = None,
         progress: Callable[[Cache], None] | None = None,
+        network_write_through: bool = False,
     ) -> Cache:
         """Attach a cache (POST /caches) and, with `wait`, poll until it is `ready`. Raises CacheFailedError if
         provisioning failed (its `failure_reason` in the message; detach it to free the quota) and WaitTimeoutError
         (a TimeoutError) after `timeout` seconds. Retries are safe: one Idempotency-Key serves every attempt.
-        `progress(cache)` is called with the cache as first answered and after each poll (see wait_for)."""
+        `progress(cache)` is called with the cache as first answered and after each poll (see wait_for).
+        `capacity` may name "network" bytes (the fleet's network store); `network_write_through` acknowledges a put
+        only once its full blocks are in it (needs network bytes)."""
         spec_body = spec.to_dict() if isinstance(spec, KVCacheSpec) else dict(spec)
-        body = {"name": name, "spec": spec_body, "capacity": dict(capacity)}
+        body: dict[str, Any] = {"name": name, "spec": spec_body, "capacity": dict(capacity)}
+        if network_write_through:
+            body["network_write_through"] = True
         key = idempotency_key or f"kcaas-{uuid.uuid4()}"
         cache = Cache.from_json(self._request("POST", f"{API_PREFIX}/caches", json_body=body, idempotency_key=key).body)
         if not wait:
@@ -83,6 +89,17 @@ class CacheMethods(RestTransport):
         cache = Cache.from_json(self._request("DELETE", f"{API_PREFIX}/caches/{_segment(cache_id)}").body)
         if wait and cache.state != "detached":
             return self.wait_for(cache.id, "detached", timeout=timeout, current=cache)
+        return cache
+
+    def recover(self, cache_id: str, *, wait: bool = False, timeout: float = 60.0) -> Cache:
+        """Recover a cache whose node was lost (failed, node_lost) from the network tier: it is placed on another
+        node at a new epoch (POST /caches/{id}/recover) and, with `wait`, polled until `ready`. 409
+        (ConflictError) with code cache_not_node_lost or cache_without_network_tier when there is nothing to
+        recover. Not retried blindly: a second call on a recovered cache is a 409, never a second placement."""
+        path = f"{API_PREFIX}/caches/{_segment(cache_id)}/recover"
+        cache = Cache.from_json(self._request("POST", path, json_body={}).body)
+        if wait and cache.state != "ready":
+            return self.wait_for(cache.id, "ready", timeout=timeout, current=cache)
         return cache
 
     def issue_token(self, cache_id: str, *, access: str = "read", ttl_seconds: int | None = None) -> DataToken:

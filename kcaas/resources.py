@@ -49,7 +49,8 @@ class Cache:
     state: str
     tenant_id: str | None = None
     spec: KVCacheSpec | None = None
-    capacity: Mapping[str, int] = field(default_factory=dict)
+    capacity: Mapping[str, int] = field(default_factory=dict)  # device, dram, ssd, network (the fleet's store)
+    network_write_through: bool = False  # puts are acknowledged once their full blocks are in the network store
     block_bytes: int | None = None
     failure_reason: str = ""
     node_id: str | None = None

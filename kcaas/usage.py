@@ -12,6 +12,7 @@ QUOTA_PAIRS = (
     ("device_bytes", "max_device_bytes"),
     ("dram_bytes", "max_dram_bytes"),
     ("ssd_bytes", "max_ssd_bytes"),
+    ("network_bytes", "max_network_bytes"),  # the fleet's network store
     ("data_tokens_outstanding", "max_data_tokens_outstanding"),
     ("api_keys", "max_api_keys"),
 )

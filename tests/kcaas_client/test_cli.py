@@ -59,7 +59,7 @@ def test_attach_waits_showing_each_state_then_ls_show_token_detach(make_tenant, 
     code, out, _ = cli(key, "show", cache_id, "--json")
     body = json.loads(out)
     assert code == 0 and body["id"] == cache_id and body["state"] == "ready" and body["spec"] == SPEC
-    assert body["capacity"] == {"device": 128 * 1024, "dram": 0, "ssd": 0}
+    assert body["capacity"] == {"device": 128 * 1024, "dram": 0, "ssd": 0, "network": 0}
 
     code, out, err = cli(key, "token", cache_id, "--read-only", "--ttl", "120")
     assert code == 0 and out.strip().count(".") == 2  # a JWT alone on stdout, for $(kcaas token ...)
@@ -99,7 +99,7 @@ def test_attach_from_a_spec_file_and_the_environment_without_waiting(
     body = json.loads(out)
     assert code == 0 and err == "" and body["state"] == "provisioning"
     assert body["spec"] == {**SPEC, "block_size": 32, "head_dim": 16}  # flags override the file's fields
-    assert body["capacity"] == {"device": 1 << 20, "dram": 2 << 20, "ssd": 0}
+    assert body["capacity"] == {"device": 1 << 20, "dram": 2 << 20, "ssd": 0, "network": 0}
 
 
 def test_on_a_terminal_attach_shows_a_spinner_and_clears_it(make_tenant, node, cli, capsys, monkeypatch):
@@ -166,7 +166,12 @@ def test_usage_shows_limits_against_use_in_human_bytes(make_tenant, node, sdk, c
     code, out, _ = cli(handle.raw_key, "usage", "--json")
     body = json.loads(out)
     assert body["tenant_id"] == str(handle.tenant.pk) and body["used"]["device_bytes"] == 256 * BLOCK_BYTES
-    assert body["limits"]["max_caches"] == 4 and set(body["resident"]) == {"device_bytes", "dram_bytes", "ssd_bytes"}
+    assert body["limits"]["max_caches"] == 4 and set(body["resident"]) == {
+        "device_bytes",
+        "dram_bytes",
+        "ssd_bytes",
+        "network_bytes",
+    }
 
 
 def test_api_errors_exit_1_with_code_message_and_hint(make_tenant, cli):

@@ -121,7 +121,17 @@ def test_keys_by_name_ambiguous_names_and_tables_within_100_columns(make_tenant,
     code, out, _ = cli(admin, "keys", "ls", "--wide")
     assert code == 0 and made[2].id in out and long_key_name in out and not _lines_fit(out)
     code, out, _ = cli(admin, "ls", "--wide")
-    assert code == 0 and LONG_NAME in out and out.splitlines()[0].split()[-3:] == ["DRAM", "SSD", "CREATED"]
+    assert (
+        code == 0
+        and LONG_NAME in out
+        and out.splitlines()[0].split()[-4:]
+        == [
+            "DRAM",
+            "SSD",
+            "NETWORK",
+            "CREATED",
+        ]
+    )
 
 
 def test_no_capacity_shows_what_was_asked_what_is_free_and_the_servers_hint(make_tenant, node, cli):  # noqa: F811

@@ -37,7 +37,7 @@ def test_attach_waits_ready_then_list_get_token_detach(make_tenant, node, sdk):
     cache = client.attach("chat", KVCacheSpec(**SPEC), CAPACITY, timeout=20)
     assert cache.is_ready and cache.endpoint == node.endpoint and cache.node_id == str(node.pk)
     assert cache.spec == KVCacheSpec(**SPEC) and cache.block_bytes == BLOCK_BYTES
-    assert cache.capacity == {"device": 64 * BLOCK_BYTES, "dram": 0, "ssd": 0} and cache.epoch == 1
+    assert cache.capacity == {"device": 64 * BLOCK_BYTES, "dram": 0, "ssd": 0, "network": 0} and cache.epoch == 1
 
     assert [c.id for c in client.list_caches()] == [cache.id]
     assert client.get_cache(cache.id) == cache

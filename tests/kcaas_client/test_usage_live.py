@@ -36,11 +36,12 @@ def test_usage_follows_attach_tokens_and_detach(make_tenant, node, sdk):
         "device_bytes": 64 * BLOCK_BYTES,
         "dram_bytes": 32 * BLOCK_BYTES,
         "ssd_bytes": 0,
+        "network_bytes": 0,
         "data_tokens_outstanding": 1,
         "api_keys": 1,
     }
     assert used.remaining()["device_bytes"] == (1024 - 64) * BLOCK_BYTES
-    assert set(used.resident) == {"device_bytes", "dram_bytes", "ssd_bytes"}
+    assert set(used.resident) == {"device_bytes", "dram_bytes", "ssd_bytes", "network_bytes"}
 
     client.detach(cache.id, wait=True, timeout=20)
     after = client.usage()
