@@ -44,7 +44,14 @@ def read(url: str) -> str:
 
 
 @pytest.fixture
-def exported(agent_process, live_server, make_tenant):  # noqa: F811
+def network_store_env(network_store, monkeypatch):
+    """The agent under test gets the fleet's network store (its client's metrics are exported only then)."""
+    for name, value in network_store.env().items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.fixture
+def exported(network_store_env, agent_process, live_server, make_tenant):  # noqa: F811
     """Every series name the live control plane and the live node agent (hosting one cache) expose."""
     _, _, metrics_port = agent_process
     tenant = make_tenant()
