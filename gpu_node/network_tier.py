@@ -137,7 +137,7 @@ class NetworkTier:
             if self._store.healthy:  # gone from the store (a fault keeps the entry: the store may come back)
                 self._forget(block_hash)
             return None
-        decoded = ssd_records.decode(self._aead, record, 0, aad_prefix=AAD_PREFIX + name.encode())
+        decoded = ssd_records.decode(self._aead, memoryview(record), 0, aad_prefix=AAD_PREFIX + name.encode())
         if decoded is None or decoded[0] != block_hash or decoded[2] != len(record):
             if decoded is not None:
                 zero(decoded[1])
