@@ -59,12 +59,13 @@ def _widths(page, selector: str) -> list[float]:
 def test_bars_of_one_table_have_one_width_and_empty_tiers_are_not_bars(signed_in):
     page, _ = signed_in(roles.READ_ONLY)
     tenant = make_tenant("bars-tenant")
-    tenant_services.quota_update(tenant=tenant, max_device_bytes=1024 * GIB, max_dram_bytes=3 * GIB, max_ssd_bytes=0)
+    limits = {"max_device_bytes": 1024 * GIB, "max_dram_bytes": 3 * GIB, "max_ssd_bytes": 0, "max_network_bytes": 0}
+    tenant_services.quota_update(tenant=tenant, **limits)
     make_node("bars-a", device=80 * GIB, dram=512 * GIB, ssd=0)
     make_node("bars-b-with-a-longer-name", device=8 * GIB, dram=0, ssd=4096 * GIB)
     page.goto(page.base + f"/console/tenants/{tenant.pk}/")
     widths = _widths(page, "#tenant-usage meter")
-    assert len(widths) == 4 and len(set(widths)) == 1, widths  # device, DRAM, caches, tokens; SSD has no limit
+    assert len(widths) == 4 and len(set(widths)) == 1, widths  # device, DRAM, caches, tokens; SSD, network: no limit
     assert "none allowed" in page.locator("#tenant-usage").inner_text()
     page.goto(page.base + "/console/nodes/")
     widths = _widths(page, "#nodes-table meter")
