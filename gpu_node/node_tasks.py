@@ -17,7 +17,6 @@ node does not hold is not answered (the control plane re-sends the order under t
 
 from __future__ import annotations
 
-import inspect
 import logging
 from typing import Any
 
@@ -55,7 +54,7 @@ HASH_KEY_BYTES = 32
 # lost until some other consumer swept it). Visible again after 15 minutes: longer than any one node task runs.
 REDIS_REDELIVERY = {"visibility_timeout": 900, "polling_interval": 5, "unacked_restore_throttle": 1}
 SSD_KEY_BYTES = 32
-NETWORK_WRITE_THROUGH_UNSUPPORTED = "network_write_through_unsupported"  # a registry without a network tier
+NETWORK_WRITE_THROUGH_UNSUPPORTED = "network_write_through_unsupported"  # a node without a network store
 MIGRATION_UNAVAILABLE = "migration_unavailable"  # the reason a node without a migration listener refuses a move
 # How long an answer waits for the broker: about three minutes of reconnecting, at most 5 s apart.
 ANSWER_RETRY_POLICY = {"max_retries": 40, "interval_start": 0.5, "interval_step": 0.5, "interval_max": 5}
@@ -116,10 +115,11 @@ def provision(
     network_write_through: bool = False,
 ):
     """(ok, reason) for one provisioning request with its keys already opened; never raises for a bad request (it
-    is answered as failed). `network_write_through` goes to the registry as the keyword of that name."""
+    is answered as failed). A cache with write-through is refused by a node without a network store
+    (NETWORK_WRITE_THROUGH_UNSUPPORTED: its puts' durability could not be kept); one with network capacity alone is
+    provisioned without the tier there."""
     try:
-        extra = _write_through_keyword(registry, network_write_through)
-        if extra is None:
+        if network_write_through and registry.network_store is None:
             return False, NETWORK_WRITE_THROUGH_UNSUPPORTED
         layout = KVCacheSpec.from_dict(spec)
         if not isinstance(hash_key, bytes) or len(hash_key) != HASH_KEY_BYTES:
@@ -134,7 +134,7 @@ def provision(
             epoch=int(epoch),
             tenant_id=tenant_id,
             ssd_key=ssd_key,
-            **extra,
+            network_write_through=bool(network_write_through),
         )
     except SpecError:
         return False, "invalid_spec"
@@ -146,16 +146,6 @@ def provision(
         logger.warning("provisioning %s failed: %s", cache_id, error)
         return False, "allocation_failed"
     return True, ""
-
-
-def _write_through_keyword(registry: CacheRegistry, network_write_through: bool) -> dict[str, bool] | None:
-    """The keyword `registry.provision` gets for write-through: `network_write_through=...` when it takes that
-    keyword (CacheRegistry.provision(..., network_write_through: bool = False)); {} from a registry that does not
-    yet, for a cache without write-through; None (refuse the order) for one with it: a put acknowledged before its
-    blocks are in the network store would break the promise write-through makes."""
-    if "network_write_through" in inspect.signature(registry.provision).parameters:
-        return {"network_write_through": bool(network_write_through)}
-    return None if network_write_through else {}
 
 
 def refusal_answer(

@@ -1,10 +1,12 @@
-"""gpu_node.node_tasks.provision passes a cache's network_write_through to the registry as the keyword of that name
-(CacheRegistry.provision(..., network_write_through: bool = False)); a registry that does not take the keyword yet
-provisions a cache without write-through as before and refuses one with it (its promise could not be kept)."""
+"""gpu_node.node_tasks.provision with the network tier's fields, on real registries: a node with a network store
+provisions the tier with the cache's write-through; a node without one provisions network capacity without the tier
+but refuses write-through (a put's durability promise could not be kept there)."""
 
 from __future__ import annotations
 
 from gpu_node.node_tasks import NETWORK_WRITE_THROUGH_UNSUPPORTED, provision
+from gpu_node.object_store import GuardedStore, MooncakeObjectStore
+from gpu_node.registry import CacheRegistry
 from kcaas.spec import KVCacheSpec
 
 SPEC = KVCacheSpec(
@@ -19,44 +21,28 @@ SPEC = KVCacheSpec(
 CAPACITY = {"device": 4 * SPEC.block_bytes, "dram": 0, "ssd": 0, "network": 8 * SPEC.block_bytes}
 
 
-class Recording:
-    """A registry's provision signature, recording what it was given (the node's registry has its own tests)."""
-
-    def __init__(self) -> None:
-        self.calls: list[dict] = []
-
-    def provision(
-        self, *, cache_id, spec, capacity, hash_key, epoch, tenant_id="", ssd_key=None, network_write_through=False
-    ):
-        self.calls.append({"cache_id": cache_id, "capacity": capacity, "network_write_through": network_write_through})
-
-
-class Older:
-    """A registry from before the network tier: no network_write_through keyword."""
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    def provision(self, *, cache_id, spec, capacity, hash_key, epoch, tenant_id="", ssd_key=None):
-        self.calls.append(cache_id)
-
-
-def _provision(registry, write_through: bool):
+def _provision(registry, cache_id: str, write_through: bool):
     return provision(
-        registry, "c", SPEC.to_dict(), CAPACITY, b"k" * 32, 1, "t", b"s" * 32, network_write_through=write_through
+        registry, cache_id, SPEC.to_dict(), CAPACITY, b"k" * 32, 1, "t", b"s" * 32, network_write_through=write_through
     )
 
 
-def test_the_flag_reaches_the_registry_as_its_keyword():
-    registry = Recording()
-    assert _provision(registry, True) == (True, "")
-    assert _provision(registry, False) == (True, "")
-    assert [call["network_write_through"] for call in registry.calls] == [True, False]
-    assert registry.calls[0]["capacity"]["network"] == 8 * SPEC.block_bytes
+def test_a_node_with_a_store_provisions_the_tier_with_the_caches_write_through(network_store):
+    store = GuardedStore(MooncakeObjectStore(network_store.master, network_store.metadata_url))
+    registry = CacheRegistry(device_capacity_bytes=1 << 24, device="cpu", network_store=store)
+    try:
+        assert _provision(registry, "through", True) == (True, "")
+        assert _provision(registry, "behind", False) == (True, "")
+        through, behind = (registry.get(c).engine.tiers.network for c in ("through", "behind"))
+        assert through.write_through and not behind.write_through
+        assert through.capacity_bytes == behind.capacity_bytes == 8 * SPEC.block_bytes
+    finally:
+        store.close()
 
 
-def test_a_registry_without_the_keyword_refuses_write_through_only():
-    registry = Older()
-    assert _provision(registry, False) == (True, "")
-    assert _provision(registry, True) == (False, NETWORK_WRITE_THROUGH_UNSUPPORTED)
-    assert registry.calls == ["c"]
+def test_a_node_without_a_store_refuses_write_through_only():
+    registry = CacheRegistry(device_capacity_bytes=1 << 24, device="cpu")
+    assert _provision(registry, "behind", False) == (True, "")
+    assert registry.get("behind").engine.tiers is None  # no tier here: the node has no store
+    assert _provision(registry, "through", True) == (False, NETWORK_WRITE_THROUGH_UNSUPPORTED)
+    assert registry.get("through") is None
