@@ -12,6 +12,13 @@ from the page cache with posix_fadvise(DONTNEED) (after fsync, so the pages are 
 `*_pagecache_*` figures are the warm, RAM-served ones. On a virtual disk the "device" may itself be cached by the
 host: compare against disk_baseline_* (a plain write+fsync / cold read of the same bytes), measured side by side.
 SSD figures include AES-GCM and xxh3 work; the baseline has none.
+
+The network tier (bench/_network_tier.py, whose docstring defines each `network_*`, `raw_store_*` and
+`rebuild_after_node_loss_s_per_gib` figure): KCaaS's NetworkTier on a real Mooncake Store whose master and store
+server the bench starts (and stops) itself, against the store's own client (its faster of put/put_from and
+get/get_into a registered buffer) in interleaved rounds. Without the `mooncake` package those figures are null and
+`network_note` says why. Noise: on a small shared machine (2 busy cores, the store's processes among them) absolute
+figures move a lot between runs; compare the ratios (`*_vs_*`), measured side by side in one run.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import time
 
 import torch
 
+from bench._network_tier import FULL, QUICK, measure_network
 from gpu_node.checksum import block_checksum
 from gpu_node.paged_cache import PagedKVCache
 from gpu_node.ssd_store import SsdStore
@@ -167,15 +175,46 @@ def run(quick: bool, directory: str) -> dict:
             "cold reads drop the page cache with posix_fadvise(DONTNEED) first; *_pagecache_* figures are RAM reads; "
             "a virtual disk may still be cached by its host"
         )
+        results.update(measure_network(SPEC, workdir, QUICK if quick else FULL))
         results["loadavg_1min"] = os.getloadavg()[0]
         return results
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def network_rows(r: dict) -> list[tuple[str, str, str]]:
+    """The human table's network rows ("not measured" when the store is not installed)."""
+    if r["network_put_gbps"] is None:
+        return [("network tier", "not measured", r["network_note"])]
+    return [
+        (
+            "network tier put",
+            f"{r['network_put_gbps']:.2f} GB/s",
+            f"raw store {r['raw_store_put_gbps']:.2f} GB/s: x{r['network_put_vs_raw_store']:.2f}",
+        ),
+        (
+            "network tier get (verified)",
+            f"{r['network_get_gbps']:.2f} GB/s",
+            f"raw store {r['raw_store_get_gbps']:.2f} GB/s: x{r['network_vs_raw_store']:.2f}",
+        ),
+        (
+            "get, block in the network tier",
+            f"{r['network_hit_p50_ms']:.1f} ms p50",
+            f"p99 {r['network_hit_p99_ms']:.1f} ms",
+        ),
+        (
+            "rebuild after node loss",
+            f"{r['rebuild_after_node_loss_s_per_gib']:.2f} s/GiB",
+            "fresh node, same keys: lookup + get, bit-exact",
+        ),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="64 MiB and 30 gets per tier instead of 1 GiB and 200")
+    parser.add_argument(
+        "--quick", action="store_true", help="64 MiB and 30 gets per tier instead of 1 GiB and 200 (network: smaller)"
+    )
     parser.add_argument("--dir", default=os.path.join(os.getcwd(), "var", "bench-tiers"))
     args = parser.parse_args()
     torch.set_num_threads(min(4, os.cpu_count() or 1))
@@ -197,9 +236,10 @@ def main() -> None:
         ("get, block on SSD (cold)", f"{r['ssd_hit_p50_us']:.0f} us p50", f"p99 {r['ssd_hit_p99_us']:.0f} us"),
         ("get, block on SSD (page cache)", f"{r['ssd_pagecache_hit_p50_us']:.0f} us p50", "RAM-served file read"),
     ]
-    for name, value, note in rows:
+    for name, value, note in rows + network_rows(r):
         print(f"  {name:32s} {value:>16s}  {note}")
     print(f"  note: {r['page_cache_note']}")
+    print(f"  network: {r['network_note']}")
     print(json.dumps(r))
 
 

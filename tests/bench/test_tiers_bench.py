@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+from bench._network_tier import FIGURES as NETWORK_FIGURES
 from bench.tiers import drop_page_cache, run
 
 REQUIRED = (
@@ -35,6 +36,7 @@ def test_the_cli_prints_the_json_last(tmp_path):
     )
     last = json.loads(done.stdout.strip().splitlines()[-1])
     assert set(REQUIRED) <= set(last)
+    assert set(NETWORK_FIGURES) | {"network_note"} <= set(last)  # null when the store is not installed
 
 
 def test_drop_page_cache_leaves_file_contents_intact(tmp_path):

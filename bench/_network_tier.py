@@ -1,0 +1,289 @@
+"""The network tier's figures for bench/tiers.py: KCaaS's NetworkTier on a real Mooncake Store (a master and a store
+server started here by gpu_node.store_services, stopped at the end, also on error) against the store's own client.
+
+- `network_put_gbps`: payload bytes/s of N blocks stored through KCaaS (the copy LowerTiers.to_network makes, xxh3,
+  NetworkTier.store, then flush: AES-GCM sealing and the store's put on the tier's writer thread);
+- `network_get_gbps`: payload bytes/s of verified reads back (NetworkTier.fetch on a fresh tier with the same key
+  after its probe: another node's view; the probe's one batched exists() is not timed);
+- `raw_store_put_gbps` / `raw_store_get_gbps`: the same number of objects of the same size (the sealed record's
+  length), counted in the same payload bytes, through MooncakeDistributedStore itself, set up as KCaaS's client is
+  (no segment of its own, TCP, 64 MiB local buffer), measured in the same process, interleaved: puts batch by batch
+  (KCaaS queues a batch, then flushes), gets block by block, the order of the paths alternating (the store's segment
+  is touched once before, so no path pays its first page faults). Each raw figure is the faster of two paths, both
+  reported (`raw_store_{put_bytes,put_from,get_bytes,get_into}_gbps`): `put(bytes-like)` / `get() -> bytes` (what
+  KCaaS calls), and `put_from` / `get_into` with one registered, reused buffer (no Python bytes object at all: the
+  raw client's best case); `network_note` names the faster. `network_vs_raw_store` and `network_put_vs_raw_store`
+  divide KCaaS's figure by that best raw one;
+- `network_hit_p50_ms` / `_p99_ms`: an engine get() of a one-block (2 MiB) prompt whose block is only in the network
+  tier (no DRAM, no SSD): the device pool holds 4 blocks and 5 prompts are read round robin, so every get promotes
+  its block from the store (and evicts another, which the store already holds: no write), like the DRAM/SSD hit
+  figures of bench/tiers.py. The tier knows the block (no probe RPC in the timed get);
+- `rebuild_after_node_loss_s_per_gib`: a first engine writes prompts through to the store and is dropped (the lost
+  node); a fresh engine with the same keys and nothing local (its client already connected) serves them all back:
+  seconds from its first lookup to the last prompt served (each prompt: lookup, which probes the store, then get),
+  divided by the GiB served; bit-exactness is checked after the clock stops.
+
+Noise: this runs on whatever cores the machine has (2 busy ones in CI, shared with the store processes and other
+work): absolute GB/s move a lot between runs; compare the ratios, measured side by side in one run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gpu_node import ssd_records
+from gpu_node.checksum import block_checksum
+from gpu_node.network_tier import NetworkTier
+from gpu_node.object_store import GuardedStore, MooncakeObjectStore
+from gpu_node.paged_cache import PagedKVCache
+from gpu_node.store_services import MIB, StoreServices, mooncake_importable
+from gpu_node.tiers import LowerTiers
+from kcaas.spec import KVCacheSpec
+
+GIB = 1 << 30
+TIMEOUT_S = 30.0  # the guard's deadline: a slow, busy machine is not a store fault here
+FIGURES = (
+    "network_put_gbps",
+    "network_get_gbps",
+    "network_hit_p50_ms",
+    "network_hit_p99_ms",
+    "raw_store_put_gbps",
+    "raw_store_get_gbps",
+    "network_vs_raw_store",
+    "network_put_vs_raw_store",
+    "rebuild_after_node_loss_s_per_gib",
+)
+
+
+@dataclass(frozen=True)
+class Size:
+    """How much the network part moves: `blocks` per round and `rounds` interleaved rounds (throughput),
+    `hit_samples` gets (latency), `prompts` x `prompt_blocks` blocks (rebuild), in a `segment_bytes` store."""
+
+    segment_bytes: int
+    blocks: int
+    rounds: int
+    hit_samples: int
+    prompts: int
+    prompt_blocks: int
+
+
+FULL = Size(segment_bytes=1 * GIB, blocks=16, rounds=16, hit_samples=100, prompts=32, prompt_blocks=4)
+QUICK = Size(segment_bytes=256 * MIB, blocks=8, rounds=6, hit_samples=20, prompts=8, prompt_blocks=2)
+TINY = Size(segment_bytes=64 * MIB, blocks=2, rounds=2, hit_samples=3, prompts=2, prompt_blocks=1)
+
+
+def measure_network(spec: KVCacheSpec, workdir: str, size: Size) -> dict:
+    """Every figure of FIGURES plus `network_note`; the figures are None (and the note says why) when the store is
+    not installed. The store's processes are stopped before this returns or raises."""
+    if not mooncake_importable():
+        return dict.fromkeys(FIGURES) | {
+            "network_note": "not measured: the `mooncake` package (pip extra `network`, Linux x86_64) is not importable"
+        }
+    services = StoreServices(os.path.join(workdir, "network-store"), segment_bytes=size.segment_bytes)
+    try:
+        endpoints = services.start()
+        with contextlib.ExitStack() as stack:
+            store = GuardedStore(MooncakeObjectStore(endpoints.master, endpoints.metadata_url), timeout_s=TIMEOUT_S)
+            stack.callback(store.close)
+            raw = RawClient(endpoints.master, endpoints.metadata_url, ssd_records.record_bytes(spec.block_bytes, 16))
+            stack.callback(raw.close)
+            raw.warm(int(0.85 * size.segment_bytes))
+            results = measure_throughput(spec, store, raw, size)
+            samples = measure_hit_latency(spec, store, size.hit_samples)
+            results["network_hit_p50_ms"] = statistics.median(samples)
+            results["network_hit_p99_ms"] = sorted(samples)[int(0.99 * (len(samples) - 1))]
+            results["rebuild_after_node_loss_s_per_gib"] = measure_rebuild(spec, store, endpoints, size)
+    finally:
+        services.stop()
+    results["network_note"] = (
+        f"Mooncake Store on loopback TCP (1 master, 1 store server, {size.segment_bytes // MIB} MiB segment), "
+        f"started by the bench; raw figures: the store's faster path ({results.pop('raw_paths')})"
+    )
+    return results
+
+
+class RawClient:
+    """The store's own client, set up as MooncakeObjectStore sets up KCaaS's (no segment, TCP, 64 MiB buffer), with
+    one registered buffer of `value_bytes` for put_from / get_into."""
+
+    def __init__(self, master: str, metadata_url: str, value_bytes: int):
+        from mooncake.store import MooncakeDistributedStore
+
+        self.client = MooncakeDistributedStore()
+        if self.client.setup("127.0.0.1", metadata_url, 0, 64 << 20, "tcp", "", master) != 0:
+            raise RuntimeError("the raw Mooncake client's setup failed")
+        self.value_bytes = value_bytes
+        self.buffer = np.frombuffer(os.urandom(value_bytes), dtype=np.uint8).copy()
+        self.pointer = self.buffer.ctypes.data
+        if self.client.register_buffer(self.pointer, value_bytes) != 0:
+            raise RuntimeError("register_buffer failed")
+
+    def put_bytes(self, names: list[str], values: list[bytearray]) -> None:
+        assert all(self.client.put(name, value) == 0 for name, value in zip(names, values))
+
+    def get_bytes(self, names: list[str]) -> None:
+        assert all(len(self.client.get(name)) == self.value_bytes for name in names)
+
+    def put_from(self, names: list[str]) -> None:
+        assert all(self.client.put_from(name, self.pointer, self.value_bytes) == 0 for name in names)
+
+    def get_into(self, names: list[str]) -> None:
+        assert all(self.client.get_into(name, self.pointer, self.value_bytes) == self.value_bytes for name in names)
+
+    def warm(self, nbytes: int) -> None:
+        """Fill `nbytes` of the store's segment once and empty it: the store server's first touch of its memory
+        (page faults) is paid here, not by whichever client happens to be measured first."""
+        names = [f"bench/warm/{i}" for i in range(nbytes // self.value_bytes)]
+        self.put_from(names)
+        self.remove(names)
+
+    def remove(self, names: list[str]) -> None:
+        self.client.batch_remove(names, True)
+
+    def close(self) -> None:
+        self.client.unregister_buffer(self.pointer)
+        self.client.close()
+
+
+def timed(work) -> float:
+    started = time.perf_counter()
+    work()
+    return time.perf_counter() - started
+
+
+KINDS = ("kcaas_put", "raw_put", "raw_put_from", "kcaas_get", "raw_get", "raw_get_into")
+
+
+def measure_throughput(spec: KVCacheSpec, store: GuardedStore, raw: RawClient, size: Size) -> dict:
+    """Interleaved rounds of `size.blocks` blocks: puts batch by batch (KCaaS's writes are queued, then flushed),
+    gets block by block; the order of the paths alternates, so the machine's noise falls on all of them alike."""
+    seconds = dict.fromkeys(KINDS, 0.0)
+    payloads = [bytearray(os.urandom(spec.block_bytes)) for _ in range(size.blocks)]
+    values = [bytearray(os.urandom(raw.value_bytes)) for _ in range(size.blocks)]
+    lineages = [(os.urandom(16), np.arange(i * 16, i * 16 + 16, dtype=np.int32)) for i in range(size.blocks)]
+    for round_ in range(size.rounds):
+        hashes = [os.urandom(16) for _ in payloads]
+        names = [f"bench/raw/{round_}/{i}" for i in range(size.blocks)]
+        names_from = [f"bench/raw-from/{round_}/{i}" for i in range(size.blocks)]
+        data_key = os.urandom(32)
+        writer, reader = NetworkTier(store, data_key, 1 << 40), NetworkTier(store, data_key, 1 << 40)
+
+        def kcaas_put() -> None:
+            for block_hash, payload, lineage in zip(hashes, payloads, lineages):
+                copy = bytearray(payload)  # what LowerTiers.to_network hands the tier (which owns and zeroes it)
+                writer.store(block_hash, copy, block_checksum(copy), lineage)
+            assert writer.flush(TIMEOUT_S)
+
+        puts = {"kcaas_put": kcaas_put, "raw_put": lambda: raw.put_bytes(names, values)}
+        puts["raw_put_from"] = lambda: raw.put_from(names_from)
+        for kind in KINDS[:3] if round_ % 2 == 0 else KINDS[2::-1]:
+            seconds[kind] += timed(puts[kind])
+        assert writer.num_dropped_writes == 0 and reader.probe(hashes) == size.blocks  # untimed: one exists()
+        for i, block_hash in enumerate(hashes):
+            gets = {"kcaas_get": lambda: fetched.append(reader.fetch(block_hash))}
+            gets |= {"raw_get": lambda: raw.get_bytes(names[i : i + 1])}
+            gets["raw_get_into"] = lambda: raw.get_into(names_from[i : i + 1])
+            fetched: list = []
+            for kind in KINDS[3:] if (round_ + i) % 2 == 0 else KINDS[:2:-1]:
+                seconds[kind] += timed(gets[kind])
+            assert fetched[0] is not None and fetched[0][0] == payloads[i], "a verified read differs"
+        assert reader.num_checksum_failures == 0
+        writer.wipe()
+        for tier in (reader, writer):
+            tier.close()
+        raw.remove(names + names_from)
+    return throughput_figures(size.rounds * size.blocks * spec.block_bytes, seconds)
+
+
+def throughput_figures(total: int, seconds: dict[str, float]) -> dict:
+    """GB/s of each path over `total` payload bytes; the raw figures are the faster of the store's two paths."""
+    gbps = {kind: total / s / 1e9 for kind, s in seconds.items()}
+    raw_put, raw_get = max(gbps["raw_put"], gbps["raw_put_from"]), max(gbps["raw_get"], gbps["raw_get_into"])
+    put_path = "put_from" if gbps["raw_put_from"] > gbps["raw_put"] else "put"
+    get_path = "get_into a registered buffer" if gbps["raw_get_into"] > gbps["raw_get"] else "get -> bytes"
+    return {
+        "network_put_gbps": gbps["kcaas_put"],
+        "network_get_gbps": gbps["kcaas_get"],
+        "raw_store_put_gbps": raw_put,
+        "raw_store_get_gbps": raw_get,
+        "raw_store_put_bytes_gbps": gbps["raw_put"],
+        "raw_store_put_from_gbps": gbps["raw_put_from"],
+        "raw_store_get_bytes_gbps": gbps["raw_get"],
+        "raw_store_get_into_gbps": gbps["raw_get_into"],
+        "network_vs_raw_store": gbps["kcaas_get"] / raw_get,
+        "network_put_vs_raw_store": gbps["kcaas_put"] / raw_put,
+        "network_bench_bytes": total,
+        "raw_paths": f"{put_path}, {get_path}",
+    }
+
+
+def engine(spec: KVCacheSpec, store: GuardedStore, hash_key: bytes, data_key: bytes, blocks: int, **kw):
+    cache = PagedKVCache(spec, hash_key=hash_key, num_blocks=blocks, device="cpu")
+    cache.attach_tiers(LowerTiers(0, None, NetworkTier(store, data_key, 1 << 40, **kw)))
+    return cache
+
+
+def random_kv(spec: KVCacheSpec, num_tokens: int) -> torch.Tensor:
+    shape = (spec.num_layers, 2, num_tokens, spec.num_kv_heads, spec.head_dim)
+    return torch.randn(shape).to(torch.float16)
+
+
+def measure_hit_latency(spec: KVCacheSpec, store: GuardedStore, samples: int, device_blocks: int = 4) -> list[float]:
+    """Latency (ms) of get() on a one-block prompt that only the network tier holds (see the module docstring)."""
+    cache = engine(spec, store, os.urandom(32), os.urandom(32), device_blocks, write_through=True)
+    prompts = [list(range(1000 * i, 1000 * i + spec.block_size)) for i in range(device_blocks + 1)]
+    for tokens in prompts:
+        cache.put(tokens, random_kv(spec, spec.block_size))
+    out = torch.empty(spec.num_layers * 2 * spec.block_size * spec.num_kv_heads * spec.head_dim, dtype=torch.float16)
+    latencies = []
+    try:
+        for step in range(samples + len(prompts)):
+            before = cache.tiers.moved.get(("get", "network"), 0)
+            elapsed = timed(lambda: cache.get(prompts[step % len(prompts)], out=out))
+            assert cache.tiers.moved.get(("get", "network"), 0) - before == spec.block_bytes, "not a network hit"
+            if step >= len(prompts):  # the first round trip only settles the device pool
+                latencies.append(elapsed * 1e3)
+    finally:
+        cache.tiers.network.wipe()
+    return latencies
+
+
+def measure_rebuild(spec: KVCacheSpec, store: GuardedStore, endpoints, size: Size) -> float:
+    """Seconds per GiB for a fresh node to serve back what a lost node wrote through (see the module docstring)."""
+    hash_key, data_key = os.urandom(32), os.urandom(32)
+    num_blocks = size.prompts * size.prompt_blocks
+    num_tokens = size.prompt_blocks * spec.block_size
+    prompts = [list(range(100_000 * (i + 1), 100_000 * (i + 1) + num_tokens)) for i in range(size.prompts)]
+    expected = [random_kv(spec, num_tokens) for _ in prompts]
+    lost = engine(spec, store, hash_key, data_key, num_blocks + 1, write_through=True)
+    for tokens, kv in zip(prompts, expected):
+        assert lost.put(tokens, kv).num_cached_tokens == num_tokens
+    lost.tiers.network.close()  # the node is gone; its objects stay in the store
+    del lost
+    other = GuardedStore(MooncakeObjectStore(endpoints.master, endpoints.metadata_url), timeout_s=TIMEOUT_S)
+    try:
+        other.exists(["bench/connect"])  # connected before the clock starts: a running node has its client
+        fresh = engine(spec, other, hash_key, data_key, num_blocks + 1)
+        outs = [torch.empty_like(kv) for kv in expected]
+        served: list[int] = []
+
+        def serve_all() -> None:
+            for tokens, out in zip(prompts, outs):
+                assert fresh.lookup(tokens) == num_tokens
+                served.append(fresh.get(tokens, out=out)[0])
+
+        elapsed = timed(serve_all)
+        assert served == [num_tokens] * size.prompts
+        assert all(torch.equal(out, kv) for out, kv in zip(outs, expected)), "a rebuilt prompt differs"
+        fresh.tiers.network.wipe()
+    finally:
+        other.close()
+    return elapsed / (num_blocks * spec.block_bytes / GIB)
