@@ -333,9 +333,13 @@ class LowerTiers:
     def to_network(self, block_hash: bytes, payload, checksum: int, lineage: tuple[bytes, np.ndarray]) -> None:
         """Queue a copy of a block for the network tier unless it holds it (the caller keeps `payload`)."""
         network = self.network
-        if network is not None and not network.contains(block_hash) and network.healthy:
-            network.store(block_hash, bytearray(payload), checksum, lineage)
-            self._count("put", "network", len(payload))
+        if network is None or network.contains(block_hash):
+            return
+        if not network.healthy:  # the store is down: the block stays in the node's own tiers only
+            network.num_dropped_writes += 1
+            return
+        network.store(block_hash, bytearray(payload), checksum, lineage)
+        self._count("put", "network", len(payload))
 
     def probe(self, hashes: list[bytes]) -> int:
         """Without the cache lock: let the network tier learn which of `hashes` (held by no lower tier) the store
