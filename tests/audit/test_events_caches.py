@@ -78,6 +78,7 @@ def test_attaching_a_cache_is_recorded_as_the_tenant_key(make_tenant, make_node)
             "name": "c1",
             "spec": cache.spec_dict(),
             "capacity": cache.capacity(),
+            "network_write_through": False,
             "node_id": str(node.node.pk),
             "epoch": 1,
             "state": "provisioning",

@@ -56,7 +56,7 @@ def test_attach_provision_ready_then_detach(tenant_a, node, workers):
     detaching = tenant_a.client.delete(f"/api/v1/caches/{cache_id}")
     assert detaching.status_code == 202 and detaching.json()["state"] == "detaching"
     wait_for_state(tenant_a.client, cache_id, "detached")
-    assert workers.received[-1] == ("detach_cache", [cache_id, 1])
+    assert workers.received[-1] == ("detach_cache", [cache_id, 1, True])  # a tenant's detach: forget_network
     assert reserved(node) == NOTHING
 
 

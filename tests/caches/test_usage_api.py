@@ -50,11 +50,12 @@ def test_a_new_tenant_sees_its_effective_limits_and_nothing_used(make_tenant, se
         "max_device_bytes": GIB,
         "max_dram_bytes": defaults["max_dram_bytes"],
         "max_ssd_bytes": defaults["max_ssd_bytes"],
+        "max_network_bytes": defaults["max_network_bytes"],
         "max_requests_per_second": 100_000,
         "max_data_tokens_outstanding": defaults["max_data_tokens_outstanding"],
         "max_api_keys": defaults["max_api_keys"],
     }
-    zero = {"device_bytes": 0, "dram_bytes": 0, "ssd_bytes": 0}
+    zero = {"device_bytes": 0, "dram_bytes": 0, "ssd_bytes": 0, "network_bytes": 0}
     assert body["used"] == {"caches": 0, **zero, "data_tokens_outstanding": 0, "api_keys": 1}  # the key asking
     assert body["resident"] == zero
 
@@ -76,6 +77,7 @@ def test_used_counts_non_detached_caches_their_capacity_and_live_tokens(tenant_a
         "device_bytes": 96 * BLOCK_BYTES,
         "dram_bytes": 128 * BLOCK_BYTES,
         "ssd_bytes": 16 * BLOCK_BYTES,
+        "network_bytes": 0,
         "data_tokens_outstanding": 2,
         "api_keys": 1,
     }
@@ -89,7 +91,7 @@ def test_resident_sums_the_nodes_snapshots_for_the_tenants_caches_only(tenant_a,
         node_id=node.pk,
         capacity={"device": 8 * GIB, "dram": 64 * GIB, "ssd": 512 * GIB},
         resident=[
-            {"cache_id": mine, "device_bytes": 10 * BLOCK_BYTES, "dram_bytes": 3 * BLOCK_BYTES},
+            {"cache_id": mine, "device_bytes": 10 * BLOCK_BYTES, "dram_bytes": 3 * BLOCK_BYTES, "network_bytes": 5},
             {"cache_id": theirs, "device_bytes": 7 * BLOCK_BYTES},
             {"cache_id": str(uuid.uuid4()), "device_bytes": 999},  # a cache the control plane does not know
         ],
@@ -98,8 +100,14 @@ def test_resident_sums_the_nodes_snapshots_for_the_tenants_caches_only(tenant_a,
         "device_bytes": 10 * BLOCK_BYTES,
         "dram_bytes": 3 * BLOCK_BYTES,
         "ssd_bytes": 0,
+        "network_bytes": 5,
     }
-    assert _usage(tenant_b.client)["resident"] == {"device_bytes": 7 * BLOCK_BYTES, "dram_bytes": 0, "ssd_bytes": 0}
+    assert _usage(tenant_b.client)["resident"] == {
+        "device_bytes": 7 * BLOCK_BYTES,
+        "dram_bytes": 0,
+        "ssd_bytes": 0,
+        "network_bytes": 0,
+    }
 
 
 def test_each_tenant_sees_only_its_own_numbers(tenant_a, tenant_b, node):

@@ -22,6 +22,7 @@ from billing.services import usage_report_record
 from caches import migration, services
 from caches.models import Cache
 from caches.reconcile import caches_reconcile_stuck
+from caches.recovery import cache_recover
 from fleet import services as fleet_services
 from kcaas.spec import KVCacheSpec
 from tests.caches.conftest import (  # noqa: F401 - fixtures
@@ -159,6 +160,24 @@ def test_every_service_takes_its_row_locks_in_the_documented_order(tenant_a, mak
     other = ready_cache(tenant_a, "b")
     assert_in_order(locks_taken(lambda: services.caches_sweep_leases(now=timezone.now() + timezone.timedelta(days=1))))
     assert Cache.objects.get(pk=other.pk).failure_reason == "node_lost"
+
+
+def test_recovery_takes_its_row_locks_in_the_documented_order(tenant_a, make_node, settings):
+    settings.KCAAS_NETWORK_STORE_BYTES = 1 << 30
+    lost = make_node(device=64 * 2048)
+    attached = services.cache_attach(
+        tenant_id=tenant_a.tenant.pk,
+        name="r",
+        spec=KVCacheSpec.from_dict(SPEC),
+        capacity={"device": 64 * 2048, "network": 64 * 2048},
+    )
+    assert attached.node_id == lost.pk
+    make_ready(attached.pk)
+    type(lost).objects.filter(pk=lost.pk).update(lease_expires_at=timezone.now() - timezone.timedelta(seconds=1))
+    services.caches_sweep_leases()
+    spare = make_node()
+    assert_in_order(locks_taken(lambda: cache_recover(cache_id=attached.pk, tenant_id=tenant_a.tenant.pk)))
+    assert Cache.objects.get(pk=attached.pk).node_id == spare.pk
 
 
 # ---- several caches on several nodes: the nodes too are locked in id order, after every cache ---------------------
