@@ -2,8 +2,9 @@
 
 A value is an integer, or a string: a whole number without leading zeros, and for the byte limits (max_device_bytes,
 max_dram_bytes, max_ssd_bytes, max_network_bytes) optionally a binary unit after it, with or without a space, in any
-case: "1GiB", "512 MiB", "3tib". Nothing else is a quota value: no decimals ("1.5GiB"), no signs, no SI units ("1GB"), no units on
-counts ("5GiB" of caches), no booleans. The result must lie within the field's bounds (tenants.services.QUOTA_BOUNDS).
+case: "1GiB", "512 MiB", "3tib". Nothing else is a quota value: no decimals ("1.5GiB"), no signs, no SI units
+("1GB"), no units on counts ("5GiB" of caches), no booleans. The result must lie within the field's bounds
+(tenants.services.QUOTA_BOUNDS).
 
 The strings taken are exactly those `string_pattern` matches, which the OpenAPI schema publishes: per unit, only as
 many digits as always fit the upper bound (so a schema-valid string is never out of bounds; the largest values are
