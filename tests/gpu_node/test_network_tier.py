@@ -193,6 +193,7 @@ def test_a_hung_store_is_skipped_within_the_deadline_and_used_again_after(fresh_
         assert other.lookup(tokens) == 0  # the probe timed out: a miss
         assert put(other, seq(16, 12000)).num_cached_tokens == 16  # the device still serves
         assert other.lookup(tokens) == 0
+        assert put(cache, seq(16, 12500)).num_cached_tokens == 16  # write-through: acknowledged, not stuck
         assert time.monotonic() - started < 5
         assert not store.healthy and store.num_faults >= 1
     finally:
