@@ -19,7 +19,8 @@ server started here by gpu_node.store_services, stopped at the end, also on erro
   its block from the store (and evicts another, which the store already holds: no write), like the DRAM/SSD hit
   figures of bench/tiers.py. The tier knows the block (no probe RPC in the timed get);
 - `rebuild_after_node_loss_s_per_gib`: a first engine writes prompts through to the store and is dropped (the lost
-  node); a fresh engine with the same keys and nothing local (its client already connected) serves them all back:
+  node); a fresh engine with the same keys and nothing local (its client connected, its CPU pool and the output
+  buffers touched before the clock: first-touch page faults are not the store's cost) serves them all back:
   seconds from its first lookup to the last prompt served (each prompt: lookup, which probes the store, then get),
   divided by the GiB served; bit-exactness is checked after the clock stops.
 
@@ -272,7 +273,8 @@ def measure_rebuild(spec: KVCacheSpec, store: GuardedStore, endpoints, size: Siz
     try:
         other.exists(["bench/connect"])  # connected before the clock starts: a running node has its client
         fresh = engine(spec, other, hash_key, data_key, num_blocks + 1)
-        outs = [torch.empty_like(kv) for kv in expected]
+        fresh.pool.fill_(0)  # first touched before the clock (a GPU pool is device memory, allocated eagerly)
+        outs = [torch.zeros_like(kv) for kv in expected]
         served: list[int] = []
 
         def serve_all() -> None:
