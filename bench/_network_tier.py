@@ -2,18 +2,20 @@
 server started here by gpu_node.store_services, stopped at the end, also on error) against the store's own client.
 
 - `network_put_gbps`: payload bytes/s of N blocks stored through KCaaS (the copy LowerTiers.to_network makes, xxh3,
-  NetworkTier.store, then flush: AES-GCM sealing and the store's put on the tier's writer thread);
-- `network_get_gbps`: payload bytes/s of verified reads back (NetworkTier.fetch on a fresh tier with the same key
-  after its probe: another node's view; the probe's one batched exists() is not timed);
-- `raw_store_put_gbps` / `raw_store_get_gbps`: the same number of objects of the same size (the sealed record's
-  length), counted in the same payload bytes, through MooncakeDistributedStore itself, set up as KCaaS's client is
-  (no segment of its own, TCP, 64 MiB local buffer), measured in the same process, interleaved: puts batch by batch
-  (KCaaS queues a batch, then flushes), gets block by block, the order of the paths alternating (the store's segment
-  is touched once before, so no path pays its first page faults). Each raw figure is the faster of two paths, both
-  reported (`raw_store_{put_bytes,put_from,get_bytes,get_into}_gbps`): `put(bytes-like)` / `get() -> bytes` (what
-  KCaaS calls), and `put_from` / `get_into` with one registered, reused buffer (no Python bytes object at all: the
-  raw client's best case); `network_note` names the faster. `network_vs_raw_store` and `network_put_vs_raw_store`
-  divide KCaaS's figure by that best raw one;
+  NetworkTier.store, then flush: AES-GCM sealing into the client's registered buffer and batched puts of up to 16
+  on the tier's writer thread);
+- `network_get_gbps`: payload bytes/s of verified reads back on the promotion path (NetworkTier.fetch_many of runs
+  of 16 blocks on a fresh tier with the same key after its probe: another node's view; the probe's one batched
+  exists() is not timed); `network_get_single_gbps`: one block at a time (NetworkTier.fetch);
+- `raw_store_*`: the same number of objects of the same size (the sealed record's length), counted in the same
+  payload bytes, through MooncakeDistributedStore itself, set up as KCaaS's client is (no segment of its own, TCP,
+  64 MiB local buffer), measured in the same process, interleaved with KCaaS's (the order of the paths alternating;
+  the store's segment is touched once before, so no path pays its first page faults). Each raw figure is the
+  fastest of the store's paths for the same access, all reported: puts `put`, `put_from` (one registered, reused
+  buffer), `batch_put_from` (runs of 16, as KCaaS's writer batches); single gets `get -> bytes`, `get_into` (a
+  registered buffer); runs `batch_get_into` (runs of 16 into a registered buffer, as KCaaS's promotion). The ratios
+  divide KCaaS's figure by the best raw one for the same access: `network_vs_raw_store` (runs),
+  `network_vs_raw_store_single`, `network_put_vs_raw_store`; `network_note` names the paths;
 - `network_hit_p50_ms` / `_p99_ms`: an engine get() of a one-block (2 MiB) prompt whose block is only in the network
   tier (no DRAM, no SSD): the device pool holds 4 blocks and 5 prompts are read round robin, so every get promotes
   its block from the store (and evicts another, which the store already holds: no write), like the DRAM/SSD hit
@@ -41,6 +43,7 @@ import torch
 
 from gpu_node import ssd_records
 from gpu_node.checksum import block_checksum
+from gpu_node.host_memory import keep_block_buffers_on_heap
 from gpu_node.network_tier import NetworkTier
 from gpu_node.object_store import GuardedStore, MooncakeObjectStore
 from gpu_node.paged_cache import PagedKVCache
@@ -59,6 +62,9 @@ FIGURES = (
     "raw_store_get_gbps",
     "network_vs_raw_store",
     "network_put_vs_raw_store",
+    "network_get_single_gbps",
+    "raw_store_get_single_gbps",
+    "network_vs_raw_store_single",
     "rebuild_after_node_loss_s_per_gib",
 )
 
@@ -88,6 +94,7 @@ def measure_network(spec: KVCacheSpec, workdir: str, size: Size) -> dict:
         return dict.fromkeys(FIGURES) | {
             "network_note": "not measured: the `mooncake` package (pip extra `network`, Linux x86_64) is not importable"
         }
+    keep_block_buffers_on_heap()  # the node agent's malloc settings (process-wide: the network figures come last)
     services = StoreServices(os.path.join(workdir, "network-store"), segment_bytes=size.segment_bytes)
     try:
         endpoints = services.start()
@@ -106,7 +113,8 @@ def measure_network(spec: KVCacheSpec, workdir: str, size: Size) -> dict:
         services.stop()
     results["network_note"] = (
         f"Mooncake Store on loopback TCP (1 master, 1 store server, {size.segment_bytes // MIB} MiB segment), "
-        f"started by the bench; raw figures: the store's faster path ({results.pop('raw_paths')})"
+        f"started by the bench; raw figures: the store's faster path ({results.pop('raw_paths')}); under the node "
+        "agent's malloc settings (gpu_node.host_memory)"
     )
     return results
 
@@ -124,8 +132,11 @@ class RawClient:
         self.value_bytes = value_bytes
         self.buffer = np.frombuffer(os.urandom(value_bytes), dtype=np.uint8).copy()
         self.pointer = self.buffer.ctypes.data
-        if self.client.register_buffer(self.pointer, value_bytes) != 0:
-            raise RuntimeError("register_buffer failed")
+        self.batch = np.frombuffer(os.urandom(value_bytes * BATCH), dtype=np.uint8).copy()
+        self.batch_pointer = self.batch.ctypes.data
+        for pointer, nbytes in ((self.pointer, value_bytes), (self.batch_pointer, value_bytes * BATCH)):
+            if self.client.register_buffer(pointer, nbytes) != 0:
+                raise RuntimeError("register_buffer failed")
 
     def put_bytes(self, names: list[str], values: list[bytearray]) -> None:
         assert all(self.client.put(name, value) == 0 for name, value in zip(names, values))
@@ -139,6 +150,20 @@ class RawClient:
     def get_into(self, names: list[str]) -> None:
         assert all(self.client.get_into(name, self.pointer, self.value_bytes) == self.value_bytes for name in names)
 
+    def _slots(self, count: int) -> tuple[list[int], list[int]]:
+        return [self.batch_pointer + i * self.value_bytes for i in range(count)], [self.value_bytes] * count
+
+    def batch_put_from(self, names: list[str]) -> None:
+        """batch_put_from in runs of BATCH (KCaaS's writer sends its queued puts in batches as large)."""
+        for start in range(0, len(names), BATCH):
+            run = names[start : start + BATCH]
+            assert all(code == 0 for code in self.client.batch_put_from(run, *self._slots(len(run))))
+
+    def batch_get_into(self, names: list[str]) -> None:
+        """One batch_get_into of `names` (at most BATCH) into the registered batch buffer."""
+        sizes = self.client.batch_get_into(names, *self._slots(len(names)))
+        assert all(size == self.value_bytes for size in sizes)
+
     def warm(self, nbytes: int) -> None:
         """Fill `nbytes` of the store's segment once and empty it: the store server's first touch of its memory
         (page faults) is paid here, not by whichever client happens to be measured first."""
@@ -151,6 +176,7 @@ class RawClient:
 
     def close(self) -> None:
         self.client.unregister_buffer(self.pointer)
+        self.client.unregister_buffer(self.batch_pointer)
         self.client.close()
 
 
@@ -160,13 +186,15 @@ def timed(work) -> float:
     return time.perf_counter() - started
 
 
-KINDS = ("kcaas_put", "raw_put", "raw_put_from", "kcaas_get", "raw_get", "raw_get_into")
+KINDS = ("kcaas_put", "raw_put", "raw_put_from", "raw_put_batch", "kcaas_get", "raw_get", "raw_get_into")
+RUN_KINDS = ("kcaas_get_run", "raw_get_run")
+BATCH = 16  # blocks per batched transfer: KCaaS's writer batch (network_tier.WRITE_BATCH_BLOCKS) and a read run
 
 
 def measure_throughput(spec: KVCacheSpec, store: GuardedStore, raw: RawClient, size: Size) -> dict:
     """Interleaved rounds of `size.blocks` blocks: puts batch by batch (KCaaS's writes are queued, then flushed),
     gets block by block; the order of the paths alternates, so the machine's noise falls on all of them alike."""
-    seconds = dict.fromkeys(KINDS, 0.0)
+    seconds = dict.fromkeys(KINDS + RUN_KINDS, 0.0)
     payloads = [bytearray(os.urandom(spec.block_bytes)) for _ in range(size.blocks)]
     values = [bytearray(os.urandom(raw.value_bytes)) for _ in range(size.blocks)]
     lineages = [(os.urandom(16), np.arange(i * 16, i * 16 + 16, dtype=np.int32)) for i in range(size.blocks)]
@@ -183,9 +211,11 @@ def measure_throughput(spec: KVCacheSpec, store: GuardedStore, raw: RawClient, s
                 writer.store(block_hash, copy, block_checksum(copy), lineage)
             assert writer.flush(TIMEOUT_S)
 
+        names_batch = [f"bench/raw-batch/{round_}/{i}" for i in range(size.blocks)]
         puts = {"kcaas_put": kcaas_put, "raw_put": lambda: raw.put_bytes(names, values)}
         puts["raw_put_from"] = lambda: raw.put_from(names_from)
-        for kind in KINDS[:3] if round_ % 2 == 0 else KINDS[2::-1]:
+        puts["raw_put_batch"] = lambda: raw.batch_put_from(names_batch)
+        for kind in KINDS[:4] if round_ % 2 == 0 else KINDS[3::-1]:
             seconds[kind] += timed(puts[kind])
         assert writer.num_dropped_writes == 0 and reader.probe(hashes) == size.blocks  # untimed: one exists()
         for i, block_hash in enumerate(hashes):
@@ -193,36 +223,53 @@ def measure_throughput(spec: KVCacheSpec, store: GuardedStore, raw: RawClient, s
             gets |= {"raw_get": lambda: raw.get_bytes(names[i : i + 1])}
             gets["raw_get_into"] = lambda: raw.get_into(names_from[i : i + 1])
             fetched: list = []
-            for kind in KINDS[3:] if (round_ + i) % 2 == 0 else KINDS[:2:-1]:
+            for kind in KINDS[4:] if (round_ + i) % 2 == 0 else KINDS[:3:-1]:
                 seconds[kind] += timed(gets[kind])
             assert fetched[0] is not None and fetched[0][0] == payloads[i], "a verified read differs"
+        for start in range(0, size.blocks, BATCH):  # a promotion's run: one batched transfer each side
+            run = slice(start, start + BATCH)
+            runs = {"kcaas_get_run": lambda: fetched.extend(reader.fetch_many(hashes[run]))}
+            runs["raw_get_run"] = lambda: raw.batch_get_into(names_batch[run])
+            fetched = []
+            for kind in RUN_KINDS if (round_ + start) % 2 == 0 else RUN_KINDS[::-1]:
+                seconds[kind] += timed(runs[kind])
+            assert [f[0] for f in fetched] == payloads[run], "a verified read differs"
         assert reader.num_checksum_failures == 0
         writer.wipe()
         for tier in (reader, writer):
             tier.close()
-        raw.remove(names + names_from)
+        raw.remove(names + names_from + names_batch)
     return throughput_figures(size.rounds * size.blocks * spec.block_bytes, seconds)
 
 
 def throughput_figures(total: int, seconds: dict[str, float]) -> dict:
-    """GB/s of each path over `total` payload bytes; the raw figures are the faster of the store's two paths."""
+    """GB/s of each path over `total` payload bytes; each raw figure is the fastest of the store's paths for the
+    same access: puts (put, put_from, batch_put_from), single-block gets (get, get_into) and runs (batch_get_into).
+    `network_get_gbps` / `network_vs_raw_store` are the promotion path (a run of blocks, batched on both sides);
+    the `_single` ones, one block at a time on both sides."""
     gbps = {kind: total / s / 1e9 for kind, s in seconds.items()}
-    raw_put, raw_get = max(gbps["raw_put"], gbps["raw_put_from"]), max(gbps["raw_get"], gbps["raw_get_into"])
-    put_path = "put_from" if gbps["raw_put_from"] > gbps["raw_put"] else "put"
+    puts = {"put": gbps["raw_put"], "put_from": gbps["raw_put_from"], "batch_put_from": gbps["raw_put_batch"]}
+    put_path = max(puts, key=puts.__getitem__)
+    raw_single = max(gbps["raw_get"], gbps["raw_get_into"])
     get_path = "get_into a registered buffer" if gbps["raw_get_into"] > gbps["raw_get"] else "get -> bytes"
     return {
         "network_put_gbps": gbps["kcaas_put"],
-        "network_get_gbps": gbps["kcaas_get"],
-        "raw_store_put_gbps": raw_put,
-        "raw_store_get_gbps": raw_get,
+        "network_get_gbps": gbps["kcaas_get_run"],
+        "network_get_single_gbps": gbps["kcaas_get"],
+        "raw_store_put_gbps": puts[put_path],
+        "raw_store_get_gbps": gbps["raw_get_run"],
+        "raw_store_get_single_gbps": raw_single,
         "raw_store_put_bytes_gbps": gbps["raw_put"],
         "raw_store_put_from_gbps": gbps["raw_put_from"],
+        "raw_store_batch_put_from_gbps": gbps["raw_put_batch"],
         "raw_store_get_bytes_gbps": gbps["raw_get"],
         "raw_store_get_into_gbps": gbps["raw_get_into"],
-        "network_vs_raw_store": gbps["kcaas_get"] / raw_get,
-        "network_put_vs_raw_store": gbps["kcaas_put"] / raw_put,
+        "raw_store_batch_get_into_gbps": gbps["raw_get_run"],
+        "network_vs_raw_store": gbps["kcaas_get_run"] / gbps["raw_get_run"],
+        "network_vs_raw_store_single": gbps["kcaas_get"] / raw_single,
+        "network_put_vs_raw_store": gbps["kcaas_put"] / puts[put_path],
         "network_bench_bytes": total,
-        "raw_paths": f"{put_path}, {get_path}",
+        "raw_paths": f"{put_path}; single gets: {get_path}; runs of {BATCH}: batch_get_into",
     }
 
 

@@ -49,6 +49,7 @@ import urllib.request  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 from gpu_node.admission import NodeLimits, TenantLimits  # noqa: E402
+from gpu_node.host_memory import keep_block_buffers_on_heap  # noqa: E402
 from gpu_node.metrics import NodeMetrics  # noqa: E402
 from gpu_node.node_tasks import build_node_app  # noqa: E402
 from gpu_node.registry import CacheRegistry  # noqa: E402
@@ -550,6 +551,7 @@ class NodeAgent:
 
 def main() -> int:
     logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s %(message)s")
+    keep_block_buffers_on_heap()  # block-sized buffers reused from the heap, not faulted in per block
     faulthandler.register(
         signal.SIGUSR1
     )  # `kill -USR1 <pid>` prints every thread's stack: a stuck agent explains itself

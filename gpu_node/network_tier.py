@@ -31,6 +31,7 @@ from typing import Any
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from gpu_node import ssd_records
+from gpu_node.checksum import verify_block
 from gpu_node.object_store import GuardedStore
 from gpu_node.zeroing import zero
 
@@ -38,6 +39,15 @@ NAME_KEY_LABEL = b"kcaas/network/names/v1"
 AAD_PREFIX = b"kcaas/net/v1/"
 MAX_PENDING_BYTES = 256 << 20  # writes queued beyond this are dropped (the store is behind): bounded memory
 FLUSH_TIMEOUT_S = 10.0
+DEFAULT_SLOT_BYTES = 4 << 20
+WRITE_BATCH_BLOCKS = 16  # queued puts sent in one batched transfer, at most
+CORRUPT = object()  # what opening a record that is not this block's answers
+
+
+def _let_go(opened) -> None:
+    """A record opened after its reader gave up (past the store's deadline): its plaintext is zeroed."""
+    if opened is not CORRUPT and opened is not None:
+        zero(opened[0])
 
 
 def object_names(data_key: bytes) -> Callable[[bytes], str]:
@@ -76,6 +86,7 @@ class NetworkTier:
         self.num_dropped_writes = 0
         self.num_probes = 0
         self.num_write_through_timeouts = 0  # write-through puts acknowledged before the store had their blocks
+        self._record_bytes = 0  # the size of this cache's records, once one was written or read
         self._writer = threading.Thread(target=self._write_loop, name="kcaas-network-tier", daemon=True)
         self._writer.start()
 
@@ -123,30 +134,67 @@ class NetworkTier:
     def fetch(self, block_hash: bytes) -> tuple[bytearray, tuple | None] | None:
         """(verified payload, lineage) of a block, or None (absent, evicted by the store, corrupt or foreign: the
         last two counted and removed). The tier keeps the block (inclusive)."""
-        block_hash = bytes(block_hash)
+        return self.fetch_many([block_hash])[0]
+
+    def fetch_many(self, hashes: list[bytes]) -> list[tuple[bytearray, tuple | None] | None]:
+        """`fetch` of each hash, in order: one batched transfer (into the store client's reused buffer, opened
+        straight from it) for those not still queued here."""
+        hashes = [bytes(h) for h in hashes]
+        results: list[tuple[bytearray, tuple | None] | None] = [None] * len(hashes)
+        wanted: dict[str, int] = {}
         with self._lock:
-            pending = self._pending.get(block_hash)
-            if pending is not None:
-                return bytearray(pending[0]), pending[2]
-            if block_hash not in self._index:
-                return None
-            self._index.move_to_end(block_hash)
-        name = self._name(block_hash)
-        record = self._store.get(name)
-        if record is None:  # evicted by the store, removed by another node, or the store is down: a miss
+            for i, block_hash in enumerate(hashes):
+                pending = self._pending.get(block_hash)
+                if pending is not None:  # verified: a payload being sealed is zeroed once sealed, before it leaves
+                    copy = bytearray(pending[0])
+                    results[i] = (copy, pending[2]) if verify_block(pending[1], copy) else None
+                elif block_hash in self._index:
+                    self._index.move_to_end(block_hash)
+                    wanted[self._name(block_hash)] = i
+        if not wanted:
+            return results
+        names = list(wanted)
+
+        def open_record(name: str, view: memoryview):
+            return self._open(hashes[wanted[name]], name, view)
+
+        if len(names) == 1:  # one block: the plain transfer (a batch of one costs more)
+            opened = [self._store.read(names[0], open_record, _let_go)]
+        else:
+            opened = self._store.read_many(names, open_record, self._slot_bytes(), _let_go)
+        for name, answer in zip(names, opened):
+            results[wanted[name]] = self._settle(hashes[wanted[name]], name, answer)
+        return results
+
+    def _open(self, block_hash: bytes, name: str, view: memoryview):
+        """On the store's thread: (payload, lineage, record bytes) of a record that decrypts under this cache's key
+        with its name bound in, names `block_hash` and matches its checksum; else CORRUPT."""
+        decoded = ssd_records.decode(self._aead, view, 0, aad_prefix=AAD_PREFIX + name.encode())
+        if decoded is None or decoded[0] != block_hash or decoded[2] != len(view):
+            if decoded is not None:
+                zero(decoded[1])
+            return CORRUPT
+        return decoded[1], decoded[3], len(view)
+
+    def _settle(self, block_hash: bytes, name: str, answer) -> tuple[bytearray, tuple | None] | None:
+        if answer is None:  # evicted by the store, removed by another node, or the store is down: a miss
             if self._store.healthy:  # gone from the store (a fault keeps the entry: the store may come back)
                 self._forget(block_hash)
             return None
-        decoded = ssd_records.decode(self._aead, memoryview(record), 0, aad_prefix=AAD_PREFIX + name.encode())
-        if decoded is None or decoded[0] != block_hash or decoded[2] != len(record):
-            if decoded is not None:
-                zero(decoded[1])
+        if answer is CORRUPT:
             self._corrupt(block_hash, name)
             return None
+        payload, lineage, nbytes = answer
         with self._lock:
+            self._record_bytes = nbytes
             if block_hash in self._index:
-                self._resize_locked(block_hash, len(record))
-        return decoded[1], decoded[3]
+                self._resize_locked(block_hash, nbytes)
+        return payload, lineage
+
+    def _slot_bytes(self) -> int:
+        """The transfer slot of one object: the size of this cache's records once one was seen (they are all one
+        size), else generous."""
+        return self._record_bytes or DEFAULT_SLOT_BYTES
 
     def store(self, block_hash: bytes, payload: bytearray, checksum: int, lineage: tuple | None = None) -> list:
         """Queue a block for the store (the tier owns `payload`: zeroed once written or dropped); readable at once.
@@ -241,36 +289,54 @@ class NetworkTier:
                     return
                 op, arg = self._queue.pop(0)
                 self._busy = True
-                pending = self._pending.get(arg) if op == "put" else None
-            if op == "put" and pending is not None:
-                self._put(arg, pending)
+                puts = self._take_puts_locked(arg) if op == "put" else []
+            if puts:
+                self._put_many(puts)
             elif op == "remove":
                 self._store.remove(arg)
             elif op == "remove_prefix":
                 self._store.remove_prefix(arg)
 
-    def _put(self, block_hash: bytes, pending: tuple[bytearray, int, tuple | None]) -> None:
-        payload, checksum, lineage = pending
-        name = self._name(block_hash)
-        record = ssd_records.encode(
-            self._aead, block_hash, payload, checksum, lineage, aad_prefix=AAD_PREFIX + name.encode()
-        )
-        stored = self._store.put(name, record)
+    def _take_puts_locked(self, first: bytes) -> list[tuple[bytes, tuple]]:
+        """The put `first` and the puts queued right behind it (up to a batch), with their pending entries: one
+        batched transfer for them. Forgotten ones are skipped."""
+        hashes = [first]
+        while self._queue and self._queue[0][0] == "put" and len(hashes) < WRITE_BATCH_BLOCKS:
+            hashes.append(self._queue.pop(0)[1])
+        return [(h, self._pending[h]) for h in hashes if h in self._pending]
+
+    def _put_many(self, puts: list[tuple[bytes, tuple]]) -> None:
+        names = [self._name(block_hash) for block_hash, _ in puts]
+        sizes = [ssd_records.record_bytes(len(p[0]), len(p[2][1]) if p[2] is not None else 0) for _, p in puts]
+
+        def seal(i: int, out: memoryview) -> None:  # on the store's thread, into its reused buffer: no allocation
+            block_hash, (payload, checksum, lineage) = puts[i]
+            ssd_records.encode_into(
+                out, self._aead, block_hash, payload, checksum, lineage, aad_prefix=AAD_PREFIX + names[i].encode()
+            )
+
+        def let_go() -> None:  # once sealing is over (even past the store's deadline): the plaintext is zeroed
+            for _, (payload, _, _) in puts:
+                zero(payload)
+
+        stored = self._store.write_many(names, sizes, seal, let_go)
         with self._lock:
-            if self._pending.get(block_hash) is pending:  # not forgotten while it was written
+            for (block_hash, pending), nbytes, ok in zip(puts, sizes, stored):
+                if self._pending.get(block_hash) is not pending:
+                    continue  # forgotten while it was written: the removal queued behind it undoes it
                 self._take_pending_locked(block_hash)
-                if stored:
-                    self._index_locked(block_hash, len(record))
-                    self._evict_locked()
+                if ok:
+                    self._record_bytes = nbytes
+                    self._index_locked(block_hash, nbytes)
                 else:
                     self.num_dropped_writes += 1
-        zero(payload)
+            self._evict_locked()
 
     # ---- bookkeeping (under _lock) -----------------------------------------------------------------------------------
     def _estimated_bytes(self) -> int:
-        """A probed object's size before it is read: the size of the largest record indexed, else 0 (fixed on
-        read). Blocks of one cache have one payload size and lineage length, so this is exact once one is known."""
-        return max(self._index.values(), default=0)
+        """A probed object's size before it is read: the size of this cache's records once one was seen, else 0
+        (fixed on read). Blocks of one cache have one payload size and lineage length, so this is exact then."""
+        return self._record_bytes
 
     def _index_locked(self, block_hash: bytes, nbytes: int) -> None:
         self._index[block_hash] = nbytes

@@ -19,6 +19,7 @@ time to hand the call to the worker); `healthy` is False exactly while the break
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import queue
 import socket
@@ -37,7 +38,13 @@ class ObjectStore(Protocol):
       storing a name that exists keeps one of the two;
     - `get` returns the object's bytes, or None when absent (never a partial object);
     - `exists` answers for each name; `remove` removes what exists and returns how many it removed;
-    - `remove_prefix` removes every object whose name starts with the prefix (erasure of a cache).
+    - `remove_prefix` removes every object whose name starts with the prefix (erasure of a cache);
+    - `read(name, consume)` / `read_many(names, consume, slot_bytes)` hand each object's name and bytes to
+      `consume(name, view)` (the view is valid only during the call: the store's reused buffer) and return what it
+      returns (None when absent);
+      `write(name, nbytes, fill)` lets `fill` write the object into the store's reused buffer, then stores it, and
+      `write_many(names, sizes, fill)` does so for several (`fill(i, view)`) in one batched transfer. These are the
+      zero-copy paths: no Python bytes object per object.
     Any of them may raise on a store fault (the guard turns that into a miss).
     """
 
@@ -50,6 +57,14 @@ class ObjectStore(Protocol):
     def remove(self, names: list[str]) -> int: ...
 
     def remove_prefix(self, prefix: str) -> int: ...
+
+    def read(self, name: str, consume: Callable[[str, memoryview], Any]) -> Any: ...
+
+    def read_many(self, names: list[str], consume: Callable[[str, memoryview], Any], slot_bytes: int) -> list: ...
+
+    def write(self, name: str, nbytes: int, fill: Callable[[memoryview], Any]) -> bool: ...
+
+    def write_many(self, names: list[str], sizes: list[int], fill: Callable[[int, memoryview], Any]) -> list[bool]: ...
 
     def close(self) -> None: ...
 
@@ -71,6 +86,7 @@ class MooncakeObjectStore:
         self._master, self._metadata_url = master, metadata_url
         self._buffer_bytes, self._host = buffer_bytes, host
         self._client = None
+        self._buffers: dict[str, _Registered] = {}  # "read" / "write": reused, registered with the client
 
     @property
     def _store(self):
@@ -119,9 +135,123 @@ class MooncakeObjectStore:
             raise StoreFault(f"remove_by_regex answered {removed}")
         return removed
 
+    def read(self, name: str, consume: Callable[[str, memoryview], Any]) -> Any:
+        buffer = self._buffer("read", 4 << 20)
+        size = self._store.get_into(name, buffer.address, buffer.size)
+        if size == TOO_SMALL:
+            needed = self._store.get_size(name)
+            if needed <= 0:
+                return None
+            buffer = self._buffer("read", needed)
+            size = self._store.get_into(name, buffer.address, buffer.size)
+        return consume(name, buffer.view[:size]) if size > 0 else None
+
+    def read_many(self, names: list[str], consume: Callable[[str, memoryview], Any], slot_bytes: int) -> list:
+        """One batched transfer per MAX_BATCH_BYTES of slots; an object larger than its slot is read alone."""
+        slot = max(int(slot_bytes), 4096)
+        per_batch = max(1, MAX_BATCH_BYTES // slot)
+        results: list = []
+        for start in range(0, len(names), per_batch):
+            batch = names[start : start + per_batch]
+            buffer = self._buffer("batch", slot * len(batch))
+            addresses = [buffer.address + i * slot for i in range(len(batch))]
+            sizes = self._store.batch_get_into(batch, addresses, [slot] * len(batch))
+            for i, (name, size) in enumerate(zip(batch, sizes)):
+                if size == TOO_SMALL:
+                    results.append(self.read(name, consume))
+                else:
+                    results.append(consume(name, buffer.view[i * slot : i * slot + size]) if size > 0 else None)
+        return results
+
+    def write(self, name: str, nbytes: int, fill: Callable[[memoryview], Any]) -> bool:
+        buffer = self._buffer("write", nbytes)
+        fill(buffer.view[:nbytes])
+        code = self._store.put_from(name, buffer.address, nbytes)
+        return code == 0 or self._store.is_exist(name) == 1
+
+    def write_many(self, names: list[str], sizes: list[int], fill: Callable[[int, memoryview], Any]) -> list[bool]:
+        buffer = self._buffer("write", sum(sizes))
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        for i, (offset, size) in enumerate(zip(offsets, sizes)):
+            fill(i, buffer.view[offset : offset + size])
+        codes = self._store.batch_put_from(names, [buffer.address + offset for offset in offsets], sizes)
+        return [code == 0 or self._store.is_exist(name) == 1 for name, code in zip(names, codes)]
+
+    def _buffer(self, purpose: str, nbytes: int) -> _Registered:
+        """This client's reused buffer for `purpose`, registered with the transfer engine, at least `nbytes`."""
+        current = self._buffers.get(purpose)
+        if current is not None and current.size >= nbytes:
+            return current
+        if current is not None:
+            self._store.unregister_buffer(current.address)
+        fresh = _Registered(max(nbytes, 2 * current.size if current is not None else nbytes))
+        if self._store.register_buffer(fresh.address, fresh.size) != 0:
+            raise StoreFault("the store client refused to register a transfer buffer")
+        self._buffers[purpose] = fresh
+        return fresh
+
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
+
+
+TOO_SMALL = -600  # Mooncake's answer to a get_into whose buffer cannot hold the object
+MAX_BATCH_BYTES = 64 << 20
+
+
+class _Registered:
+    """A reused host buffer and its address, for the store client's zero-copy transfers."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.data = bytearray(size)
+        self.view = memoryview(self.data)
+        self.address = ctypes.addressof((ctypes.c_char * size).from_buffer(self.data))
+
+
+class _Call:
+    """One call handed to the guard's worker. Exactly one of these happens: the caller takes the value (it answered
+    in time), or the caller gave up first and the value, when it comes, goes to `abandon`."""
+
+    def __init__(
+        self,
+        method: Callable,
+        args: tuple,
+        abandon: Callable[[Any], None] | None,
+        cleanup: Callable[[], None] | None = None,
+    ):
+        self.method, self.args, self.abandon, self.cleanup = method, args, abandon, cleanup
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._abandoned = False
+
+    def run(self) -> None:
+        try:
+            value = self.method(*self.args)
+        except Exception as error:  # a store fault of any kind is the guard's to count, never the caller's
+            value, self.error = None, error
+        finally:
+            if self.cleanup is not None:
+                self.cleanup()
+        with self._lock:
+            if self._abandoned:
+                if value is not None and self.abandon is not None:
+                    self.abandon(value)
+                return
+            self.value = value
+            self._done.set()
+
+    def wait(self, timeout: float) -> bool:
+        """True when the call answered in time; else it is abandoned (its value, if it comes, is let go)."""
+        if self._done.wait(timeout):
+            return True
+        with self._lock:
+            if self._done.is_set():
+                return True
+            self._abandoned = True
+            return False
 
 
 class GuardedStore:
@@ -173,41 +303,94 @@ class GuardedStore:
     def remove_prefix(self, prefix: str) -> int:
         return int(self._call(self._store.remove_prefix, (prefix,), 0))
 
+    def read(
+        self, name: str, consume: Callable[[str, memoryview], Any], abandon: Callable[[Any], None] | None = None
+    ) -> Any:
+        """`consume` runs on the guard's thread, within the call's deadline (the buffer is valid only then);
+        `abandon(result)` gets a result that came after the deadline."""
+        return self._call(self._store.read, (name, consume), None, abandon)
+
+    def read_many(
+        self,
+        names: list[str],
+        consume: Callable[[str, memoryview], Any],
+        slot_bytes: int,
+        abandon: Callable[[Any], None] | None = None,
+    ) -> list:
+        if not names:
+            return []
+
+        def abandon_all(results: list) -> None:
+            for result in results:
+                if result is not None and abandon is not None:
+                    abandon(result)
+
+        results = self._call(self._store.read_many, (list(names), consume, slot_bytes), None, abandon_all)
+        return list(results) if results is not None else [None] * len(names)
+
+    def write(self, name: str, nbytes: int, fill: Callable[[memoryview], Any]) -> bool:
+        return bool(self._call(self._store.write, (name, nbytes, fill), False))
+
+    def write_many(
+        self,
+        names: list[str],
+        sizes: list[int],
+        fill: Callable[[int, memoryview], Any],
+        cleanup: Callable[[], None] | None = None,
+    ) -> list[bool]:
+        """`cleanup()` runs once `fill` can no longer be called (after the transfer, on the worker; or here, when
+        the call never reached it): where the caller lets go of what `fill` reads, even past the deadline."""
+        if not names:
+            if cleanup is not None:
+                cleanup()
+            return []
+        stored = self._call(self._store.write_many, (list(names), list(sizes), fill), None, cleanup=cleanup)
+        return list(stored) if stored is not None else [False] * len(names)
+
     def close(self) -> None:
         self._calls.put(None)
         self._store.close()
 
     # ---- the guard ---------------------------------------------------------------------------------------------------
-    def _call(self, method: Callable, args: tuple, miss: Any) -> Any:
+    def _call(
+        self,
+        method: Callable,
+        args: tuple,
+        miss: Any,
+        abandon: Callable[[Any], None] | None = None,
+        cleanup: Callable[[], None] | None = None,
+    ) -> Any:
+        """Run `method(*args)` on the worker, waiting until the deadline; `abandon(value)` gets the value of a call
+        that answered after its caller gave up (to zero what it decrypted); `cleanup()` runs exactly once after the
+        method ran (on the worker) or instead of it (here, when the call never reached the worker)."""
         if not self.healthy:
             with self._lock:
                 self.num_skipped += 1
+            if cleanup is not None:
+                cleanup()
             return miss
         deadline = self._clock() + self.timeout_s
         if not self._worker_free.acquire(timeout=self.timeout_s):  # the worker is still stuck on an abandoned call
+            if cleanup is not None:
+                cleanup()
             return self._fault("the store's worker is still busy with a call past its deadline", miss)
-        done = threading.Event()
-        outcome: dict[str, Any] = {}
-        self._calls.put((method, args, outcome, done))
-        if not done.wait(max(0.0, deadline - self._clock())):
+        call = _Call(method, args, abandon, cleanup)
+        self._calls.put(call)
+        if not call.wait(max(0.0, deadline - self._clock())):
             return self._fault(f"no answer within {self.timeout_s} s", miss)
-        if "error" in outcome:
-            return self._fault(repr(outcome["error"]), miss)
+        if call.error is not None:
+            return self._fault(repr(call.error), miss)
         self._closed()
-        return outcome["value"]
+        return call.value
 
     def _serve(self) -> None:
         while True:
             call = self._calls.get()
             if call is None:
                 return
-            method, args, outcome, done = call
             try:
-                outcome["value"] = method(*args)
-            except Exception as error:  # a store fault of any kind is the guard's to count, never the caller's
-                outcome["error"] = error
+                call.run()
             finally:
-                done.set()
                 self._worker_free.release()
 
     def _fault(self, reason: str, miss: Any) -> Any:

@@ -35,19 +35,37 @@ def encode(
 ) -> bytearray:
     """The whole record of one block (lineage: (parent hash, tokens), or None). `aad_prefix` binds the record to
     where it lives (the SSD's by default; the network tier binds each object's name)."""
+    num_tokens = len(lineage[1]) if lineage is not None else 0
+    record = bytearray(record_bytes(len(payload), num_tokens))
+    encode_into(memoryview(record), aead, block_hash, payload, checksum, lineage, aad_prefix=aad_prefix)
+    return record
+
+
+def encode_into(
+    out: memoryview,
+    aead: AESGCM,
+    block_hash: bytes,
+    payload,
+    checksum: int,
+    lineage: tuple | None,
+    *,
+    aad_prefix: bytes = AAD_PREFIX,
+) -> int:
+    """`encode` into `out` (at least record_bytes long: a reused buffer); returns the record's length."""
     parent, tokens = lineage if lineage is not None else (NO_PARENT, np.zeros(0, np.int32))
     token_bytes = np.ascontiguousarray(tokens, dtype="<i4").tobytes()
     nonce, token_nonce = os.urandom(12), os.urandom(12)
     payload_end = HEADER.size + len(payload) + TAG_BYTES
-    record = bytearray(payload_end + (len(token_bytes) + TAG_BYTES if len(tokens) else 0))
+    length = record_bytes(len(payload), len(tokens))
+    assert len(out) >= length, "a record buffer too small"
     HEADER.pack_into(
-        record, 0, MAGIC, len(payload) + TAG_BYTES, block_hash, nonce, checksum, bytes(parent), len(tokens), token_nonce
+        out, 0, MAGIC, len(payload) + TAG_BYTES, block_hash, nonce, checksum, bytes(parent), len(tokens), token_nonce
     )
     aad = _aad(block_hash, bytes(parent), len(tokens), aad_prefix)
-    aead.encrypt_into(nonce, payload, b"kv" + aad, memoryview(record)[HEADER.size : payload_end])
+    aead.encrypt_into(nonce, payload, b"kv" + aad, out[HEADER.size : payload_end])
     if len(tokens):
-        aead.encrypt_into(token_nonce, token_bytes, b"tk" + aad, memoryview(record)[payload_end:])
-    return record
+        aead.encrypt_into(token_nonce, token_bytes, b"tk" + aad, out[payload_end:length])
+    return length
 
 
 def decode(

@@ -394,30 +394,55 @@ class LowerTiers:
 
     def fetch_run(self, hashes: list[bytes]) -> list[bytearray]:
         """Verified payloads of the leading run of `hashes` found in lower tiers (DRAM entries are taken out: the
-        caller owns every payload returned and zeroes it when done)."""
-        payloads = []
-        for block_hash in hashes:
+        caller owns every payload returned and zeroes it when done). A stretch the network tier alone holds is
+        fetched in one batched transfer."""
+        payloads: list[bytearray] = []
+        while len(payloads) < len(hashes):
+            block_hash = hashes[len(payloads)]
             payload, tier = self.dram.take(block_hash), "dram"
             if payload is None and self.ssd is not None:
                 payload, tier = self.ssd.read(block_hash), "ssd"
             if payload is None and self.network is not None:
-                payload, tier = self._from_network(block_hash), "network"
+                stretch = self._network_stretch(hashes, len(payloads))
+                fetched = self._from_network(stretch)
+                payloads.extend(fetched)
+                if not stretch or len(fetched) < len(stretch):
+                    break
+                continue
             if payload is None:
                 break
             self._count("get", tier, len(payload))
             payloads.append(payload)
         return payloads
 
-    def _from_network(self, block_hash: bytes) -> bytearray | None:
-        """A verified payload from the network tier; its lineage (sealed in the object) joins the index, so a block
-        another node stored can be forgotten with its prefix here."""
-        fetched = self.network.fetch(block_hash)
-        if fetched is None:
-            return None
-        payload, lineage = fetched
-        if lineage is not None and block_hash not in self.lineage:
-            self.lineage.add(block_hash, lineage[0], lineage[1])
-        return payload
+    def _network_stretch(self, hashes: list[bytes], start: int) -> list[bytes]:
+        """hashes[start:] as far as the network tier holds them and no node-local tier does (at most a batch)."""
+        stretch = []
+        for block_hash in hashes[start : start + NETWORK_BATCH_BLOCKS]:
+            local = block_hash in self.dram or (self.ssd is not None and self.ssd.contains(block_hash))
+            if local or not self.network.contains(block_hash):
+                break
+            stretch.append(block_hash)
+        return stretch
+
+    def _from_network(self, hashes: list[bytes]) -> list[bytearray]:
+        """The leading verified payloads of `hashes` from the network tier (those after the first miss are zeroed);
+        their lineage (sealed in the objects) joins the index, so a block another node stored can be forgotten with
+        its prefix here."""
+        payloads: list[bytearray] = []
+        missed = False
+        for block_hash, fetched in zip(hashes, self.network.fetch_many(hashes) if hashes else []):
+            missed = missed or fetched is None
+            if fetched is None or missed:
+                if fetched is not None:
+                    zero(fetched[0])
+                continue
+            payload, lineage = fetched
+            if lineage is not None and block_hash not in self.lineage:
+                self.lineage.add(block_hash, lineage[0], lineage[1])
+            self._count("get", "network", len(payload))
+            payloads.append(payload)
+        return payloads
 
     def discard_subtrees(self, roots) -> list[bytes]:
         """Forget `roots` and every block chained under them from every tier (in memory at once; `sync` makes it
@@ -476,6 +501,9 @@ class LowerTiers:
             self.ssd.close()
         if self.network is not None:
             self.network.close()
+
+
+NETWORK_BATCH_BLOCKS = 64  # blocks fetched from the network store in one batched transfer, at most
 
 
 # ---- setting tiers up for a hosted cache (the registry calls this) --------------------------------------------------
