@@ -84,3 +84,14 @@ def test_without_a_network_store_the_overview_says_so(operator_client, settings)
     settings.KCAAS_NETWORK_STORE_BYTES = 0
     html = text(operator_client.get("/console/"))
     assert "no network capacity" in html
+
+
+def test_a_node_page_shows_its_caches_bytes_in_the_network_store(operator_client, store):
+    tenant = make_tenant("acme-node", max_network_bytes=4 * GIB)
+    node = make_node()
+    cache = _attach(tenant, "net-cache", GIB, write_through=True)
+    snapshot = {"caches": {str(cache.pk): {"device": 1024, "network": 512 * 1024}}}
+    Node.objects.filter(pk=node.pk).update(resident_snapshot=snapshot)
+    html = text(operator_client.get(f"/console/nodes/{node.pk}/"))
+    assert "its caches hold 512 KiB of 1 GiB in the fleet's network store" in html
+    assert f'max="{GIB}" value="{512 * 1024}"' in html

@@ -131,6 +131,8 @@ def _detail_context(node_id: uuid.UUID) -> dict:
         "incoming": incoming,
         "outgoing": outgoing,
         "migrating": any(row["active"] for row in incoming + outgoing),
+        "network_resident": sum(c.resident_bytes.get("network", 0) for c in hosted),
+        "network_granted": sum(c.capacity_bytes.get("network", 0) for c in hosted),
         "reported_at": parse_datetime(str((node.resident_snapshot or {}).get("reported_at") or "")),
     }
 
