@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
@@ -22,9 +23,10 @@ MMAP_THRESHOLD = 8 << 20  # above a block's payload and record (2 MiB + a header
 TRIM_THRESHOLD = 256 << 20
 
 
-def keep_block_buffers_on_heap() -> bool:
-    """Apply the settings (glibc on Linux; elsewhere nothing). True when applied."""
-    if not sys.platform.startswith("linux"):
+def keep_block_buffers_on_heap(environ=os.environ) -> bool:
+    """Apply the settings (glibc on Linux; elsewhere nothing). True when applied. Malloc tunables the operator set
+    (GLIBC_TUNABLES glibc.malloc.*) win: nothing is changed then."""
+    if not sys.platform.startswith("linux") or "glibc.malloc." in environ.get("GLIBC_TUNABLES", ""):
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

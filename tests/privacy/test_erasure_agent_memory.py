@@ -6,13 +6,16 @@ on a second connection. The tenant is erased through the real path (API -> job -
 the node's answer) while its connections are still open; then no pattern is anywhere in the agent's writable
 memory (/proc/<pid>/maps + /proc/<pid>/mem): not in the pool (zeroed), nor in the freed heap, thread arenas, thread
 stacks or anonymous mappings where staging buffers, temporaries, the decoder's buffer or OpenSSL's record buffers
-lived. The agent runs with glibc's allocator at its most retentive (GLIBC_TUNABLES): freed memory stays mapped, so
-a buffer released unzeroed is found, whatever its size — the engine's own write temporaries included (the suffix
-put's uncached slice is reshaped into a temporary by the CPU scatter)."""
+lived; with the network tier, not in the sealed copies or the store client's buffers either, and the erasure
+removes the tenant's objects from the store. The agent runs with glibc's allocator at its most retentive
+(GLIBC_TUNABLES): freed memory stays mapped, so a buffer released unzeroed is found, whatever its size — the
+engine's own write temporaries included (the suffix put's uncached slice is reshaped into a temporary by the CPU
+scatter)."""
 
 from __future__ import annotations
 
 import socket
+import urllib.request
 
 import numpy as np
 import pytest
@@ -42,15 +45,22 @@ BIG = 640 * BLOCK_TOKENS  # 10240 tokens: 1.25 MiB of KV
 RETAINING_MALLOC = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296"
 
 
-@pytest.fixture
-def agent(live_server, tmp_path, monkeypatch):
+@pytest.fixture(params=["node tiers", "network tier"])
+def agent(request, live_server, tmp_path, monkeypatch, settings):
+    """The agent; with "network tier", pointed at the fleet's store (the tenant's cache then writes its blocks
+    through to it: sealed copies, the store client's buffers)."""
     monkeypatch.setenv("GLIBC_TUNABLES", RETAINING_MALLOC)
+    if request.param == "network tier":
+        settings.KCAAS_NETWORK_STORE_BYTES = 1 << 30
+        for name, value in request.getfixturevalue("network_store").env().items():
+            monkeypatch.setenv(name, value)
     (tmp_path / "pki").mkdir()
     pki = write_dev_pki(tmp_path / "pki", server_name="memory-scan node")
     with running_workers((control_app, ["control"])):
         launcher = AgentLauncher(live_server.url, pki, 4096 * LAYOUT.block_bytes, tmp_path)
         try:
-            yield launcher.start(), pki
+            store = request.getfixturevalue("network_store") if request.param == "network tier" else None
+            yield launcher.start(), pki, store
         finally:
             launcher.close()
 
@@ -138,6 +148,17 @@ def send_every_staging_path(endpoint: str, pki, cache_id: str, token: str, patte
     return [sdk, raw, other]
 
 
+def store_allocated_bytes(store) -> int:
+    """The bytes the network store's master reports allocated (0 without a store)."""
+    if store is None:
+        return 0
+    with urllib.request.urlopen(f"http://127.0.0.1:{store.metrics_port}/metrics", timeout=5) as answer:
+        for line in answer.read().decode().splitlines():
+            if line.startswith("master_allocated_bytes "):
+                return int(float(line.split()[1]))
+    raise AssertionError("the store's master reports no master_allocated_bytes")
+
+
 def scan(pid: int, patterns: dict) -> dict[str, list[str]]:
     """Where each path's pattern is in the agent's memory (described), for the paths where it is."""
     found = {}
@@ -149,17 +170,23 @@ def scan(pid: int, patterns: dict) -> dict[str, list[str]]:
 
 
 def test_an_erased_tenants_kv_is_nowhere_in_the_agents_memory(agent, tenant_a, staff_client, no_grace):
-    process, pki = agent
+    process, pki, network = agent  # network: the store's endpoints, or None
     pid = process.process.pid
     # the scan is the proof: where it cannot read the agent the test fails rather than passing unproven
     assert memory_scan.readable(pid), "this process may not read the agent's memory (/proc/<pid>/mem: root or ptrace)"
     body = attach_body("memory", device=3072 * LAYOUT.block_bytes)
+    if network:  # every put's full blocks are sealed and stored before it is acknowledged
+        body["capacity"]["network"] = 4096 * LAYOUT.block_bytes
+        body["network_write_through"] = True
     response = tenant_a.client.post("/api/v1/caches", body, format="json")
     assert response.status_code == 201, response.content
     cache = wait_for_state(tenant_a.client, response.json()["id"], "ready", timeout=30)
     token = tenant_a.client.post(f"/api/v1/caches/{cache['id']}/tokens", {"access": "readwrite"}, format="json")
     patterns = {path: random_pattern(seed) for seed, path in enumerate(PATHS)}
+    stored_before = store_allocated_bytes(network)
     connections = send_every_staging_path(cache["endpoint"], pki, cache["id"], token.json()["token"], patterns)
+    if network:  # written through: the store holds (at least) the first put's blocks
+        assert store_allocated_bytes(network) - stored_before >= BIG // BLOCK_TOKENS * LAYOUT.block_bytes
     assert set(scan(pid, patterns)) == set(PATHS), "the scan does not see the KV the agent holds"
 
     tenant_id = tenant_a.tenant.pk
@@ -168,6 +195,8 @@ def test_an_erased_tenants_kv_is_nowhere_in_the_agents_memory(agent, tenant_a, s
     erasure = lambda: staff_client.get(f"/api/v1/admin/tenants/{tenant_id}/erasure").json()  # noqa: E731
     assert eventually(lambda: erasure()["state"] == "complete", timeout=30), erasure()
 
+    if network:  # the erasure removed the tenant's objects from the store
+        assert eventually(lambda: store_allocated_bytes(network) <= stored_before, timeout=10)
     left = scan(pid, patterns)
     assert left == {}, f"plaintext KV of the erased tenant survives in the agent: {left}"
     with open(f"/proc/{pid}/environ", "rb") as environ:  # it re-executed itself: no lazy binding spills registers
