@@ -26,6 +26,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,8 @@ class MooncakeObjectStore:
         self._master, self._metadata_url = master, metadata_url
         self._buffer_bytes, self._host = buffer_bytes, host
         self._client = None
-        self._buffers: dict[str, _Registered] = {}  # "read" / "write": reused, registered with the client
+        self._buffers: dict[str, _Registered] = {}  # by purpose: reused, registered with the client
+        self._transfers: ThreadPoolExecutor | None = None  # read_many's transfer thread, started on first use
 
     @property
     def _store(self):
@@ -147,21 +149,32 @@ class MooncakeObjectStore:
         return consume(name, buffer.view[:size]) if size > 0 else None
 
     def read_many(self, names: list[str], consume: Callable[[str, memoryview], Any], slot_bytes: int) -> list:
-        """One batched transfer per MAX_BATCH_BYTES of slots; an object larger than its slot is read alone."""
+        """Batched transfers of up to READ_CHUNK_BLOCKS objects, pipelined: the next chunk is transferred (on the
+        client's transfer thread, which holds no GIL while the store moves bytes) into one buffer while the objects
+        of the last are consumed from the other. An object larger than its slot is read alone."""
         slot = max(int(slot_bytes), 4096)
-        per_batch = max(1, MAX_BATCH_BYTES // slot)
+        chunks = [names[i : i + READ_CHUNK_BLOCKS] for i in range(0, len(names), READ_CHUNK_BLOCKS)]
+        buffers = [self._buffer(f"batch{side}", slot * min(len(names), READ_CHUNK_BLOCKS)) for side in (0, 1)]
         results: list = []
-        for start in range(0, len(names), per_batch):
-            batch = names[start : start + per_batch]
-            buffer = self._buffer("batch", slot * len(batch))
-            addresses = [buffer.address + i * slot for i in range(len(batch))]
-            sizes = self._store.batch_get_into(batch, addresses, [slot] * len(batch))
-            for i, (name, size) in enumerate(zip(batch, sizes)):
+        transfer = self._transfer(chunks[0], buffers[0], slot)
+        for k, chunk in enumerate(chunks):
+            sizes = transfer.result()
+            if k + 1 < len(chunks):
+                transfer = self._transfer(chunks[k + 1], buffers[(k + 1) % 2], slot)
+            view = buffers[k % 2].view
+            for i, (name, size) in enumerate(zip(chunk, sizes)):
                 if size == TOO_SMALL:
                     results.append(self.read(name, consume))
                 else:
-                    results.append(consume(name, buffer.view[i * slot : i * slot + size]) if size > 0 else None)
+                    results.append(consume(name, view[i * slot : i * slot + size]) if size > 0 else None)
         return results
+
+    def _transfer(self, names: list[str], buffer: _Registered, slot: int) -> Future:
+        """batch_get_into of `names` into `buffer`'s slots, on the transfer thread."""
+        if self._transfers is None:
+            self._transfers = ThreadPoolExecutor(1, thread_name_prefix="kcaas-store-transfer")
+        addresses = [buffer.address + i * slot for i in range(len(names))]
+        return self._transfers.submit(self._store.batch_get_into, names, addresses, [slot] * len(names))
 
     def write(self, name: str, nbytes: int, fill: Callable[[memoryview], Any]) -> bool:
         buffer = self._buffer("write", nbytes)
@@ -191,12 +204,14 @@ class MooncakeObjectStore:
         return fresh
 
     def close(self) -> None:
+        if self._transfers is not None:
+            self._transfers.shutdown(wait=True)
         if self._client is not None:
             self._client.close()
 
 
 TOO_SMALL = -600  # Mooncake's answer to a get_into whose buffer cannot hold the object
-MAX_BATCH_BYTES = 64 << 20
+READ_CHUNK_BLOCKS = 16  # objects per transfer of read_many (smaller chunks overlapped less than they cost)
 
 
 class _Registered:

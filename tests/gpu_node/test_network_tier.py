@@ -304,3 +304,11 @@ def test_erasure_of_a_tenant_leaves_no_object_of_its_caches(store, network_store
     assert {entry["cache_id"] for entry in registry.purge_tenant("t-erased")} == {"erased-1", "erased-2"}
     assert not any(raw.exists(names[0] + names[1]))
     assert all(raw.exists(names[2]))  # another tenant's identical prompt is untouched
+
+
+def test_a_long_run_is_promoted_in_pipelined_batches_bit_exact(store):
+    keys, tokens = Keys(), seq(4 * 40, 18000)  # 40 blocks: batches of 16, 16 and 8, the next fetched under the last
+    put(engine(store, keys, num_blocks=64, write_through=True), tokens)
+    reader = engine(store, keys, num_blocks=64)
+    assert served_exact(reader, tokens) == len(tokens)
+    assert reader.tiers.bytes_moved()[("get", "network")] == 40 * reader.spec.block_bytes
