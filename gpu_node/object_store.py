@@ -210,6 +210,7 @@ class MooncakeObjectStore:
             self._client.close()
 
 
+CLOSE_WAIT_S = 10.0  # how long close waits for a running call before leaving the client open
 TOO_SMALL = -600  # Mooncake's answer to a get_into whose buffer cannot hold the object
 READ_CHUNK_BLOCKS = 16  # objects per transfer of read_many (smaller chunks overlapped less than they cost)
 
@@ -292,6 +293,7 @@ class GuardedStore:
         self._worker_free = threading.Semaphore(1)
         self.num_faults = 0  # timeouts and errors
         self.num_skipped = 0  # calls answered as a miss while the breaker was open
+        self._closing = False  # set once by close: every later call is a miss, never a call into a closed client
         self._worker = threading.Thread(target=self._serve, name="kcaas-object-store", daemon=True)
         self._worker.start()
 
@@ -363,7 +365,18 @@ class GuardedStore:
         return list(stored) if stored is not None else [False] * len(names)
 
     def close(self) -> None:
-        self._calls.put(None)
+        """Stop taking calls (later ones are misses), let the worker finish what it runs, then close the client. A
+        call stuck in the store past CLOSE_WAIT_S keeps the client open (closing a Mooncake client under a running
+        call crashes the process): it is left to the process's exit."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            self._calls.put(None)
+        self._worker.join(timeout=max(CLOSE_WAIT_S, 2 * self.timeout_s))
+        if self._worker.is_alive():
+            log.warning("a network store call is still running: its client is left open")
+            return
         self._store.close()
 
     # ---- the guard ---------------------------------------------------------------------------------------------------
@@ -378,7 +391,7 @@ class GuardedStore:
         """Run `method(*args)` on the worker, waiting until the deadline; `abandon(value)` gets the value of a call
         that answered after its caller gave up (to zero what it decrypted); `cleanup()` runs exactly once after the
         method ran (on the worker) or instead of it (here, when the call never reached the worker)."""
-        if not self.healthy:
+        if self._closing or not self.healthy:
             with self._lock:
                 self.num_skipped += 1
             if cleanup is not None:
@@ -390,7 +403,15 @@ class GuardedStore:
                 cleanup()
             return self._fault("the store's worker is still busy with a call past its deadline", miss)
         call = _Call(method, args, abandon, cleanup)
-        self._calls.put(call)
+        with self._lock:  # queued before close's sentinel, or not at all
+            closing = self._closing
+            if not closing:
+                self._calls.put(call)
+        if closing:
+            self._worker_free.release()
+            if cleanup is not None:
+                cleanup()
+            return miss
         if not call.wait(max(0.0, deadline - self._clock())):
             return self._fault(f"no answer within {self.timeout_s} s", miss)
         if call.error is not None:

@@ -312,3 +312,20 @@ def test_a_long_run_is_promoted_in_pipelined_batches_bit_exact(store):
     reader = engine(store, keys, num_blocks=64)
     assert served_exact(reader, tokens) == len(tokens)
     assert reader.tiers.bytes_moved()[("get", "network")] == 40 * reader.spec.block_bytes
+
+
+def test_closing_the_client_under_a_stuck_call_neither_crashes_nor_calls_it_again(fresh_network_store, monkeypatch):
+    import gpu_node.object_store as object_store
+
+    monkeypatch.setattr(object_store, "CLOSE_WAIT_S", 0.5)
+    store = client(fresh_network_store.endpoints, timeout_s=0.2)
+    assert store.put("kc/close-test/a", b"x" * 1024)
+    fresh_network_store.stop_master()
+    try:
+        assert store.get("kc/close-test/a") is None  # stuck in the store past its deadline: abandoned, a miss
+        started = time.monotonic()
+        store.close()  # the worker is still inside that call: the client is left open, nothing crashes
+        assert time.monotonic() - started < 3
+        assert store.get("kc/close-test/a") is None and store.put("kc/close-test/b", b"y") is False
+    finally:
+        fresh_network_store.resume_master()
