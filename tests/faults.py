@@ -30,11 +30,26 @@ from tests.waiting import eventually
 _redis_databases = itertools.count(1)
 
 
-def free_port() -> int:
-    """A loopback TCP port nobody listens on right now (the OS picks it)."""
+def free_port(neighbours: int = 2) -> int:
+    """A loopback TCP port nobody listens on right now (the OS picks it), whose next `neighbours` ports are free too:
+    `make up` puts its agents' data planes on the API's port + 1, + 2, and the session's network store holds ports
+    of its own for the whole run."""
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port + neighbours <= 65535 and all(_bindable(port + i) for i in range(1, neighbours + 1)):
+            return port
+    raise RuntimeError(f"no free port with {neighbours} free ports after it")
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def listening(port: int) -> bool:
