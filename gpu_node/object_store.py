@@ -20,6 +20,7 @@ time to hand the call to the worker); `healthy` is False exactly while the break
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import queue
 import socket
@@ -154,14 +155,15 @@ class MooncakeObjectStore:
         of the last are consumed from the other. An object larger than its slot is read alone."""
         slot = max(int(slot_bytes), 4096)
         chunks = [names[i : i + READ_CHUNK_BLOCKS] for i in range(0, len(names), READ_CHUNK_BLOCKS)]
-        buffers = [self._buffer(f"batch{side}", slot * min(len(names), READ_CHUNK_BLOCKS)) for side in (0, 1)]
+        sides = min(2, len(chunks))  # a second buffer only when a transfer overlaps the opening of another
+        buffers = [self._buffer(f"batch{side}", slot * min(len(names), READ_CHUNK_BLOCKS)) for side in range(sides)]
         results: list = []
         transfer = self._transfer(chunks[0], buffers[0], slot)
         for k, chunk in enumerate(chunks):
             sizes = transfer.result()
             if k + 1 < len(chunks):
-                transfer = self._transfer(chunks[k + 1], buffers[(k + 1) % 2], slot)
-            view = buffers[k % 2].view
+                transfer = self._transfer(chunks[k + 1], buffers[(k + 1) % sides], slot)
+            view = buffers[k % sides].view
             for i, (name, size) in enumerate(zip(chunk, sizes)):
                 if size == TOO_SMALL:
                     results.append(self.read(name, consume))
@@ -184,7 +186,7 @@ class MooncakeObjectStore:
 
     def write_many(self, names: list[str], sizes: list[int], fill: Callable[[int, memoryview], Any]) -> list[bool]:
         buffer = self._buffer("write", sum(sizes))
-        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        offsets = [0, *itertools.accumulate(sizes[:-1])]
         for i, (offset, size) in enumerate(zip(offsets, sizes)):
             fill(i, buffer.view[offset : offset + size])
         codes = self._store.batch_put_from(names, [buffer.address + offset for offset in offsets], sizes)
