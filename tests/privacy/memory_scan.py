@@ -71,13 +71,22 @@ def find_bytes(pid: int, needle: bytes, *, limit: int = 16) -> list[Hit]:
     return hits
 
 
+def _pread_mapped(fd: int, length: int, address: int) -> bytes:
+    """The bytes at `address` in the process's memory, or b"" where nothing is mapped (EIO: past a mapping's end, or
+    before its start)."""
+    try:
+        return os.pread(fd, length, address)
+    except OSError:
+        return b""
+
+
 def describe(pid: int, hit: Hit, needle: bytes) -> str:
     """How many needles in a row start at the hit, and the 16 bytes before them (for a failure message)."""
     fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
     try:
-        before = os.pread(fd, 16, hit.address - 16)
+        before = _pread_mapped(fd, 16, hit.address - 16)  # nothing when the hit starts its mapping
         run, pos = 0, hit.address
-        while os.pread(fd, len(needle), pos) == needle:
+        while _pread_mapped(fd, len(needle), pos) == needle:
             run, pos = run + 1, pos + len(needle)
     finally:
         os.close(fd)
