@@ -118,8 +118,7 @@ class TierOperations:
                 parent = block_hash
             payloads = block_payloads(self.pool, self.scales, [block_id for _, block_id, _ in wanted])
             for (block_hash, _, lineage), payload in zip(wanted, payloads):
-                self._tiers.to_network(block_hash, payload, block_checksum(payload), lineage)
-                zero(payload)
+                self._tiers.to_network(block_hash, payload, block_checksum(payload), lineage, owned=True)
         if wanted and not network.flush():
             network.num_write_through_timeouts += 1
 

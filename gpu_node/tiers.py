@@ -330,15 +330,19 @@ class LowerTiers:
         for pushed in self.dram.store(block_hash, payload, checksum):
             self._to_ssd(*pushed)
 
-    def to_network(self, block_hash: bytes, payload, checksum: int, lineage: tuple[bytes, np.ndarray]) -> None:
-        """Queue a copy of a block for the network tier unless it holds it (the caller keeps `payload`)."""
+    def to_network(
+        self, block_hash: bytes, payload, checksum: int, lineage: tuple[bytes, np.ndarray], *, owned: bool = False
+    ) -> None:
+        """Queue a block for the network tier unless it holds it: a copy (the caller keeps `payload`), or with
+        `owned` the payload itself (the tier owns it then: zeroed once sealed, or here when not queued)."""
         network = self.network
-        if network is None or network.contains(block_hash):
+        if network is None or network.contains(block_hash) or not network.healthy:
+            if network is not None and not network.contains(block_hash):
+                network.num_dropped_writes += 1  # the store is down: the block stays in the node's own tiers only
+            if owned:
+                zero(payload)
             return
-        if not network.healthy:  # the store is down: the block stays in the node's own tiers only
-            network.num_dropped_writes += 1
-            return
-        network.store(block_hash, bytearray(payload), checksum, lineage)
+        network.store(block_hash, payload if owned else bytearray(payload), checksum, lineage)
         self._count("put", "network", len(payload))
 
     def probe(self, hashes: list[bytes]) -> int:
