@@ -4,12 +4,11 @@
 # image runs an agent on the CPU or, given a GPU (docker-compose.gpu.yml), on CUDA.
 FROM python:3.11-slim-bookworm
 
-ARG EXTRAS=control,node,gpu,network
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PYTHONPATH=/app/platform:/app \
+    PYTHONPATH=/app/platform:/app:/app/kernels \
     DJANGO_SETTINGS_MODULE=controlplane.settings \
     KCAAS_VAR_DIR=/var/lib/kcaas
 
@@ -21,8 +20,11 @@ RUN apt-get update \
 
 WORKDIR /app
 COPY . /app
-# editable: the C extension is built next to its sources, so /app on PYTHONPATH finds it
-RUN pip install -e ".[${EXTRAS}]" \
+# Exactly locks/server.txt (the tested versions, without the test tools), the SDK editable on top, and the node's C
+# extension built next to its source (scripts/server_env.py); the server rooms come from /app on PYTHONPATH.
+RUN pip install --require-hashes -r locks/server.txt \
+    && pip install --no-deps --no-build-isolation -e . \
+    && python scripts/server_env.py \
     && useradd --system --uid 10001 --home-dir /var/lib/kcaas kcaas \
     && mkdir -p /var/lib/kcaas /var/lib/kcaas-nodes \
     && chown kcaas:kcaas /var/lib/kcaas /var/lib/kcaas-nodes \

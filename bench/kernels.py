@@ -19,9 +19,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels import copy_blocks, paged_decode_attention, read_kv, write_kv
-from kernels.paged_attention import _launch
-from kernels.reference import paged_decode_attention_reference
+from kcaas_kernels import copy_blocks, paged_decode_attention, read_kv, write_kv
+from kcaas_kernels.paged_attention import _launch
+from kcaas_kernels.reference import paged_decode_attention_reference
 
 NUM_LAYERS, NUM_KV_HEADS, NUM_Q_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 32, 128, 16
 DTYPE = torch.float16

@@ -3,14 +3,14 @@
 Storage of the engine dtype, or of a wider one (fp16 or bf16 KV in fp32, fp16 KV in bf16), holds every value
 exactly or rounded (NaN and inf included): nothing is checked there, at no cost. Two kinds of storage cannot:
 
-* int8 / fp8 (kernels/quant.py). NaN and inf have no code: stored anyway, a NaN made its row's scale 1.0 (the row
+* int8 / fp8 (kcaas_kernels/quant.py). NaN and inf have no code: stored anyway, a NaN made its row's scale 1.0 (the row
   lost its precision; int8 read the NaN back as 0) and an inf turned its whole row into NaN. Above
   QUANT_MAX_ABS_INPUT (the bf16 maximum, ~3.39e38) the dequantized q * scale can round past the fp32 maximum.
   Refused: any non-finite value, and any |x| > QUANT_MAX_ABS_INPUT.
 * A float dtype of smaller range (fp32 KV in fp16 or bf16, bf16 KV in fp16). A finite value from
   ROUNDING[storage].overflow up (65520 for fp16: the maximum plus half an ulp) would be stored, and read back, as
   inf. Refused. NaN and inf themselves are stored as they are (IEEE casts keep them), as in same-dtype storage;
-  rounding inside the range is ordinary (kernels.error_bound covers it).
+  rounding inside the range is ordinary (kcaas_kernels.error_bound covers it).
 
 A refusal is a KVNotStorable (a ValueError) naming the first offending element, raised before the put plans or
 writes anything: the cache is unchanged. The check costs one min/max pass over the KV and one host sync, only for
@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from kernels import QUANT_DTYPES, QUANT_MAX_ABS_INPUT, ROUNDING
+from kcaas_kernels import QUANT_DTYPES, QUANT_MAX_ABS_INPUT, ROUNDING
 
 _K_OR_V = ("K", "V")
 

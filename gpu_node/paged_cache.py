@@ -8,7 +8,7 @@ Storage layout (one tensor per cache, allocated and pre-faulted at attach):
 Block-major, so one block (every layer, K and V) is one contiguous run of bytes: a tier copy, a checksum or a
 migration frame is one memcpy per block. Inside a block each (layer, K/V) is [block_size, heads, head_dim] — the NHD
 layout vLLM and FlashInfer page in — so `pool[:, layer, 0]` is a layer's paged K cache with a block stride of
-num_layers*2*block_size*heads*head_dim elements, which paged attention reads in place (kernels/paged_attention.py).
+num_layers*2*block_size*heads*head_dim elements, read in place by paged attention (kcaas_kernels/paged_attention.py).
 
 Engines hand KV over as [num_layers, 2, num_tokens, num_kv_heads, head_dim] in their dtype and get the same back.
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-import kernels
+import kcaas_kernels
 from gpu_node.block_hash import BlockChain, BlockHasher, tokens_as_int32
 from gpu_node.block_pool import BlockPool
 from gpu_node.engine_blocks import BlockExchange
@@ -328,7 +328,7 @@ class PagedKVCache(PurgeFence, TierOperations, BlockExchange):
         if section:
             self._begin_io()
         try:
-            return kernels.read_kv(self.pool, self.scales, slots, out_dtype=self.kv_dtype, out=view)
+            return kcaas_kernels.read_kv(self.pool, self.scales, slots, out_dtype=self.kv_dtype, out=view)
         finally:
             if section:
                 self._end_io()
@@ -413,13 +413,15 @@ class PagedKVCache(PurgeFence, TierOperations, BlockExchange):
         holds the tokens from `start` on, and the plan writes none before it)."""
         head = plan.head
         if head is not None and head.kind == COW:
-            kernels.copy_blocks(self.pool, self.scales, self.pool, self.scales, [head.cow_source], [head.block_id])
+            kcaas_kernels.copy_blocks(
+                self.pool, self.scales, self.pool, self.scales, [head.cow_source], [head.block_id]
+            )
         if plan.num_written_tokens:
             first, slots = plan.slot_mapping()
             assert first >= start, "a plan writing before start was refused (PrefixNotCached)"
             slot_tensor = torch.from_numpy(slots).to(self.device)
             kv_written = kv[:, :, first - start : first - start + len(slots)].to(self.device)
-            kernels.write_kv(kv_written, self.pool, self.scales, slot_tensor)
+            kcaas_kernels.write_kv(kv_written, self.pool, self.scales, slot_tensor)
 
     def _publish(self, plan: PutPlan, tokens: np.ndarray) -> int:
         """Enter the written blocks into the index in chain order; returns the leading tokens now cached."""

@@ -232,6 +232,12 @@ class Transport(filesystem.Transport):
     driver_type = "filesystem"
     driver_name = SCHEME
 
+    @property
+    def default_connection_params(self) -> dict:
+        """None: a folder has no host. (kombu's virtual transports default to `localhost` and log a warning, "No
+        hostname was supplied", on every connection of every process whose URL, like `kcaasfs://`, names none.)"""
+        return {}
+
     def __init__(self, client, **kwargs):
         super().__init__(client, **kwargs)
         folder = os.path.abspath(client.transport_options.get("control_folder", "control"))

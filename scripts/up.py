@@ -76,6 +76,13 @@ def base_env() -> dict:
     var_dir = Path(os.environ.get("KCAAS_VAR_DIR", REPO / "var"))
     env = {**os.environ, "KCAAS_VAR_DIR": str(var_dir), "PYTHONPATH": f"{REPO / 'platform'}:{REPO}"}
     env.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+    if os.geteuid() == 0:
+        # A developer's container often runs as root: Celery then warns, in every worker, that root is "absolutely not
+        # recommended". make up is a local development platform; a deployment runs as its own user (the image: uid
+        # 10001), where the warning would still show.
+        env["PYTHONWARNINGS"] = ",".join(
+            filter(None, [env.get("PYTHONWARNINGS"), "ignore:You're running the worker with superuser privileges"])
+        )
     if not env.get("PROMETHEUS_MULTIPROC_DIR"):
         # gunicorn's workers, the control worker and beat write their metrics here; /metrics answers for all of them
         # (docs/observability.md). Emptied at each start: a run's counters begin at zero. Node agents drop it.
@@ -294,6 +301,7 @@ def children(env: dict, host: str, port: int, agents: int = 1) -> dict[str, list
             PYTHON,
             "-m",
             "celery",
+            "--quiet",  # no startup banner: make up prints its own
             "-A",
             "controlplane",
             "worker",
@@ -310,6 +318,7 @@ def children(env: dict, host: str, port: int, agents: int = 1) -> dict[str, list
             PYTHON,
             "-m",
             "celery",
+            "--quiet",  # no startup banner: make up prints its own
             "-A",
             "controlplane",
             "beat",

@@ -7,10 +7,12 @@ The rules (docs/ARCHITECTURE.md, "The gate"):
 - the control plane's rooms import only downward, in CONTROL_PLANE's order: core is the ground floor and imports no
   room, controlplane is the roof that wires the rest and that no room imports;
 - the control plane may use the SDK's shared modules (kcaas: node messages, sealing, the embedded broker), but never
-  torch, triton, transformers, vllm, kernels or gpu_node — not even through a kcaas module it imports;
-- the node side (gpu_node, kernels, kcaas) never imports Django (or its family) nor a control-plane room;
-- kernels imports no room; the SDK (kcaas, connectors included) imports neither gpu_node nor kernels; gpu_node
-  imports only kcaas and kernels;
+  torch, triton, transformers, vllm, Hugging Face's kernels, kcaas_kernels or gpu_node — not even through a kcaas
+  module it imports;
+- the node side (gpu_node, kcaas_kernels, kcaas) never imports Django (or its family) nor a control-plane room;
+- kcaas_kernels imports no room; the SDK (kcaas, connectors included) imports neither gpu_node nor kcaas_kernels;
+  gpu_node imports only kcaas and kcaas_kernels;
+- no first-party module is importable as `kernels` (Hugging Face's package, which transformers needs, owns the name);
 - no import cycle between rooms, nor between modules at import time.
 Each failure names the file, the line and the rule broken. No database: this runs in `make lint` too.
 """
@@ -29,7 +31,7 @@ ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
 
 # The control plane's rooms, ground floor first: each may import only the rooms before it.
 CONTROL_PLANE = ("core", "audit", "tenants", "fleet", "caches", "billing", "privacy", "console", "controlplane")
-NODE_SIDE = ("kcaas", "kernels", "gpu_node")
+NODE_SIDE = ("kcaas", "kcaas_kernels", "gpu_node")
 ROOM_DIRS = {
     "core": "platform/core",
     "audit": "audit",
@@ -41,17 +43,19 @@ ROOM_DIRS = {
     "console": "platform/console",
     "controlplane": "platform/controlplane",
     "kcaas": "kcaas",
-    "kernels": "kernels",
+    "kcaas_kernels": "kernels/kcaas_kernels",
     "gpu_node": "gpu_node",
 }
+# Folders that are source roots, not packages: a module's dotted name starts below them.
+SOURCE_ROOTS = (ROOT / "platform", ROOT / "kernels")
 ROOMS = tuple(ROOM_DIRS)
 
 # The rooms each room may import. The control plane shares kcaas's plain modules with the node side.
 ALLOWED = {
     **{room: {*CONTROL_PLANE[:i], "kcaas"} for i, room in enumerate(CONTROL_PLANE)},
     "kcaas": set(),
-    "kernels": set(),
-    "gpu_node": {"kcaas", "kernels"},
+    "kcaas_kernels": set(),
+    "gpu_node": {"kcaas", "kcaas_kernels"},
 }
 # What the node side never imports (the control-plane extra's web stack), and what the control plane never imports.
 DJANGO_FAMILY = frozenset(
@@ -68,12 +72,12 @@ DJANGO_FAMILY = frozenset(
         "psycopg2",
     }
 )
-ML_FAMILY = frozenset({"torch", "triton", "transformers", "vllm"})
+ML_FAMILY = frozenset({"torch", "triton", "transformers", "vllm", "kernels"})  # kernels: Hugging Face's
 FORBIDDEN = {
-    **{room: ML_FAMILY | {"kernels", "gpu_node"} for room in CONTROL_PLANE},
+    **{room: ML_FAMILY | {"kcaas_kernels", "gpu_node"} for room in CONTROL_PLANE},
     **{room: DJANGO_FAMILY | set(CONTROL_PLANE) for room in NODE_SIDE},
 }
-FORBIDDEN["kcaas"] |= {"gpu_node", "kernels"}
+FORBIDDEN["kcaas"] |= {"gpu_node", "kcaas_kernels"}
 
 MODEL_FIELDS = {"ForeignKey", "OneToOneField", "ManyToManyField"}
 DYNAMIC_IMPORTS = {"import_module", "__import__"}  # importlib.import_module("x.y") with a literal name is an import
@@ -96,8 +100,8 @@ class Import:
 
 
 def module_name(path: Path) -> str:
-    """platform/ is a source root: platform/caches/services.py is `caches.services`."""
-    rel = path.relative_to(ROOT / "platform" if path.is_relative_to(ROOT / "platform") else ROOT)
+    """platform/ and kernels/ are source roots: platform/caches/services.py is `caches.services`."""
+    rel = path.relative_to(next((root for root in SOURCE_ROOTS if path.is_relative_to(root)), ROOT))
     parts = list(rel.with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
@@ -203,6 +207,18 @@ def test_rooms_import_only_the_rooms_below_them():
                 )
             broken.append(f"{imp.where()}: {imp.kind} of {imp.target}: {rule}")
     assert not broken, "upward or sideways imports:\n" + "\n".join(broken)
+
+
+def test_no_first_party_module_is_importable_as_kernels():
+    """`kernels` is Hugging Face's (transformers >= 5.25 imports it): a module of ours by that name shadows it from
+    the repository root, or is shadowed by it elsewhere."""
+    source_roots = [ROOT, *SOURCE_ROOTS]
+    shadowing = [
+        str(root / "kernels" / "__init__.py") for root in source_roots if (root / "kernels" / "__init__.py").exists()
+    ]
+    shadowing += [str(root / "kernels.py") for root in source_roots if (root / "kernels.py").exists()]
+    shadowing += [name for name in modules() if name.split(".")[0] == "kernels"]
+    assert not shadowing, f"importable as `kernels`: {shadowing}"
 
 
 def test_forbidden_imports():

@@ -113,8 +113,9 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 USE_TZ = True
 TIME_ZONE = "UTC"
 STATIC_URL = "static/"
-STATIC_ROOT = VAR_DIR / "static"
-WHITENOISE_USE_FINDERS = True  # serve app static files (Redoc) without a collectstatic step
+# Static files (Redoc, htmx, the console's stylesheet) are served from the apps' folders: no collectstatic step, so no
+# STATIC_ROOT (whitenoise warns at every start when that folder does not exist).
+WHITENOISE_USE_FINDERS = True
 
 # Request bodies (controlplane.middleware): the largest body any operation takes is a node's usage report or heartbeat
 # at its 10,000 entries (~2.5 MB); no operation's JSON nests deeper than 3.

@@ -213,12 +213,14 @@ def test_every_command_names_something_that_exists(compose):
     script = REPO / entrypoint.removeprefix("/app/")
     assert script.is_file() and os.access(script, os.X_OK)
     command_targets_exist(re.findall(r'"([^"]+)"', re.search(r"^CMD (\[.*\])", dockerfile, re.M).group(1)))
-    extras = re.search(r"^ARG EXTRAS=(\S+)", dockerfile, re.M).group(1).split(",")
-    pyproject = (REPO / "pyproject.toml").read_text()
-    for extra in extras:
-        assert re.search(rf"^{extra} = \[", pyproject, re.M), extra
+    # the image installs a lock (exact, hashed), and puts the source roots on the path as scripts/server_env.py does
+    lock = re.search(r"pip install --require-hashes -r (\S+)", dockerfile).group(1)
+    assert (REPO / lock).is_file() and lock.startswith("locks/")
+    python_path = re.search(r"PYTHONPATH=(\S+)", dockerfile).group(1).split(":")
+    assert {"/app", "/app/platform", "/app/kernels"} <= set(python_path)
+    assert "python scripts/server_env.py" in dockerfile
     ignored = (REPO / ".dockerignore").read_text().split()
-    assert {".venv", "var", ".git"} <= set(ignored)
+    assert {".venv", "var", ".git"} <= set(ignored) and not {"locks", "locks/"} & set(ignored)
 
 
 def test_the_entrypoint_turns_name_file_into_name(tmp_path):

@@ -23,11 +23,21 @@ SPEC = {
 }
 
 
+# What make up printed before its banner on a fresh machine, and must not print again: whitenoise's missing static
+# folder, Celery's startup banners and root warning, kombu's "No hostname was supplied" for the file broker.
+NOISE = re.compile(r"Warning|WARNING|No directory at|No hostname was supplied|celery beat v|-------------- \[queues\]")
+
+
 def test_make_up_serves_a_cache_end_to_end_and_stops_on_ctrl_c(tmp_path):
     port = free_port()
-    up = start_up(tmp_path, port)
+    stderr_path = tmp_path / "up.stderr"
+    with open(stderr_path, "w") as stderr:
+        up = start_up(tmp_path, port, stderr=stderr)
     try:
-        banner = read_banner(up, "make up")
+        banner = read_banner(up, "make up", stderr_path)
+        before_banner = banner[: banner.index("KCaaS is up.")] + stderr_path.read_text()
+        noise = [line for line in before_banner.splitlines() if NOISE.search(line)]
+        assert not noise, "make up printed warnings or banners before its own:\n" + "\n".join(noise)
         api_key = re.search(r"demo API key\s+(kc_live_\S+)", banner).group(1)
         assert re.search(r"admin login\s+admin / \S+", banner)
         console_password = re.search(r"/console/\s+login console / (\S+)", banner).group(1)

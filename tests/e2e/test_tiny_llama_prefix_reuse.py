@@ -3,7 +3,7 @@
 The model is Hugging Face transformers' LlamaForCausalLM, randomly initialised from a LlamaConfig, offline. Eager
 attention on one thread makes the model's own arithmetic deterministic across sequence lengths, so any difference
 comes from the cache: with fp32/fp16 storage the logits must be torch.equal; with int8/fp8 the served KV must stay
-within the quantization bound of kernels/quant.py element by element, and the logits within the bound documented
+within the quantization bound of kcaas_kernels/quant.py element by element, and the logits within the bound documented
 in docs/ARCHITECTURE.md (LOGIT_ERR_BOUND below, measured with margin on this model).
 """
 
@@ -14,7 +14,7 @@ import transformers
 from gpu_node.paged_cache import PagedKVCache
 from kcaas.spec import KVCacheSpec
 from kcaas.transformers_kv import dynamic_cache_from_kv, kv_from_dynamic_cache
-from kernels.quant import error_bound
+from kcaas_kernels.quant import error_bound
 
 # max |logit difference| / max |logit| for quantized storage on this model (see docs/ARCHITECTURE.md)
 LOGIT_ERR_BOUND = {"int8": 0.005, "fp8_e4m3": 0.02}  # measured 0.0015 and 0.0050

@@ -150,7 +150,7 @@ def test_delete_forgets_the_prefix_and_what_hangs_off_it_while_a_reader_keeps_it
     kv = cache.get  # a new reader sees nothing
     assert kv(a)[0] == 0
     slots = handle.slot_mapping()
-    from kernels import read_kv
+    from kcaas_kernels import read_kv
 
     held = read_kv(cache.pool, cache.scales, slots, out_dtype=torch.float32)
     assert torch.equal(held, prefix_kv(cache.spec, a))  # the held reader's bytes are intact
@@ -261,7 +261,7 @@ def test_concurrent_puts_and_gets_only_ever_return_exact_kv():
 
 @pytest.mark.parametrize("storage", ["int8", "fp8_e4m3"])
 def test_quantized_storage_serves_kv_within_the_documented_bound(storage):
-    from kernels.quant import error_bound
+    from kcaas_kernels.quant import error_bound
 
     cache = tiny_cache(block_size=4, storage_dtype=storage, head_dim=8)
     shared = tokens_of(6)
@@ -280,20 +280,20 @@ def test_quantized_storage_serves_kv_within_the_documented_bound(storage):
 
 
 def test_blocks_and_extended_slots_become_visible_only_after_their_bytes_are_written(monkeypatch):
-    import kernels
+    import kcaas_kernels
 
     cache = tiny_cache(block_size=4)
     short = tokens_of(6)
     cache.put(short, prefix_kv(cache.spec, short))
     writing, proceed = threading.Event(), threading.Event()
-    real_write_kv = kernels.write_kv
+    real_write_kv = kcaas_kernels.write_kv
 
     def paused_write_kv(*args, **kwargs):  # the real kernel, run only once the test has looked
         writing.set()
         assert proceed.wait(10)
         return real_write_kv(*args, **kwargs)
 
-    monkeypatch.setattr(kernels, "write_kv", paused_write_kv)
+    monkeypatch.setattr(kcaas_kernels, "write_kv", paused_write_kv)
     longer = short + [31, 32, 33, 34, 35]  # extends the partial block in place, then one new block
     writer = threading.Thread(target=cache.put, args=(longer, prefix_kv(cache.spec, longer)))
     writer.start()
@@ -302,13 +302,13 @@ def test_blocks_and_extended_slots_become_visible_only_after_their_bytes_are_wri
     assert_get_exact(cache, longer, 6)
     proceed.set()
     writer.join()
-    monkeypatch.setattr(kernels, "write_kv", real_write_kv)
+    monkeypatch.setattr(kcaas_kernels, "write_kv", real_write_kv)
     assert cache.lookup(longer) == 11
     assert_get_exact(cache, longer, 11)
 
 
 def test_a_put_that_fails_mid_write_publishes_nothing_and_holds_nothing(monkeypatch):
-    import kernels
+    import kcaas_kernels
 
     cache = tiny_cache(block_size=4)
     short = tokens_of(6)
@@ -320,7 +320,7 @@ def test_a_put_that_fails_mid_write_publishes_nothing_and_holds_nothing(monkeypa
 
     longer = short + [41, 42, 43, 44, 45]
     with monkeypatch.context() as patch:
-        patch.setattr(kernels, "write_kv", failing_write_kv)
+        patch.setattr(kcaas_kernels, "write_kv", failing_write_kv)
         with pytest.raises(RuntimeError, match="device lost"):
             cache.put(longer, prefix_kv(cache.spec, longer))
     cache.check_invariants()

@@ -55,7 +55,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule()
     @precondition(lambda self: self.open_handles)
     def read_and_release_oldest_handle(self):
-        from kernels import read_kv
+        from kcaas_kernels import read_kv
 
         handle, prefix = self.open_handles.pop(0)
         kv = read_kv(self.cache.pool, self.cache.scales, handle.slot_mapping(), out_dtype=torch.float32)

@@ -5,7 +5,7 @@ PrefixNotCached, leaving the cache exactly as it was."""
 import pytest
 import torch
 
-import kernels
+import kcaas_kernels
 from gpu_node.paged_cache import PrefixNotCached
 
 from .kv_fixtures import check_consistent, prefix_kv, tiny_cache
@@ -20,7 +20,7 @@ def no_pool_reads(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a continued put read the pool")
 
-    monkeypatch.setattr(kernels, "read_kv", refuse)
+    monkeypatch.setattr(kcaas_kernels, "read_kv", refuse)
 
 
 @pytest.mark.parametrize("start", [8, 10, 28, 29])  # on a block boundary, inside a block, the tail, nothing new
@@ -29,12 +29,12 @@ def test_a_continuation_appends_after_the_cached_prefix_without_reading_it(start
     kv = prefix_kv(cache.spec, TOKENS)
     assert cache.put(TOKENS[:start], kv[:, :, :start]).num_cached_tokens == start
     reads = []
-    real_read = kernels.read_kv
-    monkeypatch.setattr(kernels, "read_kv", lambda *a, **k: reads.append(1) or real_read(*a, **k))
+    real_read = kcaas_kernels.read_kv
+    monkeypatch.setattr(kcaas_kernels, "read_kv", lambda *a, **k: reads.append(1) or real_read(*a, **k))
     result = cache.put(TOKENS, kv[:, :, start:], start=start)
     assert reads == []
     assert result.num_cached_tokens == len(TOKENS) and result.num_written_tokens == len(TOKENS) - start
-    monkeypatch.setattr(kernels, "read_kv", real_read)
+    monkeypatch.setattr(kcaas_kernels, "read_kv", real_read)
     n, got = cache.get(TOKENS)
     assert n == len(TOKENS) and torch.equal(got, kv)
     check_consistent(cache, holding=False)

@@ -1,13 +1,13 @@
 """PagedKVCache.put's input contract: KV that requires grad is stored (detached, exactly); KV the storage cannot hold
 faithfully (non-finite into int8/fp8, finite values beyond a narrower storage dtype's range) is refused with
-KVNotStorable before any byte moves; quantized KV read back obeys kernels.error_bound at the adversarial edges."""
+KVNotStorable before any byte moves; quantized KV read back obeys kcaas_kernels.error_bound at the adversarial edges."""
 
 import pytest
 import torch
 
 from gpu_node.kv_input import KVNotStorable
 from gpu_node.paged_cache import TORCH_DTYPES, PagedKVCache
-from kernels import QUANT_MAX_ABS_INPUT, error_bound
+from kcaas_kernels import QUANT_MAX_ABS_INPUT, error_bound
 from tests.kernels.helpers import adversarial_rows, bits
 
 from .kv_fixtures import prefix_kv, tiny_cache

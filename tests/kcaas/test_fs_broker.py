@@ -134,3 +134,15 @@ def test_both_file_urls_resolve_to_the_hardened_transport(url):
     assert kombu.Connection(fs_broker.broker_url(url)).transport_cls == fs_broker.SCHEME
     assert isinstance(kombu.Connection(fs_broker.broker_url(url)).transport, fs_broker.Transport)
     assert fs_broker.broker_url("redis://127.0.0.1:6379/1") == "redis://127.0.0.1:6379/1"
+
+
+def test_a_file_broker_connection_logs_no_hostname_warning(tmp_path, caplog):
+    """A folder has no host: kombu's "No hostname was supplied. Reverting to default 'localhost'" was logged by every
+    connection of every process on the embedded broker."""
+    with caplog.at_level(logging.DEBUG), connection(tmp_path) as conn:
+        queue = conn.SimpleQueue("jobs")
+        queue.put({"n": 1})
+        assert queue.get(timeout=5).payload == {"n": 1}
+        queue.close()
+        assert conn.info()["hostname"] is None
+    assert not [r for r in caplog.records if "hostname" in r.getMessage()], [r.getMessage() for r in caplog.records]

@@ -13,10 +13,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.copy_blocks import _copy_blocks_kernel
-from kernels.paged_attention import _merge_splits_kernel, _num_warps, _paged_decode_kernel
-from kernels.read_kv import _read_kv_kernel
-from kernels.write_kv import _write_kv_kernel
+from kcaas_kernels.copy_blocks import _copy_blocks_kernel
+from kcaas_kernels.paged_attention import _merge_splits_kernel, _num_warps, _paged_decode_kernel
+from kcaas_kernels.read_kv import _read_kv_kernel
+from kcaas_kernels.write_kv import _write_kv_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTR = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16", "int8": "*i8", "fp8": "*fp8e4nv"}

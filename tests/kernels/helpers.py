@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from kernels import QUANT_DTYPES, quantize
+from kcaas_kernels import QUANT_DTYPES, quantize
 
 INTERPRETER_ON = os.environ.get("TRITON_INTERPRET") == "1"
 

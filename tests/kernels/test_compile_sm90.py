@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import HAS_TRITON
+from kcaas_kernels import HAS_TRITON
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

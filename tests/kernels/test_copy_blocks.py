@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels import QUANT_DTYPES, copy_blocks, reference, write_kv
+from kcaas_kernels import QUANT_DTYPES, copy_blocks, reference, write_kv
 from tests.kernels.helpers import STORAGE, TRITON_DEVICES, bits, make_pool
 
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import paged_decode_attention, read_kv, write_kv
-from kernels.paged_attention import _launch
+from kcaas_kernels import paged_decode_attention, read_kv, write_kv
+from kcaas_kernels.paged_attention import _launch
 from tests.kernels.helpers import STORAGE, TRITON_DEVICES, make_pool, shuffled_block_tables, slots_of
 
 TOLERANCE = {

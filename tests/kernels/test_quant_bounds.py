@@ -1,5 +1,5 @@
 """Quantization at its edges: the scale floor, adversarial rows, and the documented bound including the final
-rounding of the fp32 dequantized value to the dtype read back (kernels.error_bound(x, storage, out_dtype)).
+rounding of the fp32 dequantized value to the dtype read back (kcaas_kernels.error_bound(x, storage, out_dtype)).
 
 Reference path: every engine dtype (fp32, fp16, bf16). Triton path: fp32 and fp16 KV only (bf16 arithmetic is wrong
 in the interpreter; the kernels never compute in bf16, but the test would depend on the interpreter's bf16 casts).
@@ -12,9 +12,9 @@ floor, round-to-nearest-even casts).
 import pytest
 import torch
 
-import kernels
-from kernels import QUANT_DTYPES, dequantize, error_bound, quantize, read_kv, write_kv
-from kernels.quant import ROUNDING, SCALE_FLOOR
+import kcaas_kernels
+from kcaas_kernels import QUANT_DTYPES, dequantize, error_bound, quantize, read_kv, write_kv
+from kcaas_kernels.quant import ROUNDING, SCALE_FLOOR
 from tests.kernels.helpers import TRITON_DEVICES, adversarial_rows, bits, make_pool
 
 ENGINE_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -28,7 +28,7 @@ def _abs_err(got: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def test_documented_constants():
     assert SCALE_FLOOR == torch.finfo(torch.float32).tiny == 2.0**-126
-    assert kernels.QUANT_MAX_ABS_INPUT == torch.finfo(torch.bfloat16).max
+    assert kcaas_kernels.QUANT_MAX_ABS_INPUT == torch.finfo(torch.bfloat16).max
     assert ROUNDING[torch.float16].rel_err == 2**-11 and ROUNDING[torch.bfloat16].rel_err == 2**-8
     assert ROUNDING[torch.float16].abs_err == 2**-25 and ROUNDING[torch.bfloat16].abs_err == 2**-134
     # the smallest magnitude that rounds to inf: max + half an ulp

@@ -22,7 +22,7 @@ SEED = 20261201
 # unzeroed and hide it, so the leak was found only sometimes.
 CHILD = r"""
 import sys, torch
-from kernels import reference
+from kcaas_kernels import reference
 
 torch.manual_seed(SEED)
 pattern = torch.randn(16, dtype=torch.float32)  # 64 bytes the parent looks for

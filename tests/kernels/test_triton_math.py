@@ -1,15 +1,15 @@
 """The Triton rounding helpers against torch, exhaustively where it matters (every e4m3 tie, int8 ties).
 
-These pin down the interpreter findings in kernels/_triton_math.py: with the helpers, Triton rounds exactly as
+These pin down the interpreter findings in kcaas_kernels/_triton_math.py: with the helpers, Triton rounds exactly as
 torch does (round half to even) on the interpreter and on CUDA alike.
 """
 
 import pytest
 import torch
 
-from kernels import HAS_TRITON
-from kernels._common import tl, triton
-from kernels._triton_math import _cast_rne, _rint, _round_to_e4m3
+from kcaas_kernels import HAS_TRITON
+from kcaas_kernels._common import tl, triton
+from kcaas_kernels._triton_math import _cast_rne, _rint, _round_to_e4m3
 from tests.kernels.helpers import TRITON_DEVICES, bits
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")

@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from kernels import HAS_TRITON, copy_blocks, paged_decode_attention, read_kv, write_kv
-from kernels._common import resolve_impl
+from kcaas_kernels import HAS_TRITON, copy_blocks, paged_decode_attention, read_kv, write_kv
+from kcaas_kernels._common import resolve_impl
 from tests.kernels.helpers import make_pool
 
 NB, L, BS, H, D = 3, 2, 4, 2, 8  # 12 slots
@@ -147,8 +147,8 @@ def test_dispatch_picks_reference_on_cpu(monkeypatch):
     def no_triton(*args, **kwargs):
         raise AssertionError("the Triton launcher must not run for CPU tensors with impl=None")
 
-    # kernels.write_kv is the function (re-exported by the package); the module lives in sys.modules.
-    monkeypatch.setattr(importlib.import_module("kernels.write_kv"), "_launch", no_triton)
+    # kcaas_kernels.write_kv is the function (re-exported by the package); the module lives in sys.modules.
+    monkeypatch.setattr(importlib.import_module("kcaas_kernels.write_kv"), "_launch", no_triton)
     pool, _ = _pool()
     write_kv(_kv(), pool, None, SLOTS)
     assert torch.equal(read_kv(pool, None, SLOTS, out_dtype=torch.float16), _kv_written(pool))
@@ -172,11 +172,11 @@ def test_triton_on_cpu_needs_the_interpreter():
 def test_kernels_import_and_run_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"
-        "import torch, kernels\n"
-        "assert not kernels.HAS_TRITON\n"
+        "import torch, kcaas_kernels\n"
+        "assert not kcaas_kernels.HAS_TRITON\n"
         "pool = torch.zeros(2, 1, 2, 4, 1, 8)\n"
-        "kernels.write_kv(torch.ones(1, 2, 3, 1, 8), pool, None, torch.tensor([0, 1, 6]))\n"
-        "assert kernels.read_kv(pool, None, torch.tensor([6]), out_dtype=torch.float32).sum() == 16\n"
+        "kcaas_kernels.write_kv(torch.ones(1, 2, 3, 1, 8), pool, None, torch.tensor([0, 1, 6]))\n"
+        "assert kcaas_kernels.read_kv(pool, None, torch.tensor([6]), out_dtype=torch.float32).sum() == 16\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

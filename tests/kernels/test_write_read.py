@@ -9,7 +9,7 @@ is exact), so q, scales and dequantized outputs must agree bit for bit.
 import pytest
 import torch
 
-from kernels import QUANT_DTYPES, error_bound, read_kv, reference, write_kv
+from kcaas_kernels import QUANT_DTYPES, error_bound, read_kv, reference, write_kv
 from tests.kernels.helpers import (
     STORAGE,
     TRITON_DEVICES,
@@ -116,7 +116,7 @@ def test_reference_matches_naive_loops(storage, layout, block_loop, monkeypatch)
 @pytest.mark.parametrize("storage", STORAGE, ids=str)
 def test_round_trip_within_documented_bound(storage):
     """write then read gives kv back: exactly for fp32/fp16/bf16 storage of same-dtype KV, within
-    kernels.error_bound (the documented per-element bound) for int8/fp8."""
+    kcaas_kernels.error_bound (the documented per-element bound) for int8/fp8."""
     gen = torch.Generator().manual_seed(2)
     rows = torch.randn((2, 2, 16, 4, 64), generator=gen)
     rows = rows * torch.logspace(-12, 12, 16, base=2.0)[None, None, :, None, None]  # normal and subnormal fp8

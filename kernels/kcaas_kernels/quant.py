@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._common import scrub
+from kcaas_kernels._common import scrub
 
 INT8_QMAX = 127.0
 FP8_E4M3_QMAX = 448.0

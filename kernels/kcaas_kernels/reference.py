@@ -1,6 +1,6 @@
 """Plain-torch implementations of the four kernel families: the test oracle AND the production CPU path.
 
-Inputs are assumed validated by the public wrappers (kernels/write_kv.py etc.); see kernels/_common.py.
+Inputs are assumed validated by the public wrappers (kcaas_kernels/write_kv.py etc.); see kcaas_kernels/_common.py.
 
 Layout (fixed, the engine depends on it):
   pool   [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]   block-major, contiguous
@@ -20,8 +20,8 @@ import math
 
 import torch
 
-from kernels._common import QUANT_DTYPES, scrub
-from kernels.quant import dequantize, quantize
+from kcaas_kernels._common import QUANT_DTYPES, scrub
+from kcaas_kernels.quant import dequantize, quantize
 
 # Whole blocks at least this large are written with one ``copy_`` per run of consecutive block ids (copied with one
 # per block): a strided memcpy that torch runs on all cores, where CPU ``index_copy_`` is single-threaded and

@@ -10,7 +10,7 @@ Grid: (num_tokens, cdiv(num_layers, LAYERS_PER_PROGRAM)); a program moves one to
 
 import torch
 
-from kernels._common import (
+from kcaas_kernels._common import (
     ENGINE_DTYPES,
     QUANT_DTYPES,
     check_pool,
@@ -21,8 +21,8 @@ from kernels._common import (
     tl,
     triton,
 )
-from kernels._triton_math import _cast_rne, _quantize_rows
-from kernels.reference import write_kv_reference
+from kcaas_kernels._triton_math import _cast_rne, _quantize_rows
+from kcaas_kernels.reference import write_kv_reference
 
 
 @triton.jit
@@ -197,7 +197,7 @@ def write_kv(
 ) -> None:
     """pool[slot_mapping[t]] = kv[:, :, t] for every token t whose slot is not -1.
 
-    Quantizes (scheme in kernels/quant.py) when the pool is int8/fp8; ``scales`` is required then and must be
+    Quantizes (scheme in kcaas_kernels/quant.py) when the pool is int8/fp8; ``scales`` is required then and must be
     None otherwise. Valid slots must be distinct (which of two writes to one slot wins is unspecified).
     Storing is not differentiable: a ``kv`` that requires grad is read as ``kv.detach()`` (the same values), so the
     pool never joins an autograd graph. For int8/fp8 pools the values must be finite with |x| <= QUANT_MAX_ABS_INPUT

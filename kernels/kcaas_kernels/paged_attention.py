@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from kernels._common import (
+from kcaas_kernels._common import (
     ENGINE_DTYPES,
     QUANT_DTYPES,
     check_index_tensor,
@@ -30,8 +30,8 @@ from kernels._common import (
     tl,
     triton,
 )
-from kernels._triton_math import _cast_rne
-from kernels.reference import paged_decode_attention_reference
+from kcaas_kernels._triton_math import _cast_rne
+from kcaas_kernels.reference import paged_decode_attention_reference
 
 LOG2_E = 1.4426950408889634
 # GROUP_PAD * TILE_N * BLOCK_D fp32 products live in registers at once. Sized with ptxas -v for sm_90 (~80-125

@@ -10,8 +10,8 @@ Triton runs only when both pools are on the same CUDA device (or on CPU under th
 
 import torch
 
-from kernels._common import IMPLS, check_block_ids, check_pool, is_interpreted, resolve_impl, tl, triton
-from kernels.reference import copy_blocks_reference
+from kcaas_kernels._common import IMPLS, check_block_ids, check_pool, is_interpreted, resolve_impl, tl, triton
+from kcaas_kernels.reference import copy_blocks_reference
 
 CUDA_CHUNK = 4096
 INTERPRETER_MAX_CHUNK = 1 << 16

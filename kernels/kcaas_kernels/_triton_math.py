@@ -15,11 +15,11 @@ Why explicit rounding instead of plain casts (all found by running triton 3.9's 
     and would break bit-equality with the torch reference.
 """
 
-from kernels._common import tl, triton
+from kcaas_kernels._common import tl, triton
 
 INT8_QMAX = tl.constexpr(127.0)
 FP8_E4M3_QMAX = tl.constexpr(448.0)
-SCALE_FLOOR = tl.constexpr(2.0**-126)  # kernels.quant.SCALE_FLOOR: the smallest normal fp32
+SCALE_FLOOR = tl.constexpr(2.0**-126)  # kcaas_kernels.quant.SCALE_FLOOR: the smallest normal fp32
 
 
 @triton.jit

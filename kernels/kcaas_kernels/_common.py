@@ -2,7 +2,7 @@
 
 Dispatch rule (``impl``):
   * ``None``        -> "triton" when the pool is on a CUDA device and Triton imports, else "reference".
-  * ``"reference"`` -> the plain-torch implementation in kernels/reference.py (the production CPU path).
+  * ``"reference"`` -> the plain-torch implementation in kcaas_kernels/reference.py (the production CPU path).
   * ``"triton"``    -> the Triton kernel. On CPU tensors this only works when Triton's interpreter is active
                        (``TRITON_INTERPRET=1`` set before the kernel modules were imported); otherwise ValueError.
 

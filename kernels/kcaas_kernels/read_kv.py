@@ -10,7 +10,7 @@ Grid: (num_tokens, cdiv(num_layers, LAYERS_PER_PROGRAM)); a program moves one to
 
 import torch
 
-from kernels._common import (
+from kcaas_kernels._common import (
     ENGINE_DTYPES,
     QUANT_DTYPES,
     check_pool,
@@ -21,8 +21,8 @@ from kernels._common import (
     tl,
     triton,
 )
-from kernels._triton_math import _cast_rne
-from kernels.reference import read_kv_reference
+from kcaas_kernels._triton_math import _cast_rne
+from kcaas_kernels.reference import read_kv_reference
 
 
 @triton.jit
