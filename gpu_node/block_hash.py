@@ -1,6 +1,6 @@
 """Keyed, chained block hashes: the names of full blocks in a cache's prefix index.
 
-    h_0 = root = BLAKE2b_key("kcaas/root/v1" || model fingerprint digest)
+    h_0 = root = BLAKE2b_key("kcaas/root/v<LAYOUT_VERSION>" || model fingerprint digest)
     h_i = BLAKE2b_key(h_{i-1} || int32 little-endian bytes of the block_size tokens of block i)
 
 Why chained: a block's KV depends on every token before it, so its name must too; equal hashes mean equal prefixes.
@@ -143,6 +143,13 @@ def chain_hashes_held_python(
 
 chain_hashes_held = _chain_hashes_held_c or chain_hashes_held_python
 
+# The version of what a block's bytes mean, part of every block's name: a change to the canonical layout (what
+# connectors store as [layers, 2, tokens, kv_heads, head_dim]) bumps it, so every block stored under an earlier
+# version is a miss on every tier and node, never bytes read with the new meaning (docs/vllm.md, "Layouts", says what
+# version 2 changed).
+LAYOUT_VERSION = 2
+ROOT_PREFIX = f"kcaas/root/v{LAYOUT_VERSION}".encode()
+
 
 class BlockHasher:
     """Computes the chain of block hashes for token sequences under one cache's secret key."""
@@ -153,7 +160,7 @@ class BlockHasher:
         self.block_size = block_size
         self._key = key
         fingerprint_digest = hashlib.sha256(model_fingerprint.encode()).digest()
-        keyed = hashlib.blake2b(b"kcaas/root/v1" + fingerprint_digest, key=key, digest_size=HASH_NUM_BYTES)
+        keyed = hashlib.blake2b(ROOT_PREFIX + fingerprint_digest, key=key, digest_size=HASH_NUM_BYTES)
         self.root = BlockHash(keyed.digest())
 
     def chain(self, tokens: np.ndarray) -> bytes:

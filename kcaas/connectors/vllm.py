@@ -45,7 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kcaas.connectors.vllm_blocks import loadable_tokens, savable_tokens
+from kcaas.connectors.vllm_blocks import CacheWrite, loadable_tokens, savable_tokens
 from kcaas.connectors.vllm_lookup import BoundedLookup
 from kcaas.connectors.vllm_session import CacheSession, ConnectorConfig, ConnectorSetupError, EngineLayout
 from kcaas.connectors.vllm_worker import ConnectorWorker, Load, Save
@@ -136,6 +136,29 @@ def _backend_name(layer) -> str:
     return backend.get_name() if backend is not None else f"unknown ({type(layer).__name__})"
 
 
+def _cache_write(backend: str, layer) -> CacheWrite | None:
+    """The backend's own cache-write op, as vllm_blocks.PagedLayout.probed runs it, or None where the connector
+    cannot run it here (the CUDA backends: their layouts come from their documented views).
+
+    CPU_ATTN: `cpu_attn_reshape_and_cache` on the layer viewed as the backend's forward views it, with the ISA the
+    backend chose for this layer (`layer.isa`, set by its metadata builder before the connector sees the caches).
+    Raises ConnectorSetupError if that ISA is not known."""
+    if backend != "CPU_ATTN":
+        return None
+    from vllm import _custom_ops as vllm_ops
+
+    isa = getattr(layer, "isa", None)
+    if not isinstance(isa, str):
+        raise ConnectorSetupError("the CPU attention backend did not say which kernel ISA writes its KV cache")
+
+    def write(paged: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        num_blocks, num_heads, block_size, _ = paged.shape
+        key_cache, value_cache = paged.view(num_blocks, num_heads, block_size * 2, -1).chunk(2, dim=2)
+        vllm_ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+
+    return write
+
+
 class KCaaSConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
 
@@ -177,7 +200,9 @@ class KCaaSConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layers = self._vllm_config.compilation_config.static_forward_context
         backends = {_backend_name(layers.get(name)) for name in kv_caches}
-        self._worker.register(kv_caches, backends)
+        first = min(kv_caches)
+        write = _cache_write(_backend_name(layers.get(first)), layers.get(first)) if len(backends) == 1 else None
+        self._worker.register(kv_caches, backends, write)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()

@@ -1,23 +1,34 @@
 """Between vLLM's paged KV tensors and KCaaS's KV layout, and the token arithmetic of a vLLM connector: plain torch,
 no vLLM import (the main venv tests it; kcaas/connectors/vllm.py uses it inside the engine).
 
-vLLM hands a connector one tensor per attention layer, `[num_blocks, num_kv_heads, block_size, 2 * head_dim]`
-(vLLM's standardized per-layer view, blocks at dim 0). What the last two dims mean depends on the attention
-backend, so a `PagedLayout` names it:
+vLLM hands a connector one tensor per attention layer, `[num_blocks, num_kv_heads, block_size, 2 * head_dim]`,
+blocks at dim 0: each block is one contiguous slab of `2 * block_size * num_kv_heads * head_dim` elements. Where a
+token's K and V sit inside the slab is the attention backend's business, and it is not what the tensor's shape says:
 
-  * "cpu"    (CPU_ATTN): each (block, head) holds the block's K rows then its V rows, i.e. the tensor is really
-              `[num_blocks, num_kv_heads, 2, block_size, head_dim]` (the backend views it so and chunks dim 2);
-  * "concat" (FLASH_ATTN, TRITON_ATTN on CUDA): each token's row is its K then its V, `[..., :D]` and `[..., D:]`.
+  * CPU_ATTN views the slab as `[num_kv_heads, 2, block_size, head_dim]` (K rows, then V rows, per head), but its
+    cache-write kernel (`cpu_attn_reshape_and_cache`, ISA-specific: vec, vec16, amx, neon, ...) stores K with the
+    head dimension outermost inside each (block, head), `[head_dim, block_size]` on AVX2/AVX-512 ("vec"), and in
+    other packings on other ISAs; V stays token-major. Nothing in vLLM's Python views shows this: it lives in the
+    C++ kernels (csrc/cpu/cpu_attn_*.hpp), which both write and read the cache in that order;
+  * FLASH_ATTN and TRITON_ATTN (CUDA) write each token's row as its K then its V: `[..., :D]` and `[..., D:]`.
 
-KCaaS's layout is `[num_layers, 2, num_tokens, num_kv_heads, head_dim]` (kcaas/dataplane.py). `gather` copies
-whole vLLM blocks out into it, `scatter` copies it into whole vLLM blocks; both touch only the blocks named, and
-move whole blocks only (a connector loads and saves full blocks: the last, partial block of a prompt is always
-computed by vLLM).
+So a `PagedLayout` carries, for one block, the flat offset in the slab of every (K/V, token, head, dim) element:
+`offsets`, shaped `[2, block_size, num_kv_heads, head_dim]`. `PagedLayout.probed` takes it from the backend itself:
+it runs the backend's own cache-write op on a probe tensor with values that encode each element's position (small
+integers, exact in every float dtype), reads back where each landed, and refuses a write that is not a permutation
+within one block. `PagedLayout.of` derives it from a backend's documented views, for backends the engine cannot
+probe here (the CUDA ones; their write kernels store token-major rows, as their views say).
+
+KCaaS's layout is `[num_layers, 2, num_tokens, num_kv_heads, head_dim]` (kcaas/dataplane.py, the same bytes the
+transformers connector and every other engine read). `gather` copies whole vLLM blocks out into it, `scatter`
+copies it into whole vLLM blocks; both touch only the blocks named, and move whole blocks only (a connector loads
+and saves full blocks: the last, partial block of a prompt is always computed by vLLM).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,35 +37,108 @@ LAYOUTS = ("cpu", "concat")
 # (a layout guessed wrong would load KV into the wrong places).
 BACKEND_LAYOUTS = {"CPU_ATTN": "cpu", "FLASH_ATTN": "concat", "TRITON_ATTN": "concat"}
 
+# A backend's own cache write, on a layer-shaped tensor: (layer [blocks, heads, block_size, 2 * head_dim],
+# key [tokens, heads, head_dim], value [tokens, heads, head_dim], slot_mapping [tokens]) -> None; it views the layer
+# exactly as the backend's forward does (kcaas/connectors/vllm.py builds it for CPU_ATTN).
+CacheWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+PROBE_BASE = 64  # probe values are digits 1..PROBE_BASE: integers exact in fp32, fp16 and bf16 (<= 256)
+PROBE_BLOCKS = 2  # a probe writes two blocks, so a write that leaks across a block boundary shows
+
+
+class LayoutProbeError(ValueError):
+    """The backend's cache write is not a permutation of one block's elements: the connector cannot map it."""
+
 
 @dataclass(frozen=True, slots=True)
 class PagedLayout:
-    """How one vLLM backend lays out a layer's paged KV tensor (see the module docstring)."""
+    """Where a backend keeps each element of one block (see the module docstring)."""
 
     kind: str
     num_kv_heads: int
     block_size: int
     head_dim: int
+    # [2, block_size, num_kv_heads, head_dim] -> flat offset of that element in its block's slab (a permutation)
+    offsets: torch.Tensor = field(repr=False, compare=False)
+    probed_from_backend: bool = False  # True: `offsets` come from running the backend's own write (`probed`)
 
     def __post_init__(self) -> None:
         if self.kind not in LAYOUTS:
             raise ValueError(f"unknown paged KV layout {self.kind!r} (known: {', '.join(LAYOUTS)})")
+        expected = (2, self.block_size, self.num_kv_heads, self.head_dim)
+        if tuple(self.offsets.shape) != expected or not _is_permutation(self.offsets.flatten()):
+            raise ValueError(f"offsets must be a permutation of one block's {expected} elements")
+
+    @property
+    def block_elements(self) -> int:
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim
 
     @classmethod
     def of(cls, kind: str, layer: torch.Tensor) -> PagedLayout:
-        """The layout of `layer` ([num_blocks, num_kv_heads, block_size, 2 * head_dim]) for backend `kind`."""
-        if layer.dim() != 4 or layer.shape[3] % 2:
-            raise ValueError(
-                f"a paged KV layer must be [blocks, kv_heads, block_size, 2 * head_dim], got {tuple(layer.shape)}"
-            )
-        return cls(kind, layer.shape[1], layer.shape[2], layer.shape[3] // 2)
+        """The layout a backend `kind` documents for `layer` ([blocks, kv_heads, block_size, 2 * head_dim])."""
+        heads, block_size, head_dim = _paged_dims(layer)
+        if kind not in LAYOUTS:
+            raise ValueError(f"unknown paged KV layout {kind!r} (known: {', '.join(LAYOUTS)})")
+        slab = torch.arange(2 * block_size * heads * head_dim)
+        if kind == "cpu":  # the backend's view: [heads, 2, block_size, head_dim]
+            offsets = slab.view(heads, 2, block_size, head_dim).permute(1, 2, 0, 3)
+        else:  # [block_size, heads, K|V]: each token's row is its K then its V
+            offsets = slab.view(heads, block_size, 2, head_dim).permute(2, 1, 0, 3)
+        return cls(kind, heads, block_size, head_dim, offsets.contiguous())
 
-    def k_and_v(self, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of the layer's K and V, each [num_blocks, num_kv_heads, block_size, head_dim] (no copy)."""
-        if self.kind == "cpu":
-            split = layer.view(layer.shape[0], self.num_kv_heads, 2, self.block_size, self.head_dim)
-            return split[:, :, 0], split[:, :, 1]
-        return layer[..., : self.head_dim], layer[..., self.head_dim :]
+    @classmethod
+    def probed(cls, kind: str, layer: torch.Tensor, write: CacheWrite) -> PagedLayout:
+        """The layout of `layer` as the backend's own cache write `write` lays it out: a probe of PROBE_BLOCKS
+        blocks, layer's dtype and device, written once per base-PROBE_BASE digit of each element's index.
+        Raises LayoutProbeError if the write leaves an element unwritten, writes a value it was not given, or
+        puts an element of one block into another."""
+        heads, block_size, head_dim = _paged_dims(layer)
+        per_block = 2 * block_size * heads * head_dim
+        total = PROBE_BLOCKS * per_block
+        # index of every element, in KCaaS's order per block: [blocks, 2, block_size, heads, head_dim]
+        index = torch.arange(total, device=layer.device).view(PROBE_BLOCKS, 2, block_size, heads, head_dim)
+        found = torch.zeros(PROBE_BLOCKS, per_block, dtype=torch.long, device=layer.device)
+        slots = torch.arange(PROBE_BLOCKS * block_size, device=layer.device)
+        place = 1
+        while place < total:
+            digit = (index // place) % PROBE_BASE + 1
+            probe = torch.full((PROBE_BLOCKS, heads, block_size, 2 * head_dim), -1.0, dtype=layer.dtype)
+            probe = probe.to(layer.device)
+            key, value = (digit[:, part].reshape(-1, heads, head_dim).to(layer.dtype) for part in (0, 1))
+            write(probe, key.contiguous(), value.contiguous(), slots)
+            written = probe.reshape(PROBE_BLOCKS, per_block).float()
+            if not bool(((written >= 1) & (written <= PROBE_BASE) & (written == written.round())).all()):
+                raise LayoutProbeError(f"the {kind} backend's cache write left elements unwritten or changed them")
+            found += (written.long() - 1) * place
+            place *= PROBE_BASE
+        local = found - torch.arange(PROBE_BLOCKS, device=layer.device).view(-1, 1) * per_block
+        if not all(_is_permutation(row) for row in local) or not bool((local == local[0]).all()):
+            raise LayoutProbeError(f"the {kind} backend's cache write is not the same permutation within each block")
+        offsets = torch.empty(per_block, dtype=torch.long, device=layer.device)
+        offsets[local[0]] = torch.arange(per_block, device=layer.device)  # element index -> where it landed
+        offsets = offsets.cpu().view(2, block_size, heads, head_dim)
+        return cls(kind, heads, block_size, head_dim, offsets, probed_from_backend=True)
+
+
+def _paged_dims(layer: torch.Tensor) -> tuple[int, int, int]:
+    """(num_kv_heads, block_size, head_dim) of a paged layer; ValueError if it is not [blocks, heads, bs, 2 * dim]."""
+    if layer.dim() != 4 or layer.shape[3] % 2:
+        raise ValueError(
+            f"a paged KV layer must be [blocks, kv_heads, block_size, 2 * head_dim], got {tuple(layer.shape)}"
+        )
+    return layer.shape[1], layer.shape[2], layer.shape[3] // 2
+
+
+def _is_permutation(values: torch.Tensor) -> bool:
+    """Whether `values` (1-D, integers) is a permutation of 0..len-1."""
+    sorted_values = values.sort().values
+    return bool(torch.equal(sorted_values.cpu(), torch.arange(len(values), dtype=sorted_values.dtype)))
+
+
+def _slabs(layer: torch.Tensor, layout: PagedLayout) -> torch.Tensor:
+    """The layer as [num_blocks, block_elements] (a view: every block is one contiguous slab)."""
+    if not layer.is_contiguous():
+        raise ValueError("a paged KV layer must be contiguous (one slab per block)")
+    return layer.view(layer.shape[0], layout.block_elements)
 
 
 def gather(
@@ -67,10 +151,10 @@ def gather(
     if out is None:
         out = torch.empty((len(layers), 2, nb * bs, heads, dim), dtype=first.dtype, device=first.device)
     ids = torch.tensor(block_ids, dtype=torch.long, device=first.device)
+    offsets = layout.offsets.to(first.device).flatten()
     for index, layer in enumerate(layers):
-        for kv_index, part in enumerate(layout.k_and_v(layer)):
-            picked = part.index_select(0, ids)  # [nb, heads, bs, dim]
-            out[index, kv_index].view(nb, bs, heads, dim).copy_(picked.permute(0, 2, 1, 3))
+        picked = _slabs(layer, layout).index_select(0, ids).index_select(1, offsets)  # [nb, 2 * bs * heads * dim]
+        out[index].view(2, nb, bs, heads, dim).copy_(picked.view(nb, 2, bs, heads, dim).transpose(0, 1))
     return out
 
 
@@ -82,11 +166,13 @@ def scatter(layers: list[torch.Tensor], layout: PagedLayout, block_ids: list[int
         raise ValueError(f"kv must be {expected} to fill {nb} blocks, got {tuple(kv.shape)}")
     first = layers[0]
     ids = torch.tensor(block_ids, dtype=torch.long, device=first.device)
+    offsets = layout.offsets.to(first.device).flatten()
     kv = kv.to(device=first.device, dtype=first.dtype)
+    slab = torch.empty((nb, layout.block_elements), dtype=first.dtype, device=first.device)
     for index, layer in enumerate(layers):
-        for kv_index, part in enumerate(layout.k_and_v(layer)):
-            blocks = kv[index, kv_index].view(nb, bs, heads, dim).permute(0, 2, 1, 3)  # [nb, heads, bs, dim]
-            part.index_copy_(0, ids, blocks)
+        canonical = kv[index].view(2, nb, bs, heads, dim).transpose(0, 1).reshape(nb, layout.block_elements)
+        slab.index_copy_(1, offsets, canonical)
+        _slabs(layer, layout).index_copy_(0, ids, slab)
 
 
 def loadable_tokens(num_cached: int, num_prompt_tokens: int, block_size: int) -> int:

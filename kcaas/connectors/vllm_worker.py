@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kcaas.connectors.vllm_blocks import BACKEND_LAYOUTS, PagedLayout, gather, scatter
+from kcaas.connectors.vllm_blocks import BACKEND_LAYOUTS, CacheWrite, LayoutProbeError, PagedLayout, gather, scatter
 from kcaas.connectors.vllm_session import CacheSession, ConnectorConfig, ConnectorSetupError, EngineLayout
 from kcaas.dataplane import DataPlaneClient, DataPlaneError
 
@@ -67,8 +67,11 @@ class ConnectorWorker:
         self._put_client: DataPlaneClient | None = None
 
     # ---- set-up -------------------------------------------------------------------------------------------------
-    def register(self, kv_caches: dict[str, torch.Tensor], backends: set[str]) -> None:
-        """vLLM's per-layer paged tensors, and the names of the attention backends that read them."""
+    def register(self, kv_caches: dict[str, torch.Tensor], backends: set[str], write: CacheWrite | None = None) -> None:
+        """vLLM's per-layer paged tensors, the names of the attention backends that read them, and the backend's
+        own cache write where it can run here (then the block layout is probed from it, never assumed).
+        Raises ConnectorSetupError for an unknown backend, a write the layout probe cannot map, or tensors of
+        another layout than the cache's."""
         kinds = {BACKEND_LAYOUTS.get(name) for name in backends}
         if len(kinds) != 1 or None in kinds:
             raise ConnectorSetupError(
@@ -76,7 +79,11 @@ class ConnectorWorker:
             )
         names = sorted(kv_caches, key=_layer_order)
         layers = [kv_caches[name] for name in names]
-        paged = PagedLayout.of(kinds.pop(), layers[0])
+        kind = kinds.pop()
+        try:
+            paged = PagedLayout.probed(kind, layers[0], write) if write else PagedLayout.of(kind, layers[0])
+        except LayoutProbeError as exc:
+            raise ConnectorSetupError(f"cannot map vLLM's paged KV: {exc}") from exc
         spec, layout = self._session.spec, self._layout
         found = (len(layers), paged.num_kv_heads, paged.head_dim, paged.block_size)
         wanted = (spec.num_layers, spec.num_kv_heads, spec.head_dim, layout.block_size)

@@ -3,6 +3,7 @@ never imported by the main venv's pytest (its name is not test_*, and it imports
 
     $KCAAS_VLLM_PYTHON tests/e2e/vllm_runner.py build-model --arch llama|qwen2 --out DIR
     $KCAAS_VLLM_PYTHON tests/e2e/vllm_runner.py generate < job.json
+    $KCAAS_VLLM_PYTHON tests/e2e/vllm_runner.py probe-layout
 
 `build-model` saves a tiny random-init model (seed 0, float32) with vLLM's own transformers: head_dim 32, the
 smallest the CPU attention backend takes; weights ten times the usual init scale, so greedy picks are clear (the
@@ -17,6 +18,7 @@ default init gives near-uniform logits, top-2 a few 1e-3 apart).
      "enable_prefix_caching": false, "logprobs": null | k,            # k: the top-k logprobs of each step too
      "multiprocess": true,            # false: engine core and worker in this process (starts ~25 s sooner)
      "kv_cache_memory_bytes": N, "max_num_batched_tokens": N, "max_num_seqs": N,       # optional engine sizes
+     "block_size": N,                                                 # vLLM's block size (CPU default: 128)
      "start_paused": false, "pause_between_rounds": false,
      "rounds": [{"prompts": [[ids]], "max_tokens": N}, ...]}          # or "prompts" + "max_tokens": one round
 
@@ -37,6 +39,11 @@ connector's own per-step stats payloads (KVConnectorStats.data) as vLLM collecte
 
 If the engine does not start (or a round fails) it exits 1, the exception's type and message on the last line of
 stderr.
+
+`probe-layout` runs the CPU attention backend's own cache write (`cpu_attn_reshape_and_cache`, with the ISA the
+backend picks for each dtype, block size and head size) and prints one JSON line per case: whether the connector's
+probed layout reads back exactly the K and V the kernel was given, and whether the layout the backend's Python view
+suggests would have (`view_reads_k`, `view_reads_v`).
 """
 
 from __future__ import annotations
@@ -140,7 +147,7 @@ def generate(job: dict, proto, commands) -> None:
         enable_prefix_caching=job.get("enable_prefix_caching", False),
         disable_log_stats=False,
     )
-    for name in ("kv_cache_memory_bytes", "max_num_batched_tokens", "max_num_seqs"):
+    for name in ("kv_cache_memory_bytes", "max_num_batched_tokens", "max_num_seqs", "block_size"):
         if job.get(name) is not None:
             kwargs[name] = job[name]
     if not job.get("multiprocess", True):
@@ -198,6 +205,53 @@ def generate(job: dict, proto, commands) -> None:
     commands.readline()  # a test holding this engine (its async saves still in flight) closes stdin to end it
 
 
+PROBE_CASES = [  # (dtype, block size, head size, kv heads): vec (block % 32 == 0) and vec16 ISAs, odd head counts
+    (dtype, block_size, head_size, heads)
+    for dtype in ("float32", "bfloat16", "float16")
+    for block_size, head_size, heads in ((32, 32, 2), (128, 32, 3), (16, 64, 1), (32, 80, 2), (128, 128, 8))
+]
+
+
+def probe_layout() -> None:
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from kcaas.connectors.vllm_blocks import PagedLayout, gather
+
+    for dtype_name, block_size, head_size, heads in PROBE_CASES:
+        dtype = getattr(torch, dtype_name)
+        isa = _get_attn_isa(dtype, block_size, head_size)
+
+        def write(paged, key, value, slots, isa=isa):
+            num_blocks, num_heads, bs, _ = paged.shape
+            key_cache, value_cache = paged.view(num_blocks, num_heads, bs * 2, -1).chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+
+        layer = torch.full((5, heads, block_size, 2 * head_size), float("nan"), dtype=dtype)
+        probed = PagedLayout.probed("cpu", layer, write)
+        generator = torch.Generator().manual_seed(block_size * head_size + heads)
+        key, value = (torch.randn(3 * block_size, heads, head_size, generator=generator).to(dtype) for _ in "kv")
+        blocks = [4, 0, 2]  # out of order, not contiguous
+        slots = torch.cat([torch.arange(b * block_size, (b + 1) * block_size) for b in blocks])
+        write(layer, key, value, slots)
+        read = gather([layer], probed, blocks)[0]
+        viewed = gather([layer], PagedLayout.of("cpu", layer), blocks)[0]
+        case = {"dtype": dtype_name, "block_size": block_size, "head_size": head_size, "heads": heads, "isa": isa}
+        print(
+            json.dumps(
+                {
+                    **case,
+                    "probed_reads_k": bool(torch.equal(read[0], key)),
+                    "probed_reads_v": bool(torch.equal(read[1], value)),
+                    "view_reads_k": bool(torch.equal(viewed[0], key)),
+                    "view_reads_v": bool(torch.equal(viewed[1], value)),
+                }
+            ),
+            flush=True,
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vllm_runner")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -205,9 +259,13 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--arch", choices=["llama", "qwen2"], required=True)
     build.add_argument("--out", required=True)
     sub.add_parser("generate")
+    sub.add_parser("probe-layout")
     args = parser.parse_args(argv)
     if args.command == "build-model":
         build_model(args.arch, args.out)
+        return 0
+    if args.command == "probe-layout":
+        probe_layout()
         return 0
 
     # stdout carries only this script's JSON lines: vLLM (and the processes it starts, which inherit fd 1) log to

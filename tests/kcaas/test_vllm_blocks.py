@@ -5,7 +5,14 @@ and chunks dim 2 into K and V (vllm/v1/attention/backends/cpu_attn.py); flash at
 import pytest
 import torch
 
-from kcaas.connectors.vllm_blocks import PagedLayout, gather, loadable_tokens, savable_tokens, scatter
+from kcaas.connectors.vllm_blocks import (
+    LayoutProbeError,
+    PagedLayout,
+    gather,
+    loadable_tokens,
+    savable_tokens,
+    scatter,
+)
 
 NUM_BLOCKS, HEADS, BLOCK, DIM = 7, 3, 5, 6  # odd sizes: no two dims alike
 
@@ -60,3 +67,67 @@ def test_only_whole_blocks_load_and_the_last_prompt_token_is_always_computed():
     assert loadable_tokens(256, 257, 128) == 256
     assert loadable_tokens(100, 400, 128) == 0 and loadable_tokens(0, 1, 16) == 0
     assert savable_tokens(300, 128) == 256 and savable_tokens(127, 128) == 0
+
+
+def dim_major_k_writer(layer, key, value, slots):
+    """A stand-in for the CPU backend's AVX kernel: inside each (block, head), K as [head_dim, block_size] and V
+    token-major (what cpu_attn_reshape_and_cache does with the "vec" ISA)."""
+    blocks, heads, bs, two_dims = layer.shape
+    dim = two_dims // 2
+    k_cache, v_cache = layer.view(blocks, heads, 2, bs, dim).unbind(2)
+    k_flat = k_cache.reshape(blocks, heads, bs * dim)
+    for token, slot in enumerate(slots.tolist()):
+        block, offset = divmod(slot, bs)
+        k_flat[block, :, offset + torch.arange(dim) * bs] = key[token]
+        v_cache[block, :, offset] = value[token]
+
+
+def test_a_probed_layout_reads_what_the_backend_wrote_where_its_view_would_not():
+    layer = torch.full((NUM_BLOCKS, HEADS, BLOCK, 2 * DIM), float("nan"))
+    probed = PagedLayout.probed("cpu", layer, dim_major_k_writer)
+    assert probed.probed_from_backend and (probed.num_kv_heads, probed.block_size, probed.head_dim) == (
+        HEADS,
+        BLOCK,
+        DIM,
+    )
+    torch.manual_seed(5)
+    key, value = torch.randn(3 * BLOCK, HEADS, DIM), torch.randn(3 * BLOCK, HEADS, DIM)
+    slots = torch.cat([torch.arange(b * BLOCK, (b + 1) * BLOCK) for b in (6, 1, 3)])
+    dim_major_k_writer(layer, key, value, slots)
+    kv = gather([layer], probed, [6, 1, 3])
+    assert torch.equal(kv[0, 0], key) and torch.equal(kv[0, 1], value)
+    viewed = gather([layer], PagedLayout.of("cpu", layer), [6, 1, 3])
+    assert torch.equal(viewed[0, 1], value) and not torch.equal(viewed[0, 0], key)  # the view misreads K
+
+    fresh = torch.full_like(layer, float("nan"))
+    scatter([fresh], probed, [2, 0, 5], kv)  # what a load writes is what the kernel would have written
+    reference = torch.full_like(layer, float("nan"))
+    dim_major_k_writer(reference, key, value, torch.cat([torch.arange(b * BLOCK, (b + 1) * BLOCK) for b in (2, 0, 5)]))
+    assert torch.equal(fresh.nan_to_num(-7.0), reference.nan_to_num(-7.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_probing_is_exact_in_every_engine_dtype(dtype):
+    layer = torch.zeros(2, 4, 32, 2 * 64, dtype=dtype)  # 16,384 elements a block: three probe digits
+    probed = PagedLayout.probed("cpu", layer, dim_major_k_writer)
+    assert torch.equal(probed.offsets, PagedLayout.probed("cpu", layer.float(), dim_major_k_writer).offsets)
+
+
+def test_a_write_the_probe_cannot_map_is_refused():
+    layer = torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * DIM)
+
+    def skips_v(paged, key, value, slots):
+        dim_major_k_writer(paged, key, torch.full_like(value, -1.0), slots)
+
+    def into_the_next_block(paged, key, value, slots):
+        dim_major_k_writer(paged, key, value, (slots + BLOCK) % (paged.shape[0] * BLOCK))
+
+    def rounds(paged, key, value, slots):
+        dim_major_k_writer(paged, key * 1.001, value, slots)
+
+    with pytest.raises(LayoutProbeError, match="unwritten or changed"):
+        PagedLayout.probed("cpu", layer, skips_v)
+    with pytest.raises(LayoutProbeError):
+        PagedLayout.probed("cpu", layer, into_the_next_block)
+    with pytest.raises(LayoutProbeError, match="unwritten or changed"):
+        PagedLayout.probed("cpu", layer, rounds)
