@@ -30,6 +30,51 @@ PERSONAL_FIELDS = ("actor_id", "tenant_id", "source_ip", "target_id", "old_value
 NON_PERSONAL_FIELDS = ("seq", "occurred_at", "actor_kind", "action", "target_type", "request_id")
 
 
+# Each action code's name (audit/actions.py's AuditAction, code_name; tests/audit check the two agree): an export's
+# `action_name` is verified against it, since no hash covers the label.
+ACTION_NAMES = {
+    1001: "tenant.created",
+    1002: "tenant.updated",
+    1003: "quota.updated",
+    1101: "key.issued",
+    1102: "key.revoked",
+    1103: "key.rotated",
+    2001: "node.created",
+    2002: "node.registered",
+    2003: "node.cordoned",
+    2004: "node.uncordoned",
+    2005: "node.draining",
+    2006: "node.lost",
+    2007: "node.certificate_issued",
+    3001: "cache.attached",
+    3002: "cache.ready",
+    3003: "cache.failed",
+    3004: "cache.detach_requested",
+    3005: "cache.detached",
+    3006: "cache.migrated",
+    3007: "cache.reprovisioned",
+    3008: "cache.emptied",
+    3009: "cache.recovered",
+    3101: "data.token_issued",
+    3102: "data.tokens_revoked",
+    4001: "usage.report_refused",
+    4002: "rate.created",
+    4003: "invoice.finalised",
+    5001: "erasure.requested",
+    5002: "erasure.cancelled",
+    5003: "erasure.started",
+    5004: "erasure.completed",
+    5005: "erasure.failed",
+    5006: "data.exported",
+    6001: "audit.exported",
+    6002: "audit.digest_signed",
+    6003: "audit.pseudonymised",
+    7001: "console.login",
+    7002: "console.login_failed",
+    7003: "console.logout",
+}
+
+
 def canonical(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
@@ -58,7 +103,12 @@ def event_hash(prev_hash: str, event: dict, commitments: dict[str, str]) -> str:
 
 DIGEST_FORMAT = "kcaas-audit-digest"
 EXPORT_FORMAT = "kcaas-audit-export"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # the digest body's version
+# Export versions: 2 ends with a `signature` record (the platform key over every record before it, so the fields a
+# reader reads that no hash covers — action_name, pseudonyms, the header — are verified too); 1 has none.
+EXPORT_VERSION = 2
+EXPORT_VERSIONS = (1, 2)
+EXPORT_SIGNATURE_FORMAT = "kcaas-audit-export-signature"
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 
 
@@ -112,13 +162,27 @@ def signature_valid(jwk: dict, payload: bytes, signature_b64: str) -> bool:
     return True
 
 
+def records_hash(records) -> str:
+    """sha256 over canonical(record) + newline of each record, in order: what an export's signature signs (the
+    same for its JSONL and CSV forms, which carry the same records)."""
+    running = hashlib.sha256()
+    for record in records:
+        running.update(canonical(record) + b"\n")
+    return running.hexdigest()
+
+
+def export_signature_body(*, records_hash: str, key_id: str) -> dict:
+    return {"format": EXPORT_SIGNATURE_FORMAT, "records_hash": records_hash, "key_id": key_id}
+
+
 # ---- export records -------------------------------------------------------------------------------------------------
 # An export is a header record, then the chain segment it covers in seq order (an `event` for each event of the range
 # and filter, a `witness` — seq, prev_hash, hash, no personal data — for each other event of the segment), then the
-# digests that anchor it. JSONL: one JSON object per line with a `record_type`. CSV: the columns CSV_COLUMNS, one row
-# per record, `record_type` first; ints as decimals, dict/list cells as JSON, null as an empty cell (only tenant_id,
-# source_ip and salt may be null; old_values/new_values hold the JSON `null`); the header row carries the header
-# object as JSON in the `header` column.
+# digests that anchor it, then (version 2) a `signature`: records_hash of every record before it, the key id, and
+# the platform's Ed25519 signature of export_signature_body. JSONL: one JSON object per line with a `record_type`.
+# CSV: the columns CSV_COLUMNS, one row per record, `record_type` first; ints as decimals, dict/list cells as JSON,
+# null as an empty cell (only tenant_id, source_ip and salt may be null; old_values/new_values hold the JSON `null`);
+# the header row carries the header object as JSON in the `header` column.
 
 EVENT_FIELDS = (
     "seq",
@@ -140,6 +204,7 @@ EVENT_FIELDS = (
     "hash",
 )
 WITNESS_FIELDS = ("seq", "prev_hash", "hash")
+SIGNATURE_FIELDS = ("records_hash", "key_id", "signature")
 DIGEST_FIELDS = (
     "period_start",
     "period_end",
@@ -150,8 +215,14 @@ DIGEST_FIELDS = (
     "digest_hash",
     "signature",
 )
-RECORD_FIELDS = {"event": EVENT_FIELDS, "witness": WITNESS_FIELDS, "digest": DIGEST_FIELDS, "header": ("header",)}
-CSV_COLUMNS = ("record_type", *EVENT_FIELDS, *DIGEST_FIELDS, "header")
+RECORD_FIELDS = {
+    "event": EVENT_FIELDS,
+    "witness": WITNESS_FIELDS,
+    "digest": DIGEST_FIELDS,
+    "header": ("header",),
+    "signature": SIGNATURE_FIELDS,
+}
+CSV_COLUMNS = ("record_type", *EVENT_FIELDS, *DIGEST_FIELDS, "records_hash", "header")
 _CSV_INT = frozenset({"seq", "action", "head_seq"})
 _CSV_JSON = frozenset({"old_values", "new_values", "commitments", "header"})
 _CSV_NULLABLE = frozenset({"tenant_id", "source_ip", "salt"})
@@ -216,6 +287,11 @@ class Problem:
 
 @dataclasses.dataclass
 class Report:
+    """What verify_export found: the problems (any one fails the export), notes, counts, and what the verified
+    records are covered by: signed spans (a digest signs their chain), chained-only spans (after the last digest:
+    tamper-evident against each other, not yet signed), witness-only spans (hashes, no event data), and whether the
+    export's own signature (labels, pseudonyms, header) verified."""
+
     problems: list[Problem] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     events: int = 0
@@ -223,6 +299,11 @@ class Report:
     digests: int = 0
     first_seq: int | None = None
     last_seq: int | None = None
+    signed_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    chained_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # after the last digest's head
+    witness_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    next_digest_due: str | None = None  # the end of the period whose digest will sign the first chained-only seq
+    export_signed: bool = False  # a version 2 export whose signature verified
 
     @property
     def ok(self) -> bool:
@@ -231,12 +312,47 @@ class Report:
     def add(self, code: str, message: str, seq: int | None = None) -> None:
         self.problems.append(Problem(code, message, seq))
 
+    def coverage(self) -> list[tuple[str, str]]:
+        """(what, which seqs) of what the records are covered by, as the summary says it (the console's rows)."""
+        due = f" (signed by the digest of the period ending {self.next_digest_due})" if self.next_digest_due else ""
+        return [
+            ("Signed by a digest", _spans(self.signed_spans)),
+            ("Chained only, not yet signed", _spans(self.chained_spans) + (due if self.chained_spans else "")),
+            ("Witnesses only (hashes, no event data)", _spans(self.witness_spans)),
+            ("Export signature", "verified" if self.export_signed else "none"),
+        ]
+
     def summary(self) -> str:
+        """One line: OK or FAILED, the counts, and (when OK) what is signed, what only chained, what witnessed."""
         span = f"seq {self.first_seq}-{self.last_seq}" if self.first_seq is not None else "no chain records"
         counts = f"{self.events} events, {self.witnesses} witnesses, {self.digests} digests ({span})"
-        if self.ok:
-            return f"OK: {counts} verified"
-        return f"FAILED: {len(self.problems)} problem(s) in {counts}; first: {self.problems[0]}"
+        if not self.ok:
+            return f"FAILED: {len(self.problems)} problem(s) in {counts}; first: {self.problems[0]}"
+        parts = [f"OK: {counts}", f"signed by a digest: {_spans(self.signed_spans)}"]
+        if self.chained_spans:
+            due = f", signed by the digest of the period ending {self.next_digest_due}" if self.next_digest_due else ""
+            parts.append(f"chained only, not yet signed: {_spans(self.chained_spans)}{due}")
+        if self.witness_spans:
+            parts.append(f"witnesses only (hashes, no event data): {_spans(self.witness_spans)}")
+        parts.append("export signature: verified" if self.export_signed else "export signature: none")
+        return "; ".join(parts)
+
+
+def _spans(spans: list[tuple[int, int]]) -> str:
+    if not spans:
+        return "none"
+    return ", ".join(f"seq {first}" if first == last else f"seq {first}-{last}" for first, last in spans)
+
+
+def _runs(seqs: list[int]) -> list[tuple[int, int]]:
+    """Sorted seqs as maximal runs of consecutive ones."""
+    runs: list[tuple[int, int]] = []
+    for seq in seqs:
+        if runs and runs[-1][1] == seq - 1:
+            runs[-1] = (runs[-1][0], seq)
+        else:
+            runs.append((seq, seq))
+    return runs
 
 
 def verify_export(path_or_lines, *, trusted_key_jwk: dict | None = None) -> Report:
@@ -249,9 +365,12 @@ def verify_export(path_or_lines, *, trusted_key_jwk: dict | None = None) -> Repo
     header, rest = records[0], records[1:]
     chain_records = [r for r in rest if r["record_type"] in ("event", "witness")]
     digests = [r for r in rest if r["record_type"] == "digest"]
+    signatures = [index for index, r in enumerate(records) if r["record_type"] == "signature"]
     for record in rest:
         if record["record_type"] == "header":
             report.add("malformed", "a second header record")
+    if signatures and signatures != [len(records) - 1]:
+        report.add("malformed", "a signature record that is not the export's one last record")
     report.events = sum(r["record_type"] == "event" for r in chain_records)
     report.witnesses, report.digests = len(chain_records) - report.events, len(digests)
     try:
@@ -261,6 +380,8 @@ def verify_export(path_or_lines, *, trusted_key_jwk: dict | None = None) -> Repo
         _check_filter(header, ordered, report)
         key = _check_key(header.get("platform_key"), trusted_key_jwk, report)
         _check_digests(digests, key, ordered, report)
+        _check_export_signature(header, records, key, report)
+        _cover(header, digests, ordered, report)
     except (TypeError, ValueError, KeyError, AttributeError) as error:  # a shape _validated does not catch
         report.add("malformed", f"cannot check the export: {type(error).__name__}: {error}")
     return report
@@ -311,7 +432,7 @@ def _validated(record: dict) -> dict:
     for name in ("seq", "action", "head_seq"):
         if name in RECORD_FIELDS[kind] and (type(record[name]) is not int or record[name] < 0):
             raise TypeError(f"{name} must be a non-negative integer")
-    for name in ("prev_hash", "hash", "head_hash", "prev_digest_hash", "digest_hash"):
+    for name in ("prev_hash", "hash", "head_hash", "prev_digest_hash", "digest_hash", "records_hash"):
         value = record.get(name)
         if name in RECORD_FIELDS[kind] and not (isinstance(value, str) and len(value) == 64 and set(value) <= _HEX64):
             raise ValueError(f"{name} must be 64 lowercase hex digits")
@@ -347,8 +468,9 @@ def _check_sequence(records: list[dict], report: Report) -> list[dict]:
 
 
 def _check_header(header: dict, ordered: list[dict], report: Report) -> None:
-    if header.get("format") != EXPORT_FORMAT or header.get("version") != FORMAT_VERSION:
-        report.add("malformed", f"not a {EXPORT_FORMAT} version {FORMAT_VERSION} export")
+    if header.get("format") != EXPORT_FORMAT or header.get("version") not in EXPORT_VERSIONS:
+        versions = " or ".join(str(v) for v in EXPORT_VERSIONS)
+        report.add("malformed", f"not a {EXPORT_FORMAT} version {versions} export")
     claimed = {"first_seq": header.get("first_seq"), "last_seq": header.get("last_seq"), "counts": header.get("counts")}
     found = {
         "first_seq": report.first_seq,
@@ -392,6 +514,11 @@ def _check_event(record: dict, report: Report) -> None:
             + ", commitments) do not match its hash (changed)",
             seq,
         )
+    name = ACTION_NAMES.get(record["action"])
+    if name is None:
+        report.notes.append(f"seq {seq}: action {record['action']} is unknown to this verifier: its name is unchecked")
+    elif record["action_name"] != name:
+        report.add("label_mismatch", f"action_name {record['action_name']!r} is not action {record['action']}'s", seq)
 
 
 def _check_filter(header: dict, ordered: list[dict], report: Report) -> None:
@@ -519,12 +646,58 @@ def _note_anchoring(digests: list[dict], ordered: list[dict], report: Report) ->
     if not digests:
         report.notes.append("no digests: the chain is consistent but no signature anchors it")
         return
-    first, last = ordered[0]["seq"], ordered[-1]["seq"]
+    first = ordered[0]["seq"]
     if first > 1 and not any(d["head_seq"] == first - 1 for d in digests):
         report.notes.append(f"the chain's start (seq {first}) is not anchored by a digest")
-    signed = max(d["head_seq"] for d in digests)
-    if last > signed:
-        report.notes.append(f"seq {signed + 1}-{last} occurred after the last digest: not yet signed")
+
+
+def _check_export_signature(header: dict, records: list[dict], key: dict | None, report: Report) -> None:
+    """Version 2: the last record signs every record before it (so action_name, pseudonymised fields and the header
+    are verified too). Version 1 has no signature: a note says what is then left unverified."""
+    signature = records[-1] if records[-1]["record_type"] == "signature" else None
+    if header.get("version") == 1 and signature is None:
+        report.notes.append(
+            "a version 1 export carries no export signature: the header and pseudonymised personal fields are "
+            "not verified (action names are checked against this verifier's table)"
+        )
+        return
+    if signature is None:
+        report.add("export_unsigned", "the export lacks its signature record (its last records removed?)")
+        return
+    if records_hash(records[:-1]) != signature["records_hash"]:
+        report.add("export_signature_mismatch", "the records do not hash to what the export's signature signs")
+    if key is None:
+        return
+    if signature["key_id"] != key.get("kid") and signature["key_id"] != _thumbprint_or_none(key):
+        report.add("export_signature_key_mismatch", f"signed by key {signature['key_id']}, not {key.get('kid')}")
+    body = export_signature_body(records_hash=signature["records_hash"], key_id=signature["key_id"])
+    if not signature_valid(key, canonical(body), signature["signature"]):
+        report.add("export_signature_invalid", "the export's signature does not verify with the platform key")
+    report.export_signed = not any(p.code.startswith("export_signature") for p in report.problems)
+
+
+def _cover(header: dict, digests: list[dict], ordered: list[dict], report: Report) -> None:
+    """What signs what: seqs up to the highest digest head in the chain are signed by it; the rest only chained."""
+    heads = [d["head_seq"] for d in digests if any(r["seq"] == d["head_seq"] for r in ordered)]
+    signed_through = max(heads, default=0)
+    report.signed_spans = _runs([r["seq"] for r in ordered if r["seq"] <= signed_through])
+    report.chained_spans = _runs([r["seq"] for r in ordered if r["seq"] > signed_through])
+    report.witness_spans = _runs([r["seq"] for r in ordered if r["record_type"] == "witness"])
+    pseudonymised = [r["seq"] for r in ordered if r["record_type"] == "event" and r["salt"] is None]
+    if pseudonymised:
+        report.notes.append(
+            f"{len(pseudonymised)} events are pseudonymised ({_spans(_runs(pseudonymised))}): their personal fields "
+            "hold pseudonyms, bound to the chain by commitments that no longer open"
+            + ("; the export signature covers the pseudonyms" if report.export_signed else "")
+        )
+    unsigned = [r for r in ordered if r["seq"] > signed_through and r["record_type"] == "event"]
+    period = header.get("digest_period_seconds")
+    if unsigned and type(period) is int and period > 0:
+        occurred = int(_moment(unsigned[0]["occurred_at"]).timestamp())
+        from datetime import datetime
+
+        end = datetime.fromtimestamp(occurred // period * period + period, tz=UTC)
+        report.next_digest_due = end.strftime(TIME_FORMAT)
 
 
 # ---- command line ---------------------------------------------------------------------------------------------------

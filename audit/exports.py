@@ -8,7 +8,9 @@ order, then the digests anchoring it (audit.chain documents the record layouts a
   record's prev_hash is a signed hash) and forward to the head of the first digest at or after the range's last
   event (so the last record is signed too); the digests from the anchor to that one are included, contiguous;
 - the header states the format and version, the range, the filter, the segment's first/last seq, the record
-  counts and the platform's public key (JWK).
+  counts, the platform's public key (JWK) and the digest period;
+- a last `signature` record signs every record before it with the platform key (so what no chain hash covers, the
+  action names, pseudonymised fields and the header, verifies too).
 The segment is fixed before the first line is written (the chain is append-only), so an export streams in chunks
 and never includes events appended while it streams.
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import hashlib
 import io
 import uuid
 from collections.abc import Iterator
@@ -33,7 +36,8 @@ from django.utils import timezone
 
 from audit import chain
 from audit.actions import AuditAction
-from audit.keys import platform_public_jwk
+from audit.digests import period_seconds
+from audit.keys import platform_public_jwk, platform_sign
 from audit.models import AuditDigest, AuditEvent
 from audit.services import audit_record
 from core.errors import ApplicationError
@@ -90,7 +94,7 @@ def header_record(plan: ExportPlan) -> dict:
     return {
         "record_type": "header",
         "format": chain.EXPORT_FORMAT,
-        "version": chain.FORMAT_VERSION,
+        "version": chain.EXPORT_VERSION,
         "generated_at": timezone.now().isoformat(),
         "range": {"from": plan.start.isoformat(), "to": plan.end.isoformat()},
         "filter": {"tenant_id": str(plan.tenant_id) if plan.tenant_id else None},
@@ -98,6 +102,7 @@ def header_record(plan: ExportPlan) -> dict:
         "last_seq": plan.hi,
         "counts": {"event": plan.events, "witness": plan.witnesses, "digest": len(plan.digests)},
         "platform_key": platform_public_jwk(),
+        "digest_period_seconds": period_seconds(),  # a verifier says when the unsigned tail will be signed
     }
 
 
@@ -123,7 +128,20 @@ def witness_record(event: AuditEvent) -> dict:
 
 
 def export_records(plan: ExportPlan) -> Iterator[dict]:
-    """The header, the segment's records in seq order, then the digests."""
+    """The header, the segment's records in seq order, the digests, then the signature of all of them (the
+    platform key over chain.records_hash: it covers what no chain hash does, the action names, the pseudonyms and
+    the header)."""
+    running = hashlib.sha256()
+    for record in _chain_records(plan):
+        running.update(chain.canonical(record) + b"\n")
+        yield record
+    key_id = platform_public_jwk()["kid"]
+    body = chain.export_signature_body(records_hash=running.hexdigest(), key_id=key_id)
+    _, signature = platform_sign(chain.canonical(body))
+    yield {"record_type": "signature", "records_hash": body["records_hash"], "key_id": key_id, "signature": signature}
+
+
+def _chain_records(plan: ExportPlan) -> Iterator[dict]:
     yield header_record(plan)
     if plan.lo is not None:
         for low in range(plan.lo, plan.hi + 1, CHUNK):

@@ -29,6 +29,8 @@ import re
 import shutil
 import uuid
 
+from gpu_node.durable_file import replace_file
+
 SSD_DIR_ENV = "KCAAS_NODE_SSD_DIR"
 OWNER_FILE = "tenant"
 EPOCH_FILE = "epoch"
@@ -114,17 +116,9 @@ def cache_directory(ssd_root: str, cache_id: str) -> str:
     return os.path.join(ssd_root, cache_id)
 
 
-def _write_atomically(path: str, text: str) -> None:
-    """temp file, fsync, rename: a crash leaves the old content or the new."""
-    with open(path + ".tmp", "w") as file:
-        file.write(text)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(path + ".tmp", path)
-
-
 def write_owner(directory: str, tenant_id: str) -> None:
-    _write_atomically(os.path.join(directory, OWNER_FILE), tenant_id)
+    """Record the tenant that owns a cache directory (durable_file: a crash leaves the old owner or the new)."""
+    replace_file(os.path.join(directory, OWNER_FILE), tenant_id.encode())
 
 
 def _owner(root: str, name: str) -> str | None:
@@ -158,7 +152,7 @@ def record_epoch(root: str, cache_id: str, epoch: int) -> None:
     path = directory(root, cache_id)
     if path is None or not os.path.isdir(path):
         return
-    _write_atomically(os.path.join(path, EPOCH_FILE), str(int(epoch)))
+    replace_file(os.path.join(path, EPOCH_FILE), str(int(epoch)).encode())
 
 
 def recorded_epoch(root: str, cache_id: str) -> int | None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import os
 import socket
 import ssl
 import tempfile
@@ -44,6 +43,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, x25519
 from cryptography.x509.oid import NameOID
 
+from gpu_node.durable_file import replace_file
 from kcaas.sealing import NodeSealingKey
 
 logger = logging.getLogger("kcaas.node.identity")
@@ -154,16 +154,9 @@ def _load_chain(ctx: ssl.SSLContext, cert_pem: bytes, key_pem: bytes) -> None:
 
 
 def _write_private(path: Path, data: bytes) -> None:
-    """Write `data` to `path` readable by its owner only, replacing it atomically (never world-readable)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
-    try:
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    """Write `data` to `path` readable by its owner only, replacing it atomically and durably (never
+    world-readable; durable_file.replace_file: a temp file of this write's own, fsync, rename, fsync dir)."""
+    replace_file(path, data, mode=0o600)
 
 
 class NodeIdentity:
@@ -176,6 +169,7 @@ class NodeIdentity:
         self._cert_pem = self._ca_pem = b""
         self._node_id: str | None = None
         self._lock = threading.Lock()
+        self._save_lock = threading.Lock()  # taken before _lock, never inside it
         self._contexts: weakref.WeakSet[ssl.SSLContext] = weakref.WeakSet()
 
     # ---- requesting and installing certificates ---------------------------------------------------------------------
@@ -301,12 +295,13 @@ class NodeIdentity:
         """Key, certificate and CA as 0600 files in `directory` (created 0700), each replaced atomically."""
         directory = Path(directory)
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        with self._lock:
-            key_pem, cert_pem, ca_pem = _key_pem(self._key), self._cert_pem, self._ca_pem
-        _write_private(directory / KEY_FILE, key_pem)
-        if cert_pem:
-            _write_private(directory / CERT_FILE, cert_pem)
-            _write_private(directory / CA_FILE, ca_pem)
+        with self._save_lock:  # two saves never interleave: the files on disk are one snapshot's key and certificate
+            with self._lock:
+                key_pem, cert_pem, ca_pem = _key_pem(self._key), self._cert_pem, self._ca_pem
+            _write_private(directory / KEY_FILE, key_pem)
+            if cert_pem:
+                _write_private(directory / CERT_FILE, cert_pem)
+                _write_private(directory / CA_FILE, ca_pem)
 
     @classmethod
     def load(cls, directory: str | Path) -> NodeIdentity:

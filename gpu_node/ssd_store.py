@@ -52,6 +52,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from gpu_node import cache_dirs, ssd_records
 from gpu_node.checksum import verify_block
+from gpu_node.durable_file import CommittedFile, fsync_directory
 from gpu_node.ssd_records import HEADER, MAGIC, NO_PARENT  # noqa: F401 - the record format, as tests name it
 from gpu_node.zeroing import zero
 
@@ -102,6 +103,8 @@ class SsdStore:
         self.num_dropped_writes = 0
         self._failure: BaseException | None = None  # what stopped the writer, once it failed
         self._lock_fd: int | None = cache_dirs.hold(directory)  # DirectoryInUse: another live store holds it
+        self._index_file = CommittedFile(os.path.join(directory, INDEX_NAME))
+        self._index_file.remove_stale_temp_files()  # this store holds the directory: no other writer is running
         try:
             self.rescan()
         except BaseException:
@@ -298,7 +301,7 @@ class SsdStore:
             self._segment += 1
         path = os.path.join(self.directory, segment_name(self._segment))
         self._segment_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        _fsync_directory(self.directory)
+        fsync_directory(self.directory)
 
     def _drop_locked(self, block_hash: bytes) -> None:
         entry = self._index.pop(block_hash)
@@ -348,20 +351,19 @@ class SsdStore:
 
     # ---- the index ------------------------------------------------------------------------------------------------
     def _commit_index(self) -> None:
-        """Write the live entries (temp file, fsync, rename, fsync dir): a crash leaves the old or the new index."""
+        """Write the live entries (durable_file: a temp file of its own, fsync, rename, fsync dir): a crash leaves
+        the old or the new index. The writer thread (after a batch) and `sync` (after a delete or clear) both commit;
+        the index file serializes them and snapshots inside, so the file always ends with the newest entries."""
+        self._index_file.commit(self._index_document)
+
+    def _index_document(self) -> bytes:
         with self._lock:
             document = {
                 "version": 1,
                 "entries": [[h.hex(), e.segment, e.offset, e.length, e.record_length] for h, e in self._index.items()],
                 "committed_end": {str(s): end for s, end in self._committed_end.items()},
             }
-        path = os.path.join(self.directory, INDEX_NAME)
-        with open(path + ".tmp", "w") as file:
-            json.dump(document, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(path + ".tmp", path)
-        _fsync_directory(self.directory)
+        return json.dumps(document).encode()
 
     def rescan(self) -> None:
         """Rebuild the index from disk, verifying every block (warm restart); drops torn and corrupt records."""
@@ -478,14 +480,6 @@ def _write_all(fd: int, data: bytearray) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
-
-
-def _fsync_directory(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _unlink_quietly(path: str) -> None:

@@ -104,10 +104,15 @@ def _spec_from_args(args: argparse.Namespace) -> KVCacheSpec:
 
 
 def _contents(cache) -> str:
-    """warm, or cold with when its node came back without it (the cache is ready but must be filled again)."""
-    if cache.contents == "cold":
+    """What the API's `contents` means (docs/controlplane.md, "Emptied caches"), in words: only a ready cache has
+    any; cold says why when the API says so (emptied_at after its node came back without it)."""
+    if cache.contents == "warm":
+        return "warm: its node reports blocks of it"
+    if cache.contents == "cold" and cache.emptied_at is not None:
         return f"cold: its node came back without it at {when(cache.emptied_at)}; prefixes are recomputed until re-put"
-    return cache.contents or "-"
+    if cache.contents == "cold":
+        return "cold: its node reports no block of it (nothing stored yet, or all deleted)"
+    return "-"
 
 
 def _show_cache(cache) -> str:
@@ -211,7 +216,7 @@ def cmd_recover(client, args, out: Out) -> None:
 
 
 def cmd_token(client, args, out: Out) -> None:
-    access = "read" if args.read_only else "readwrite"
+    access = "read" if args.read_only else args.access
     token = client.issue_token(cache_id(client, args.cache), access=access, ttl_seconds=args.ttl)
     out.result(token, lambda: token.token)
     claims = token.claims()
@@ -358,7 +363,13 @@ def _parser() -> argparse.ArgumentParser:
     recover.add_argument("--timeout", type=float, default=60.0, metavar="S")
     token = command(commands, "token", cmd_token, "issue a data-plane token for a ready cache (printed on stdout)")
     token.add_argument("cache", help=cache_help)
-    token.add_argument("--read-only", action="store_true", help="read access only (default: readwrite)")
+    token.add_argument(
+        "--access",
+        choices=("read", "readwrite"),
+        default="read",
+        help="read (lookup, get: the default, as everywhere) or readwrite (also put, delete)",
+    )
+    token.add_argument("--read-only", action="store_true", help="the same as --access read")
     token.add_argument("--ttl", type=int, metavar="S", help="lifetime in seconds (clamped by the server: reported)")
     command(commands, "usage", cmd_usage, "quota limits against what the tenant uses")
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from kcaas.cli_output import Out, jsonable
 from kcaas.errors import APIConnectionError, KcaasError
+from kcaas.units import human_bytes
 
 EXIT_API, EXIT_CONNECTION = 1, 3
 URL_HINT = "set KCAAS_URL or --url to the control plane's URL (`make up` serves http://127.0.0.1:8000)"
@@ -75,7 +76,19 @@ def detail_lines(details: Any, prefix: str = "") -> list[str]:
         if all(not isinstance(v, (Mapping, list, tuple)) for v in details):  # problems: one line each
             return [f"{prefix}: {one_line(str(v))}" if prefix else one_line(str(v)) for v in details]
         return [line for i, v in enumerate(details) for line in detail_lines(v, f"{prefix}[{i}]")]
+    if _is_byte_count(prefix, details):
+        details = f"{details} ({human_bytes(details)})"  # the exact bytes a program reads, the size a person reads
     return [f"{prefix}: {one_line(str(details))}" if prefix else one_line(str(details))]
+
+
+BYTE_MAPS = ("requested.", "largest_free.", "capacity.")  # details that map tiers to bytes
+
+
+def _is_byte_count(path: str, value: Any) -> bool:
+    """A detail that is a byte count: an integer under a tier -> bytes map, or named *_bytes."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return False
+    return path.startswith(BYTE_MAPS) or path.rsplit(".", 1)[-1].endswith("_bytes")
 
 
 def hint(exc: KcaasError, url: str) -> str:

@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
+from kcaas import units
+
 TABLE_WIDTH = 100  # every table fits a 100-column terminal unless --wide
 SHORT_ID_LENGTH = 8  # ids in tables: the shortest unique prefix of at least this many characters
 ELLIPSIS = "..."
@@ -32,15 +34,8 @@ def parse_bytes(text: str) -> int:
 
 
 def human_bytes(value: int | None) -> str:
-    """1536 -> `1.5 KiB`; exact below 1 KiB."""
-    if value is None:
-        return "-"
-    size = float(value)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
-            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
+    """1536 -> `1.5 KiB` (kcaas.units); exact below 1 KiB; `-` for None."""
+    return "-" if value is None else units.human_bytes(value)
 
 
 def when(value: datetime | None, *, seconds: bool = True) -> str:

@@ -17,9 +17,11 @@ is retried: requests that are safe to repeat — GET and DELETE, POST /caches (i
 once per call and reused by every attempt) and key revocation (idempotent on the server) — on connection errors,
 429, 502, 503, 504 (and 409 idempotency_in_progress: the server still running our own earlier attempt). Any request
 is retried when the connection could not even be opened, and on 429 (the rate limiter refuses before the view runs):
-in both cases the server did nothing. An error answer without Retry-After (a gateway's 502/504, 503 no_capacity:
-nothing says it passes in seconds) is retried at most HINTLESS_RETRIES (3) times. Other POSTs (create/rotate key,
-issue token) are never repeated after a lost answer or a 5xx: the server may have acted, so the caller decides.
+in both cases the server did nothing. The API marks what is transient with Retry-After: its own error answer without
+one (503 no_capacity: no node has the room, which waiting seconds will not change) is final and raised at once; an
+answer that is not the API's (a gateway's 502/503/504, no error code) is retried at most HINTLESS_RETRIES (3)
+times. Other POSTs (create/rotate key, issue token) are never repeated after a lost answer or a 5xx: the server may
+have acted, so the caller decides.
 `retries=0` turns retrying off.
 
 Errors: every non-2xx answer raises a typed `kcaas.errors.KcaasError` subclass; the API key never appears in an
@@ -81,6 +83,12 @@ def _hinted(response: _Response, error: KcaasError) -> bool:
     """The answer says it passes soon: a Retry-After, or our own attempt still running."""
     has_hint = getattr(error, "retry_after", None) is not None or _retry_after(response.headers) is not None
     return has_hint or _in_progress(response, error)
+
+
+def _api_answer(response: _Response) -> bool:
+    """Whether an error answer is the API's own (its error envelope), not a proxy's or gateway's."""
+    body = response.body
+    return isinstance(body, Mapping) and isinstance(body.get("error"), Mapping) and bool(body["error"].get("code"))
 
 
 def _segment(value: Any) -> str:
@@ -259,8 +267,12 @@ class RestTransport:
             return None
         retry_after = getattr(error, "retry_after", None) or _retry_after(response.headers)
         if retry_after is None:
-            # no hint that it passes soon (a gateway error, 503 no_capacity): a few tries, not the whole budget
-            return self._backoff(attempt) if _hinted(response, error) or hintless < HINTLESS_RETRIES else None
+            if _in_progress(response, error):
+                return self._backoff(attempt)
+            # The API's own answer without a hint that it passes (503 no_capacity: no node has the room) is final;
+            # the API marks what is transient with Retry-After. A gateway's answer (no API error code) gets a few
+            # tries, not the whole budget.
+            return self._backoff(attempt) if not _api_answer(response) and hintless < HINTLESS_RETRIES else None
         # the server's hint, plus a little jitter so throttled clients do not stampede back together
         return min(retry_after, self.max_retry_after) + random.uniform(0, 0.1)
 

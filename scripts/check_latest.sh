@@ -13,21 +13,23 @@ REPO=$(pwd)
 PY_SYS=${PY_SYS:-python3.11}
 SCRATCH=${KCAAS_CHECK_DIR:-$(mktemp -d)}
 [ -n "${KCAAS_CHECK_DIR:-}" ] || trap 'rm -rf "$SCRATCH"' EXIT
+mkdir -p "$SCRATCH"
 REPORT="$SCRATCH/report.txt"
 : >"$REPORT"
 status=0
 
-step() {  # step NAME COMMAND...: run, log to $SCRATCH/NAME.log, record PASS/FAIL
+step() {  # step NAME COMMAND...: run, log to $SCRATCH/NAME.log, record PASS/FAIL; fails when the command did
     local name=$1
     shift
     echo "== $name"
     if "$@" >"$SCRATCH/$name.log" 2>&1; then
         echo "PASS $name" | tee -a "$REPORT"
-    else
-        echo "FAIL $name (log: $SCRATCH/$name.log)" | tee -a "$REPORT"
-        tail -n 30 "$SCRATCH/$name.log" | sed 's/^/    /'
-        status=1
+        return 0
     fi
+    echo "FAIL $name (log: $SCRATCH/$name.log)" | tee -a "$REPORT"
+    tail -n 30 "$SCRATCH/$name.log" | sed 's/^/    /'
+    status=1
+    return 1
 }
 
 newer_than_lock() {  # newer_than_lock PYTHON LOCK: releases the scratch venv got that differ from the lock

@@ -8,7 +8,7 @@ contract the schema states.
 from drf_spectacular.drainage import set_override
 from rest_framework import serializers
 
-from tenants.quota_values import QuotaValueError, quota_value_parse, string_pattern
+from tenants.quota_values import QuotaValueError, quota_value_parse, string_pattern, takes_strings
 
 
 class StrictCharField(serializers.CharField):
@@ -28,17 +28,20 @@ class StrictIntegerField(serializers.IntegerField):
 
 
 class QuotaValueField(serializers.Field):
-    """A quota limit: an integer, or a string the one quota parser (tenants.quota_values) reads, e.g. "1GiB"."""
+    """A quota limit: an integer, or for byte limits a string with a unit that the one quota parser
+    (tenants.quota_values) reads, e.g. "1GiB"."""
 
     def __init__(self, *, quota_field: str, bounds: tuple[int, int], **kwargs):
         self.quota_field, self.bounds = quota_field, bounds
         super().__init__(**kwargs)
         low, high = bounds
-        alternatives = [
-            {"type": "integer", "minimum": low, "maximum": high},
-            {"type": "string", "pattern": string_pattern(quota_field, bounds)},
-        ]
-        set_override(self, "field", {"oneOf": alternatives})
+        integer = {"type": "integer", "minimum": low, "maximum": high}
+        if takes_strings(quota_field):
+            set_override(
+                self, "field", {"oneOf": [integer, {"type": "string", "pattern": string_pattern(quota_field, bounds)}]}
+            )
+        else:
+            set_override(self, "field", integer)
 
     def to_internal_value(self, data):
         try:

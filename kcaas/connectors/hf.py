@@ -22,9 +22,11 @@ applies the window, so the logits are the model's own), and stores exactly the K
 length is not the token count raises ValueError before anything reaches the store. The price is memory: while it
 runs, a sliding layer holds the whole sequence's KV, as a full layer does.
 
-Read-only (`HFConnector(model, store, read_only=True)`, or a store whose `read_only` attribute is true): the connector
-gets cached prefixes and never puts, so a decoder over a read-only data token (the node refuses its puts) returns
-its output. With the default, a store that refuses puts makes generate/forward raise after the model has run.
+Read-only is said, never guessed (docs/sdk.md, "Token access levels": data tokens are `read` unless asked for
+`readwrite`, on every surface). `HFConnector(model, store, read_only=True)` gets cached prefixes and never puts: a
+decoder over a read-only data token. A connector not told `read_only=True` stores what it computes, so a store whose
+`read_only` attribute is true (a data-plane client over a read token) is refused at construction with
+ReadOnlyStore, naming both ways out, instead of a connector that silently never caches.
 
 A vLLM KV connector maps onto the same two calls: `get_num_new_matched_tokens` -> lookup, the worker's
 `start_load_kv` -> get into the paged buffer (or attention in place on the same GPU), `save_kv_layer`/request
@@ -43,8 +45,7 @@ from kcaas.transformers_kv import full_length_cache, kv_from_dynamic_cache
 
 class KVStore(Protocol):
     """get/put as PagedKVCache and kcaas.DataPlaneClient have them. A store may also have a `read_only` attribute:
-    true means its puts are refused (e.g. a data-plane client over a read token), and a connector over it never puts
-    unless told otherwise."""
+    true means its puts are refused (e.g. a data-plane client over a read token)."""
 
     def get(self, tokens) -> tuple[int, torch.Tensor]: ...
 
@@ -57,12 +58,23 @@ class PrefixReuse:
     num_cached_tokens: int  # prompt tokens whose KV came from the store (not recomputed)
 
 
+class ReadOnlyStore(ValueError):
+    """A connector that would store was handed a store that refuses puts (a read data token)."""
+
+
 class HFConnector:
-    def __init__(self, model, store: KVStore, *, read_only: bool | None = None):
-        """`read_only`: never put (default: the store's `read_only` attribute, False if it has none)."""
+    def __init__(self, model, store: KVStore, *, read_only: bool = False):
+        """`read_only`: get cached prefixes, never put. Raises ReadOnlyStore when `read_only` is False and the
+        store's `read_only` attribute is true: every put would be refused, and nothing would ever be cached."""
+        if not read_only and getattr(store, "read_only", False):
+            raise ReadOnlyStore(
+                "the store is read-only (a data token with access 'read', the default): this connector would compute "
+                "and never cache. Open the cache with access='readwrite' to store prefixes, or pass read_only=True "
+                "to only reuse what others stored."
+            )
         self.model = model
         self.store = store
-        self.read_only = bool(getattr(store, "read_only", False)) if read_only is None else bool(read_only)
+        self.read_only = bool(read_only)
         self.last_reuse: PrefixReuse | None = None
 
     def cached_prefix(self, input_ids: torch.Tensor):

@@ -81,12 +81,17 @@ class CacheOutputSerializer(serializers.Serializer):
     block_bytes = serializers.SerializerMethodField(help_text="Bytes of one block in this layout.")
     state = serializers.ChoiceField(choices=CacheState.choices)
     failure_reason = serializers.CharField(help_text="Why the cache failed (e.g. node_lost); empty otherwise.")
-    node_id = serializers.UUIDField(allow_null=True)
-    endpoint = serializers.CharField(help_text="The node's data-plane address once ready; empty before.")
+    node_id = serializers.UUIDField(
+        allow_null=True, help_text="The node hosting it; null before placement and once detached."
+    )
+    endpoint = serializers.CharField(
+        help_text="The node's data-plane address once ready; empty before and once detached."
+    )
     epoch = serializers.IntegerField(help_text="Grows whenever the cache moves to another node.")
     contents = serializers.SerializerMethodField(
-        help_text="warm: its node's last heartbeat reported blocks of it; cold: none (new, or emptied: see "
-        "emptied_at). Reads as of the last heartbeat."
+        help_text="Only while ready (null otherwise: no node serves it). warm: its node's last heartbeat reported "
+        "blocks of it; cold: none (nothing stored yet or all deleted; or emptied: its node came back without it, "
+        "see emptied_at). Reads as of the last heartbeat."
     )
     emptied_at = serializers.DateTimeField(
         allow_null=True,
@@ -96,11 +101,20 @@ class CacheOutputSerializer(serializers.Serializer):
     created_at = serializers.DateTimeField()
     updated_at = serializers.DateTimeField()
 
-    def get_contents(self, cache) -> Literal["warm", "cold"]:
+    def get_contents(self, cache) -> Literal["warm", "cold"] | None:
+        if cache.state != CacheState.READY:
+            return None
         known = self.context.get("contents") or {}  # a list's page: read once for all its caches (caches_contents)
         if cache.pk in known:
             return known[cache.pk]
         return "warm" if cache_resident_bytes_reported(cache) > 0 else "cold"
+
+    def to_representation(self, cache):
+        """A detached cache has no node: its node fields read null and empty (the row keeps the last node)."""
+        data = super().to_representation(cache)
+        if cache.state == CacheState.DETACHED:
+            data["node_id"], data["endpoint"] = None, ""
+        return data
 
     def get_spec(self, cache) -> SpecSerializer:
         return cache.spec_dict()

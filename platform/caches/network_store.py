@@ -23,6 +23,7 @@ from caches.errors import InvalidCapacity, NetworkTierAbsent
 from caches.models import Cache, CacheState
 from fleet.errors import NoCapacity
 from fleet.selectors import TierUse, fleet_network_resident_bytes
+from kcaas.units import human_bytes
 
 NETWORK_STORE_LOCK = 0x6B63_6E65_7477  # pg advisory lock key ("kcnetw"): one share granted at a time
 STORE_SETTING = "KCAAS_NETWORK_STORE_BYTES"
@@ -61,8 +62,9 @@ def network_store_reserve(*, nbytes: int) -> None:
     free = max(0, size - network_store_in_use())
     if nbytes > free:
         raise NoCapacity(
-            "The fleet's network store has not that many bytes left. Ask for at most `largest_free` network bytes, "
-            f"or give the store more ({STORE_SETTING}).",
+            f"The fleet's network store has not that many bytes left (network {human_bytes(nbytes)} asked, "
+            f"{human_bytes(free)} free). Ask for at most `largest_free` network bytes, or give the store more "
+            f"({STORE_SETTING}).",
             details={
                 "requested": {"network": nbytes},
                 "largest_free": {"network": free},

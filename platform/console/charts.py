@@ -176,22 +176,6 @@ def stacked_bar_chart(bars: Sequence[Bar], *, title: str, unit: str) -> SafeStri
     return mark_safe("".join(parts))
 
 
-BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
-
-
-def human_bytes(count: int) -> str:
-    """Bytes in binary units with at most one decimal: 512 B, 3.2 GiB, 16 GiB, 1 PiB."""
-    count = int(count)
-    if count < 1024:
-        return f"{count} B"
-    exponent = min((count.bit_length() - 1) // 10, len(BINARY_UNITS) - 1)
-    value = count / 1024**exponent
-    if value >= 1023.95 and exponent < len(BINARY_UNITS) - 1:  # 1023.99 GiB would print as "1024.0 GiB"
-        exponent, value = exponent + 1, value / 1024
-    text = f"{value:.1f}".removesuffix(".0")
-    return f"{text} {BINARY_UNITS[exponent]}"
-
-
 LINE_COLOUR = "#0b5cad"
 
 

@@ -24,13 +24,17 @@ def env_int(name: str, default: int) -> int:
 
 
 def _dev_secret(name: str) -> str:
-    """A random secret kept under var/ for the embedded default; production sets the variable."""
-    path = VAR_DIR / "secrets" / name
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(secrets.token_urlsafe(48))
-        path.chmod(0o600)
-    return path.read_text().strip()
+    """A random secret kept under var/ for the embedded default; production sets the variable. make up's processes
+    (gunicorn's workers, the Celery worker and beat) import these settings at once on a first start: the file is
+    created complete and linked into place once (audit.keys.load_or_create_private_file), so every process reads the
+    one secret that won, never an empty or half-written file, nor a second secret of its own."""
+    from audit.keys import load_or_create_private_file
+
+    return (
+        load_or_create_private_file(VAR_DIR / "secrets" / name, lambda: secrets.token_urlsafe(48).encode())
+        .decode()
+        .strip()
+    )
 
 
 SECRET_KEY = os.environ.get("SECRET_KEY") or _dev_secret("django-secret-key")

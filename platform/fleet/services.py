@@ -38,6 +38,7 @@ from fleet.errors import (
 from fleet.models import RESIDENT_TIERS, TIERS, Node, NodeState
 from fleet.validators import NODE_NAME_RE, capacity_errors, endpoint_error, endpoint_normalize
 from kcaas.sealing import public_key_bytes
+from kcaas.units import human_bytes
 
 logger = logging.getLogger("kcaas.fleet")
 
@@ -412,9 +413,13 @@ def _no_capacity(want: dict[str, int], live) -> NoCapacity:
     largest_free = {tier: int(largest[tier] or 0) for tier in TIERS}
     short = [tier for tier in TIERS if want[tier] > largest_free[tier]]
     settings_named = " / ".join(NODE_CAPACITY_SETTINGS[tier] for tier in short or TIERS)
+    asked = ", ".join(
+        f"{tier} {human_bytes(want[tier])} asked, {human_bytes(largest_free[tier])} free at most"
+        for tier in short or [t for t in TIERS if want[t]]
+    )
     return NoCapacity(
-        "No node has the requested capacity free. Ask for at most `largest_free` bytes per tier, or give the node "
-        f"agents more ({settings_named}).",
+        f"No node has the requested capacity free ({asked}). Ask for at most `largest_free` bytes per tier, or give "
+        f"the node agents more ({settings_named}).",
         details={
             "requested": want,
             "largest_free": largest_free,

@@ -72,7 +72,8 @@ def test_a_full_export_round_trips_and_verifies(trail, tmp_path, fmt):
     report = chain.verify_export(path, trusted_key_jwk=platform_public_jwk())
     assert report.ok, [str(p) for p in report.problems]
     assert (report.events, report.witnesses, report.first_seq, report.last_seq) == (7, 0, 1, 7)
-    assert report.digests >= 1 and any("not yet signed" in note for note in report.notes)
+    assert report.digests >= 1 and report.chained_spans and report.chained_spans[-1][1] == 7  # the tail: unsigned
+    assert "not yet signed" in report.summary() and report.export_signed
     assert chain.verify_export(encode(read_records(export(tmp_path)), fmt)).ok  # re-encoding is lossless
 
 
@@ -128,7 +129,8 @@ def test_an_inserted_line_is_named(trail, tmp_path, fmt):
 def test_swapped_lines_are_named(trail, tmp_path, fmt):
     records = read_records(export(tmp_path))
     records[2], records[3] = records[3], records[2]  # seq 2 and 3
-    assert [(p.code, p.seq) for p in verify(records, fmt).problems] == [("reordered", 2)]
+    problems = [(p.code, p.seq) for p in verify(records, fmt).problems]
+    assert problems == [("reordered", 2), ("export_signature_mismatch", None)]  # the chain names it, the signature too
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

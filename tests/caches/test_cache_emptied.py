@@ -91,3 +91,33 @@ def test_a_list_reads_each_nodes_snapshot_once_whatever_the_page_size(tenant_a, 
     with django_assert_max_num_queries(50) as six:
         assert sorted(listed(6)) == ["cold"] * 5 + ["warm"]
     assert len(six.captured_queries) == len(two.captured_queries)
+
+
+def test_contents_and_node_fields_mean_what_they_say_from_attach_to_detach(tenant_a):
+    """contents is only a ready cache's (null while provisioning and once detached, when no node serves it); a
+    detached cache names no node; a fresh cache is cold without emptied_at (never said to be emptied)."""
+    from caches import services
+
+    issued = fleet_services.node_create(name="lifecycle-node")
+    agent = APIClient()
+    agent.credentials(HTTP_AUTHORIZATION=f"Bearer {issued.credential}")
+    _register(agent, [])
+    cache_id = tenant_a.client.post("/api/v1/caches", attach_body(), format="json").json()["id"]
+
+    def shown() -> dict:
+        return tenant_a.client.get(f"/api/v1/caches/{cache_id}").json()
+
+    assert shown()["state"] in ("pending", "provisioning") and shown()["contents"] is None
+    make_ready(cache_id)
+    assert (shown()["contents"], shown()["emptied_at"]) == ("cold", None) and shown()["node_id"] is not None
+    _heartbeat(agent, cache_id, 4096)
+    assert shown()["contents"] == "warm"
+
+    assert tenant_a.client.delete(f"/api/v1/caches/{cache_id}").status_code in (200, 202)
+    assert shown()["state"] == "detaching" and shown()["contents"] is None
+    services.cache_detach_result(cache_id=cache_id, node_id=issued.node.pk)
+    gone = shown()
+    assert gone["state"] == "detached" and gone["contents"] is None
+    assert (gone["node_id"], gone["endpoint"]) == (None, "")
+    listed = tenant_a.client.get("/api/v1/caches", {"state": "detached"}).json()["results"]
+    assert [(c["node_id"], c["endpoint"], c["contents"]) for c in listed] == [(None, "", None)]

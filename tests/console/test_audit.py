@@ -229,11 +229,15 @@ def test_the_console_and_the_rest_export_are_the_same_file(compliance_client, st
     ).decode()
 
     def without_generated_at(export: str) -> list[dict]:
+        """The records but the header's generation time and the signature (which signs that time too)."""
         records = [json.loads(line) for line in export.splitlines()]
         records[0].pop("generated_at")
-        return records
+        assert records[-1]["record_type"] == "signature"
+        return records[:-1]
 
     assert without_generated_at(console) == without_generated_at(rest)
+    for export in (console, rest):
+        assert chain.verify_export(export.splitlines(keepends=True)).export_signed
     assert [(e.actor_kind, e.actor_id) for e in exported_events()] == [
         ("user", str(compliance_client.user.pk)),
         ("user", str(staff.user.pk)),
@@ -306,6 +310,9 @@ def test_a_good_export_verifies(compliance_client, signed_trail, fmt):
     assert "OK: the export verifies" in body and "FAILED" not in body
     assert f"<dt>Events</dt><dd>{report.events}</dd>" in body and f"<dt>Digests</dt><dd>{report.digests}</dd>" in body
     assert f"{report.first_seq} – {report.last_seq}" in body and platform_public_jwk()["kid"] in body
+    # what signs what, as the CLI's summary says it: signed spans, the chained-only tail, the export's signature
+    assert "<dt>Signed by a digest</dt><dd>seq " in body and "<dt>Export signature</dt><dd>verified</dd>" in body
+    assert "<dt>Chained only, not yet signed</dt>" in body
 
 
 def event_lines(lines: list[str]) -> list[int]:
@@ -379,6 +386,10 @@ def test_an_export_resigned_with_another_key_is_untrusted(compliance_client, sig
         digest.update(key_id=forged_key["kid"], signature=b64url(forger.sign(chain.canonical(body))))
         digest.update(prev_digest_hash=prev_digest_hash, digest_hash=chain.digest_hash(body))
         prev_digest_hash = digest["digest_hash"]
+    signature = records[-1]  # and the export's own signature, over the forged records
+    signature["records_hash"] = chain.records_hash(records[:-1])
+    body = chain.export_signature_body(records_hash=signature["records_hash"], key_id=forged_key["kid"])
+    signature.update(key_id=forged_key["kid"], signature=b64url(forger.sign(chain.canonical(body))))
     forged = "".join(chain.canonical(r).decode() + "\n" for r in records)
     assert chain.verify_export(forged.splitlines(keepends=True)).ok  # self-consistent under its own key
     page = upload(compliance_client, forged)

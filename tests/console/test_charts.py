@@ -10,7 +10,8 @@ from decimal import Decimal
 import pytest
 
 from console import charts
-from console.charts import Bar, daily_bars, human_bytes, nice_axis_top, stacked_bar_chart
+from console.charts import Bar, daily_bars, nice_axis_top, stacked_bar_chart
+from kcaas.units import human_bytes
 
 RECT = re.compile(
     r'<rect x="([\d.]+)" y="([\d.]+)" width="([\d.]+)" height="([\d.]+)" fill="(#[0-9a-f]{6})" '

@@ -492,30 +492,33 @@ def test_an_erasing_tenant_cannot_be_reactivated(operator_client):
 
 def test_the_console_and_the_rest_api_parse_quota_values_alike():
     """One parser (tenants.quota_values): what one takes, the other takes to the same number; what one refuses, so
-    does the other. The console shows a limit in a form its parser takes back."""
+    does the other. A form has no types: the digits typed there are the JSON integer the API takes. The console
+    shows a limit in a form its parser takes back."""
     from console.forms import limit_text, parse_limit
     from tenants.quota_values import QuotaValueError, quota_value_parse
     from tenants.services import QUOTA_BOUNDS
 
-    for field, text in [
-        ("max_device_bytes", "1GiB"),
-        ("max_device_bytes", "512 MiB"),
-        ("max_caches", "7"),
-        ("max_dram_bytes", "3tib"),
-        ("max_device_bytes", "007"),
-        ("max_device_bytes", "1.5GiB"),
-        ("max_caches", "5GiB"),
-        ("max_ssd_bytes", "1 GB"),
+    for field, json_value, text in [
+        ("max_device_bytes", "1GiB", "1GiB"),
+        ("max_device_bytes", "512 MiB", "512 MiB"),
+        ("max_caches", 7, "7"),
+        ("max_device_bytes", 1048576, "1048576"),
+        ("max_dram_bytes", "3tib", "3tib"),
+        ("max_device_bytes", "007", "007"),
+        ("max_device_bytes", "1.5GiB", "1.5GiB"),
+        ("max_caches", "5GiB", "5GiB"),
+        ("max_ssd_bytes", "1 GB", "1 GB"),
+        ("max_caches", -3, "-3"),
     ]:
         try:
-            rest = quota_value_parse(field, text, bounds=QUOTA_BOUNDS[field])
+            rest = quota_value_parse(field, json_value, bounds=QUOTA_BOUNDS[field])
         except QuotaValueError:
             rest = None
         try:
             console = parse_limit(field, text)
         except Exception:  # noqa: BLE001 - forms.ValidationError
             console = None
-        assert console == rest, (field, text)
+        assert console == rest, (field, json_value, text)
     for field, (low, high) in QUOTA_BOUNDS.items():
         for value in (low, high, high // 2):
             assert parse_limit(field, limit_text(field, value)) == value, (field, value)

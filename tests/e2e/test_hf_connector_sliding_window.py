@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from gpu_node.paged_cache import PagedKVCache
-from kcaas.connectors.hf import HFConnector
+from kcaas.connectors.hf import HFConnector, ReadOnlyStore
 from kcaas.dataplane import DataPlaneError
 from kcaas.spec import KVCacheSpec
 from kcaas.transformers_kv import full_length_cache, kv_from_dynamic_cache
@@ -231,8 +231,12 @@ def test_a_read_only_connector_decodes_without_storing_and_returns_its_output():
     assert shared.lookup(second[0]) == 40  # nothing of the decoder's was stored
 
 
-def test_a_store_that_says_it_is_read_only_makes_a_read_only_connector():
+def test_a_connector_not_told_it_is_read_only_refuses_a_read_only_store_at_once():
+    """Read-only is said, never guessed: over a store that refuses puts, a connector that would store raises at
+    construction, naming both ways out (it used to turn itself read-only and never cache, silently)."""
     model = tiny("mistral")
-    assert HFConnector(model, RefusingStore(store_for(model), read_only=True)).read_only
+    for refused in (dict(), dict(read_only=False)):
+        with pytest.raises(ReadOnlyStore, match="access='readwrite'.*read_only=True"):
+            HFConnector(model, RefusingStore(store_for(model), read_only=True), **refused)
+    assert HFConnector(model, RefusingStore(store_for(model), read_only=True), read_only=True).read_only
     assert not HFConnector(model, store_for(model)).read_only
-    assert not HFConnector(model, RefusingStore(store_for(model), read_only=True), read_only=False).read_only

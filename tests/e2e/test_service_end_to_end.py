@@ -21,7 +21,7 @@ import torch
 
 import kcaas
 from gpu_node.paged_cache import PagedKVCache
-from kcaas.connectors.hf import HFConnector
+from kcaas.connectors.hf import HFConnector, ReadOnlyStore
 from kcaas.dataplane import DataPlaneClient, DataPlaneError
 from kcaas.errors import KcaasError
 from kcaas.tokens import TokenSource
@@ -102,6 +102,16 @@ def test_attach_generate_isolate_and_hand_off_through_the_real_service(live_serv
         assert connector.last_reuse.num_cached_tokens == 40  # the shared system prompt, not recomputed
         assert same_output(served, plain_generate(model, second, model_prefix(model, first, 40)))  # bit for bit
         assert close_output(served, plain_generate(model, second))
+        # over the SDK's default token (read), a connector that would store is refused at once, naming the fix; one
+        # told read_only=True reuses the prefix and stores nothing
+        reader = data_plane(client_a, cache_a, TokenSource(client_a, cache_a.id))
+        assert reader.read_only
+        with pytest.raises(ReadOnlyStore, match="readwrite"):
+            HFConnector(model, reader)
+        stored = reader.lookup(second[0])
+        decoder = HFConnector(model, reader, read_only=True)
+        assert close_output(decoder.generate(second, **GENERATE), plain_generate(model, second))
+        assert decoder.last_reuse.num_cached_tokens >= 40 and reader.lookup(second[0]) == stored  # nothing put
 
         # 2. isolation: B's token against A's cache answers exactly what a nonexistent cache answers
         cache_b = client_b.attach("chat", spec, capacity, timeout=30)

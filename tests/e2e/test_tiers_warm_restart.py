@@ -17,6 +17,7 @@ from tests.e2e.conftest import client_tls, random_kv, random_tokens, spec_for, t
 
 pytestmark = pytest.mark.django_db(transaction=True)
 SEQ_TOKENS = 64  # 4 full blocks of 16
+BLOCK = 16
 
 
 def indexed_blocks(directory) -> int:
@@ -69,5 +70,84 @@ def test_sigkill_then_restart_serves_the_ssd_blocks_again(
                 assert dp.lookup(tokens) == SEQ_TOKENS
                 n, got = dp.get(tokens)
                 assert n == SEQ_TOKENS and torch.equal(got, kv)  # served from SSD, no recompute
+    finally:
+        client.close()
+
+
+def test_four_clients_putting_and_deleting_on_an_ssd_cache_never_fail_and_what_stays_is_served(
+    live_server, agent_launcher, pki, model, tmp_path, monkeypatch
+):
+    """Deletes on a cache with an SSD tier commit its index while the SSD writer commits after its batches: with one
+    fixed temp name the two renamed each other's file away and a delete failed with the data plane's `internal`
+    error. Four clients put and delete at once against a real agent: no call fails, a deleted prefix is a miss, a
+    kept one is exact, and a restart finds exactly the kept ones on the SSD."""
+    import threading
+
+    spec = spec_for(model)
+    ssd_root = tmp_path / "ssd"
+    monkeypatch.setenv("KCAAS_NODE_SSD_DIR", str(ssd_root))
+    monkeypatch.setenv("KCAAS_NODE_SSD_BYTES", str(4096 * spec.block_bytes))
+    agent = agent_launcher.start()
+    client = kcaas.Client(live_server.url, tenant_key())
+    capacity = {"device": 32 * spec.block_bytes, "ssd": 1024 * spec.block_bytes}  # a small device tier: blocks spill
+    try:
+        cache = client.attach("busy", spec, capacity, timeout=30)
+        errors: list[BaseException] = []
+        kept: dict[int, tuple] = {}
+        lock = threading.Lock()
+
+        def worker(index: int) -> None:
+            with DataPlaneClient(
+                cache.endpoint,
+                TokenSource(client, cache.id, access="readwrite"),
+                cache.id,
+                spec,
+                ssl_context=client_tls(pki),
+                timeout=20.0,
+            ) as dp:
+                for round_ in range(12):
+                    seed = 1000 * index + round_
+                    tokens, kv = random_tokens(SEQ_TOKENS, seed=seed)[0], random_kv(spec, SEQ_TOKENS, seed=seed + 7)
+                    try:
+                        assert dp.put(tokens, kv)["num_cached"] == SEQ_TOKENS
+                        if round_ % 2:
+                            assert dp.delete(tokens) >= 1
+                            assert dp.lookup(tokens) < BLOCK  # no block left (a kept prompt may share a token)
+                        else:
+                            with lock:
+                                kept[seed] = (tokens, kv)
+                    except BaseException as exc:  # noqa: BLE001 - collected for the assertion
+                        errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors, [repr(e) for e in errors]
+
+        agent.kill()
+        agent_launcher.restart(agent)
+        again = client.wait_for(cache.id, "ready", timeout=30)
+        with DataPlaneClient(
+            again.endpoint,
+            TokenSource(client, again.id),
+            again.id,
+            spec,
+            ssl_context=client_tls(pki),
+            timeout=10.0,
+        ) as dp:
+            served = 0
+            for seed, (tokens, kv) in kept.items():
+                n, got = dp.get(tokens)
+                assert n in (0, SEQ_TOKENS), seed  # the device tier's blocks died with the agent; SSD ones stay
+                if n:
+                    assert torch.equal(got, kv), seed
+                    served += 1
+            assert served >= len(kept) // 2  # 32 device blocks held at most 8 of the 24 kept prefixes
+            for index in range(4):
+                for round_ in range(1, 12, 2):  # every deleted prefix stays deleted after the restart
+                    tokens = random_tokens(SEQ_TOKENS, seed=1000 * index + round_)[0]
+                    assert dp.lookup(tokens) < BLOCK
     finally:
         client.close()

@@ -49,21 +49,24 @@ def test_attach_waits_showing_each_state_then_ls_show_token_detach(make_tenant, 
     shown = dict(line.split(":", 1) for line in out.splitlines())
     cache_id = shown["id"].strip()
     assert shown["state"].strip() == "ready" and shown["endpoint"].strip() == node.endpoint
-    assert shown["capacity"].strip() == "device 128.0 KiB" and shown["block bytes"].strip() == str(BLOCK_BYTES)
+    assert shown["capacity"].strip() == "device 128 KiB" and shown["block bytes"].strip() == str(BLOCK_BYTES)
 
     code, out, _ = cli(key, "ls")
     header, row = out.splitlines()
     assert header.split() == ["ID", "NAME", "STATE", "ENDPOINT", "DEVICE"]
-    assert row.split() == [cache_id[:8], "chat", "ready", node.endpoint, "128.0", "KiB"]  # a short id
+    assert row.split() == [cache_id[:8], "chat", "ready", node.endpoint, "128", "KiB"]  # a short id
 
     code, out, _ = cli(key, "show", cache_id, "--json")
     body = json.loads(out)
     assert code == 0 and body["id"] == cache_id and body["state"] == "ready" and body["spec"] == SPEC
     assert body["capacity"] == {"device": 128 * 1024, "dram": 0, "ssd": 0, "network": 0}
 
-    code, out, err = cli(key, "token", cache_id, "--read-only", "--ttl", "120")
+    code, out, err = cli(key, "token", cache_id, "--ttl", "120")
     assert code == 0 and out.strip().count(".") == 2  # a JWT alone on stdout, for $(kcaas token ...)
-    assert err.startswith(f"read token for {cache_id} at {node.endpoint}")
+    assert err.startswith(f"read token for {cache_id} at {node.endpoint}")  # read by default, as everywhere
+    for flags, access in ((["--read-only"], "read"), (["--access", "readwrite"], "readwrite")):
+        code, out, err = cli(key, "token", cache_id, *flags)
+        assert code == 0 and err.startswith(f"{access} token for {cache_id}"), (flags, err)
 
     code, out, _ = cli(key, "detach", cache_id, "--wait", "--timeout", "20")
     assert code == 0 and out.strip() == f"{cache_id} chat: detached"
@@ -160,7 +163,7 @@ def test_usage_shows_limits_against_use_in_human_bytes(make_tenant, node, sdk, c
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()}
     assert code == 0 and rows["RESOURCE"] == ["USED", "LIMIT", "USE"]
     assert rows["caches"] == ["1", "4", "25%"]
-    assert rows["device"] == ["512.0", "KiB", "1.0", "GiB", "0%"]
+    assert rows["device"] == ["512", "KiB", "1", "GiB", "0%"]
     assert rows["rate"] == ["limit:", "100000", "requests/s"]
 
     code, out, _ = cli(handle.raw_key, "usage", "--json")
@@ -213,7 +216,7 @@ def test_usage_errors_exit_2_without_a_traceback(live_server, capsys, monkeypatc
 
 def test_byte_sizes_parse_and_print():
     assert [parse_bytes(v) for v in ("4096", "2KiB", "2k", "1.5GiB", "3MB")] == [4096, 2048, 2048, 3 << 29, 3 * 10**6]
-    assert [human_bytes(v) for v in (0, 1023, 1536, 3 << 30)] == ["0 B", "1023 B", "1.5 KiB", "3.0 GiB"]
+    assert [human_bytes(v) for v in (0, 1023, 1536, 3 << 30)] == ["0 B", "1023 B", "1.5 KiB", "3 GiB"]
 
 
 # ---- the installed entry points ----------------------------------------------------------------------------------

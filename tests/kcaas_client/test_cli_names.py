@@ -3,6 +3,7 @@ prefix (unknown and ambiguous names are clear errors), `ls` without the detached
 TTL clamp reported, validation errors with their details, and every table within 100 columns."""
 
 import json
+import re
 
 import pytest
 
@@ -142,6 +143,8 @@ def test_no_capacity_shows_what_was_asked_what_is_free_and_the_servers_hint(make
     )
     lines = err.splitlines()
     assert code == 1 and out == "" and lines[0].startswith("error: no_capacity: No node has the requested capacity")
-    assert f"  requested.device: {1 << 40}" in lines and "  largest_free.device: " in err
+    assert f"  requested.device: {1 << 40} (1 TiB)" in lines and "  largest_free.device: " in err
+    assert re.search(r"  largest_free\.device: \d+ \(\d+(\.\d)? [KMGT]?i?B\)", err)  # exact bytes and a size
+    assert "device 1 TiB asked" in lines[0]  # the message a person reads, in units
     assert lines[-1] == "hint: Node agents size their tiers from KCAAS_NODE_DEVICE_BYTES (bytes)."
     assert not any(line.startswith("  hint") for line in lines)

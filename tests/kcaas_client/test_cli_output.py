@@ -56,5 +56,10 @@ def test_show_says_a_cold_cache_was_emptied_and_when():
     shown = _show_cache(cold)
     assert "contents:    cold: its node came back without it at" in shown and "2026-12-02" in shown
     warm = Cache.from_json({**body, "contents": "warm", "emptied_at": None})
-    assert warm.emptied_at is None and "contents:    warm" in _show_cache(warm)
+    assert warm.emptied_at is None and "contents:    warm: its node reports blocks of it" in _show_cache(warm)
+    fresh = Cache.from_json({**body, "emptied_at": None})  # new: cold, and never said to have been emptied
+    assert "contents:    cold: its node reports no block of it" in _show_cache(fresh)
+    assert "came back" not in _show_cache(fresh)
+    for state in ("provisioning", "detached"):  # no node serves it: no contents
+        assert "contents:    -" in _show_cache(Cache.from_json({**body, "state": state, "contents": None}))
     assert Cache.from_json({"id": "c1", "name": "chat", "state": "ready"}).contents == ""  # an older server

@@ -84,14 +84,20 @@ def test_the_retry_budget_bounds_a_call_that_keeps_failing(server):  # noqa: F81
     assert len(Scripted.seen) == len(clock.slept) + 1 <= client.retries + 1
 
 
-def test_an_error_without_retry_after_is_tried_a_few_times_not_for_the_whole_budget(server):  # noqa: F811
-    """503 no_capacity (no node fits) carries no hint that it passes in seconds: the caller hears of it soon."""
+def test_no_capacity_is_final_and_a_gateway_error_is_tried_a_few_times_not_for_the_whole_budget(server):  # noqa: F811
+    """503 no_capacity (no node fits) is the API's own answer without a hint that it passes: raised at once, never
+    retried (each retry was counted as another attach). A gateway's 503 (no API error code) gets a few tries."""
     Scripted.script = [(503, {}, _err("no_capacity", "No node fits."))]
     client = _client(server.server_address[1])
     clock = FakeTime(client)
     with pytest.raises(errors.ServiceUnavailableError) as caught:
         client.attach("n", {"x": 1}, {"device": 1}, wait=False)
     assert caught.value.code == "no_capacity"
+    assert len(Scripted.seen) == 1 and clock.slept == []
+
+    Scripted.script, Scripted.seen = [(503, {}, b"<html>upstream unavailable</html>")], []
+    with pytest.raises(errors.ServiceUnavailableError) as caught:
+        client.attach("n", {"x": 1}, {"device": 1}, wait=False)
     assert len(Scripted.seen) == 1 + kcaas.client.HINTLESS_RETRIES and sum(clock.slept) < 10
 
 

@@ -94,7 +94,7 @@ WHOAMI = {"kind": "tenant_key", "tenant_id": "t", "key_id": "k", "scopes": ["cac
 def test_get_is_retried_on_502_503_504_and_429_with_retry_after(server):
     Scripted.script = [
         (502, {}, b"<html>bad gateway</html>"),
-        (503, {}, _err("no_capacity")),
+        (503, {}, b"Service Unavailable"),
         (429, {"Retry-After": "2"}, _err("rate_limited")),
         (504, {}, b""),
         (200, {}, WHOAMI),
@@ -109,13 +109,14 @@ def test_get_is_retried_on_502_503_504_and_429_with_retry_after(server):
 
 
 def test_retries_are_bounded_and_the_last_error_is_typed(server):
-    Scripted.script = [(503, {"X-Request-ID": "req-42"}, _err("no_capacity", "No node fits."))]
+    answer = (503, {"X-Request-ID": "req-42", "Retry-After": "1"}, _err("database_unavailable", "Database down."))
+    Scripted.script = [answer]
     client = _client(server, retries=2)
     with pytest.raises(errors.ServiceUnavailableError) as caught:
         client.get_cache("c1")
     assert len(Scripted.seen) == 3 and len(client.slept) == 2
-    assert (caught.value.status, caught.value.code, caught.value.request_id) == (503, "no_capacity", "req-42")
-    assert "No node fits." in str(caught.value) and "req-42" in str(caught.value)
+    assert (caught.value.status, caught.value.code, caught.value.request_id) == (503, "database_unavailable", "req-42")
+    assert "Database down." in str(caught.value) and "req-42" in str(caught.value)
 
 
 def test_retry_after_is_capped(server):
@@ -134,7 +135,11 @@ def test_non_idempotent_posts_are_not_retried_on_503_but_attach_is_with_one_key(
 
     cache = {"id": "c1", "name": "n", "state": "provisioning", "spec": {"bogus": 1}, "future": True}
     Scripted.script, Scripted.seen = (
-        [(503, {}, _err("no_capacity")), (409, {}, _err("idempotency_in_progress")), (201, {}, cache)],
+        [
+            (503, {"Retry-After": "1"}, _err("unavailable")),
+            (409, {}, _err("idempotency_in_progress")),
+            (201, {}, cache),
+        ],
         [],
     )
     made = client.attach("n", {"x": 1}, {"device": 1}, wait=False)

@@ -49,7 +49,7 @@ def test_kcaas_recover_by_name_and_its_409_without_a_network_tier(make_tenant, n
     code, out, err = cli(key, *attach, "--network-write-through", "--timeout", "20")
     assert code == 0, err
     shown = dict(line.split(":", 1) for line in out.splitlines())
-    assert shown["capacity"].strip() == "device 16.0 KiB, network 32.0 KiB"
+    assert shown["capacity"].strip() == "device 16 KiB, network 32 KiB"
     assert shown["write-through"].strip() == "network"
     code, _, err = cli(key, *("attach", "plain", *SPEC_FLAGS, "--device-bytes", "16KiB", "--timeout", "20"))
     assert code == 0, err

@@ -24,9 +24,10 @@ from caches import selectors as cache_selectors
 from caches.models import TIERS, CacheState
 from caches.token_cascade import data_tokens_revoke_cascade
 from console.access import console_view, error_page, page_context
-from console.charts import daily_bars, human_bytes, stacked_bar_chart
+from console.charts import daily_bars, stacked_bar_chart
 from console.forms import BYTE_FIELDS, QUOTA_LABELS, QuotaForm, TenantSearchForm, limit_text
 from console.series import charts_context
+from kcaas.units import human_bytes
 from tenants import selectors as tenant_selectors
 from tenants import services as tenant_services
 from tenants.models import Tenant

@@ -2,7 +2,7 @@
 
 from django import template
 
-from console.charts import human_bytes as _human_bytes
+from kcaas.units import human_bytes as _human_bytes
 
 register = template.Library()
 
