@@ -12,7 +12,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     DJANGO_SETTINGS_MODULE=controlplane.settings \
     KCAAS_VAR_DIR=/var/lib/kcaas
 
-# a C compiler for gpu_node/_blockhash.c (the prefix-hash loop; the agent falls back to hashlib without it); the RDMA
+# a C compiler for gpu_node/engine/_blockhash.c (the prefix-hash loop; the agent falls back to hashlib without it); the RDMA
 # and NUMA libraries the network extra's Mooncake binaries link even over TCP (scripts/store_libs.sh's list)
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev libibverbs1 librdmacm1 libnuma1 \

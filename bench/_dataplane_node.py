@@ -36,7 +36,7 @@ def _b64url(data: bytes) -> str:
 
 
 def make_pki(directory: str) -> dict[str, str]:
-    from gpu_node.dev_pki import write_dev_pki
+    from devtools.dev_pki import write_dev_pki
 
     return write_dev_pki(directory, server_name=NODE_ID, valid_for=dt.timedelta(hours=2))
 
@@ -127,8 +127,8 @@ def node_main(conn, pki: dict, jwks: dict, workdir: str, config: dict) -> None:
     many bytes per answer. config["cpus"]: the cores it may run on. Sends its addresses, then serves until told."""
     import torch
 
-    from gpu_node.dataplane import DataPlaneServer, TokenVerifier, server_tls_context
-    from gpu_node.registry import CacheRegistry
+    from gpu_node.agent.registry import CacheRegistry
+    from gpu_node.dataplane.server import DataPlaneServer, TokenVerifier, server_tls_context
 
     if config.get("cpus"):
         os.sched_setaffinity(0, set(config["cpus"]))

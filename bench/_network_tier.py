@@ -1,5 +1,5 @@
 """The network tier's figures for bench/tiers.py: KCaaS's NetworkTier on a real Mooncake Store (a master and a store
-server started here by gpu_node.store_services, stopped at the end, also on error) against the store's own client.
+server started here by devtools.store_services, stopped at the end, also on error) against the store's own client.
 
 - `network_put_gbps`: payload bytes/s of N blocks stored through KCaaS (the copy LowerTiers.to_network makes, xxh3,
   NetworkTier.store, then flush: AES-GCM sealing into the client's registered buffer and batched puts of up to 16
@@ -41,14 +41,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu_node import ssd_records
-from gpu_node.checksum import block_checksum
-from gpu_node.host_memory import keep_block_buffers_on_heap
-from gpu_node.network_tier import NetworkTier
-from gpu_node.object_store import GuardedStore, MooncakeObjectStore
-from gpu_node.paged_cache import PagedKVCache
-from gpu_node.store_services import MIB, StoreServices, mooncake_importable
-from gpu_node.tiers import LowerTiers
+from devtools.store_services import MIB, StoreServices, mooncake_importable
+from gpu_node.engine.checksum import block_checksum
+from gpu_node.engine.paged_cache import PagedKVCache
+from gpu_node.tiers import ssd_records
+from gpu_node.tiers.host_memory import keep_block_buffers_on_heap
+from gpu_node.tiers.lower_tiers import LowerTiers
+from gpu_node.tiers.network_tier import NetworkTier
+from gpu_node.tiers.object_store import GuardedStore, MooncakeObjectStore
 from kcaas.spec import KVCacheSpec
 
 GIB = 1 << 30
@@ -114,7 +114,7 @@ def measure_network(spec: KVCacheSpec, workdir: str, size: Size) -> dict:
     results["network_note"] = (
         f"Mooncake Store on loopback TCP (1 master, 1 store server, {size.segment_bytes // MIB} MiB segment), "
         f"started by the bench; raw figures: the store's faster path ({results.pop('raw_paths')}); under the node "
-        "agent's malloc settings (gpu_node.host_memory)"
+        "agent's malloc settings (gpu_node.tiers.host_memory)"
     )
     return results
 

@@ -102,7 +102,7 @@ def bench_node():
     node = Node.objects.filter(name=BENCH_NODE).first()
     if node is None:
         node = fleet_services.node_create(name=BENCH_NODE).node
-    from kcaas.sealing import NodeSealingKey
+    from kcaas.node_protocol.sealing import NodeSealingKey
 
     # The stand-in agent reads no key, but orders carrying keys go only to a node that registered a sealing key.
     fleet_services.node_register(
@@ -268,7 +268,7 @@ class StandInNode(threading.Thread):
         from kombu import Connection, Consumer, Exchange, Queue
 
         from fleet import services as fleet_services
-        from kcaas.node_messages import (
+        from kcaas.node_protocol.messages import (
             CONTROL_QUEUE,
             DetachCache,
             DetachResult,

@@ -44,8 +44,8 @@ import numpy as np
 import torch
 
 import kcaas_kernels
-from gpu_node.block_pool import BlockPool
-from gpu_node.paged_cache import TORCH_DTYPES, PagedKVCache, default_device
+from gpu_node.engine.block_pool import BlockPool
+from gpu_node.engine.paged_cache import TORCH_DTYPES, PagedKVCache, default_device
 from kcaas.spec import KVCacheSpec
 
 GIB = 1 << 30

@@ -24,10 +24,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpu_node import block_transfer as bt
-from gpu_node.dev_pki import new_ca, write_node_pki
-from gpu_node.migration import Incoming, MigrationListener, MigrationSender, mtls_client_context, mtls_server_context
-from gpu_node.registry import CacheRegistry
+from devtools.dev_pki import new_ca, write_node_pki
+from gpu_node.agent.registry import CacheRegistry
+from gpu_node.migration import block_transfer as bt
+from gpu_node.migration.transfer import (
+    Incoming,
+    MigrationListener,
+    MigrationSender,
+    mtls_client_context,
+    mtls_server_context,
+)
 from kcaas.spec import KVCacheSpec
 
 QUICK = {"num_blocks": 96, "rounds": 3}

@@ -34,10 +34,10 @@ import time
 import torch
 
 from bench._network_tier import FULL, QUICK, measure_network
-from gpu_node.checksum import block_checksum
-from gpu_node.paged_cache import PagedKVCache
-from gpu_node.ssd_store import MAX_PENDING_BLOCKS, SsdStore
-from gpu_node.tiers import LowerTiers
+from gpu_node.engine.checksum import block_checksum
+from gpu_node.engine.paged_cache import PagedKVCache
+from gpu_node.tiers.lower_tiers import LowerTiers
+from gpu_node.tiers.ssd_store import MAX_PENDING_BLOCKS, SsdStore
 from kcaas.spec import KVCacheSpec
 
 SPEC = KVCacheSpec(

@@ -28,9 +28,9 @@ from typing import Any
 
 from kcaas import wire
 from kcaas.errors import KcaasError
-from kcaas.sendbuffers import send_buffers
 from kcaas.spec import KVCacheSpec
 from kcaas.wire import ErrorCode, Opcode, ProtocolError
+from kcaas.wire.sendbuffers import send_buffers
 
 CLIENT_NAME = "kcaas-py-dataplane/0.2"
 REFRESH_CODES = frozenset({ErrorCode.TOKEN_EXPIRED, ErrorCode.UNAUTHENTICATED, ErrorCode.NOT_FOUND})

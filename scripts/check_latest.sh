@@ -69,9 +69,7 @@ server_smoke() {
         tests/test_install_names.py tests/test_layering.py \
         tests/e2e/test_tiny_llama_prefix_reuse.py tests/e2e/test_hf_connector.py \
         tests/e2e/test_hf_connector_sliding_window.py tests/kcaas/test_spec_from_hf_config.py \
-        tests/gpu_node/test_paged_cache.py tests/gpu_node/test_paged_cache_properties.py \
-        tests/gpu_node/test_put_continuation.py tests/gpu_node/test_put_inputs.py tests/gpu_node/test_block_pool.py \
-        tests/gpu_node/test_block_hash.py tests/kernels
+        tests/gpu_node/engine tests/kernels
 }
 
 vllm_smoke() {

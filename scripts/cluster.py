@@ -7,7 +7,7 @@ root (var/cluster/kcaas-ssd, var/cluster/kcaas-ssd-2, ...). Its state lives unde
 Extra arguments go to up.py (`--survive-agent-loss`: an agent that dies is reported and its node marked lost, the
 rest keep running).
 
-Before up.py, the network tier's store (gpu_node.store_services: a Mooncake master and one store server with a
+Before up.py, the network tier's store (devtools.store_services: a Mooncake master and one store server with a
 KCAAS_NETWORK_STORE_SEGMENT_BYTES segment, default 256 MiB, on free loopback ports, logs in var/cluster/network-store)
 starts, and its line is printed before up.py's banner; every agent gets KCAAS_NETWORK_STORE_MASTER and
 KCAAS_NETWORK_STORE_METADATA, the control plane KCAAS_NETWORK_STORE_BYTES (the segment) unless set. It is stopped
@@ -64,7 +64,7 @@ def main(argv: list[str]) -> int:
 def network_store(workdir: Path):
     """The network tier's store for the agents (a StoreServices, not started), or None when the user's own is
     configured or the `network` extra is not installed (said on stdout)."""
-    from gpu_node.store_services import MASTER_ENV, MIB, StoreServices, mooncake_importable
+    from devtools.store_services import MASTER_ENV, MIB, StoreServices, mooncake_importable
 
     if os.environ.get(MASTER_ENV):
         print(f"network store   {os.environ[MASTER_ENV]} (KCAAS_NETWORK_STORE_MASTER: yours)", flush=True)
@@ -78,7 +78,7 @@ def network_store(workdir: Path):
 
 def start_network_store(store) -> None:
     """Starts the store and prints its line; its endpoints go into os.environ, which up.py's children inherit."""
-    from gpu_node.store_services import MIB, StoreStartError
+    from devtools.store_services import MIB, StoreStartError
 
     try:
         endpoints = store.start()

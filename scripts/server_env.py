@@ -9,8 +9,9 @@ the `kcaas_kernels` package) on every interpreter's path, whatever its working d
 image. `platform/` stays off it: its rooms (core, console, ...) have generic names, and the processes that need them
 (manage.py, pytest, the Celery worker) put it on their own path.
 
-It also builds gpu_node/_blockhash.c (the prefix-hash loop) next to its source, as `gpu_node._blockhash`;
-gpu_node/block_hash.py falls back to hashlib without it. Idempotent: run by `make install` after each lock install.
+It also builds gpu_node/engine/_blockhash.c (the prefix-hash loop) next to its source, as `gpu_node.engine._blockhash`;
+gpu_node/engine/block_hash.py falls back to hashlib without it. Idempotent: run by `make install` after each lock
+install.
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ def write_pth() -> Path:
 
 
 def build_blockhash() -> None:
-    """Compile gpu_node/_blockhash.c in place (setuptools' build_ext, the interpreter's own compiler flags)."""
+    """Compile gpu_node/engine/_blockhash.c in place (setuptools' build_ext, the interpreter's own compiler flags)."""
     from setuptools import Distribution, Extension
 
-    extension = Extension("gpu_node._blockhash", ["gpu_node/_blockhash.c"], extra_compile_args=["-O2"])
+    extension = Extension("gpu_node.engine._blockhash", ["gpu_node/engine/_blockhash.c"], extra_compile_args=["-O2"])
     dist = Distribution({"name": "kcaas-server", "ext_modules": [extension]})
     dist.verbose = 0
     command = dist.get_command_obj("build_ext")
@@ -50,7 +51,8 @@ def main() -> None:
     os.chdir(REPO)
     pth = write_pth()
     build_blockhash()
-    print(f"server environment: {pth} -> {', '.join(str(entry) for entry in PATH_ENTRIES)}; gpu_node._blockhash built")
+    entries = ", ".join(str(entry) for entry in PATH_ENTRIES)
+    print(f"server environment: {pth} -> {entries}; gpu_node.engine._blockhash built")
 
 
 if __name__ == "__main__":

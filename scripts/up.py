@@ -57,7 +57,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # gpu_node.dev_pki, when run as a script
+    sys.path.insert(0, str(REPO))  # devtools.dev_pki, when run as a script
 PYTHON = sys.executable
 GRACE_SECONDS = 15
 RESTART_DELAY, RESTART_MAX_DELAY = 1.0, 30.0  # a dead control-plane child's backoff: 1 s doubling to 30 s
@@ -68,10 +68,10 @@ PRIVATE_UMASK = 0o077  # files 0600, directories 0700: var/ holds the database, 
 
 def base_env() -> dict:
     """The children's environment. The broker: CELERY_BROKER_URL, else REDIS_URL, else the embedded one,
-    `kcaasfs://` (kcaas.fs_broker: kombu's file-system transport hardened; `filesystem://` is read as it). A file
-    broker's folders (var/celery/...) are made here and handed to the node agents in
+    `kcaasfs://` (kcaas.node_protocol.broker: kombu's file-system transport hardened; `filesystem://` is read as it). A
+    file broker's folders (var/celery/...) are made here and handed to the node agents in
     CELERY_BROKER_TRANSPORT_OPTIONS: the same folders the control plane's settings.py derives from KCAAS_VAR_DIR."""
-    from kcaas import fs_broker
+    from kcaas.node_protocol import broker as fs_broker
 
     var_dir = Path(os.environ.get("KCAAS_VAR_DIR", REPO / "var"))
     env = {**os.environ, "KCAAS_VAR_DIR": str(var_dir), "PYTHONPATH": f"{REPO / 'platform'}:{REPO}"}
@@ -104,7 +104,7 @@ def base_env() -> dict:
 def write_secret(path: Path, data: bytes) -> None:
     """Writes a file readable only by its owner (0600 from the start, not chmod-ed after the fact), in a directory
     made 0700."""
-    from gpu_node.dev_pki import write_private
+    from devtools.dev_pki import write_private
 
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     write_private(path, data)
@@ -153,7 +153,7 @@ def dev_tls(secrets_dir: Path, *, agents: int = 1, node_dir: Path | None = None)
     from cryptography import x509
     from cryptography.hazmat.primitives import serialization
 
-    from gpu_node.dev_pki import new_ca, new_server_cert, pem_cert, pem_key
+    from devtools.dev_pki import new_ca, new_server_cert, pem_cert, pem_key
 
     node_dir = node_dir or secrets_dir
     now = dt.datetime.now(dt.UTC)

@@ -1,5 +1,5 @@
 """Fixtures for the network tier's store (Mooncake Store: a master and store servers as real processes on loopback,
-gpu_node.store_services). Registered in tests/conftest.py, so any test may name them:
+devtools.store_services). Registered in tests/conftest.py, so any test may name them:
 
 - `network_store` (session scope): one store for the whole run; yields its `StoreEndpoints` (master, metadata_url).
   Tests share it, so each must use keys of its own and must not stop or kill it.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_node.store_services import MIB, StoreServices, mooncake_importable
+from devtools.store_services import MIB, StoreServices, mooncake_importable
 
 SKIP_REASON = (
     "the network tier's store is not installed: the `mooncake` package (mooncake-transfer-engine-non-cuda, "

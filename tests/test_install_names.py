@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 BESIDE_TRANSFORMERS = r"""
 import json, sys
 import torch, transformers, kernels, kcaas_kernels
-from gpu_node.paged_cache import PagedKVCache
+from gpu_node.engine.paged_cache import PagedKVCache
 from kcaas.connectors.hf import HFConnector
 from kcaas.spec import KVCacheSpec
 

@@ -11,7 +11,8 @@ The rules (docs/ARCHITECTURE.md, "The gate"):
   module it imports;
 - the node side (gpu_node, kcaas_kernels, kcaas) never imports Django (or its family) nor a control-plane room;
 - kcaas_kernels imports no room; the SDK (kcaas, connectors included) imports neither gpu_node nor kcaas_kernels;
-  gpu_node imports only kcaas and kcaas_kernels;
+  gpu_node imports only kcaas and kcaas_kernels; devtools (the dev PKI, the network store's processes) imports no
+  room and no room imports it;
 - no first-party module is importable as `kernels` (Hugging Face's package, which transformers needs, owns the name);
 - no import cycle between rooms, nor between modules at import time.
 Each failure names the file, the line and the rule broken. No database: this runs in `make lint` too.
@@ -45,6 +46,7 @@ ROOM_DIRS = {
     "kcaas": "kcaas",
     "kcaas_kernels": "kernels/kcaas_kernels",
     "gpu_node": "gpu_node",
+    "devtools": "devtools",
 }
 # Folders that are source roots, not packages: a module's dotted name starts below them.
 SOURCE_ROOTS = (ROOT / "platform", ROOT / "kernels")
@@ -56,6 +58,7 @@ ALLOWED = {
     "kcaas": set(),
     "kcaas_kernels": set(),
     "gpu_node": {"kcaas", "kcaas_kernels"},
+    "devtools": set(),  # the dev PKI and the network store's processes: for make up, make cluster and the tests
 }
 # What the node side never imports (the control-plane extra's web stack), and what the control plane never imports.
 DJANGO_FAMILY = frozenset(
@@ -78,6 +81,9 @@ FORBIDDEN = {
     **{room: DJANGO_FAMILY | set(CONTROL_PLANE) for room in NODE_SIDE},
 }
 FORBIDDEN["kcaas"] |= {"gpu_node", "kcaas_kernels"}
+FORBIDDEN["devtools"] = DJANGO_FAMILY | set(CONTROL_PLANE) | set(NODE_SIDE)
+for room in (*CONTROL_PLANE, *NODE_SIDE):  # no server room imports the development helpers
+    FORBIDDEN[room] = FORBIDDEN[room] | {"devtools"}
 
 MODEL_FIELDS = {"ForeignKey", "OneToOneField", "ManyToManyField"}
 DYNAMIC_IMPORTS = {"import_module", "__import__"}  # importlib.import_module("x.y") with a literal name is an import

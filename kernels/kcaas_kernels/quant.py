@@ -18,7 +18,7 @@ Inputs: finite, |x| <= QUANT_MAX_ABS_INPUT (the bfloat16 maximum, so every fp16/
 1/128 of the fp32 range). NaN and inf have no int8/fp8 code (a NaN makes its row's scale 1.0, so the row loses
 its precision and int8 reads the NaN back as 0; an inf makes its whole row NaN), and above QUANT_MAX_ABS_INPUT
 q * scale can round past the fp32 maximum. The kernels do not check this (a pass and
-a device sync per write); the engine refuses such KV before storing anything (gpu_node/kv_input.py).
+a device sync per write); the engine refuses such KV before storing anything (gpu_node/engine/kv_input.py).
 
 SCALE_FLOOR = 2**-126, the smallest normal fp32. Without it amax / qmax is an fp32 subnormal below amax =
 qmax * 2**-126 (~1.5e-36 int8, ~5.3e-36 fp8) and loses significant bits (int8 errors beyond the bound were seen

@@ -201,7 +201,7 @@ def write_kv(
     None otherwise. Valid slots must be distinct (which of two writes to one slot wins is unspecified).
     Storing is not differentiable: a ``kv`` that requires grad is read as ``kv.detach()`` (the same values), so the
     pool never joins an autograd graph. For int8/fp8 pools the values must be finite with |x| <= QUANT_MAX_ABS_INPUT
-    (not checked here: the engine refuses other KV first, gpu_node/kv_input.py).
+    (not checked here: the engine refuses other KV first, gpu_node/engine/kv_input.py).
     """
     check_pool(pool, scales)
     check_engine_kv(kv, pool)

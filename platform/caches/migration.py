@@ -38,7 +38,7 @@ from fleet.errors import NoCapacity
 from fleet.models import Node, NodeState
 from fleet.outbox import order_enqueue, orders_acknowledge, orders_close, seal_for_node
 from fleet.services import node_drain, node_place, node_unreserve, nodes_lock
-from kcaas.node_messages import (
+from kcaas.node_protocol.messages import (
     MIGRATE_IN_TASK,
     DetachCache,
     MigrateAbort,

@@ -45,7 +45,7 @@ from core.metrics import CACHE_ATTACHES, counted_outcome
 from fleet.models import NodeState
 from fleet.outbox import order_enqueue, orders_acknowledge, seal_for_node
 from fleet.services import node_place, node_unreserve, nodes_expire_unrecorded, nodes_lock, nodes_lost_record
-from kcaas.node_messages import DETACH_TASK, PROVISION_TASK, DetachCache, ProvisionCache, RevokeTokens
+from kcaas.node_protocol.messages import DETACH_TASK, PROVISION_TASK, DetachCache, ProvisionCache, RevokeTokens
 from kcaas.spec import KVCacheSpec
 from tenants.models import Tenant
 from tenants.selectors import quota_limits

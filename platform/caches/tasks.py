@@ -1,7 +1,7 @@
 """Control-queue tasks of the caches room. Each takes ids, loads rows and calls one service; status guards in the
 services make redelivery and duplicates no-ops. The node agents send the answers (typed messages of
-kcaas/node_messages.py, by name with `send_task`, as keyword arguments, to the `control` queue: core.node_answers);
-beat runs the sweeps."""
+kcaas/node_protocol/messages.py, by name with `send_task`, as keyword arguments, to the `control` queue:
+core.node_answers); beat runs the sweeps."""
 
 import logging
 
@@ -11,7 +11,7 @@ from audit.context import SYSTEM, Actor, acting_as
 from caches import migration, reconcile, services, token_cascade
 from caches.idempotency import idempotency_records_purge
 from core.node_answers import node_answer_task
-from kcaas.node_messages import DetachResult, MigrationProgress, MigrationResult, ProvisionResult
+from kcaas.node_protocol.messages import DetachResult, MigrationProgress, MigrationResult, ProvisionResult
 
 logger = logging.getLogger("kcaas.caches")
 

@@ -30,7 +30,7 @@ from audit.services import audit_record
 from caches.models import DataToken
 from caches.selectors import data_tokens_cut_off
 from fleet.outbox import order_enqueue
-from kcaas.node_messages import RevokeTokens
+from kcaas.node_protocol.messages import RevokeTokens
 
 MAX_PER_RUN = 10_000  # tokens revoked per run; the rest are listed in heartbeats until the next run
 

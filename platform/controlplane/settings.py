@@ -134,7 +134,7 @@ KCAAS_METRICS_TOKEN = os.environ.get("KCAAS_METRICS_TOKEN", "")
 REDIS_URL = os.environ.get("REDIS_URL", "")  # empty: the embedded default (in-process rate limiter)
 
 # ---- Celery ---------------------------------------------------------------------------------------------------------
-from kcaas import fs_broker  # noqa: E402 - registers kcaasfs://, the embedded default's hardened file broker
+from kcaas.node_protocol import broker as fs_broker  # noqa: E402 - registers kcaasfs://, the embedded default's hardened file broker
 
 # Celery itself prefers the CELERY_BROKER_URL variable to this setting, so the default only applies when it is unset
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL") or REDIS_URL or fs_broker.URL

@@ -1,6 +1,6 @@
 """The Celery app of the control plane. Tasks for a node go to that node's own queue, `node.<id>`
-(kcaas.node_messages.node_queue); the control plane's own tasks (lease sweeping, provisioning results, key usage
-flushes) run on the `control` queue."""
+(kcaas.node_protocol.messages.node_queue); the control plane's own tasks (lease sweeping, provisioning results, key
+usage flushes) run on the `control` queue."""
 
 import os
 

@@ -1,4 +1,4 @@
-"""The control plane's end of the node's answers: one Celery task per answer message of kcaas/node_messages.py.
+"""The control plane's end of the node's answers: one Celery task per answer message of kcaas/node_protocol/messages.py.
 
     @node_answer_task(ProvisionResult)
     def provision_result(answer: ProvisionResult) -> ...
@@ -17,7 +17,7 @@ import logging
 from celery import shared_task
 
 from core.transient import node_answer_retry
-from kcaas.node_messages import MessageError, NodeMessage
+from kcaas.node_protocol.messages import MessageError, NodeMessage
 
 logger = logging.getLogger("kcaas.node_answers")
 

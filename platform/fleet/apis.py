@@ -87,8 +87,8 @@ class NodeRegisterApi(_NodeApi):
             max_length=64,
             trim_whitespace=False,
             help_text="base64 of the node's X25519 public key (32 bytes): the keys in its provisioning and migration "
-            "orders are sealed to it (kcaas/sealing.py). Without one the node is sent no keys, so it cannot host "
-            "caches.",
+            "orders are sealed to it (kcaas/node_protocol/sealing.py). Without one the node is sent no keys, so it "
+            "cannot host caches.",
         )
 
     @extend_schema_serializer(component_name="NodeRegistration")

@@ -55,9 +55,9 @@ class Node(models.Model):
     # The latest certificate the platform CA issued to the node (fleet.pki): hex serial and expiry; empty/null before.
     certificate_serial = models.CharField(max_length=40, blank=True, default="")
     certificate_not_after = models.DateTimeField(null=True, blank=True)
-    # The node's X25519 sealing key (base64 of 32 bytes, kcaas/sealing.py), sent in its authenticated registration:
-    # the keys in its provisioning and migration orders are sealed to it. Empty: an agent older than key sealing,
-    # which is sent no key at all (fleet.outbox.seal_for_node refuses).
+    # The node's X25519 sealing key (base64 of 32 bytes, kcaas/node_protocol/sealing.py), sent in its authenticated
+    # registration: the keys in its provisioning and migration orders are sealed to it. Empty: an agent older than key
+    # sealing, which is sent no key at all (fleet.outbox.seal_for_node refuses).
     sealing_public_key = models.CharField(max_length=64, blank=True, default="")
 
     created_at = models.DateTimeField(auto_now_add=True)
@@ -119,7 +119,8 @@ class NodeOrder(models.Model):
       always has its order and a rolled-back one never sends;
     - at most one open (pending/sent) order per (node, key): a newer order with the same key supersedes the older
       one (a cache's detach supersedes its provisioning, a re-provisioning the previous one);
-    - `args` never holds a secret: it is the message's to_dict() (kcaas/node_messages.py), or, for an order whose
+    - `args` never holds a secret: it is the message's to_dict() (kcaas/node_protocol/messages.py), or, for an order
+      whose
       message carries keys, the ids its `builder` (dotted path) makes the message from at send time (None once the
       order is moot); a list without a builder is a row written before messages were typed (read positionally);
     - an open order is sent until it is done: the node's handlers are idempotent (by cache id and epoch, by

@@ -9,10 +9,10 @@
     orders_acknowledge(...)   the node's answer arrived: the order is done (called in the answer's transaction)
     orders_close(...)         the owner moved on (a cache that failed, a migration that ended): no more sends
 
-Every order is a typed message of kcaas/node_messages.py, sent as keyword arguments (`message.to_dict()`).
+Every order is a typed message of kcaas/node_protocol/messages.py, sent as keyword arguments (`message.to_dict()`).
 Keys never travel in clear: a builder seals each key its message carries to the receiving node's registered X25519
-key (`seal_for_node`, kcaas/sealing.py), bound to the task, node, cache and field, so the broker (Redis, or the
-embedded file broker's files) never holds a usable key. A node with no key on record is sent nothing: the builder
+key (`seal_for_node`, kcaas/node_protocol/sealing.py), bound to the task, node, cache and field, so the broker (Redis,
+or the embedded file broker's files) never holds a usable key. A node with no key on record is sent nothing: the builder
 raises NodeSealingKeyMissing, the order stays due (last_error `node_sealing_key_missing`) and goes once the node
 registers a key.
 
@@ -39,8 +39,8 @@ from django.utils.module_loading import import_string
 from core.celery import app as celery_app
 from fleet.errors import NodeSealingKeyMissing
 from fleet.models import OPEN_ORDER_STATES, Node, NodeOrder, NodeState, OrderState
-from kcaas.node_messages import NodeMessage, message_class, node_queue
-from kcaas.sealing import seal
+from kcaas.node_protocol.messages import NodeMessage, message_class, node_queue
+from kcaas.node_protocol.sealing import seal
 
 logger = logging.getLogger("kcaas.fleet.outbox")
 MAX_ERROR_LENGTH = 300
@@ -62,9 +62,9 @@ def order_enqueue(
     expects_answer: bool = True,
 ) -> NodeOrder:
     """Write the order in the current transaction (it must be one: the order commits with the change it carries
-    out) and publish it right after commit. Either `message` (a kcaas.node_messages message without secrets: stored
-    as its to_dict()) or, for a message that carries keys, `task`, `builder` (dotted path) and `builder_args` (ids
-    only): the builder makes the message at send time (see NodeOrder)."""
+    out) and publish it right after commit. Either `message` (a kcaas.node_protocol.messages message without secrets:
+    stored as its to_dict()) or, for a message that carries keys, `task`, `builder` (dotted path) and `builder_args`
+    (ids only): the builder makes the message at send time (see NodeOrder)."""
     assert transaction.get_connection().in_atomic_block, "an order is written in the transaction of its change"
     assert (message is None) != (not builder), "an order is a message or a builder's, not both"
     if message is not None:

@@ -38,7 +38,8 @@ from audit.services import audit_record
 from fleet.errors import InvalidCsr
 from fleet.models import Node
 
-SPIFFE_NODE_PREFIX = "spiffe://kcaas/node/"  # the same constant as gpu_node.identity (fleet cannot import gpu_node)
+# the same constant as gpu_node.agent.identity (fleet cannot import gpu_node)
+SPIFFE_NODE_PREFIX = "spiffe://kcaas/node/"
 CA_COMMON_NAME = "KCaaS platform CA"
 BACKDATE = dt.timedelta(minutes=5)
 MAX_CSR_BYTES = 16 * 1024

@@ -37,7 +37,7 @@ from fleet.errors import (
 )
 from fleet.models import RESIDENT_TIERS, TIERS, Node, NodeState
 from fleet.validators import NODE_NAME_RE, capacity_errors, endpoint_error, endpoint_normalize
-from kcaas.sealing import public_key_bytes
+from kcaas.node_protocol.sealing import public_key_bytes
 from kcaas.units import human_bytes
 
 logger = logging.getLogger("kcaas.fleet")
@@ -153,10 +153,10 @@ def node_register(
     answers on the same endpoint. With a `csr` the platform CA issues the node's certificate for the new endpoint
     in the same transaction (a bad CSR refuses the whole registration, 400 csr_*).
 
-    `sealing_public_key` (base64 X25519, kcaas/sealing.py) is what the keys in this node's orders are sealed to from
-    now on; the credential that authenticated the registration binds it to this node. A registration without one
-    (an agent older than key sealing) clears it: such a node is sent no key at all (fleet.outbox.seal_for_node).
-    400 invalid_sealing_key for a key nothing can be sealed to.
+    `sealing_public_key` (base64 X25519, kcaas/node_protocol/sealing.py) is what the keys in this node's orders are
+    sealed to from now on; the credential that authenticated the registration binds it to this node. A registration
+    without one (an agent older than key sealing) clears it: such a node is sent no key at all
+    (fleet.outbox.seal_for_node). 400 invalid_sealing_key for a key nothing can be sealed to.
     """
     problem = endpoint_error(endpoint)
     if problem:

@@ -1,6 +1,6 @@
 """`GET /.well-known/kcaas-ca.pem`: the platform CA certificate (public). Node certificates chain to it, so an SDK
 client that trusts it can verify a node's data plane when the node serves its platform-issued certificate
-(gpu_node.agent with KCAAS_NODE_TLS_FROM_IDENTITY), and a node checks its peers with it.
+(gpu_node.agent.process with KCAAS_NODE_TLS_FROM_IDENTITY), and a node checks its peers with it.
 
 When settings.KCAAS_DATA_PLANE_CA_FILE names a readable PEM certificate (`make up`'s dev CA, which signs its agents'
 data-plane certificates, or an operator's own), it follows the platform CA in the same answer: one bundle, so

@@ -35,7 +35,7 @@ from core.errors import ConflictError, NotFoundError
 from core.ids import as_uuid
 from fleet.models import Node, NodeState
 from fleet.outbox import order_enqueue
-from kcaas.node_messages import CONTROL_QUEUE, PurgeTenant
+from kcaas.node_protocol.messages import CONTROL_QUEUE, PurgeTenant
 from privacy import receipt as receipts
 from privacy.erasure import erase_tenant_data
 from privacy.models import CANCELLABLE_STATES, ErasureJob, ErasurePurge, ErasureState, PurgeState

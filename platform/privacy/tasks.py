@@ -1,12 +1,12 @@
 """Control-queue tasks of the privacy room. Each takes ids and calls one service; the services' status guards make
-redelivery and duplicates no-ops. Nodes send privacy.purge_result (kcaas.node_messages); beat runs
+redelivery and duplicates no-ops. Nodes send privacy.purge_result (kcaas.node_protocol.messages); beat runs
 privacy.run_erasures every KCAAS_ERASURE_TICK_SECONDS."""
 
 from celery import shared_task
 
 from audit.context import Actor, acting_as
 from core.node_answers import node_answer_task
-from kcaas.node_messages import PurgeResult
+from kcaas.node_protocol.messages import PurgeResult
 from privacy import services
 
 

@@ -14,7 +14,7 @@ from audit.services import AuditWriteError
 from caches import tasks as caches_tasks
 from caches.models import Cache, DataToken
 from fleet.models import Node
-from kcaas.node_messages import DetachResult, ProvisionResult
+from kcaas.node_protocol.messages import DetachResult, ProvisionResult
 from tests.audit.events_support import (
     assert_audit_unavailable,
     assert_event,

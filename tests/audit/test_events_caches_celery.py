@@ -10,7 +10,7 @@ import pytest
 
 from audit.actions import AuditAction
 from audit.models import AuditEvent
-from kcaas.node_messages import ProvisionResult
+from kcaas.node_protocol.messages import ProvisionResult
 from tests.audit.events_support import (
     assert_event,
     events_since,

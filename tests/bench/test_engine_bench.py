@@ -21,7 +21,7 @@ from bench.engine import (
     sharegpt_like_trace,
     simulate_paged_batching,
 )
-from gpu_node.paged_cache import PagedKVCache
+from gpu_node.engine.paged_cache import PagedKVCache
 
 
 def test_trace_has_the_sharegpt_means_fits_the_context_and_is_reproducible():

@@ -6,7 +6,7 @@ import math
 from bench import _network_tier
 from bench._network_tier import FIGURES, TINY, measure_network
 from bench.tiers import SPEC
-from gpu_node.store_services import mooncake_importable
+from devtools.store_services import mooncake_importable
 from tests.network_store import require_mooncake
 
 

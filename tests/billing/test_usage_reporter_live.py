@@ -1,5 +1,5 @@
-"""The node side: gpu_node.usage_report.UsageReporter through gpu_node.agent.ControlPlane against the real control
-plane (pytest-django live_server on PostgreSQL) as a registered node: reports land as samples, a control plane
+"""The node side: gpu_node.agent.usage.UsageReporter through gpu_node.agent.process.ControlPlane against the real
+control plane (pytest-django live_server on PostgreSQL) as a registered node: reports land as samples, a control plane
 that was unreachable gets the queued reports afterwards, in order, and a report refused for good is dropped."""
 
 from datetime import UTC, datetime, timedelta
@@ -7,8 +7,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from billing.models import UsageReport, UsageSample
-from gpu_node.agent import ControlPlane
-from gpu_node.usage_report import UsageReporter
+from gpu_node.agent.process import ControlPlane
+from gpu_node.agent.usage import UsageReporter
 from tests.billing.conftest import GB, entry
 from tests.caches.conftest import free_port
 

@@ -170,7 +170,7 @@ def purge_node_queue(node_id) -> None:
 
     import redis
 
-    from kcaas.node_messages import node_queue
+    from kcaas.node_protocol.messages import node_queue
 
     client = redis.Redis.from_url(os.environ["CELERY_BROKER_URL"])
     for key in client.scan_iter(match=f"*{node_queue(node_id)}*"):

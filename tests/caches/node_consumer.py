@@ -12,7 +12,14 @@ from dataclasses import dataclass, field
 
 from celery import Celery
 
-from kcaas.node_messages import CONTROL_QUEUE, DetachCache, DetachResult, NodeMessage, ProvisionCache, ProvisionResult
+from kcaas.node_protocol.messages import (
+    CONTROL_QUEUE,
+    DetachCache,
+    DetachResult,
+    NodeMessage,
+    ProvisionCache,
+    ProvisionResult,
+)
 from kcaas.spec import KVCacheSpec
 from tests.fleet.node_keys import TEST_SEALING_PUBLIC_KEY, opened
 
@@ -80,7 +87,7 @@ def module_workers(node_id):
     """Generator for a module-scoped fixture: the control worker and this consumer on `node_id`'s queue, alive for
     the whole module (starting a pair costs seconds); yields `behaviour`."""
     from core.celery import app as control_app
-    from kcaas.node_messages import node_queue
+    from kcaas.node_protocol.messages import node_queue
     from tests.caches.conftest import purge_node_queue, running_workers
 
     behaviour.since = time.time()
@@ -125,7 +132,7 @@ def _nothing_in_flight(node_id) -> bool:
     import redis
     from celery.worker import state as worker_state
 
-    from kcaas.node_messages import node_queue
+    from kcaas.node_protocol.messages import node_queue
 
     queues = (CONTROL_QUEUE, node_queue(node_id))
     client = redis.Redis.from_url(os.environ["CELERY_BROKER_URL"])

@@ -5,7 +5,7 @@ import pytest
 from caches.models import Cache, CacheState
 from caches.sealing import hash_key_unseal
 from core.celery import app as celery_app
-from kcaas.node_messages import PROVISION_TASK, ProvisionCache, node_queue
+from kcaas.node_protocol.messages import PROVISION_TASK, ProvisionCache, node_queue
 from tests.caches.conftest import BLOCK_BYTES, GIB, SPEC, attach_body, purge_node_queue, reserved
 from tests.fleet.node_keys import opened
 
@@ -122,7 +122,7 @@ def test_provisioning_is_sent_to_the_nodes_queue_on_commit(tenant_a, node, djang
         purge_node_queue(node.pk)
     assert message.headers["task"] == "kcaas.node.provision_cache"
     args, kwargs, _ = message.decode()
-    assert args == []  # keyword arguments only (kcaas/node_messages.py)
+    assert args == []  # keyword arguments only (kcaas/node_protocol/messages.py)
     order = ProvisionCache.from_dict(kwargs)
     assert order.cache_id == str(cache.pk) and order.spec == SPEC and order.epoch == 1
     assert order.tenant_id == str(cache.tenant_id) and order.ssd_key_box == ""

@@ -16,8 +16,8 @@ from django.utils import timezone
 
 from caches.services import caches_sweep_leases
 from core.celery import app as control_app
+from devtools.dev_pki import write_dev_pki
 from fleet.models import Node
-from gpu_node.dev_pki import write_dev_pki
 from kcaas.dataplane import DataPlaneClient
 from kcaas.spec import KVCacheSpec
 from tests.caches.conftest import BLOCK_BYTES, SPEC, attach_body, running_workers, wait_for_state

@@ -8,7 +8,7 @@ from django.utils import timezone
 from caches import services, tasks
 from caches.models import Cache, CacheState
 from fleet.models import NodeState
-from kcaas.node_messages import DetachResult, ProvisionResult
+from kcaas.node_protocol.messages import DetachResult, ProvisionResult
 from tests.caches.conftest import BLOCK_BYTES, attach_body, make_ready, reserved
 
 pytestmark = pytest.mark.django_db

@@ -16,15 +16,15 @@ from audit.models import AuditEvent
 from caches.migration import migration_start
 from caches.models import Cache, Migration
 from core.celery import app as control_app
+from devtools.dev_pki import new_ca, write_node_pki
 from fleet.models import OPEN_ORDER_STATES, Node, NodeOrder, NodeState
-from gpu_node import block_transfer as bt
-from gpu_node.dev_pki import new_ca, write_node_pki
-from gpu_node.migration import MigrationListener, mtls_client_context, mtls_server_context
-from gpu_node.migration_fence import MovedError, fences_for
-from gpu_node.migration_tasks import NodeMigration
-from gpu_node.node_tasks import build_node_app
-from gpu_node.registry import CacheRegistry
-from kcaas.node_messages import node_queue
+from gpu_node.agent.registry import CacheRegistry
+from gpu_node.agent.tasks import build_node_app
+from gpu_node.migration import block_transfer as bt
+from gpu_node.migration.fence import MovedError, fences_for
+from gpu_node.migration.tasks import NodeMigration
+from gpu_node.migration.transfer import MigrationListener, mtls_client_context, mtls_server_context
+from kcaas.node_protocol.messages import node_queue
 from tests.caches.conftest import BLOCK_BYTES, attach_body, purge_node_queue, reserved, running_workers, wait_for_state
 from tests.fleet.node_keys import TEST_SEALING_KEY
 from tests.waiting import eventually

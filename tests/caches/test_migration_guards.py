@@ -8,7 +8,7 @@ import pytest
 
 from caches.migration import MigrationConflict, migration_progress, migration_result, migration_start
 from caches.models import Cache, Migration
-from kcaas.node_messages import MigrateAbort
+from kcaas.node_protocol.messages import MigrateAbort
 from tests.caches.conftest import BLOCK_BYTES, reserved
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -80,7 +80,7 @@ def test_a_migration_stuck_in_cutover_or_on_a_lost_node_ends_and_the_source_is_t
 
     from caches.migration import migrations_expire
     from fleet.models import Node, NodeOrder, NodeState
-    from kcaas.node_messages import MIGRATE_ABORT_TASK
+    from kcaas.node_protocol.messages import MIGRATE_ABORT_TASK
 
     cache, source, target = placed
     settings.KCAAS_MIGRATION_STALL_SECONDS = 60

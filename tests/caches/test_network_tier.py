@@ -6,7 +6,7 @@ import pytest
 from caches import services
 from caches.models import Cache, CacheState
 from fleet.models import Node
-from kcaas.node_messages import PROVISION_TASK
+from kcaas.node_protocol.messages import PROVISION_TASK
 from tests.caches.conftest import BLOCK_BYTES, SPEC, reserved
 from tests.fleet.node_keys import opened
 

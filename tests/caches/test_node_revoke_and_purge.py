@@ -1,4 +1,4 @@
-"""Token revocation and tenant purge through the real node tasks (gpu_node/node_tasks.py) over the real broker:
+"""Token revocation and tenant purge through the real node tasks (gpu_node/agent/tasks.py) over the real broker:
 - revoking a data token (one jti, or every token of a cache) over the REST API pushes it to the cache's node, whose
   RevocationList (what its data plane's TokenVerifier reads) then refuses it; the node's heartbeat and register
   answers list it too, so a node that missed the push or restarted refuses it as well;
@@ -14,12 +14,12 @@ from rest_framework.test import APIClient
 from core.celery import app as control_app
 from fleet.credentials import credential_new
 from fleet.models import Node
-from gpu_node.block_hash import tokens_as_int32
-from gpu_node.engine_tiers import CachePurged
-from gpu_node.node_tasks import build_node_app
-from gpu_node.registry import CacheRegistry
-from gpu_node.tokens import RevocationList
-from kcaas.node_messages import PURGE_TENANT_TASK, PurgeTenant, node_queue
+from gpu_node.agent.registry import CacheRegistry
+from gpu_node.agent.tasks import build_node_app
+from gpu_node.dataplane.tokens import RevocationList
+from gpu_node.engine.block_hash import tokens_as_int32
+from gpu_node.engine.cache_state import CachePurged
+from kcaas.node_protocol.messages import PURGE_TENANT_TASK, PurgeTenant, node_queue
 from tests.caches.conftest import BLOCK_BYTES, attach_body, purge_node_queue, running_workers, wait_for_state
 from tests.fleet.node_keys import TEST_SEALING_KEY, TEST_SEALING_PUBLIC_KEY
 from tests.waiting import eventually

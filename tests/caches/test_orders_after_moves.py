@@ -13,7 +13,7 @@ from caches.migration import migration_progress, migration_result, migration_sta
 from caches.models import Cache, CacheState
 from fleet.models import NodeOrder, OrderState
 from fleet.outbox import open_orders, orders_dispatch
-from kcaas.node_messages import DETACH_TASK, MIGRATE_IN_TASK, DetachCache
+from kcaas.node_protocol.messages import DETACH_TASK, MIGRATE_IN_TASK, DetachCache
 from privacy import services as privacy
 from privacy.models import ErasureState
 from tenants import tenant_keys

@@ -8,7 +8,7 @@ import pytest
 
 from caches.models import Cache
 from caches.sealing import hash_key_unseal
-from kcaas.node_messages import PROVISION_TASK
+from kcaas.node_protocol.messages import PROVISION_TASK
 from tests.caches import node_consumer
 from tests.caches.conftest import SPEC, attach_body, reserved, wait_for_state
 from tests.fleet.node_keys import opened

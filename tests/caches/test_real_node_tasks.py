@@ -1,4 +1,4 @@
-"""The control plane and the node agent's real Celery side (gpu_node/node_tasks.py + CacheRegistry), over the
+"""The control plane and the node agent's real Celery side (gpu_node/agent/tasks.py + CacheRegistry), over the
 real broker: attach -> the node allocates a PagedKVCache with the cache's sealed hash key -> ready; detach frees it;
 a request the node cannot fit is answered failed with the node's reason."""
 
@@ -15,11 +15,11 @@ from caches.models import Cache
 from caches.sealing import hash_key_unseal
 from core.celery import app as control_app
 from fleet.models import Node
-from gpu_node.block_hash import BlockHasher, tokens_as_int32
-from gpu_node.node_tasks import build_node_app
-from gpu_node.registry import CacheRegistry
-from kcaas.node_messages import MIGRATE_IN_TASK, PROVISION_TASK, ProvisionCache, node_queue
-from kcaas.sealing import NodeSealingKey, seal
+from gpu_node.agent.registry import CacheRegistry
+from gpu_node.agent.tasks import build_node_app
+from gpu_node.engine.block_hash import BlockHasher, tokens_as_int32
+from kcaas.node_protocol.messages import MIGRATE_IN_TASK, PROVISION_TASK, ProvisionCache, node_queue
+from kcaas.node_protocol.sealing import NodeSealingKey, seal
 from tests.caches.conftest import (
     BLOCK_BYTES,
     attach_body,
@@ -77,7 +77,9 @@ def test_the_node_hosts_the_cache_with_its_sealed_key_and_frees_it_on_detach(ten
     kv = torch.randn(2, 2, 20, 2, 8).to(torch.float16)
     hosted.engine.put(tokens, kv)
     expected = set(BlockHasher(key, 16, hosted.spec.model_fingerprint).block_hashes(tokens))
-    assert expected <= set(hosted.engine._blocks.cached_hash_to_block)  # keyed with the control plane's secret
+    assert expected <= {
+        meta.key for meta in hosted.engine.exchange.list_blocks()
+    }  # keyed with the control plane's secret
 
     assert tenant_a.client.delete(f"/api/v1/caches/{cache_id}").status_code == 202
     wait_for_state(tenant_a.client, cache_id, "detached")
@@ -113,7 +115,8 @@ def test_a_move_to_a_node_without_a_migration_listener_fails_at_once(tenant_a, n
     assert Migration.objects.get(pk=moving.pk).failure_reason == "migration_unavailable"
 
 
-# ---- keys sealed to the node (kcaas/sealing.py) ----------------------------------------------------------------------
+# ---- keys sealed to the node (kcaas/node_protocol/sealing.py)
+# ----------------------------------------------------------------------
 def _attach_unsent(tenant, monkeypatch, name: str) -> tuple[str, ProvisionCache]:
     """An attached cache whose provisioning order the outbox keeps (not published): the test sends the message
     itself. Returns (cache id, the provisioning message the outbox would send, keys sealed to this node)."""
@@ -204,10 +207,13 @@ def test_a_box_sealed_to_another_nodes_key_is_not_opened_nor_answered(tenant_a, 
     tokens = tokens_as_int32(list(range(16)))
     hosted.engine.put(tokens, torch.randn(2, 2, 16, 2, 8).to(torch.float16))
     expected = BlockHasher(_key_of(cache_id), 16, hosted.spec.model_fingerprint).block_hashes(tokens)
-    assert set(expected) <= set(hosted.engine._blocks.cached_hash_to_block)  # keyed with the cache's own key
+    assert set(expected) <= {
+        meta.key for meta in hosted.engine.exchange.list_blocks()
+    }  # keyed with the cache's own key
 
 
-# ---- typed messages (kcaas/node_messages.py): the node refuses what is not exactly one ------------------------------
+# ---- typed messages (kcaas/node_protocol/messages.py): the node refuses what is not exactly one
+# ------------------------------
 @pytest.mark.parametrize(
     "malform, problem",
     [

@@ -13,7 +13,7 @@ from caches import services
 from caches.models import Cache, CacheState
 from caches.reconcile import caches_reconcile_stuck
 from fleet.models import NodeOrder, OrderState
-from kcaas.node_messages import DETACH_TASK
+from kcaas.node_protocol.messages import DETACH_TASK
 from tests.caches.conftest import attach_body, make_node, make_tenant, node, reserved, tenant_a  # noqa: F401
 
 pytestmark = pytest.mark.django_db(transaction=True)

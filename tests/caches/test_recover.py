@@ -12,7 +12,7 @@ from audit.models import AuditEvent
 from caches import services
 from caches.models import Cache, CacheState
 from fleet.models import Node, NodeOrder, OrderState
-from kcaas.node_messages import PROVISION_TASK
+from kcaas.node_protocol.messages import PROVISION_TASK
 from tests.caches.conftest import BLOCK_BYTES, SPEC, make_ready, purge_node_queue, reserved
 
 pytestmark = pytest.mark.django_db

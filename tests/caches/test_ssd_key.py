@@ -7,7 +7,7 @@ import pytest
 from caches.models import Cache
 from caches.sealing import HashKeyShredded, hash_key_unseal, ssd_key_unseal
 from core.celery import app as celery_app
-from kcaas.node_messages import PROVISION_TASK, node_queue
+from kcaas.node_protocol.messages import PROVISION_TASK, node_queue
 from tenants.tenant_keys import tenant_key_destroy
 from tests.caches.conftest import BLOCK_BYTES, attach_body, purge_node_queue
 from tests.fleet.node_keys import opened

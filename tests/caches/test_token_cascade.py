@@ -11,7 +11,7 @@ from caches.models import DataToken
 from caches.selectors import data_tokens_revoked_on_node
 from caches.token_cascade import data_tokens_revoke_cascade
 from fleet.models import NodeOrder
-from kcaas.node_messages import REVOKE_TOKENS_TASK
+from kcaas.node_protocol.messages import REVOKE_TOKENS_TASK
 from tenants import services as tenant_services
 from tenants.models import ApiKey, Tenant
 from tests.caches.conftest import attach_body, make_ready

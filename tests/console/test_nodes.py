@@ -264,7 +264,7 @@ def test_operator_sees_the_actions_the_state_allows(operator_client, placed):
 def test_agent_registry_counters_reach_the_overview_through_the_heartbeat(operator_client, placed):
     """End to end: the agent registry's resident snapshot (with the engine's hit/miss counters), sent as the
     heartbeat's `resident`, becomes the overview's hit rate."""
-    from gpu_node.registry import CacheRegistry
+    from gpu_node.agent.registry import CacheRegistry
     from tests.gpu_node.kv_fixtures import prefix_kv
 
     registry = CacheRegistry(device_capacity_bytes=16 * BLOCK, device="cpu")

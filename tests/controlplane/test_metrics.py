@@ -119,7 +119,7 @@ def test_the_control_queue_depth_is_read_from_the_broker(db):
 def test_the_embedded_file_broker_counts_its_queue_folder(tmp_path):
     from celery import Celery
 
-    from kcaas import fs_broker
+    from kcaas.node_protocol import broker as fs_broker
 
     app = Celery("depth", broker=fs_broker.URL)
     app.conf.broker_transport_options = fs_broker.folder_options(tmp_path / "celery")

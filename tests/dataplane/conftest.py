@@ -16,9 +16,9 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from gpu_node.dataplane import DataPlaneServer, TokenVerifier, server_tls_context
-from gpu_node.dev_pki import write_dev_pki
-from gpu_node.registry import CacheRegistry
+from devtools.dev_pki import write_dev_pki
+from gpu_node.agent.registry import CacheRegistry
+from gpu_node.dataplane.server import DataPlaneServer, TokenVerifier, server_tls_context
 from kcaas import wire
 from tests.gpu_node.kv_fixtures import tiny_spec
 

@@ -1,6 +1,6 @@
-"""Per-tenant admission, graceful drain and pipelined requests on the real TLS data plane (gpu_node/dataplane.py +
-gpu_node/admission.py): one tenant's connections, requests in flight and staged bytes are bounded without touching
-another tenant's; a drain answers what has started and closes the rest; pipelined puts never share a staging
+"""Per-tenant admission, graceful drain and pipelined requests on the real TLS data plane (gpu_node/dataplane/server.py
++ gpu_node/dataplane/admission.py): one tenant's connections, requests in flight and staged bytes are bounded without
+touching another tenant's; a drain answers what has started and closes the rest; pipelined puts never share a staging
 buffer."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import threading
 import numpy as np
 import pytest
 
-from gpu_node.admission import TenantLimits
-from gpu_node.dataplane import DataPlaneServer, server_tls_context
-from gpu_node.metrics import NodeMetrics
+from gpu_node.agent.metrics import NodeMetrics
+from gpu_node.dataplane.admission import TenantLimits
+from gpu_node.dataplane.server import DataPlaneServer, server_tls_context
 from kcaas import wire
 from kcaas.dataplane import DataPlaneClient
 from kcaas.wire import ErrorCode, Opcode

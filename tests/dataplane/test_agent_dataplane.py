@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpu_node.agent import AgentConfig, NodeAgent
+from gpu_node.agent.process import AgentConfig, NodeAgent
 from kcaas.dataplane import DataPlaneClient
 from tests.dataplane.conftest import CACHE_A, NODE_ID
 from tests.gpu_node.kv_fixtures import prefix_kv
@@ -60,8 +60,8 @@ def test_agent_without_tls_or_uds_runs_no_data_plane(jwks):
 
 
 def test_data_plane_metrics(registry, verifier, pki, make_token, client_ctx, spec):
-    from gpu_node.dataplane import DataPlaneServer, server_tls_context
-    from gpu_node.metrics import NodeMetrics
+    from gpu_node.agent.metrics import NodeMetrics
+    from gpu_node.dataplane.server import DataPlaneServer, server_tls_context
 
     metrics = NodeMetrics(registry)
     srv = DataPlaneServer(

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_node.dataplane import DataPlaneServer, server_tls_context
+from gpu_node.dataplane.server import DataPlaneServer, server_tls_context
 from kcaas import wire
 from kcaas.dataplane import DataPlaneClient, DataPlaneError
 from kcaas.wire import ErrorCode, Opcode
@@ -200,7 +200,7 @@ def test_a_node_that_refuses_identity_in_hello_gets_it_with_every_request(
     server, make_token, client_ctx, spec, monkeypatch
 ):
     """Older nodes refuse the field: the client says HELLO without it and sends the identity per request."""
-    import gpu_node.dataplane as node_module
+    import gpu_node.dataplane.server as node_module
 
     parse_hello = wire.parse_hello
 

@@ -101,7 +101,7 @@ def test_fp16_and_connection_reuse(server, make_token, client_ctx, registry):
 
 def test_long_sequences_split_across_frames(registry, verifier, pki, client_ctx, make_token, spec):
     """A node with a tiny frame limit: put is sent in kv_start pieces and get is continued from kv_end."""
-    from gpu_node.dataplane import DataPlaneServer, server_tls_context
+    from gpu_node.dataplane.server import DataPlaneServer, server_tls_context
 
     srv = DataPlaneServer(
         registry,
@@ -356,7 +356,7 @@ def test_tls12_only_client_refused(server, pki):
 
 
 def test_stop_closes_connections_and_listeners(registry, verifier, pki, client_ctx, make_token, tmp_path):
-    from gpu_node.dataplane import DataPlaneServer, server_tls_context
+    from gpu_node.dataplane.server import DataPlaneServer, server_tls_context
 
     srv = DataPlaneServer(
         registry,
@@ -437,7 +437,7 @@ def test_fuzzed_stream_after_hello_never_writes(server, make_token, spec, regist
 def test_unknown_kid_refetches_jwks_once(jwks, signing_key, make_token):
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from gpu_node.dataplane import TokenVerifier
+    from gpu_node.dataplane.server import TokenVerifier
     from tests.dataplane.conftest import ISSUER, public_jwk
 
     new_key = Ed25519PrivateKey.generate()

@@ -12,12 +12,18 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_node import block_transfer as bt
-from gpu_node.dataplane import DataPlaneServer, server_tls_context
-from gpu_node.dev_pki import new_ca, write_node_pki
-from gpu_node.migration import Incoming, MigrationListener, MigrationSender, mtls_client_context, mtls_server_context
-from gpu_node.migration_fence import fences_for
-from gpu_node.registry import CacheRegistry
+from devtools.dev_pki import new_ca, write_node_pki
+from gpu_node.agent.registry import CacheRegistry
+from gpu_node.dataplane.server import DataPlaneServer, server_tls_context
+from gpu_node.migration import block_transfer as bt
+from gpu_node.migration.fence import fences_for
+from gpu_node.migration.transfer import (
+    Incoming,
+    MigrationListener,
+    MigrationSender,
+    mtls_client_context,
+    mtls_server_context,
+)
 from kcaas import wire
 from kcaas.dataplane import DataPlaneClient
 from tests.dataplane.conftest import CACHE_A, EPOCH, NODE_ID

@@ -1,5 +1,5 @@
-"""No plaintext left behind by the data plane (gpu_node/dataplane_conn.py): every buffer a tenant's KV or token ids
-went through is zero once its request is answered (fresh buffers, temporaries) or once its connection closes (the
+"""No plaintext left behind by the data plane (gpu_node/dataplane/connection.py): every buffer a tenant's KV or token
+ids went through is zero once its request is answered (fresh buffers, temporaries) or once its connection closes (the
 reused staging buffers); purging a tenant from the registry closes that tenant's connections, and only those,
 before the purge returns; small answers are joined in a buffer that is zeroed after the write; TLS contexts cleanse
 OpenSSL's record buffers. The buffers are observed through the tensors the engine is handed (views of them)."""
@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_node.dataplane import DataPlaneServer, server_tls_context
-from gpu_node.dataplane_conn import Conn
-from gpu_node.dataplane_io import OP_CLEANSE_PLAINTEXT, send_buffers
-from gpu_node.registry import CacheRegistry
-from gpu_node.staging import StagingPool
+from gpu_node.agent.registry import CacheRegistry
+from gpu_node.dataplane.connection import Conn
+from gpu_node.dataplane.io import OP_CLEANSE_PLAINTEXT, send_buffers
+from gpu_node.dataplane.server import DataPlaneServer, server_tls_context
+from gpu_node.dataplane.staging import StagingPool
 from kcaas import wire
 from kcaas.wire import Opcode
 from tests.dataplane.conftest import CACHE_A, CACHE_B, EPOCH, NODE_ID, RawConn
@@ -126,7 +126,7 @@ def test_a_puts_buffers_are_zeroed_after_its_answer_or_at_close(node, connect, m
 def test_a_gets_staging_and_copies_are_zeroed(verifier, pki, client_ctx, make_token, monkeypatch):
     """A quantized pool is read into the connection's GET staging (no zero-copy views); a range of it that does
     not start at 0 is copied before it is sent."""
-    import gpu_node.dataplane_ops as dataplane  # where GET answers are built
+    import gpu_node.dataplane.answers as dataplane  # where GET answers are built
 
     spec = tiny_spec(storage_dtype="int8")
     registry = CacheRegistry(device_capacity_bytes=64 << 20, device="cpu")
@@ -173,7 +173,7 @@ def connected(srv, client_ctx, token) -> RawConn:
 
 
 def dataplane_io_tensor_bytes(t):
-    from gpu_node.dataplane_io import tensor_bytes
+    from gpu_node.dataplane.io import tensor_bytes
 
     return tensor_bytes(t)
 

@@ -11,8 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from gpu_node.admission import NodeLimits
-from gpu_node.dataplane import DataPlaneServer, server_tls_context
+from gpu_node.dataplane.admission import NodeLimits
+from gpu_node.dataplane.server import DataPlaneServer, server_tls_context
 from kcaas import wire
 from kcaas.wire import ErrorCode, Opcode
 from tests.dataplane.conftest import CACHE_A, CACHE_B, NODE_ID, RawConn

@@ -47,4 +47,4 @@ def test_a_get_being_sent_when_the_purge_starts_is_real_kv(server, make_token, c
         n, got = dp.get(TOKENS)
     assert sending.is_set() and n == len(TOKENS)
     assert torch.equal(got, kv)  # what was sent is the KV, not zeros
-    assert eventually(lambda: engine._purged and not engine.pool.any(), timeout=10)  # then the purge zeroed it
+    assert eventually(lambda: engine.purged and not engine.pool.any(), timeout=10)  # then the purge zeroed it

@@ -1,5 +1,5 @@
-"""A PUT whose KV the cache's storage cannot hold (gpu_node/kv_input.py: NaN/inf into int8, a finite value beyond a
-narrower float storage) is answered `bad_request` with the engine's message, not `internal`; nothing of that
+"""A PUT whose KV the cache's storage cannot hold (gpu_node/engine/kv_input.py: NaN/inf into int8, a finite value beyond
+a narrower float storage) is answered `bad_request` with the engine's message, not `internal`; nothing of that
 sequence is stored and the connection keeps working."""
 
 from __future__ import annotations

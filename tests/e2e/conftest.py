@@ -29,8 +29,8 @@ import pytest
 import torch
 
 from core.celery import app as control_app
+from devtools.dev_pki import write_dev_pki
 from fleet import services as fleet_services
-from gpu_node.dev_pki import write_dev_pki
 from kcaas import wire
 from kcaas.spec import KVCacheSpec
 from tenants import services as tenant_services

@@ -17,7 +17,7 @@ import psycopg
 import pytest
 from celery import Celery
 
-from kcaas.node_messages import CONTROL_QUEUE, PROVISION_RESULT_TASK, ProvisionResult
+from kcaas.node_protocol.messages import CONTROL_QUEUE, PROVISION_RESULT_TASK, ProvisionResult
 from tests.faults import PrivatePostgres, PrivateRedis, stop_process
 from tests.waiting import eventually
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpu_node.agent import AgentConfig
+from gpu_node.agent.process import AgentConfig
 
 REPO = Path(__file__).resolve().parents[2]
 STORE = {"store-master", "store-server"}
@@ -166,7 +166,7 @@ def command_targets_exist(command: list[str]) -> None:
 
 def store_flags_accepted(command: list[str]) -> None:
     """Every --flag of a store command is one its binary (the network extra's, when installed here) lists."""
-    from gpu_node.store_services import find_binary, mooncake_importable
+    from devtools.store_services import find_binary, mooncake_importable
 
     assert re.search(r'^network = \[\n\s+"mooncake-transfer-engine', (REPO / "pyproject.toml").read_text(), re.M)
     if not mooncake_importable():

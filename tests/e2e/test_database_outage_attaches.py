@@ -5,7 +5,7 @@ nothing is lost (no cache stays provisioning or detaching, every reservation com
 
 All of it real and of this test's own: a PostgreSQL cluster and a Redis broker (tests.faults), gunicorn, the control
 queue's Celery worker and Celery beat as processes (as `make up` runs them, with short outbox periods), and a node:
-the agent's real Celery side (gpu_node.node_tasks + CacheRegistry) in a worker thread, registered over HTTP with its
+the agent's real Celery side (gpu_node.agent.tasks + CacheRegistry) in a worker thread, registered over HTTP with its
 credential."""
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import psycopg
 import pytest
 
 import kcaas
-from gpu_node.agent import ControlPlane
-from gpu_node.node_tasks import build_node_app
-from gpu_node.registry import CacheRegistry
-from kcaas.node_messages import node_queue
+from gpu_node.agent.process import ControlPlane
+from gpu_node.agent.registry import CacheRegistry
+from gpu_node.agent.tasks import build_node_app
+from kcaas.node_protocol.messages import node_queue
 from kcaas.spec import KVCacheSpec
 from tests.caches.conftest import running_workers
 from tests.faults import PrivatePostgres, PrivateRedis, free_port, start_calls, stop_process

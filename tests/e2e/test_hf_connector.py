@@ -4,7 +4,7 @@ run reuses the cached prefix and produces exactly the tokens and logits of a run
 import pytest
 import torch
 
-from gpu_node.paged_cache import PagedKVCache
+from gpu_node.engine.paged_cache import PagedKVCache
 from kcaas.connectors.hf import HFConnector
 from tests.e2e.conftest import FP32_ROUNDING, model_prefix, spec_for
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from gpu_node.paged_cache import PagedKVCache
+from gpu_node.engine.paged_cache import PagedKVCache
 from kcaas.connectors.hf import HFConnector, ReadOnlyStore
 from kcaas.dataplane import DataPlaneError
 from kcaas.spec import KVCacheSpec

@@ -26,7 +26,7 @@ import torch
 import kcaas
 from caches.migration import migration_start
 from caches.models import Cache, Migration
-from gpu_node.migration_journal import JOURNAL_NAME, MAGIC, RECORD
+from gpu_node.migration.journal import JOURNAL_NAME, MAGIC, RECORD
 from kcaas.dataplane import DataPlaneClient
 from kcaas.tokens import TokenSource
 from tests.caches.conftest import free_port

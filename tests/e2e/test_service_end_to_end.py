@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import kcaas
-from gpu_node.paged_cache import PagedKVCache
+from gpu_node.engine.paged_cache import PagedKVCache
 from kcaas.connectors.hf import HFConnector, ReadOnlyStore
 from kcaas.dataplane import DataPlaneClient, DataPlaneError
 from kcaas.errors import KcaasError

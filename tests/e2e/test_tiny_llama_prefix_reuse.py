@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from gpu_node.paged_cache import PagedKVCache
+from gpu_node.engine.paged_cache import PagedKVCache
 from kcaas.spec import KVCacheSpec
 from kcaas.transformers_kv import dynamic_cache_from_kv, kv_from_dynamic_cache
 from kcaas_kernels.quant import error_bound

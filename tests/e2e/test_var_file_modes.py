@@ -18,8 +18,8 @@ from pathlib import Path
 from kombu import Connection
 
 import kcaas
-from gpu_node import dev_pki
-from kcaas import fs_broker
+from devtools import dev_pki
+from kcaas.node_protocol import broker as fs_broker
 from tests.e2e.test_make_up import SPEC
 from tests.e2e.up_support import REPO, assert_session_gone, kill_session, read_banner, start_up
 from tests.faults import free_port

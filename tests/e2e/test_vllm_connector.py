@@ -29,7 +29,7 @@ from django.db.models import Max
 from django.utils import timezone
 
 from caches.models import DataToken
-from gpu_node.tokens import TokenVerifier
+from gpu_node.dataplane.tokens import TokenVerifier
 from tests.e2e.vllm_support import (  # noqa: F401 - fixtures
     CACHE_DEVICE_BYTES,
     PROMPTS,

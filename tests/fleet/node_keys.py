@@ -1,8 +1,9 @@
-"""The sealing key test nodes register (kcaas/sealing.py): stand-in node consumers and in-process node apps open the
-keys of their orders with it. One fixed key for every test node: the associated data (task, node id, cache id,
-field) still binds each box to its own message; tests about one node's box on another node make keys of their own."""
+"""The sealing key test nodes register (kcaas/node_protocol/sealing.py): stand-in node consumers and in-process node
+apps open the keys of their orders with it. One fixed key for every test node: the associated data (task, node id, cache
+id, field) still binds each box to its own message; tests about one node's box on another node make keys of their
+own."""
 
-from kcaas.sealing import NodeSealingKey
+from kcaas.node_protocol.sealing import NodeSealingKey
 
 TEST_SEALING_KEY = NodeSealingKey.from_private_bytes(bytes(range(1, 33)))
 TEST_SEALING_PUBLIC_KEY = TEST_SEALING_KEY.public_key_b64

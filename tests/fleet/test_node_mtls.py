@@ -1,5 +1,5 @@
 """Mutual TLS between nodes with certificates from the real platform CA (fleet.pki) over loopback sockets:
-gpu_node.identity's contexts, peer_node_id and expect_peer; what is refused; renewal through the live REST API."""
+gpu_node.agent.identity's contexts, peer_node_id and expect_peer; what is refused; renewal through the live REST API."""
 
 import datetime as dt
 import socket
@@ -9,11 +9,18 @@ import threading
 import pytest
 from django.db import transaction
 
+from devtools import dev_pki
 from fleet import pki
 from fleet.models import Node
-from gpu_node import dev_pki
-from gpu_node.agent import ControlPlane
-from gpu_node.identity import IdentityError, NodeIdentity, PeerIdentityError, RenewalLoop, expect_peer, peer_node_id
+from gpu_node.agent.identity import (
+    IdentityError,
+    NodeIdentity,
+    PeerIdentityError,
+    RenewalLoop,
+    expect_peer,
+    peer_node_id,
+)
+from gpu_node.agent.process import ControlPlane
 
 TIMEOUT = 5.0
 

@@ -17,7 +17,7 @@ from caches import services
 from caches.models import Cache, CacheState
 from fleet.models import Node, NodeOrder, NodeState, OrderState
 from fleet.outbox import open_orders, orders_dispatch
-from kcaas.node_messages import DETACH_TASK, PROVISION_TASK, DetachCache, node_queue
+from kcaas.node_protocol.messages import DETACH_TASK, PROVISION_TASK, DetachCache, node_queue
 from tests.caches.conftest import attach_body, make_node, make_tenant, node, tenant_a  # noqa: F401 - fixtures
 from tests.control_broker import use_broker
 from tests.faults import PrivateRedis

@@ -16,7 +16,7 @@ from audit.actions import AuditAction
 from audit.models import AuditEvent
 from fleet import pki, services
 from fleet.models import Node, NodeState
-from gpu_node.identity import NodeIdentity
+from gpu_node.agent.identity import NodeIdentity
 from tests.fleet.conftest import capacity_body
 
 REGISTER, RENEW = "/api/v1/nodes/register", "/api/v1/nodes/certificate"

@@ -1,7 +1,7 @@
-"""Keys in orders to nodes are sealed to the receiving node (kcaas/sealing.py, fleet.outbox.seal_for_node): what the
-broker holds is read raw from a real (private) Redis and must not contain a usable key in any encoding; a node's
-sealing key comes with its authenticated registration; a node with none on record (an agent older than key sealing)
-is sent no key at all and its cache fails with a reason that says so."""
+"""Keys in orders to nodes are sealed to the receiving node (kcaas/node_protocol/sealing.py,
+fleet.outbox.seal_for_node): what the broker holds is read raw from a real (private) Redis and must not contain a usable
+key in any encoding; a node's sealing key comes with its authenticated registration; a node with none on record (an
+agent older than key sealing) is sent no key at all and its cache fails with a reason that says so."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from caches.sealing import hash_key_unseal, ssd_key_unseal
 from fleet import services as fleet_services
 from fleet.models import Node, NodeOrder, OrderState
 from fleet.outbox import NODE_SEALING_KEY_MISSING, orders_dispatch
-from kcaas.node_messages import MIGRATE_IN_TASK, PROVISION_TASK, node_queue
-from kcaas.sealing import NodeSealingKey
+from kcaas.node_protocol.messages import MIGRATE_IN_TASK, PROVISION_TASK, node_queue
+from kcaas.node_protocol.sealing import NodeSealingKey
 from tests.caches.conftest import (  # noqa: F401 - fixtures
     BLOCK_BYTES,
     GIB,

@@ -7,7 +7,7 @@ prefix have bit-identical KV there and any block served for the wrong prefix, sl
 import numpy as np
 import torch
 
-from gpu_node.paged_cache import TORCH_DTYPES, PagedKVCache
+from gpu_node.engine.paged_cache import TORCH_DTYPES, PagedKVCache
 from kcaas.spec import KVCacheSpec
 
 TEST_KEY = b"k" * 32

@@ -1,6 +1,7 @@
 """The SDK trusts node data planes through the platform CA the control plane publishes: it fetches
 /.well-known/kcaas-ca.pem from the live server, and a TLS 1.3 server holding a node certificate issued by that CA
-(gpu_node.identity's data-plane context) verifies against it; a server with a certificate from another CA does not."""
+(gpu_node.agent.identity's data-plane context) verifies against it; a server with a certificate from another CA does
+not."""
 
 import socket
 import ssl
@@ -9,11 +10,11 @@ import threading
 import pytest
 from django.db import transaction
 
+from devtools import dev_pki
 from fleet import pki
 from fleet.models import Node
 from fleet.services import node_create, node_register
-from gpu_node import dev_pki
-from gpu_node.identity import NodeIdentity
+from gpu_node.agent.identity import NodeIdentity
 from kcaas import tls
 
 pytestmark = pytest.mark.django_db(transaction=True)

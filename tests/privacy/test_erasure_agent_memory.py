@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from core.celery import app as control_app
-from gpu_node.dev_pki import write_dev_pki
+from devtools.dev_pki import write_dev_pki
 from kcaas import wire
 from kcaas.dataplane import DataPlaneClient
 from kcaas.spec import KVCacheSpec

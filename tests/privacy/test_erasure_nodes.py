@@ -1,4 +1,4 @@
-"""Erasure across the fleet, through TWO real node task consumers (gpu_node.node_tasks.build_node_app over a real
+"""Erasure across the fleet, through TWO real node task consumers (gpu_node.agent.tasks.build_node_app over a real
 CacheRegistry) and the control plane's own worker, over the real broker:
 - after the erasure no block of the tenant remains on any node: its pools are zeroed and gone from both registries,
   its data tokens reached the nodes' revocation lists, while another tenant's cache on the same node still serves;
@@ -22,12 +22,12 @@ from caches.services import caches_sweep_leases
 from core.celery import app as control_app
 from fleet import services as fleet_services
 from fleet.models import Node
-from gpu_node.block_hash import tokens_as_int32
-from gpu_node.engine_tiers import CachePurged
-from gpu_node.node_tasks import build_node_app
-from gpu_node.registry import CacheRegistry
-from gpu_node.tokens import RevocationList
-from kcaas.node_messages import node_queue
+from gpu_node.agent.registry import CacheRegistry
+from gpu_node.agent.tasks import build_node_app
+from gpu_node.dataplane.tokens import RevocationList
+from gpu_node.engine.block_hash import tokens_as_int32
+from gpu_node.engine.cache_state import CachePurged
+from kcaas.node_protocol.messages import node_queue
 from privacy import receipt as receipts
 from privacy import services
 from tests.caches.conftest import BLOCK_BYTES, attach_body, purge_node_queue, wait_for_state

@@ -1,0 +1,445 @@
+"""The fleet's object store as one node process sees it: a narrow client interface and a guard against its faults.
+
+`ObjectStore` is what the network tier (gpu_node/tiers/network_tier.py) needs of a distributed KV store: whole immutable
+objects by name. `MooncakeObjectStore` is the real one (Mooncake Store over TCP: this process mounts no segment, so
+losing it loses no object). `GuardedStore` wraps one and is what the tier holds:
+
+- every call runs on the guard's own worker thread and is waited on with a deadline (`timeout_s`): a stopped master
+  otherwise blocks a Mooncake call for ~30 s;
+- a timeout or an error opens a breaker for a back-off (`min_backoff_s`, doubling to `max_backoff_s` while faults go
+  on): while open, calls answer at once as a miss (None / False / 0) and count as skipped; the first call after the
+  back-off is a trial, and a success closes the breaker;
+- a call still stuck on the worker when its deadline passed is abandoned (the worker stays busy until the store
+  answers it); further calls wait for the worker no longer than their own deadline, so nothing waits longer than
+  `timeout_s` however the store behaves.
+
+Invariants: a guarded call never raises (store faults are misses) and never blocks longer than `timeout_s` (plus the
+time to hand the call to the worker); `healthy` is False exactly while the breaker is open.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+
+class ObjectStore(Protocol):
+    """Whole objects by name in a store shared by the fleet. Names are ASCII; values are bytes-like.
+
+    - `put` stores a whole object or nothing (True when stored, False when the store refused it, e.g. full);
+      storing a name that exists keeps one of the two;
+    - `get` returns the object's bytes, or None when absent (never a partial object);
+    - `exists` answers for each name; `remove` removes what exists and returns how many it removed;
+    - `remove_prefix` removes every object whose name starts with the prefix (erasure of a cache);
+    - `read(name, consume)` / `read_many(names, consume, slot_bytes)` hand each object's name and bytes to
+      `consume(name, view)` (the view is valid only during the call: the store's reused buffer) and return what it
+      returns (None when absent);
+      `write(name, nbytes, fill)` lets `fill` write the object into the store's reused buffer, then stores it, and
+      `write_many(names, sizes, fill)` does so for several (`fill(i, view)`) in one batched transfer. These are the
+      zero-copy paths: no Python bytes object per object.
+    Any of them may raise on a store fault (the guard turns that into a miss).
+    """
+
+    def put(self, name: str, value) -> bool: ...
+
+    def get(self, name: str) -> bytes | None: ...
+
+    def exists(self, names: list[str]) -> list[bool]: ...
+
+    def remove(self, names: list[str]) -> int: ...
+
+    def remove_prefix(self, prefix: str) -> int: ...
+
+    def read(self, name: str, consume: Callable[[str, memoryview], Any]) -> Any: ...
+
+    def read_many(self, names: list[str], consume: Callable[[str, memoryview], Any], slot_bytes: int) -> list: ...
+
+    def write(self, name: str, nbytes: int, fill: Callable[[memoryview], Any]) -> bool: ...
+
+    def write_many(self, names: list[str], sizes: list[int], fill: Callable[[int, memoryview], Any]) -> list[bool]: ...
+
+    def close(self) -> None: ...
+
+
+class StoreFault(RuntimeError):
+    """The store answered with an error code (the guard counts it as a fault)."""
+
+
+class MooncakeObjectStore:
+    """ObjectStore on Mooncake Store: `master` "host:port" of the master, `metadata_url` its HTTP metadata server.
+
+    This client mounts no memory segment (global segment size 0): objects live on the store servers only. Its local
+    transfer buffer (`buffer_bytes`) bounds one object's size. It connects on first use (and again after a failed
+    try): a store that is down when the node starts delays nothing, and one that comes up later is used. A master
+    whose port refuses connections fails at once (Mooncake's own setup would retry for ~90 s).
+    """
+
+    def __init__(self, master: str, metadata_url: str, *, buffer_bytes: int = 64 << 20, host: str = "127.0.0.1"):
+        self._master, self._metadata_url = master, metadata_url
+        self._buffer_bytes, self._host = buffer_bytes, host
+        self._client = None
+        self._buffers: dict[str, _Registered] = {}  # by purpose: reused, registered with the client
+        self._transfers: ThreadPoolExecutor | None = None  # read_many's transfer thread, started on first use
+
+    @property
+    def _store(self):
+        if self._client is None:
+            self._client = self._connect()
+        return self._client
+
+    def _connect(self):
+        from mooncake.store import MooncakeDistributedStore  # only nodes configured with a network store load it
+
+        host, _, port = self._master.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=2.0).close()
+        except OSError as error:
+            raise StoreFault(f"the network store's master at {self._master} is not reachable ({error})") from error
+        client = MooncakeDistributedStore()
+        code = client.setup(self._host, self._metadata_url, 0, self._buffer_bytes, "tcp", "", self._master)
+        if code != 0:
+            raise StoreFault(f"the network store at {self._master} refused this client (setup answered {code})")
+        return client
+
+    def put(self, name: str, value) -> bool:
+        """False when the store refused the object (full until its eviction runs, say): an answer, not a fault."""
+        code = self._store.put(name, value)
+        return code == 0 or self._store.is_exist(name) == 1  # an existing object is a put that changed nothing
+
+    def get(self, name: str) -> bytes | None:
+        value = self._store.get(name)
+        return value if value else None
+
+    def exists(self, names: list[str]) -> list[bool]:
+        answers = self._store.batch_is_exist(list(names))
+        if any(answer < 0 for answer in answers):
+            raise StoreFault("is_exist answered an error")
+        return [answer == 1 for answer in answers]
+
+    def remove(self, names: list[str]) -> int:
+        if not names:
+            return 0
+        return sum(code == 0 for code in self._store.batch_remove(list(names), True))
+
+    def remove_prefix(self, prefix: str) -> int:
+        escaped = "".join(c if c.isalnum() else "\\" + c for c in prefix)
+        removed = self._store.remove_by_regex("^" + escaped, True)
+        if removed < 0:
+            raise StoreFault(f"remove_by_regex answered {removed}")
+        return removed
+
+    def read(self, name: str, consume: Callable[[str, memoryview], Any]) -> Any:
+        buffer = self._buffer("read", 4 << 20)
+        size = self._store.get_into(name, buffer.address, buffer.size)
+        if size == TOO_SMALL:
+            needed = self._store.get_size(name)
+            if needed <= 0:
+                return None
+            buffer = self._buffer("read", needed)
+            size = self._store.get_into(name, buffer.address, buffer.size)
+        return consume(name, buffer.view[:size]) if size > 0 else None
+
+    def read_many(self, names: list[str], consume: Callable[[str, memoryview], Any], slot_bytes: int) -> list:
+        """Batched transfers of up to READ_CHUNK_BLOCKS objects, pipelined: the next chunk is transferred (on the
+        client's transfer thread, which holds no GIL while the store moves bytes) into one buffer while the objects
+        of the last are consumed from the other. An object larger than its slot is read alone."""
+        slot = max(int(slot_bytes), 4096)
+        chunks = [names[i : i + READ_CHUNK_BLOCKS] for i in range(0, len(names), READ_CHUNK_BLOCKS)]
+        sides = min(2, len(chunks))  # a second buffer only when a transfer overlaps the opening of another
+        buffers = [self._buffer(f"batch{side}", slot * min(len(names), READ_CHUNK_BLOCKS)) for side in range(sides)]
+        results: list = []
+        transfer = self._transfer(chunks[0], buffers[0], slot)
+        for k, chunk in enumerate(chunks):
+            sizes = transfer.result()
+            if k + 1 < len(chunks):
+                transfer = self._transfer(chunks[k + 1], buffers[(k + 1) % sides], slot)
+            view = buffers[k % sides].view
+            for i, (name, size) in enumerate(zip(chunk, sizes)):
+                if size == TOO_SMALL:
+                    results.append(self.read(name, consume))
+                else:
+                    results.append(consume(name, view[i * slot : i * slot + size]) if size > 0 else None)
+        return results
+
+    def _transfer(self, names: list[str], buffer: _Registered, slot: int) -> Future:
+        """batch_get_into of `names` into `buffer`'s slots, on the transfer thread."""
+        if self._transfers is None:
+            self._transfers = ThreadPoolExecutor(1, thread_name_prefix="kcaas-store-transfer")
+        addresses = [buffer.address + i * slot for i in range(len(names))]
+        return self._transfers.submit(self._store.batch_get_into, names, addresses, [slot] * len(names))
+
+    def write(self, name: str, nbytes: int, fill: Callable[[memoryview], Any]) -> bool:
+        buffer = self._buffer("write", nbytes)
+        fill(buffer.view[:nbytes])
+        code = self._store.put_from(name, buffer.address, nbytes)
+        return code == 0 or self._store.is_exist(name) == 1
+
+    def write_many(self, names: list[str], sizes: list[int], fill: Callable[[int, memoryview], Any]) -> list[bool]:
+        buffer = self._buffer("write", sum(sizes))
+        offsets = [0, *itertools.accumulate(sizes[:-1])]
+        for i, (offset, size) in enumerate(zip(offsets, sizes)):
+            fill(i, buffer.view[offset : offset + size])
+        codes = self._store.batch_put_from(names, [buffer.address + offset for offset in offsets], sizes)
+        return [code == 0 or self._store.is_exist(name) == 1 for name, code in zip(names, codes)]
+
+    def _buffer(self, purpose: str, nbytes: int) -> _Registered:
+        """This client's reused buffer for `purpose`, registered with the transfer engine, at least `nbytes`."""
+        current = self._buffers.get(purpose)
+        if current is not None and current.size >= nbytes:
+            return current
+        if current is not None:
+            self._store.unregister_buffer(current.address)
+        fresh = _Registered(max(nbytes, 2 * current.size if current is not None else nbytes))
+        if self._store.register_buffer(fresh.address, fresh.size) != 0:
+            raise StoreFault("the store client refused to register a transfer buffer")
+        self._buffers[purpose] = fresh
+        return fresh
+
+    def close(self) -> None:
+        if self._transfers is not None:
+            self._transfers.shutdown(wait=True)
+        if self._client is not None:
+            self._client.close()
+
+
+CLOSE_WAIT_S = 10.0  # how long close waits for a running call before leaving the client open
+TOO_SMALL = -600  # Mooncake's answer to a get_into whose buffer cannot hold the object
+READ_CHUNK_BLOCKS = 16  # objects per transfer of read_many (smaller chunks overlapped less than they cost)
+
+
+class _Registered:
+    """A reused host buffer and its address, for the store client's zero-copy transfers."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.data = bytearray(size)
+        self.view = memoryview(self.data)
+        self.address = ctypes.addressof((ctypes.c_char * size).from_buffer(self.data))
+
+
+class _Call:
+    """One call handed to the guard's worker. Exactly one of these happens: the caller takes the value (it answered
+    in time), or the caller gave up first and the value, when it comes, goes to `abandon`."""
+
+    def __init__(
+        self,
+        method: Callable,
+        args: tuple,
+        abandon: Callable[[Any], None] | None,
+        cleanup: Callable[[], None] | None = None,
+    ):
+        self.method, self.args, self.abandon, self.cleanup = method, args, abandon, cleanup
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._abandoned = False
+
+    def run(self) -> None:
+        try:
+            value = self.method(*self.args)
+        except Exception as error:  # a store fault of any kind is the guard's to count, never the caller's
+            value, self.error = None, error
+        finally:
+            if self.cleanup is not None:
+                self.cleanup()
+        with self._lock:
+            if self._abandoned:
+                if value is not None and self.abandon is not None:
+                    self.abandon(value)
+                return
+            self.value = value
+            self._done.set()
+
+    def wait(self, timeout: float) -> bool:
+        """True when the call answered in time; else it is abandoned (its value, if it comes, is let go)."""
+        if self._done.wait(timeout):
+            return True
+        with self._lock:
+            if self._done.is_set():
+                return True
+            self._abandoned = True
+            return False
+
+
+class GuardedStore:
+    """An ObjectStore whose faults are misses and whose calls have a deadline (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        *,
+        timeout_s: float = 1.0,
+        min_backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self._store = store
+        self.timeout_s = timeout_s
+        self._min_backoff_s, self._max_backoff_s = min_backoff_s, max_backoff_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._backoff_s = 0.0
+        self._open_until = 0.0
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._worker_free = threading.Semaphore(1)
+        self.num_faults = 0  # timeouts and errors
+        self.num_skipped = 0  # calls answered as a miss while the breaker was open
+        self._closing = False  # set once by close: every later call is a miss, never a call into a closed client
+        self._worker = threading.Thread(target=self._serve, name="kcaas-object-store", daemon=True)
+        self._worker.start()
+
+    @property
+    def healthy(self) -> bool:
+        with self._lock:
+            return self._clock() >= self._open_until
+
+    def put(self, name: str, value) -> bool:
+        return bool(self._call(self._store.put, (name, value), False))
+
+    def get(self, name: str) -> bytes | None:
+        return self._call(self._store.get, (name,), None)
+
+    def exists(self, names: list[str]) -> list[bool]:
+        if not names:
+            return []
+        answers = self._call(self._store.exists, (names,), None)
+        return list(answers) if answers is not None else [False] * len(names)
+
+    def remove(self, names: list[str]) -> int:
+        return int(self._call(self._store.remove, (list(names),), 0)) if names else 0
+
+    def remove_prefix(self, prefix: str) -> int:
+        return int(self._call(self._store.remove_prefix, (prefix,), 0))
+
+    def read(
+        self, name: str, consume: Callable[[str, memoryview], Any], abandon: Callable[[Any], None] | None = None
+    ) -> Any:
+        """`consume` runs on the guard's thread, within the call's deadline (the buffer is valid only then);
+        `abandon(result)` gets a result that came after the deadline."""
+        return self._call(self._store.read, (name, consume), None, abandon)
+
+    def read_many(
+        self,
+        names: list[str],
+        consume: Callable[[str, memoryview], Any],
+        slot_bytes: int,
+        abandon: Callable[[Any], None] | None = None,
+    ) -> list:
+        if not names:
+            return []
+
+        def abandon_all(results: list) -> None:
+            for result in results:
+                if result is not None and abandon is not None:
+                    abandon(result)
+
+        results = self._call(self._store.read_many, (list(names), consume, slot_bytes), None, abandon_all)
+        return list(results) if results is not None else [None] * len(names)
+
+    def write(self, name: str, nbytes: int, fill: Callable[[memoryview], Any]) -> bool:
+        return bool(self._call(self._store.write, (name, nbytes, fill), False))
+
+    def write_many(
+        self,
+        names: list[str],
+        sizes: list[int],
+        fill: Callable[[int, memoryview], Any],
+        cleanup: Callable[[], None] | None = None,
+    ) -> list[bool]:
+        """`cleanup()` runs once `fill` can no longer be called (after the transfer, on the worker; or here, when
+        the call never reached it): where the caller lets go of what `fill` reads, even past the deadline."""
+        if not names:
+            if cleanup is not None:
+                cleanup()
+            return []
+        stored = self._call(self._store.write_many, (list(names), list(sizes), fill), None, cleanup=cleanup)
+        return list(stored) if stored is not None else [False] * len(names)
+
+    def close(self) -> None:
+        """Stop taking calls (later ones are misses), let the worker finish what it runs, then close the client. A
+        call stuck in the store past CLOSE_WAIT_S keeps the client open (closing a Mooncake client under a running
+        call crashes the process): it is left to the process's exit."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            self._calls.put(None)
+        self._worker.join(timeout=max(CLOSE_WAIT_S, 2 * self.timeout_s))
+        if self._worker.is_alive():
+            log.warning("a network store call is still running: its client is left open")
+            return
+        self._store.close()
+
+    # ---- the guard ---------------------------------------------------------------------------------------------------
+    def _call(
+        self,
+        method: Callable,
+        args: tuple,
+        miss: Any,
+        abandon: Callable[[Any], None] | None = None,
+        cleanup: Callable[[], None] | None = None,
+    ) -> Any:
+        """Run `method(*args)` on the worker, waiting until the deadline; `abandon(value)` gets the value of a call
+        that answered after its caller gave up (to zero what it decrypted); `cleanup()` runs exactly once after the
+        method ran (on the worker) or instead of it (here, when the call never reached the worker)."""
+        if self._closing or not self.healthy:
+            with self._lock:
+                self.num_skipped += 1
+            if cleanup is not None:
+                cleanup()
+            return miss
+        deadline = self._clock() + self.timeout_s
+        if not self._worker_free.acquire(timeout=self.timeout_s):  # the worker is still stuck on an abandoned call
+            if cleanup is not None:
+                cleanup()
+            return self._fault("the store's worker is still busy with a call past its deadline", miss)
+        call = _Call(method, args, abandon, cleanup)
+        with self._lock:  # queued before close's sentinel, or not at all
+            closing = self._closing
+            if not closing:
+                self._calls.put(call)
+        if closing:
+            self._worker_free.release()
+            if cleanup is not None:
+                cleanup()
+            return miss
+        if not call.wait(max(0.0, deadline - self._clock())):
+            return self._fault(f"no answer within {self.timeout_s} s", miss)
+        if call.error is not None:
+            return self._fault(repr(call.error), miss)
+        self._closed()
+        return call.value
+
+    def _serve(self) -> None:
+        while True:
+            call = self._calls.get()
+            if call is None:
+                return
+            try:
+                call.run()
+            finally:
+                self._worker_free.release()
+
+    def _fault(self, reason: str, miss: Any) -> Any:
+        with self._lock:
+            self.num_faults += 1
+            self._backoff_s = min(self._max_backoff_s, max(self._min_backoff_s, 2 * self._backoff_s))
+            self._open_until = self._clock() + self._backoff_s
+            backoff = self._backoff_s
+        log.warning("network store fault (%s): its tier answers misses for %.1f s", reason, backoff)
+        return miss
+
+    def _closed(self) -> None:
+        with self._lock:
+            self._backoff_s = 0.0
