@@ -126,7 +126,7 @@ def audit_record(
                 event.save(force_insert=True)
                 head.seq, head.hash = event.seq, event.hash
                 head.save(update_fields=["seq", "hash"])
-        except Exception as error:  # noqa: BLE001 - fail closed: the caller's change must not commit without its event
+        except Exception as error:
             raise AuditWriteError(f"could not record {AuditAction(action).name}: {error}") from error
     return event
 

@@ -12,17 +12,10 @@ shared and noisy: read the ratios (put_vs_memcpy, lookup_speedup_vs_sha256, ...)
 Layout: Llama-3-8B-like (32 layers, 8 KV heads, head_dim 128, fp16 KV and storage, 16-token blocks), i.e. 128 KiB of
 KV per token and 2 MiB per block.
 
-Like-for-like changes (an issue found baseline ratios that flattered the engine; docs/performance.md has the detail):
-- `lookup_speedup_vs_sha256` now gives both contenders the same input, Python lists (what a vLLM-style engine holds;
-  in service the connector converts the list before sending, so the conversion is paid either way). It used to
-  compare the engine on numpy int32 arrays with the baseline on lists; that figure is kept, named
-  `lookup_speedup_vs_sha256_numpy_input`.
-- `lookup_vs_prehashed_probe` (new) compares against what vLLM really does: hash a request's blocks once on arrival,
-  then only probe a dict with those hashes, over PREHASHED_LOOKUPS_PER_REQUEST lookups per request.
-- `paged_baseline_utilization` (new) is the honest peer of `utilization`: vLLM-style paging of the same running
-  requests at the same steps, no prefix sharing. `static_prealloc_utilization` stays, a strawman.
-- `put_churned_*` (new): puts into a full pool, every put evicting (LRU reuse of blocks), beside `put_gbps` whose
-  pool is cleared, untimed, whenever it fills.
+Baselines are like for like (docs/performance.md, "Like-for-like baselines", says what each compares and why):
+`lookup_speedup_vs_sha256` gives both contenders Python lists; `lookup_vs_prehashed_probe` compares against hashing
+a request's blocks once and then only probing; `paged_baseline_utilization` is vLLM-style paging of the same
+requests without prefix sharing; `put_churned_*` puts into a full pool, every put evicting.
 """
 
 from __future__ import annotations
@@ -279,7 +272,7 @@ def measure_put_get(spec: KVCacheSpec, cfg: BenchConfig, device: torch.device) -
         assert n == num_tokens
         return elapsed
 
-    def get_fresh_out():  # get allocating its output: fresh pages are faulted in, ~15x a warm copy on this VM
+    def get_fresh_out():  # get allocating its output: fresh pages are faulted in (the gap to get is that cost)
         tokens = stored[-1]
         begin = time.perf_counter()
         n, out = cache.get(tokens)

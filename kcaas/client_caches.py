@@ -35,7 +35,13 @@ class CacheMethods(RestTransport):
         (a TimeoutError) after `timeout` seconds. Retries are safe: one Idempotency-Key serves every attempt.
         `progress(cache)` is called with the cache as first answered and after each poll (see wait_for).
         `capacity` may name "network" bytes (the fleet's network store); `network_write_through` acknowledges a put
-        only once its full blocks are in it (needs network bytes)."""
+        only once its full blocks are in it (needs network bytes).
+
+        Returns: the Cache (ready with `wait`).
+        Raises: a kcaas.errors.KcaasError subclass carrying the API's code (e.g. NotFoundError 404, QuotaExceededError,
+            ServiceUnavailableError 503 no_capacity), APIConnectionError when the control plane cannot be reached.
+            CacheFailedError, WaitTimeoutError with `wait`.
+        """
         spec_body = spec.to_dict() if isinstance(spec, KVCacheSpec) else dict(spec)
         body: dict[str, Any] = {"name": name, "spec": spec_body, "capacity": dict(capacity)}
         if network_write_through:
@@ -56,7 +62,13 @@ class CacheMethods(RestTransport):
         progress: Callable[[Cache], None] | None = None,
     ) -> Cache:
         """Poll GET /caches/{id} (backing off from 50 ms to 1 s) until the cache is in `state`; `progress(cache)`, if
-        given, sees every state polled (the first one included) before it is checked."""
+        given, sees every state polled (the first one included) before it is checked.
+
+        Returns: the Cache in `state`.
+        Raises: WaitTimeoutError past `timeout`; CacheFailedError if it fails; a kcaas.errors.KcaasError subclass
+        carrying the API's code (e.g. NotFoundError 404, QuotaExceededError,
+            ServiceUnavailableError 503 no_capacity), APIConnectionError when the control plane cannot be reached.
+        """
         deadline = time.monotonic() + timeout
         delay = 0.05
         cache = current or self.get_cache(cache_id)
@@ -78,14 +90,24 @@ class CacheMethods(RestTransport):
             cache = self.get_cache(cache_id)
 
     def list_caches(self, *, state: str | None = None) -> list[Cache]:
-        """Every cache of this tenant (all pages), optionally only those in `state`."""
+        """Every cache of this tenant (all pages), optionally only those in `state`.
+
+        Returns: the caches, every page.
+        Raises: a kcaas.errors.KcaasError subclass carrying the API's code (e.g. NotFoundError 404, QuotaExceededError,
+            ServiceUnavailableError 503 no_capacity), APIConnectionError when the control plane cannot be reached.
+        """
         return [Cache.from_json(item) for item in self._paginate(f"{API_PREFIX}/caches", {"state": state})]
 
     def get_cache(self, cache_id: str) -> Cache:
         return Cache.from_json(self._request("GET", f"{API_PREFIX}/caches/{_segment(cache_id)}").body)
 
     def detach(self, cache_id: str, *, wait: bool = False, timeout: float = 60.0) -> Cache:
-        """Detach (idempotent): the cache goes `detaching` (its tokens are revoked), then `detached`."""
+        """Detach (idempotent): the cache goes `detaching` (its tokens are revoked), then `detached`.
+
+        Returns: the Cache (detached with `wait`).
+        Raises: a kcaas.errors.KcaasError subclass carrying the API's code (e.g. NotFoundError 404, QuotaExceededError,
+            ServiceUnavailableError 503 no_capacity), APIConnectionError when the control plane cannot be reached.
+        """
         cache = Cache.from_json(self._request("DELETE", f"{API_PREFIX}/caches/{_segment(cache_id)}").body)
         if wait and cache.state != "detached":
             return self.wait_for(cache.id, "detached", timeout=timeout, current=cache)
@@ -95,7 +117,13 @@ class CacheMethods(RestTransport):
         """Recover a cache whose node was lost (failed, node_lost) from the network tier: it is placed on another
         node at a new epoch (POST /caches/{id}/recover) and, with `wait`, polled until `ready`. 409
         (ConflictError) with code cache_not_node_lost or cache_without_network_tier when there is nothing to
-        recover. Not retried blindly: a second call on a recovered cache is a 409, never a second placement."""
+        recover. Not retried blindly: a second call on a recovered cache is a 409, never a second placement.
+
+        Returns: the Cache, placed again (ready with `wait`).
+        Raises: a kcaas.errors.KcaasError subclass carrying the API's code (e.g. NotFoundError 404, QuotaExceededError,
+            ServiceUnavailableError 503 no_capacity), APIConnectionError when the control plane cannot be reached.
+            ConflictError when it cannot be recovered (its code says why).
+        """
         path = f"{API_PREFIX}/caches/{_segment(cache_id)}/recover"
         cache = Cache.from_json(self._request("POST", path, json_body={}).body)
         if wait and cache.state != "ready":
@@ -105,7 +133,13 @@ class CacheMethods(RestTransport):
     def issue_token(self, cache_id: str, *, access: str = "read", ttl_seconds: int | None = None) -> DataToken:
         """A short-lived data-plane token for a ready cache (409 cache_not_ready before). `access` "read" (lookup and
         get; the default, as for the REST API) or "readwrite" (also put and delete). Not retried on errors without an
-        answer: each issue counts against max_data_tokens_outstanding."""
+        answer: each issue counts against max_data_tokens_outstanding.
+
+        Returns: the DataToken.
+        Raises: a kcaas.errors.KcaasError subclass carrying the API's code (e.g. NotFoundError 404, QuotaExceededError,
+            ServiceUnavailableError 503 no_capacity), APIConnectionError when the control plane cannot be reached.
+            ConflictError cache_not_ready.
+        """
         body: dict[str, Any] = {"access": access}
         if ttl_seconds is not None:
             body["ttl_seconds"] = int(ttl_seconds)
@@ -114,7 +148,12 @@ class CacheMethods(RestTransport):
 
     def revoke_token(self, cache_id: str, jti: str | None = None) -> int:
         """Revoke one data token of the cache (`jti`), or all its outstanding ones; the node refuses them at once
-        (at the latest at its next heartbeat), also on open connections. Idempotent; returns how many were revoked."""
+        (at the latest at its next heartbeat), also on open connections. Idempotent; returns how many were revoked.
+
+        Returns: how many were revoked.
+        Raises: a kcaas.errors.KcaasError subclass carrying the API's code (e.g. NotFoundError 404, QuotaExceededError,
+            ServiceUnavailableError 503 no_capacity), APIConnectionError when the control plane cannot be reached.
+        """
         tail = f"/{_segment(jti)}/revoke" if jti is not None else "/revoke"
         path = f"{API_PREFIX}/caches/{_segment(cache_id)}/tokens{tail}"
         return int(self._request("POST", path, json_body={}).body["revoked"])

@@ -128,11 +128,23 @@ class DataPlaneClient:
 
     # ---- single sequences ---------------------------------------------------------------------------------------
     def lookup(self, tokens) -> int:
-        """How many leading tokens of `tokens` the cache holds."""
+        """How many leading tokens of `tokens` the cache holds.
+
+        Returns: the cached token count (0: a miss).
+        Raises: DataPlaneError (its `code`: not_found, forbidden, token_expired, identity_mismatch, overloaded, ...)
+        when the
+            node refuses; OSError when the connection fails.
+        """
         return self._t.call(Opcode.LOOKUP, [_as_int32(tokens)]).num_cached[0]
 
     def delete(self, tokens) -> int:
-        """Forget the cached prefix of `tokens` and everything stored under it; returns the blocks removed."""
+        """Forget the cached prefix of `tokens` and everything stored under it; returns the blocks removed.
+
+        Returns: the blocks removed (0: nothing cached).
+        Raises: DataPlaneError (its `code`: not_found, forbidden, token_expired, identity_mismatch, overloaded, ...)
+        when the
+            node refuses; OSError when the connection fails. forbidden for a read token.
+        """
         return self.delete_batch([tokens])[0]
 
     def put(self, tokens, kv, *, start: int = 0) -> dict:
@@ -141,6 +153,12 @@ class DataPlaneClient:
         `start`: kv holds tokens[start:] only (n - start tokens), the cache already holding tokens[:start] (a node
         that no longer does refuses with `prefix_not_cached`). Returns {"num_cached", "num_written",
         "out_of_space"}; a sequence larger than a frame goes in several frames, each appended after the last.
+
+        Returns: {"num_cached", "num_written", "out_of_space"}.
+        Raises: DataPlaneError (its `code`: not_found, forbidden, token_expired, identity_mismatch, overloaded, ...)
+        when the
+            node refuses; OSError when the connection fails. forbidden for a read token; prefix_not_cached (with
+            `start`).
         """
         return self.put_batch([(tokens, kv, start)])[0]
 
@@ -153,22 +171,45 @@ class DataPlaneClient:
         tokens): the answer — every part of a long one at its offset — is received straight into it and kv is a view
         of it: no fresh buffer per get (its page faults cost more than the transfer). Without it, each get allocates
         one buffer for its result.
+
+        Returns: (n, kv); n 0 and kv empty on a miss.
+        Raises: DataPlaneError (its `code`: not_found, forbidden, token_expired, identity_mismatch, overloaded, ...)
+        when the
+            node refuses; OSError when the connection fails. ValueError for an unusable `out` or `start`.
         """
         return self.get_batch([tokens], outs=[out], starts=[start])[0]
 
     # ---- batches ------------------------------------------------------------------------------------------------
     def lookup_batch(self, sequences) -> list[int]:
-        """lookup of each sequence, in as few round trips as the node's frame limits allow (usually one)."""
+        """lookup of each sequence, in as few round trips as the node's frame limits allow (usually one).
+
+        Returns: one cached token count per sequence.
+        Raises: DataPlaneError (its `code`: not_found, forbidden, token_expired, identity_mismatch, overloaded, ...)
+        when the
+            node refuses; OSError when the connection fails.
+        """
         ids = [_as_int32(t) for t in sequences]
         return self._token_only(Opcode.LOOKUP, ids, lambda reply: reply.num_cached)
 
     def delete_batch(self, sequences) -> list[int]:
-        """delete of each sequence (in order), in as few round trips as the frame limits allow."""
+        """delete of each sequence (in order), in as few round trips as the frame limits allow.
+
+        Returns: the blocks removed per sequence.
+        Raises: DataPlaneError (its `code`: not_found, forbidden, token_expired, identity_mismatch, overloaded, ...)
+        when the
+            node refuses; OSError when the connection fails.
+        """
         ids = [_as_int32(t) for t in sequences]
         return self._token_only(Opcode.DELETE, ids, lambda reply: reply.num_removed_blocks)
 
     def get_batch(self, sequences, *, outs=None, starts=None) -> list:
-        """get of each sequence: [(n, kv), ...]. outs[i] / starts[i] as get's `out` / `start` (None / 0)."""
+        """get of each sequence: [(n, kv), ...]. outs[i] / starts[i] as get's `out` / `start` (None / 0).
+
+        Returns: one (n, kv) per sequence.
+        Raises: DataPlaneError (its `code`: not_found, forbidden, token_expired, identity_mismatch, overloaded, ...)
+        when the
+            node refuses; OSError when the connection fails. ValueError for mismatched `outs`/`starts`.
+        """
         import torch
 
         spec = self.identity
@@ -207,7 +248,13 @@ class DataPlaneClient:
     def put_batch(self, items) -> list[dict]:
         """put of each (tokens, kv) or (tokens, kv, start): [{"num_cached", "num_written", "out_of_space"}, ...].
         Sequences are packed into frames up to the node's limit (one round trip for a batch that fits); one larger
-        than a frame is sent alone, in parts."""
+        than a frame is sent alone, in parts.
+
+        Returns: one put answer per item.
+        Raises: DataPlaneError (its `code`: not_found, forbidden, token_expired, identity_mismatch, overloaded, ...)
+        when the
+            node refuses; OSError when the connection fails.
+        """
         prepared = [self._prepare_put(*item) for item in items]
         results: list = [None] * len(prepared)
         with self._t.lock:

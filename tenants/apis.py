@@ -335,9 +335,12 @@ QuotaOverridesSerializer = _quota_serializer(
 )
 
 
-class QuotaOutputSerializer(_quota_serializer("QuotaLimitsSerializer", "Effective limits.")):
+class _QuotaOutputBase(serializers.Serializer):
     tenant_id = serializers.UUIDField()
     overrides = QuotaOverridesSerializer()
+
+
+QuotaOutputSerializer = _quota_serializer("QuotaOutputSerializer", "Effective limits.", base=_QuotaOutputBase)
 
 
 class _QuotaPatchBase(RejectUnknownFieldsMixin, serializers.Serializer):

@@ -51,7 +51,7 @@ def network_store_env(network_store, monkeypatch):
 
 
 @pytest.fixture
-def exported(network_store_env, agent_process, live_server, make_tenant):  # noqa: F811
+def exported(network_store_env, agent_process, live_server, make_tenant):
     """Every series name the live control plane and the live node agent (hosting one cache) expose."""
     _, _, metrics_port = agent_process
     tenant = make_tenant()

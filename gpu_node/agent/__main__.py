@@ -17,6 +17,6 @@ if sys.platform.startswith("linux") and not os.environ.get("LD_BIND_NOW"):
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, "LD_BIND_NOW": "1"})
 os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
 
-from gpu_node.agent.process import main  # noqa: E402 - after the re-execution, which must come before any library
+from gpu_node.agent.process import main
 
 raise SystemExit(main())

@@ -43,6 +43,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, x25519
 from cryptography.x509.oid import NameOID
 
+from gpu_node.errors import NodeError
 from gpu_node.tiers.durable_file import replace_file
 from kcaas.node_protocol.sealing import NodeSealingKey
 
@@ -52,12 +53,12 @@ KEY_FILE, CERT_FILE, CA_FILE = "node.key", "node.pem", "ca.pem"
 SEALING_KEY_FILE = "node-sealing.key"
 
 
-class PeerIdentityError(ConnectionError):
+class PeerIdentityError(NodeError, ConnectionError):
     """The peer's verified certificate does not name the expected node (or names no node at all); an OSError, so
     a caller treating failed connections as OSError treats this one the same."""
 
 
-class IdentityError(ValueError):
+class IdentityError(NodeError, ValueError):
     """A certificate that this identity cannot install (wrong key, wrong CA, no node URI, another node)."""
 
 

@@ -38,6 +38,7 @@ from gpu_node.agent.tasks import build_node_app
 from gpu_node.agent.usage import UsageReporter, UsageReportLoop
 from gpu_node.dataplane.admission import NodeLimits, TenantLimits
 from gpu_node.dataplane.tokens import RevocationList
+from gpu_node.errors import NodeError
 from gpu_node.tiers.host_memory import keep_block_buffers_on_heap
 from kcaas.node_protocol.messages import node_queue
 
@@ -156,10 +157,12 @@ def _flag(value: str | None, *, default: bool) -> bool:
     return default if not value else value.strip().lower() not in ("0", "false", "no", "off")
 
 
-class ControlPlaneError(Exception):
-    def __init__(self, status: int, code: str, message: str):
-        super().__init__(f"{status} {code}: {message}")
-        self.status, self.code = status, code
+class ControlPlaneError(NodeError):
+    """The control plane refused a request of this node: its HTTP `status` and error code (`api_code`)."""
+
+    def __init__(self, status: int, api_code: str, message: str):
+        super().__init__(f"{status} {api_code}: {message}")
+        self.status, self.api_code = status, api_code
 
 
 class ControlPlane:
@@ -231,7 +234,7 @@ class Heartbeat:
         try:
             self._send()
         except ControlPlaneError as error:
-            if error.code == "reregister_required":
+            if error.api_code == "reregister_required":
                 self._reregister()
             else:
                 logger.warning("heartbeat refused: %s", error)
@@ -325,7 +328,7 @@ class NodeAgent:
         for name, step in steps:
             try:
                 step()
-            except Exception:  # noqa: BLE001 - stopping must go on; the error is logged
+            except Exception:
                 logger.exception("error while stopping the %s", name)
 
     # ---- control plane --------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu_node.engine.paged_cache import PagedKVCache
+from gpu_node.errors import NodeError
 from gpu_node.tiers import cache_dirs
 from gpu_node.tiers import lower_tiers as tiers
 from kcaas.spec import KVCacheSpec
@@ -47,12 +48,12 @@ TIERS = ("device", "dram", "ssd", "network")
 log = logging.getLogger(__name__)
 
 
-class ProvisionError(Exception):
-    """A provisioning the node refuses; `code` is what it reports to the control plane."""
+class ProvisionError(NodeError):
+    """A provisioning the node refuses; `reason` is the failure reason it reports to the control plane."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, reason: str, message: str):
         super().__init__(message)
-        self.code = code
+        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,7 +215,7 @@ class CacheRegistry:
         for listener in listeners:
             try:
                 listener(str(tenant_id))
-            except Exception:  # noqa: BLE001 - the purge itself must go on
+            except Exception:
                 log.exception("a purge listener failed")
         freed = [
             {"cache_id": h.cache_id, "freed_bytes": h.engine.wipe()} for h in sorted(purged, key=lambda h: h.cache_id)

@@ -142,7 +142,7 @@ def provision(
     except (ValueError, TypeError):
         return False, "invalid_request"
     except ProvisionError as refusal:
-        return False, refusal.code
+        return False, refusal.reason
     except (MemoryError, RuntimeError, OSError) as error:  # the allocator (CUDA OOM: RuntimeError), the SSD dir
         logger.warning("provisioning %s failed: %s", cache_id, error)
         return False, "allocation_failed"

@@ -119,7 +119,7 @@ class UsageReportLoop:
         while not self._stopped.wait(self.interval):
             try:
                 self.reporter.tick()
-            except Exception:  # noqa: BLE001 - a snapshot error must not end the loop
+            except Exception:
                 logger.exception("usage report tick failed")
 
     def stop(self) -> None:

@@ -18,8 +18,8 @@ from gpu_node.dataplane.connection import Conn
 from gpu_node.dataplane.io import tensor_bytes
 from gpu_node.engine.kv_input import KVNotStorable
 from gpu_node.engine.paged_cache import TORCH_DTYPES, PrefixNotCached
+from gpu_node.errors import answer_error
 from kcaas import wire
-from kcaas.wire import ErrorCode, ProtocolError
 
 
 def answer_put(hosted: HostedCache, request: wire.DataRequest, tokens: list[np.ndarray]) -> list:
@@ -34,14 +34,8 @@ def answer_put(hosted: HostedCache, request: wire.DataRequest, tokens: list[np.n
         kv = torch.frombuffer(kv_bytes, dtype=dtype).view(shape) if kv_bytes.nbytes else torch.empty(shape, dtype=dtype)
         try:
             result = engine.put(toks, kv, start=start)
-        except PrefixNotCached as exc:
-            raise ProtocolError(
-                ErrorCode.PREFIX_NOT_CACHED, str(exc), details={"num_cached": exc.num_cached, "sequence": seq}
-            ) from None
-        except KVNotStorable as exc:  # the values, not the node: the client's to fix (sequences before were put)
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST, str(exc), details={"reason": "kv_not_storable", "sequence": seq}
-            ) from None
+        except (PrefixNotCached, KVNotStorable) as exc:  # the client's to fix (the sequences before were put)
+            raise answer_error(exc, sequence=seq) from None
         num_cached.append(result.num_cached_tokens)
         num_written.append(result.num_written_tokens)
         out_of_space.append(result.out_of_space)

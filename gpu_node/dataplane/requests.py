@@ -30,7 +30,7 @@ from gpu_node.dataplane.answers import answer_get, answer_put, count_served, rel
 from gpu_node.dataplane.connection import Conn, Session
 from gpu_node.dataplane.staging import StagingPool
 from gpu_node.dataplane.tokens import TokenVerifier
-from gpu_node.engine.cache_state import CachePurged
+from gpu_node.errors import NOT_FOUND_MESSAGE, NodeError, answer_error
 from gpu_node.migration.fence import MovedError, fences_for
 from kcaas import wire
 from kcaas.spec import IdentityMismatch
@@ -38,7 +38,6 @@ from kcaas.wire import ErrorCode, Opcode, ProtocolError
 
 log = logging.getLogger(__name__)
 
-NOT_FOUND_MESSAGE = "no such cache on this node, or the token does not grant it"
 WRITE_OPS = frozenset({"put", "delete"})
 AUTH_FAILURE_CODES = frozenset(
     {ErrorCode.UNAUTHENTICATED, ErrorCode.TOKEN_EXPIRED, ErrorCode.FORBIDDEN, ErrorCode.NOT_FOUND}
@@ -227,12 +226,12 @@ class RequestHandler:
         """The answer to a frame whose handling raised `exc`."""
         if isinstance(exc, MovedError):  # the cache is leaving or has left this node (gpu_node/migration/fence.py)
             return wire.encode_moved(frame.request_id, cache_id=exc.cache_id, endpoint=exc.endpoint, epoch=exc.epoch)
-        if isinstance(exc, CachePurged):  # purged (erasure) while this request was being served: gone, never zeros
-            return wire.encode_error(frame.request_id, ErrorCode.NOT_FOUND, NOT_FOUND_MESSAGE)
         if isinstance(exc, ProtocolError):
             if exc.code in AUTH_FAILURE_CODES and self.metrics is not None:
                 self.metrics.auth_failures.labels(reason=exc.code).inc()
             return wire.encode_error_for(exc, frame.request_id)
+        if isinstance(exc, NodeError) and exc.code != ErrorCode.INTERNAL:  # e.g. CachePurged: not_found, never zeros
+            return wire.encode_error_for(answer_error(exc), frame.request_id)
         log.error("data-plane request failed", exc_info=exc)
         return wire.encode_error(frame.request_id, ErrorCode.INTERNAL, "internal error")
 

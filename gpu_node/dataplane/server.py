@@ -380,7 +380,7 @@ class DataPlaneServer:
         started = time.perf_counter()
         try:
             response = self._handle(conn, frame)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - every failure of a request is answered (its code, else internal)
             response = self.requests.error_answer(frame, exc)
         sent = False
         try:

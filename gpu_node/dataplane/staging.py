@@ -1,14 +1,15 @@
 """The node's staging memory for puts: one budget for the whole node, buffers shared by every connection.
 
-A put's KV is received into staging and then written into the cache's pool. Staging used to belong to each
-connection, allocated when a put's header arrived and kept afterwards: a client could pin memory with headers that
-never sent their payload, and idle connections held their buffers outside any budget. Here:
+A put's KV is received into staging and then written into the cache's pool. Staging kept per connection would let a
+client pin memory with headers that never send their payload, and let idle connections hold buffers outside any
+budget. So:
 
 - `lease(nbytes, tenant)` reserves against the node-wide budget *before* anything is allocated: when leased plus
   idle bytes would pass `max_bytes`, idle buffers are released first, and if that is not enough the request is
   refused with `overloaded` (limit `node_bytes`) — nothing blocks. A request alone always fits (the budget is at
   least one frame).
-- A returned lease goes back to the pool (its pages stay warm: fresh pages cost ~15x a warm copy) and is handed
+- A returned lease goes back to the pool (its pages stay warm: a fresh page faults on first touch; bench.engine's
+  get_fresh_out shows the cost) and is handed
   out again. Buffers are anonymous mmaps, so releasing one gives its memory back to the operating system.
 - Plaintext hygiene: a buffer only ever holds the bytes of the tenant it is tagged with. Handing it to another
   tenant zeroes the bytes the last one wrote first; `scrub_tenant` (erasure) zeroes a purged tenant's idle buffers;

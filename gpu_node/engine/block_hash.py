@@ -22,13 +22,13 @@ SHA-256 in CPython. Digests are 16 bytes: with a secret key, 128 bits leaves for
 small.
 
 Speed: the chain is computed in C (gpu_node/engine/_blockhash.c, BLAKE2b from RFC 7693, byte-identical to hashlib's
-keyed blake2b) in one call per sequence, ~0.13 us per block, instead of four Python-level hashlib calls per block
-(~0.5 us). A lookup needs only the cached part of a chain: `BlockHasher.held_run` (C `chain_hashes_held`) hashes
-block by block, probes a container every few blocks (the device index; the lower tiers after it) and stops at the
-first block it lacks, so a prompt whose first half is cached costs about half a fully cached one. Token ids given as
-a Python list are converted in C (numpy's conversion cost more than hashing them), and an int32 array's one check (no
-negative id) is a C pass. Without the extension the same chains come from hashlib (`chain_hashes_python`,
-`chain_hashes_held_python`) and the checks from numpy.
+keyed blake2b) in one call per sequence, several times cheaper than four Python-level hashlib calls per block
+(bench.engine's lookup_* figures measure it). A lookup needs only the cached part of a chain: `BlockHasher.held_run` (C
+`chain_hashes_held`) hashes block by block, probes a container every few blocks (the device index; the lower tiers after
+it) and stops at the first block it lacks, so a prompt whose first half is cached costs about half a fully cached one.
+Token ids given as a Python list are converted in C (numpy's conversion cost more than hashing them), and an int32
+array's one check (no negative id) is a C pass. Without the extension the same chains come from hashlib
+(`chain_hashes_python`, `chain_hashes_held_python`) and the checks from numpy.
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ except ImportError:  # not built (e.g. a source checkout without `pip install -e
 BlockHash = NewType("BlockHash", bytes)
 # What a lower tier keeps beside a full block so its chain can be rebuilt without the device: (parent, its tokens).
 BlockLineage = tuple[BlockHash, np.ndarray]
+# What a tier's store pushes out to stay within capacity, for the next tier: (name, payload, checksum).
+PushedOut = tuple[BlockHash, bytearray, int]
 
 HASH_NUM_BYTES = 16
 MIN_KEY_BYTES = 16
@@ -64,7 +66,7 @@ def tokens_as_int32(tokens) -> np.ndarray:
 
     Fast paths, same answers: a list or tuple of plain ints is converted in C (numpy's conversion of a Python list
     costs more than hashing it); an int32 array needs only its sign bits checked (no int32 exceeds 2**31 - 1), in C
-    when built (numpy's min() costs ~1 us of overhead).
+    when built (numpy's min() has a fixed overhead larger than the C pass).
     """
     if type(tokens) is np.ndarray and tokens.ndim == 1 and tokens.dtype == _INT32_LE:
         tokens = np.ascontiguousarray(tokens)

@@ -37,7 +37,7 @@ import numpy as np
 from gpu_node.engine.block_hash import BlockHash
 
 NO_TOKEN = -1
-_FEW_BLOCKS = 8  # hold/release of up to this many blocks go element by element (numpy costs ~5 us to set up)
+_FEW_BLOCKS = 8  # hold/release of up to this many blocks go element by element (numpy's fixed setup cost)
 
 
 class BlockPool:

@@ -21,14 +21,22 @@ import torch
 
 from gpu_node.engine.block_hash import BlockChain, BlockHasher
 from gpu_node.engine.block_pool import BlockPool
+from gpu_node.errors import NOT_FOUND_MESSAGE, NodeError
 from kcaas.spec import KVCacheSpec
+from kcaas.wire import ErrorCode
 
 if TYPE_CHECKING:
     from gpu_node.tiers.lower_tiers import LowerTiers
 
 
-class CachePurged(RuntimeError):
-    """The cache was purged (wipe): its KV is gone and it serves nothing more."""
+class CachePurged(NodeError, RuntimeError):
+    """The cache was purged (wipe): its KV is gone and it serves nothing more. Answered `not_found`, as a cache this
+    node never had (never zeros, never a hint that it existed)."""
+
+    code = ErrorCode.NOT_FOUND
+
+    def public_message(self) -> str:
+        return NOT_FOUND_MESSAGE
 
 
 @dataclass(slots=True, eq=False)

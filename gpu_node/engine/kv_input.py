@@ -18,16 +18,25 @@ those two kinds of storage.
 """
 
 import math
+from typing import Any
 
 import torch
 
+from gpu_node.errors import NodeError
+from kcaas.wire import ErrorCode
 from kcaas_kernels import QUANT_DTYPES, QUANT_MAX_ABS_INPUT, ROUNDING
 
 _K_OR_V = ("K", "V")
 
 
-class KVNotStorable(ValueError):
-    """KV values this cache's storage dtype cannot hold faithfully (see the module docstring). Nothing was stored."""
+class KVNotStorable(NodeError, ValueError):
+    """KV values this cache's storage dtype cannot hold faithfully (see the module docstring). Nothing was stored.
+    The client's to fix: answered `bad_request` (reason kv_not_storable) with the message."""
+
+    code = ErrorCode.BAD_REQUEST
+
+    def details(self) -> dict[str, Any]:
+        return {"reason": "kv_not_storable"}
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -62,10 +62,11 @@ def lookup_probe_stride(num_blocks: int) -> int:
     """How many blocks lookup hashes between two probes of the device index, for a prompt of `num_blocks` full
     blocks: ~sqrt(num_blocks) / 2, within [4, 32].
 
-    A probe (a bytes object, its hash, a dict lookup) costs ~40 ns, more once the index outgrows the CPU's caches,
-    against ~125 ns to hash a block. With stride s a full hit pays num_blocks / s probes and a miss is found at most
-    s - 1 blocks late (hashed for nothing); s ~ sqrt(num_blocks) / 2 keeps both small: a 4096-token prompt at block
-    size 16 gets s = 8 (32 probes), a 32768-token one s = 22 (94 probes, ~1.5% of its hashing).
+    A probe (a bytes object, its hash, a dict lookup) costs about a third of hashing a block, more once the index
+    outgrows the CPU's caches (bench.engine's lookup_* figures measure both). With stride s a full hit pays num_blocks /
+    s probes and a miss is found at most s - 1 blocks late (hashed for nothing); s ~ sqrt(num_blocks) / 2 keeps both
+    small: a 4096-token prompt at block size 16 gets s = 8 (32 probes), a 32768-token one s = 22 (94 probes, ~1.5% of
+    its hashing).
     """
     return min(32, max(4, math.isqrt(num_blocks) // 2))
 
@@ -78,7 +79,8 @@ def _allocate_storage(
     spec: KVCacheSpec, num_blocks: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The pool [num_blocks, num_layers, 2, block_size, heads, dim] in the storage dtype, and the scales (quantized
-    storage only), zeroed now: first touch of fresh pages costs ~15x a warm copy and would land on the first puts."""
+    storage only), zeroed now: the first touch of fresh pages costs more than a warm copy (bench.engine's
+    get_fresh_out) and would land on the first puts."""
     shape = (num_blocks, spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
     pool = torch.zeros(shape, dtype=TORCH_DTYPES[spec.storage_dtype], device=device)
     scales = torch.ones(shape[:-1], dtype=torch.float32, device=device) if spec.is_quantized else None
@@ -274,7 +276,12 @@ class PagedKVCache:
         BlockPool.check_invariants checks): past the first block the device lacks, it holds none of the chain. With
         lower tiers, hashing goes on through their run, probing every block (they are not prefix closed), and stops
         at the first block no tier holds. Probes need the index as it is under the lock, and the GIL: both are held
-        while hashing (~8 ns per token; the full-chain hash of acquire/get/put/delete runs without either).
+        while hashing (bench.engine: lookup_tokens_per_s_list_input; the full-chain hash of acquire/get/put/delete runs
+        without either).
+
+        Returns: the number of leading tokens cached (0: none).
+        Raises: IdentityMismatch when `identity` is given and differs from the cache's; CachePurged once purged;
+            ValueError for token ids outside [0, 2**31).
         """
         self._check_identity(identity)
         tokens = tokens_as_int32(tokens)
@@ -293,7 +300,12 @@ class PagedKVCache:
 
     def acquire(self, tokens, *, identity: KVCacheSpec | None = None) -> PrefixHandle:
         """Hold the longest cached prefix of `tokens` (for reading in place, e.g. paged attention); a prefix that
-        continues into lower tiers is promoted to the device first."""
+        continues into lower tiers is promoted to the device first.
+
+        Returns: a PrefixHandle holding the prefix (num_tokens 0: nothing cached); release it once.
+        Raises: IdentityMismatch when `identity` is given and differs from the cache's; CachePurged once purged;
+            ValueError for token ids outside [0, 2**31).
+        """
         self._check_identity(identity)
         tokens = tokens_as_int32(tokens)
         chain = self._state.hasher.block_chain(tokens)
@@ -313,7 +325,11 @@ class PagedKVCache:
         layer, K then V, the tokens in order: one run per block), so a server can send them without copying. Valid
         while the handle is held (held blocks are never evicted or reused, and a put only appends past their
         filled slots). None when the pool is not plain host memory in the engine dtype (quantized storage or a
-        device pool): read with get() then."""
+        device pool): read with get() then.
+
+        Returns: the views, or None when the pool is not plain host memory in the engine dtype.
+        Raises: CachePurged once purged.
+        """
         spec = self.spec
         if not self.zero_copy_reads:
             return None
@@ -345,6 +361,10 @@ class PagedKVCache:
         `out`: an optional reusable staging buffer (contiguous, engine dtype, on the cache's device, at least
         len(tokens) tokens of KV); kv is then a view into it and no memory is allocated (fresh pages cost far more
         than the copy itself).
+
+        Returns: (n, kv); n is 0 and kv empty on a miss.
+        Raises: IdentityMismatch when `identity` is given and differs from the cache's; CachePurged once purged;
+            ValueError for token ids outside [0, 2**31). ValueError for an unusable `out`.
         """
         tokens = tokens_as_int32(tokens)
         if out is not None:
@@ -355,7 +375,11 @@ class PagedKVCache:
 
     def read(self, handle: PrefixHandle, num_tokens: int | None = None, *, out: torch.Tensor | None = None):
         """The KV of the first `num_tokens` (default all) tokens of a held prefix, [num_layers, 2, n, heads, dim] in
-        the engine dtype; into `out` (a staging buffer, as get's) when given."""
+        the engine dtype; into `out` (a staging buffer, as get's) when given.
+
+        Returns: the KV, a view into `out` when given.
+        Raises: CachePurged once purged; ValueError for an unusable `out`.
+        """
         n = handle.num_tokens if num_tokens is None else num_tokens
         assert 0 <= n <= handle.num_tokens and not handle.released, "a range of a held prefix"
         view = None
@@ -414,7 +438,13 @@ class PagedKVCache:
 
         kv may require grad: it is stored detached (the same values). KV the storage cannot hold exactly (non-finite
         values into int8/fp8, values beyond a narrower storage dtype's range) raises KVNotStorable (a ValueError)
-        before anything is stored."""
+        before anything is stored.
+
+        Returns: a PutResult (out_of_space: only a prefix, maybe none, was stored: readers hold the rest).
+        Raises: IdentityMismatch when `identity` is given and differs from the cache's; CachePurged once purged;
+            ValueError for token ids outside [0, 2**31), TypeError/ValueError for kv of another shape or dtype;
+            KVNotStorable; PrefixNotCached (with `start`).
+        """
         self._check_identity(identity)
         tokens = tokens_as_int32(tokens)
         if not 0 <= start <= len(tokens):
@@ -516,6 +546,10 @@ class PagedKVCache:
 
         The prefix starts at the sequence's first block (on the device: its first full block, or the partial tail
         it matches). Readers holding a removed block keep reading it; its memory is reused after they release it.
+
+        Returns: the blocks removed (0: nothing cached).
+        Raises: IdentityMismatch when `identity` is given and differs from the cache's; CachePurged once purged;
+            ValueError for token ids outside [0, 2**31).
         """
         self._check_identity(identity)
         tokens = tokens_as_int32(tokens)
@@ -530,7 +564,11 @@ class PagedKVCache:
         return num_removed
 
     def clear(self) -> int:
-        """Forget every cached block in every tier, durably; returns how many were removed."""
+        """Forget every cached block in every tier, durably; returns how many were removed.
+
+        Returns: the blocks removed.
+        Raises: CachePurged once purged.
+        """
         with self._state.lock:
             self._state.check_not_purged()
             removed_hashes: list = []

@@ -22,22 +22,30 @@ the put stores a prefix and says so.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from gpu_node.engine.block_hash import BlockHash
 from gpu_node.engine.block_pool import BlockPool
+from gpu_node.errors import NodeError
+from kcaas.wire import ErrorCode
 
 REUSE, EXTEND, COW, NEW = "reuse", "extend", "cow", "new"
 
 
-class PrefixNotCached(LookupError):
+class PrefixNotCached(NodeError, LookupError):
     """A continued put (start > 0) whose tokens[:start] the cache does not hold: the KV it carries cannot hang off
     anything. Nothing was planned or stored; `num_cached` is how many leading tokens the cache does hold."""
+
+    code = ErrorCode.PREFIX_NOT_CACHED
 
     def __init__(self, start: int, num_cached: int):
         super().__init__(f"tokens[:{start}] are not cached (the cache holds {num_cached})")
         self.start, self.num_cached = start, num_cached
+
+    def details(self) -> dict[str, Any]:
+        return {"num_cached": self.num_cached}
 
 
 @dataclass(slots=True)

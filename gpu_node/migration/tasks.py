@@ -26,6 +26,7 @@ import threading
 import time
 
 from gpu_node.agent.tasks import node_task, provision, unsealed_keys
+from gpu_node.errors import NodeError
 from gpu_node.migration.fence import fences_for
 from gpu_node.migration.transfer import Incoming, MigrationListener, MigrationSender
 from kcaas.node_protocol.messages import (
@@ -218,7 +219,7 @@ class NodeMigration:
         answer(self._result(migration_id, ok=True, info=info))
 
 
-class MigrationAborted(RuntimeError):
+class MigrationAborted(NodeError, RuntimeError):
     """The control plane aborted the migration: its sender stops before fencing."""
 
 

@@ -38,6 +38,7 @@ import numpy as np
 from gpu_node.agent import identity
 from gpu_node.engine.block_hash import HASH_NUM_BYTES, BlockHash
 from gpu_node.engine.zeroing import zero
+from gpu_node.errors import NodeError
 from gpu_node.migration import block_transfer as bt
 from gpu_node.migration.journal import IncomingJournal
 
@@ -48,8 +49,8 @@ NET_HEAD = struct.Struct("<16s16sI")  # parent, key, num tokens
 MAX_CONTROL_BYTES = 64 << 20
 
 
-class MigrationError(Exception):
-    pass
+class MigrationError(NodeError):
+    """A migration transfer that cannot go on (a malformed message, a refused peer); the sender resends later."""
 
 
 # ---- identity ---------------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ import re
 import shutil
 import uuid
 
+from gpu_node.errors import NodeError
 from gpu_node.tiers.durable_file import replace_file
 
 SSD_DIR_ENV = "KCAAS_NODE_SSD_DIR"
@@ -40,7 +41,7 @@ _SAFE_CACHE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 log = logging.getLogger(__name__)
 
 
-class DirectoryInUse(RuntimeError):
+class DirectoryInUse(NodeError, RuntimeError):
     """Another live SSD store (of this process or another) holds the cache directory."""
 
 

@@ -2,8 +2,8 @@
 
 Every block a lower tier hands back (a network or SSD read, a DRAM take) is a fresh bytearray of one block's payload
 (2 MiB for a Llama-3-8B-like layout), owned by the caller, zeroed, then freed. glibc serves such a request from a
-fresh mmap once the heap top was trimmed, and then every one of its 512 pages faults on first touch: measured here,
-a 2 MiB copy out of the network store's buffer took 1.4 ms that way and 0.18 ms from reused heap memory. So the
+fresh mmap once the heap top was trimmed, and then every one of its 512 pages faults on first touch, which costs
+several times the copy itself (bench.tiers' network rows measure a block's read; docs/performance.md). So the
 agent keeps buffers up to MMAP_THRESHOLD on the heap and trims the heap only past TRIM_THRESHOLD.
 
 Erasure is unaffected: every payload copy is zeroed before it is let go (docs/ARCHITECTURE.md, the purge fence), so

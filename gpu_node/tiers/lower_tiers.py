@@ -34,7 +34,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from gpu_node.engine.block_hash import BlockHash, BlockLineage
+from gpu_node.engine.block_hash import BlockHash, BlockLineage, PushedOut
 from gpu_node.engine.checksum import block_checksum, verify_block
 from gpu_node.engine.zeroing import zero
 from gpu_node.tiers import cache_dirs
@@ -91,23 +91,48 @@ class Tier(Protocol):
     bytes_resident: int
     num_checksum_failures: int
 
-    def contains(self, block_hash: BlockHash) -> bool: ...
+    def contains(self, block_hash: BlockHash) -> bool:
+        """Returns: whether the tier holds the block (no I/O)."""
+        ...
 
-    def hashes(self) -> list[BlockHash]: ...
+    def hashes(self) -> list[BlockHash]:
+        """Returns: the names of every block the tier holds."""
+        ...
 
-    def read(self, block_hash: BlockHash) -> bytearray | None: ...
+    def read(self, block_hash: BlockHash) -> bytearray | None:
+        """Returns: a verified private copy of the block's payload (the caller zeroes it when done), or None when
+        the tier lacks it or its bytes fail their checksum (then dropped and counted)."""
+        ...
 
-    def store(self, block_hash: BlockHash, payload: bytearray, checksum: int, lineage: BlockLineage | None) -> list: ...
+    def store(
+        self, block_hash: BlockHash, payload: bytearray, checksum: int, lineage: BlockLineage | None
+    ) -> list[PushedOut]:
+        """Keep the block (the tier owns `payload` from now on).
 
-    def discard(self, hashes) -> int: ...
+        Returns: what was pushed out to stay within capacity, for the next tier ([] for the last tier, whose
+        overflow is dropped and counted). Raises: SsdWriterFailed once an SSD tier's writer failed."""
+        ...
 
-    def clear(self) -> int: ...
+    def discard(self, hashes) -> int:
+        """Forget these blocks (no I/O; `sync` makes it durable). Returns: how many the tier held."""
+        ...
 
-    def sync(self) -> None: ...
+    def clear(self) -> int:
+        """Forget every block (no I/O; `sync` makes it durable). Returns: how many the tier held."""
+        ...
 
-    def wipe(self) -> int: ...
+    def sync(self) -> None:
+        """Make what was forgotten durable. Raises: SsdWriterFailed once an SSD tier's writer failed."""
+        ...
 
-    def check_invariants(self) -> None: ...
+    def wipe(self) -> int:
+        """Erase every byte of every block, in memory and in files; the tier stores nothing more. Returns: the bytes
+        that were resident."""
+        ...
+
+    def check_invariants(self) -> None:
+        """Raises: AssertionError when an invariant above does not hold."""
+        ...
 
     def __len__(self) -> int: ...
 
@@ -138,12 +163,14 @@ class DramTier:
         with self._lock:
             return list(self._entries)
 
-    def store(self, block_hash: BlockHash, payload: bytearray, checksum: int, lineage=None) -> list:
-        """Insert (most recently used); returns the LRU entries pushed out to stay within capacity, as
+    def store(
+        self, block_hash: BlockHash, payload: bytearray, checksum: int, lineage: BlockLineage | None = None
+    ) -> list[PushedOut]:
+        """Insert (most recently used). Returns: the LRU entries pushed out to stay within capacity, as
         (hash, payload, checksum) for the next tier."""
         if len(payload) > self.capacity_bytes:
             return [(block_hash, payload, checksum)]
-        pushed_out = []
+        pushed_out: list[PushedOut] = []
         with self._lock:
             previous = self._entries.pop(block_hash, None)
             if previous is not None:

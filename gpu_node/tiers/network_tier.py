@@ -31,7 +31,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from gpu_node.engine.block_hash import BlockHash, BlockLineage
+from gpu_node.engine.block_hash import BlockHash, BlockLineage, PushedOut
 from gpu_node.engine.checksum import verify_block
 from gpu_node.engine.zeroing import zero
 from gpu_node.tiers import ssd_records
@@ -200,7 +200,7 @@ class NetworkTier:
 
     def store(
         self, block_hash: BlockHash, payload: bytearray, checksum: int, lineage: BlockLineage | None = None
-    ) -> list:
+    ) -> list[PushedOut]:
         """Queue a block for the store (the tier owns `payload`: zeroed once written or dropped); readable at once.
         Returns [] (the last tier: nothing is pushed further)."""
         block_hash = BlockHash(bytes(block_hash))

@@ -30,6 +30,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
+from gpu_node.errors import NodeError
+
 log = logging.getLogger(__name__)
 
 
@@ -71,7 +73,7 @@ class ObjectStore(Protocol):
     def close(self) -> None: ...
 
 
-class StoreFault(RuntimeError):
+class StoreFault(NodeError, RuntimeError):
     """The store answered with an error code (the guard counts it as a fault)."""
 
 
@@ -248,7 +250,7 @@ class _Call:
     def run(self) -> None:
         try:
             value = self.method(*self.args)
-        except Exception as error:  # a store fault of any kind is the guard's to count, never the caller's
+        except Exception as error:  # noqa: BLE001 - a store fault of any kind is the guard's to count, not the caller's
             value, self.error = None, error
         finally:
             if self.cleanup is not None:

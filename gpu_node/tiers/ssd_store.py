@@ -50,9 +50,10 @@ from dataclasses import dataclass
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from gpu_node.engine.block_hash import BlockHash, BlockLineage
+from gpu_node.engine.block_hash import BlockHash, BlockLineage, PushedOut
 from gpu_node.engine.checksum import verify_block
 from gpu_node.engine.zeroing import zero
+from gpu_node.errors import NodeError
 from gpu_node.tiers import cache_dirs, ssd_records
 from gpu_node.tiers.durable_file import CommittedFile, fsync_directory
 from gpu_node.tiers.ssd_records import HEADER, MAGIC, NO_PARENT  # noqa: F401 - the record format, as tests name it
@@ -73,7 +74,7 @@ class Entry:
     record_length: int  # of the whole record (header, ciphertext of payload and tokens, tag)
 
 
-class SsdWriterFailed(RuntimeError):
+class SsdWriterFailed(NodeError, RuntimeError):
     """The store's writer thread failed: nothing more is written (flush, sync and store raise this)."""
 
 
@@ -181,7 +182,7 @@ class SsdStore:
         lineage: BlockLineage | None = None,
         *,
         owned: bool = True,
-    ) -> list:
+    ) -> list[PushedOut]:
         """Queue a block for the writer thread (no I/O here); readable at once from the pending set. `lineage`:
         (parent hash, tokens), kept in the record. With `owned`, the store zeroes `payload` once written or
         forgotten (the caller lets go of it). Returns [] (the SSD is the last tier: overflow is dropped). Raises

@@ -11,7 +11,7 @@ pure Python (struct + memoryview + json): no torch, no numpy, no Django. This mo
 
 from __future__ import annotations
 
-from kcaas.wire.frames import (  # noqa: F401 - re-exported
+from kcaas.wire.frames import (
     BATCH_BIT,
     DATA_OPS,
     DEFAULT_MAX_FRAME_BYTES,

@@ -378,6 +378,7 @@ class UsageApi(APIView):
         tenant = request_tenant(request, query.get("tenant_id"))
         series = _series(tenant.pk, query) if query["wants_series"] else None
         if query["format"] == "csv":
+            assert series is not None, "csv asks for a series (FilterSerializer sets wants_series)"
             return _csv_response(tenant.pk, series)
         body = UsageSerializer(_snapshot(tenant)).data
         if series is not None:

@@ -6,6 +6,7 @@ own tenant's caches; another tenant's cache id (guessed, listed or forged) is a 
 every tenant's caches (optionally one, with `tenant_id`) and attach for a named tenant; they get no data tokens.
 """
 
+import uuid
 from typing import Literal
 
 from drf_spectacular.types import OpenApiTypes
@@ -126,7 +127,7 @@ class CacheOutputSerializer(serializers.Serializer):
         return KVCacheSpec(**cache.spec_dict()).block_bytes
 
 
-def _tenant_scope(request, tenant_id) -> object:
+def _tenant_scope(request, tenant_id) -> uuid.UUID | None:
     """The tenant id the caller's reads are confined to: its own for a key; the named one (or None: all) for staff."""
     if is_staff_user(request.user) and tenant_id is None:
         return None

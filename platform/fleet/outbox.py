@@ -192,7 +192,7 @@ def _send(order: NodeOrder, now: datetime, connection) -> str:
     try:
         with transaction.atomic():  # a savepoint: a builder's database error leaves the run's transaction usable
             message = _order_message(order)
-    except Exception as error:  # noqa: BLE001 - one order that cannot be built must not hold up every other
+    except Exception as error:
         if isinstance(error, NodeSealingKeyMissing):
             logger.warning("order %s (%s to node %s) not sent: %s", order.pk, order.task, order.node_id, error)
         else:

@@ -53,7 +53,7 @@ def _billing_kept(tenant: Tenant) -> int:
     tenant row, whose name is now a pseudonym. The number of invoices kept, or -1 without a billing room."""
     if not apps.is_installed("billing"):
         return -1
-    from billing.selectors import invoices_for_tenant  # noqa: PLC0415 - an optional room between caches and us
+    from billing.selectors import invoices_for_tenant
 
     return invoices_for_tenant(tenant_id=tenant.pk).count()
 

@@ -107,7 +107,7 @@ def _billing(tenant: Tenant) -> dict:
     installed; amounts are decimal strings, never floats."""
     if not apps.is_installed("billing"):
         return {"available": False, "reason": "billing is not installed", "metered_usage": [], "invoices": []}
-    from billing import selectors as billing_selectors  # noqa: PLC0415 - an optional room between caches and us
+    from billing import selectors as billing_selectors
 
     series = billing_selectors.usage_series(
         tenant_id=tenant.pk,

@@ -335,7 +335,7 @@ def _guarded(step, job_id, **kwargs) -> ErasureJob | None:
     """Run one step; a failure rolls the step back and moves the job to `error` (audited) instead of raising."""
     try:
         return step(job_id=job_id, **kwargs)
-    except Exception as error:  # noqa: BLE001 - any failure of a step is the job's error, never a lost job
+    except Exception as error:
         logger.exception("erasure job %s failed in %s", job_id, step.__name__)
         return erasure_fail(job_id=job_id, reason=f"{step.__name__}: {type(error).__name__}: {error}")
 

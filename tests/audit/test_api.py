@@ -20,7 +20,7 @@ EVENTS, EXPORT, DIGESTS = "/api/v1/audit/events", "/api/v1/audit/export", "/api/
 
 
 @pytest.fixture
-def two_tenants(make_tenant):  # noqa: F811
+def two_tenants(make_tenant):
     reader = make_tenant(scopes=("audit:read", "keys:write"))
     other = make_tenant(scopes=("audit:read",))
     blind = issue_key(reader.tenant, ["caches:read"])
@@ -59,7 +59,7 @@ def test_a_key_without_audit_read_is_refused_with_the_scope_it_lacks(two_tenants
     assert error_code(APIClient().get(EVENTS), 401)["code"] == "not_authenticated"
 
 
-def test_staff_read_everything_and_filter(two_tenants, staff):  # noqa: F811
+def test_staff_read_everything_and_filter(two_tenants, staff):
     reader, other, _ = two_tenants
     assert {str(reader.tenant.pk), str(other.tenant.pk)} <= tenants_in(staff.client.get(EVENTS, {"limit": 500}))
     assert tenants_in(staff.client.get(EVENTS, {"tenant_id": str(other.tenant.pk)})) == {str(other.tenant.pk)}
@@ -86,11 +86,11 @@ def test_staff_read_everything_and_filter(two_tenants, staff):  # noqa: F811
         ({"limit": "0"}, "validation_error"),
     ],
 )
-def test_bad_filters_are_400_with_a_code(staff, params, code):  # noqa: F811
+def test_bad_filters_are_400_with_a_code(staff, params, code):
     assert error_code(staff.client.get(EVENTS, params), 400)["code"] == code
 
 
-def test_a_staff_export_verifies_and_is_itself_audited(two_tenants, staff):  # noqa: F811
+def test_a_staff_export_verifies_and_is_itself_audited(two_tenants, staff):
     lines = streamed(staff.client.get(EXPORT, {"format": "jsonl"}))
     report = chain.verify_export(lines, trusted_key_jwk=platform_public_jwk())
     assert report.ok and report.events == AuditEvent.objects.count() - 1, report.summary()  # not its own event
@@ -116,7 +116,7 @@ def test_a_tenant_export_holds_its_events_and_only_witnesses_of_others(two_tenan
     assert error_code(reader.client.get(EXPORT, {"format": "xml"}), 400)["code"] == "validation_error"
 
 
-def test_staff_list_digests(staff, settings):  # noqa: F811
+def test_staff_list_digests(staff, settings):
     from audit.digests import audit_digest_sign
 
     settings.KCAAS_AUDIT_DIGEST_SECONDS = 1
@@ -132,7 +132,7 @@ def test_the_platform_key_is_public():
     assert response.status_code == 200 and response.json() == platform_public_jwk()
 
 
-def test_the_schema_publishes_the_audit_operations(staff):  # noqa: F811
+def test_the_schema_publishes_the_audit_operations(staff):
     schema = APIClient().get("/api/schema/?format=json").json()
     operations = {op["operationId"]: (path, op) for path, item in schema["paths"].items() for op in item.values()}
     for operation_id in ("audit_events_list", "audit_export", "audit_digests_list", "platform_key"):

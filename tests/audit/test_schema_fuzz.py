@@ -52,7 +52,7 @@ def _fuzz(operation, headers, mode):
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("caller", ["staff", "tenant"])
-def test_audit_operations_conform_to_their_schema(wsgi_app, staff, make_tenant, caller):  # noqa: F811
+def test_audit_operations_conform_to_their_schema(wsgi_app, staff, make_tenant, caller):
     tenant = make_tenant(scopes=scopes.ALL_SCOPES)
     authorization = (
         staff.client._credentials["HTTP_AUTHORIZATION"]

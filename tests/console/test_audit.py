@@ -221,7 +221,7 @@ def test_a_csv_tenant_export_holds_its_events_and_witnesses(compliance_client, t
     assert exported.actor_id == str(compliance_client.user.pk)
 
 
-def test_the_console_and_the_rest_export_are_the_same_file(compliance_client, staff, trail):  # noqa: F811
+def test_the_console_and_the_rest_export_are_the_same_file(compliance_client, staff, trail):
     end = datetime.now(UTC)
     console = downloaded(compliance_client.post(EXPORT, {"format": "jsonl", "to": iso(end)}))
     rest = b"".join(

@@ -62,7 +62,7 @@ def test_labels_are_bounded_never_the_raw_path(db):
     assert not [name for name, _ in samples if name.endswith("_created")]
 
 
-def test_attach_outcomes_placement_failures_and_audit_writes(make_tenant, make_node):  # noqa: F811
+def test_attach_outcomes_placement_failures_and_audit_writes(make_tenant, make_node):
     tenant = make_tenant()
     before = scrape()
     refused = tenant.client.post(URL, attach_body("no-room"), format="json")
@@ -83,7 +83,7 @@ def test_attach_outcomes_placement_failures_and_audit_writes(make_tenant, make_n
     assert str(tenant.tenant.pk) not in repr(after)  # no tenant id in any label
 
 
-def test_lease_expiries_task_outcomes_and_billing_rollup(make_node, django_capture_on_commit_callbacks):  # noqa: F811
+def test_lease_expiries_task_outcomes_and_billing_rollup(make_node, django_capture_on_commit_callbacks):
     node = make_node()
     before = scrape()
     Node.objects.filter(pk=node.pk).update(lease_expires_at=timezone.now() - timedelta(seconds=1))

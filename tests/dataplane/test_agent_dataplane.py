@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from gpu_node.agent.process import AgentConfig, NodeAgent
-from kcaas.dataplane import DataPlaneClient
+from kcaas.dataplane import DataPlaneClient, DataPlaneError
 from tests.dataplane.conftest import CACHE_A, NODE_ID
 from tests.gpu_node.kv_fixtures import prefix_kv
 
@@ -72,10 +73,8 @@ def test_data_plane_metrics(registry, verifier, pki, make_token, client_ctx, spe
         with DataPlaneClient(srv.endpoint, make_token(), CACHE_A, spec, ssl_context=client_ctx) as dp:
             dp.put(toks, prefix_kv(spec, toks))
             dp.get(toks)
-        try:
+        with pytest.raises(DataPlaneError):  # an expired token: refused, and counted below
             DataPlaneClient(srv.endpoint, make_token(exp=1), CACHE_A, spec, ssl_context=client_ctx).lookup(toks)
-        except Exception:
-            pass
     finally:
         srv.stop()
     value = metrics.registry.get_sample_value

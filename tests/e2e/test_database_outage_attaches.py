@@ -94,9 +94,9 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _rows(database_url: str, sql: str):
+def _rows(database_url: str, sql: str, params: tuple = ()):
     with psycopg.connect(database_url, connect_timeout=5) as conn:
-        return conn.execute(sql).fetchall()
+        return conn.execute(sql, params).fetchall()
 
 
 def test_attaches_and_detaches_through_a_postgresql_restart_all_finish_once(tmp_path, monkeypatch):
@@ -191,8 +191,10 @@ def test_attaches_and_detaches_through_a_postgresql_restart_all_finish_once(tmp_
         db_url = env["DATABASE_URL"]
 
         def in_state(ids, state):
-            listed = ",".join(repr(str(i)) for i in ids)
-            return {s for (s,) in _rows(db_url, f"SELECT state FROM caches_cache WHERE id IN ({listed})")} == {state}
+            rows = _rows(
+                db_url, "SELECT state FROM caches_cache WHERE id = ANY(%s)", ([uuid.UUID(str(i)) for i in ids],)
+            )
+            return {s for (s,) in rows} == {state}
 
         assert eventually(lambda: in_state(attached, "ready"), timeout=90), _rows(
             db_url, "SELECT name, state, failure_reason FROM caches_cache"
@@ -207,8 +209,8 @@ def test_attaches_and_detaches_through_a_postgresql_restart_all_finish_once(tmp_
         )  # none doubled
         assert _rows(
             db_url,
-            "SELECT device_reserved_bytes, dram_reserved_bytes, ssd_reserved_bytes FROM fleet_node"
-            f" WHERE id = '{uuid.UUID(node_id)}'",
+            "SELECT device_reserved_bytes, dram_reserved_bytes, ssd_reserved_bytes FROM fleet_node WHERE id = %s",
+            (uuid.UUID(node_id),),
         ) == [(0, 0, 0)]
         assert registry.cache_ids() == []  # the node holds nothing either
         web_log = (tmp_path / "web.log").read_text(errors="replace")

@@ -70,7 +70,7 @@ class PutGetLoop(threading.Thread):
 
 def test_drain_moves_a_live_cache_between_agent_processes(
     live_server, agent_launcher, pki, model, settings, staff_client, monkeypatch
-):  # noqa: F811
+):
     spec = spec_for(model)
     settings.KCAAS_NODE_HEARTBEAT_SECONDS = 1  # resident snapshots come quickly
     monkeypatch.setenv("KCAAS_NODE_MIGRATION_LISTEN", "127.0.0.1:0")

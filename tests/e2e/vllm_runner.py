@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     job = json.loads(commands.readline())
     try:
         generate(job, proto, commands)
-    except BaseException as exc:  # noqa: BLE001 - the message is the result
+    except BaseException as exc:
         if isinstance(exc, SystemExit) and not isinstance(exc.code, str):
             raise
         traceback.print_exc()

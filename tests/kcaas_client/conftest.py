@@ -22,7 +22,7 @@ def workers():
 
 
 @pytest.fixture
-def node(make_node, workers):  # noqa: F811
+def node(make_node, workers):
     """A registered node (8 GiB device) with the id the node worker serves; the consumer told to succeed."""
     yield node_consumer.adopt_node(make_node(), NODE_ID)
     assert eventually(lambda: node_consumer.workers_settled(NODE_ID), timeout=20), "the workers did not settle"

@@ -20,7 +20,7 @@ def _lines_fit(text: str) -> bool:
     return all(len(line) <= 100 for line in text.splitlines())
 
 
-def test_caches_by_name_and_prefix_ttl_clamp_and_detached_hidden_from_ls(make_tenant, node, sdk, cli):  # noqa: F811
+def test_caches_by_name_and_prefix_ttl_clamp_and_detached_hidden_from_ls(make_tenant, node, sdk, cli):
     key = make_tenant().raw_key
     first = sdk(key).attach("alpha", SPEC, {"device": 64 * BLOCK_BYTES}, timeout=20)
 
@@ -61,7 +61,7 @@ def test_caches_by_name_and_prefix_ttl_clamp_and_detached_hidden_from_ls(make_te
     assert lines[3] == "hint: name it by id, or by an id prefix long enough to be unique"
 
 
-def test_unknown_names_and_refused_values_print_code_message_details_and_hint(make_tenant, node, sdk, cli):  # noqa: F811
+def test_unknown_names_and_refused_values_print_code_message_details_and_hint(make_tenant, node, sdk, cli):
     key = make_tenant().raw_key
     sdk(key).attach("beta", SPEC, {"device": 64 * BLOCK_BYTES}, timeout=20)
 
@@ -92,7 +92,7 @@ def test_unknown_names_and_refused_values_print_code_message_details_and_hint(ma
     assert code == 1 and lines[0].startswith("error: ") and lines[-1].startswith("hint: check KCAAS_API_KEY")
 
 
-def test_keys_by_name_ambiguous_names_and_tables_within_100_columns(make_tenant, node, sdk, cli):  # noqa: F811
+def test_keys_by_name_ambiguous_names_and_tables_within_100_columns(make_tenant, node, sdk, cli):
     admin = make_tenant(scopes=ALL_SCOPES).raw_key
     long_key_name = "k" * 100
     made = [sdk(admin).create_key(list(ALL_SCOPES), name=name) for name in ("ci", "ci", long_key_name)]
@@ -135,7 +135,7 @@ def test_keys_by_name_ambiguous_names_and_tables_within_100_columns(make_tenant,
     )
 
 
-def test_no_capacity_shows_what_was_asked_what_is_free_and_the_servers_hint(make_tenant, node, cli):  # noqa: F811
+def test_no_capacity_shows_what_was_asked_what_is_free_and_the_servers_hint(make_tenant, node, cli):
     flags = ["--model-fingerprint", SPEC["model_fingerprint"], "--num-layers", str(SPEC["num_layers"])]
     flags += ["--num-kv-heads", str(SPEC["num_kv_heads"]), "--head-dim", str(SPEC["head_dim"])]
     code, out, err = cli(

@@ -39,7 +39,7 @@ def _client(port: int) -> kcaas.Client:
     return kcaas.Client(f"http://127.0.0.1:{port}", RAW_KEY)  # default retry settings throughout
 
 
-def test_defaults_ride_out_ten_seconds_of_503_database_unavailable(server):  # noqa: F811
+def test_defaults_ride_out_ten_seconds_of_503_database_unavailable(server):
     Scripted.script = [UNAVAILABLE] * 5 + [(200, {}, WHOAMI)]  # 5 answers x Retry-After 2 s: a 10 s outage
     client = _client(server.server_address[1])
     clock = FakeTime(client)
@@ -73,7 +73,7 @@ def test_defaults_ride_out_a_server_that_refuses_connections_for_ten_seconds():
     assert max(clock.slept) <= client.backoff_max
 
 
-def test_the_retry_budget_bounds_a_call_that_keeps_failing(server):  # noqa: F811
+def test_the_retry_budget_bounds_a_call_that_keeps_failing(server):
     Scripted.script = [UNAVAILABLE]
     client = _client(server.server_address[1])
     clock = FakeTime(client)
@@ -84,7 +84,7 @@ def test_the_retry_budget_bounds_a_call_that_keeps_failing(server):  # noqa: F81
     assert len(Scripted.seen) == len(clock.slept) + 1 <= client.retries + 1
 
 
-def test_no_capacity_is_final_and_a_gateway_error_is_tried_a_few_times_not_for_the_whole_budget(server):  # noqa: F811
+def test_no_capacity_is_final_and_a_gateway_error_is_tried_a_few_times_not_for_the_whole_budget(server):
     """503 no_capacity (no node fits) is the API's own answer without a hint that it passes: raised at once, never
     retried (each retry was counted as another attach). A gateway's 503 (no API error code) gets a few tries."""
     Scripted.script = [(503, {}, _err("no_capacity", "No node fits."))]
@@ -110,7 +110,7 @@ def test_the_shortest_schedule_still_spans_ten_seconds():
     assert client.retry_budget >= 3 * OUTAGE_SECONDS
 
 
-def test_attach_rides_out_an_outage_with_one_idempotency_key(server):  # noqa: F811
+def test_attach_rides_out_an_outage_with_one_idempotency_key(server):
     cache = {"id": "c1", "name": "n", "state": "provisioning"}
     Scripted.script = [UNAVAILABLE] * 6 + [(409, {}, _err("idempotency_in_progress")), (201, {}, cache)]
     client = _client(server.server_address[1])
@@ -143,7 +143,7 @@ def dropping():
     httpd.server_close()
 
 
-def test_a_non_idempotent_post_is_never_repeated_after_the_server_may_have_acted(server, dropping):  # noqa: F811
+def test_a_non_idempotent_post_is_never_repeated_after_the_server_may_have_acted(server, dropping):
     Scripted.script = [UNAVAILABLE]
     client = _client(server.server_address[1])
     FakeTime(client)

@@ -30,13 +30,13 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture
-def published_ca(settings, pki):  # noqa: F811
+def published_ca(settings, pki):
     """The agents' CA published by the live control plane, as `make up` publishes its dev CA."""
     settings.KCAAS_DATA_PLANE_CA_FILE = pki["ca"]
     return pki["ca"]
 
 
-def test_connect_cache_put_get_and_a_read_only_cache_client(live_server, agent, published_ca, model):  # noqa: F811
+def test_connect_cache_put_get_and_a_read_only_cache_client(live_server, agent, published_ca, model):
     spec = spec_for(model)
     with kcaas.connect(live_server.url, tenant_key()) as kc:
         cache = kc.client.attach("chat", spec, {"device": 64 * spec.block_bytes}, timeout=30)
@@ -62,7 +62,7 @@ def test_url_and_key_default_to_the_environment(live_server, monkeypatch):
         assert kc.url == live_server.url and kc.client.whoami().tenant_id
 
 
-def test_an_untrusted_node_certificate_says_to_pass_ca(live_server, agent, settings, pki, model):  # noqa: F811
+def test_an_untrusted_node_certificate_says_to_pass_ca(live_server, agent, settings, pki, model):
     settings.KCAAS_DATA_PLANE_CA_FILE = ""  # only the platform CA is published: it did not sign the agent's cert
     spec = spec_for(model)
     key = tenant_key()
@@ -81,7 +81,7 @@ def test_an_untrusted_node_certificate_says_to_pass_ca(live_server, agent, setti
         assert unchecked.cache("chat").hello is not None
 
 
-def test_the_published_ca_is_the_platform_ca_then_the_data_plane_ca(settings, tmp_path, pki):  # noqa: F811
+def test_the_published_ca_is_the_platform_ca_then_the_data_plane_ca(settings, tmp_path, pki):
     settings.KCAAS_DATA_PLANE_CA_FILE = pki["ca"]
     response = DjangoClient().get("/.well-known/kcaas-ca.pem")  # no credentials
     assert response.status_code == 200
@@ -99,7 +99,7 @@ def test_the_published_ca_is_the_platform_ca_then_the_data_plane_ca(settings, tm
     assert DjangoClient().get("/.well-known/kcaas-ca.pem").content.decode() == platform_ca
 
 
-def test_errors_carry_code_details_and_a_hint(live_server, agent, published_ca, model):  # noqa: F811
+def test_errors_carry_code_details_and_a_hint(live_server, agent, published_ca, model):
     refused_url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(errors.APIConnectionError) as caught:
         kcaas.connect(refused_url, "kc_live_nothing", retries=0).client.whoami()

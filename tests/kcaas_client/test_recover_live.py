@@ -43,7 +43,7 @@ def test_the_sdk_attaches_with_a_network_tier_and_recovers_a_node_lost_cache(mak
     purge_node_queue(spare.pk)
 
 
-def test_kcaas_recover_by_name_and_its_409_without_a_network_tier(make_tenant, node, make_node, cli):  # noqa: F811
+def test_kcaas_recover_by_name_and_its_409_without_a_network_tier(make_tenant, node, make_node, cli):
     key = make_tenant().raw_key
     attach = ("attach", "chat", *SPEC_FLAGS, "--device-bytes", "16KiB", "--network-bytes", "32KiB")
     code, out, err = cli(key, *attach, "--network-write-through", "--timeout", "20")

@@ -27,7 +27,7 @@ def test_the_page_has_the_examples_it_promises():
         assert needed in text, f"docs/sdk.md has no runnable example using {needed}"
 
 
-def test_every_python_block_of_docs_sdk_runs(live_server, agent, settings, pki, monkeypatch, capsys):  # noqa: F811
+def test_every_python_block_of_docs_sdk_runs(live_server, agent, settings, pki, monkeypatch, capsys):
     settings.KCAAS_DATA_PLANE_CA_FILE = pki["ca"]  # published as `make up` publishes its dev CA
     monkeypatch.setenv("KCAAS_URL", live_server.url)
     monkeypatch.setenv("KCAAS_API_KEY", tenant_key())

@@ -14,7 +14,7 @@ from tests.caches.conftest import (  # noqa: F401 - fixtures re-exported for thi
     fast_password_hasher,
     make_node,
     make_tenant,
-    running_workers,  # noqa: F401 - one helper for every room's worker tests
+    running_workers,
     staff_client,
     tenant_a,
     tenant_b,

@@ -57,7 +57,7 @@ def test_the_device_budget_is_never_exceeded_even_by_concurrent_provisionings():
             provision_one(reg, f"c{index}", blocks=3)
             outcomes.append("ok")
         except ProvisionError as refusal:
-            outcomes.append(refusal.code)
+            outcomes.append(refusal.reason)
 
     threads = [threading.Thread(target=attempt, args=(i,)) for i in range(8)]
     for thread in threads:

@@ -28,7 +28,7 @@ def results(answers):
     return [answer for answer in answers if answer.TASK == MIGRATION_RESULT_TASK]
 
 
-def test_second_migrate_out_repoints_the_running_sender_instead_of_starting_another(pki, caplog):  # noqa: F811
+def test_second_migrate_out_repoints_the_running_sender_instead_of_starting_another(pki, caplog):
     caplog.set_level(logging.INFO, logger="kcaas.node.migration")  # the sender logs each refused try it resumes
     spec = tiny_spec()
     source, target, src, dst = two_nodes(spec)

@@ -54,7 +54,7 @@ def device_keys(engine):
     return {meta.key for meta in bt.snapshot(engine) if not meta.lower}
 
 
-def test_lower_tier_blocks_migrate_bit_exact(tmp_path, pki):  # noqa: F811
+def test_lower_tier_blocks_migrate_bit_exact(tmp_path, pki):
     spec = tiny_spec()
     (_, src), (target, dst) = tiered_pair(tmp_path, spec)
     seqs = fill_many(src, spec)

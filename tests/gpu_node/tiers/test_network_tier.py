@@ -238,7 +238,7 @@ def test_a_detach_keeps_the_objects_for_the_next_node_unless_the_cache_is_delete
     assert provision(3).engine.lookup(tokens) == 0
 
 
-def test_a_migration_sends_only_the_blocks_the_network_store_lacks(store, pki):  # noqa: F811
+def test_a_migration_sends_only_the_blocks_the_network_store_lacks(store, pki):
     from gpu_node.agent.registry import CacheRegistry
     from gpu_node.migration import block_transfer as bt
     from tests.gpu_node.migration.test_migration_transfer import KEY, listener_for, sender_for
