@@ -86,7 +86,7 @@ for name in ('gpu_node', 'kcaas_kernels', 'tenants', 'audit', 'bench'):
 print('connector imports against vLLM', __import__('vllm').__version__)
 ") || return 1
     # copies, away from tests/conftest.py (it imports Django, which an engine's environment does not have)
-    mkdir -p "$SCRATCH/vllm-tests" && cp tests/kcaas/test_vllm_spec.py tests/kcaas/test_vllm_blocks.py "$SCRATCH/vllm-tests/"
+    mkdir -p "$SCRATCH/vllm-tests" && cp tests/kcaas/connectors/test_vllm_spec.py tests/kcaas/connectors/test_vllm_blocks.py "$SCRATCH/vllm-tests/"
     (cd "$SCRATCH/vllm-tests" && "$SCRATCH/vllm/bin/python" -m pytest -q -p no:cacheprovider .)
 }
 

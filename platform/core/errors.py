@@ -71,7 +71,7 @@ class TransientError(ApplicationError):
     """Something the change needs is unavailable right now and the change was rolled back: 503 with Retry-After and a
     fixed public message (the cause, this exception's own message, stays in the log). A room raises a subclass (the
     audit trail's AuditWriteError is one), so this layer knows no room; node answers retry on it
-    (core.transient.node_answer_retry)."""
+    (core.node_answers.node_answer_retry)."""
 
     status_code = status.HTTP_503_SERVICE_UNAVAILABLE
     code = "unavailable"
