@@ -2,6 +2,7 @@
 
 - `model` / `spec_for`: a tiny random Llama (float32) and the cache layout that matches it;
 - `pki` / `client_tls`: a throwaway CA and a server certificate for 127.0.0.1 (TLS 1.3 only on the client side);
+- `tenant_dataplane`: a cache's data-plane client as its tenant (refreshing tokens, trusting the test CA);
 - `control_worker`: the control queue's Celery worker (a thread, over the real Redis broker);
 - `agent_launcher`: starts node agent PROCESSES (python -m gpu_node.agent) serving TLS on an ephemeral port; a
   handle can be SIGKILLed and the node restarted with the same credential and endpoint (`launcher.restart`);
@@ -32,7 +33,9 @@ from core.celery import app as control_app
 from devtools.dev_pki import write_dev_pki
 from fleet import services as fleet_services
 from kcaas import wire
+from kcaas.dataplane import DataPlaneClient
 from kcaas.spec import KVCacheSpec
+from kcaas.tokens import TokenSource
 from tenants import services as tenant_services
 from tests.caches.conftest import free_port, purge_node_queue, running_workers
 
@@ -132,6 +135,20 @@ def client_tls(pki) -> ssl.SSLContext:
     ctx = ssl.create_default_context(cafile=pki["ca"])
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
     return ctx
+
+
+def tenant_dataplane(
+    client, cache, spec: KVCacheSpec, pki, *, access: str = "readwrite", timeout: float = 10.0
+) -> DataPlaneClient:
+    """A data-plane client of `cache` as its tenant: refreshing tokens from `client`, trusting only the test CA."""
+    return DataPlaneClient(
+        cache.endpoint,
+        TokenSource(client, cache.id, access=access),
+        cache.id,
+        spec,
+        ssl_context=client_tls(pki),
+        timeout=timeout,
+    )
 
 
 # ---- processes -------------------------------------------------------------------------------------------------------

@@ -23,9 +23,8 @@ from audit.models import AuditEvent
 from caches.models import Cache, Migration
 from fleet.models import Node, NodeState
 from kcaas.dataplane import DataPlaneClient
-from kcaas.tokens import TokenSource
 from tests.caches.conftest import fast_password_hasher, reserved, staff_client  # noqa: F401 (fixtures)
-from tests.e2e.conftest import client_tls, random_kv, random_tokens, spec_for, tenant_key
+from tests.e2e.conftest import random_kv, random_tokens, spec_for, tenant_dataplane, tenant_key
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -83,14 +82,7 @@ def test_drain_moves_a_live_cache_between_agent_processes(
         )
         source = Cache.objects.get(pk=cache.id).node_id
         (target,) = set(agents) - {source}
-        with DataPlaneClient(
-            cache.endpoint,
-            TokenSource(client, cache.id, access="readwrite"),
-            cache.id,
-            spec,
-            ssl_context=client_tls(pki),
-            timeout=10.0,
-        ) as dp:
+        with tenant_dataplane(client, cache, spec, pki) as dp:
             loop = PutGetLoop(dp, spec)
             loop.start()
             assert eventually(lambda: len(loop.acked) >= 10 or loop.errors, timeout=20) and not loop.errors

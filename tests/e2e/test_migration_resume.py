@@ -27,10 +27,8 @@ import kcaas
 from caches.migration import migration_start
 from caches.models import Cache, Migration
 from gpu_node.migration.journal import JOURNAL_NAME, MAGIC, RECORD
-from kcaas.dataplane import DataPlaneClient
-from kcaas.tokens import TokenSource
 from tests.caches.conftest import free_port
-from tests.e2e.conftest import client_tls, random_kv, random_tokens, spec_for, tenant_key
+from tests.e2e.conftest import random_kv, random_tokens, spec_for, tenant_dataplane, tenant_key
 
 pytestmark = pytest.mark.django_db(transaction=True)
 SEQ_TOKENS = 64  # 4 full blocks of 16
@@ -99,14 +97,7 @@ def cache_with_data(live_server, pki, spec):
     sequences = [
         (random_tokens(SEQ_TOKENS, seed=s)[0], random_kv(spec, SEQ_TOKENS, seed=s + 100)) for s in range(NUM_SEQS)
     ]
-    with DataPlaneClient(
-        cache.endpoint,
-        TokenSource(client, cache.id, access="readwrite"),
-        cache.id,
-        spec,
-        ssl_context=client_tls(pki),
-        timeout=10.0,
-    ) as dp:
+    with tenant_dataplane(client, cache, spec, pki) as dp:
         for tokens, kv in sequences:
             assert dp.put(tokens, kv)["num_cached"] == SEQ_TOKENS
     return client, cache, sequences
@@ -116,14 +107,7 @@ def served(client, cache_id, spec, pki, sequences) -> list[int]:
     """Tokens served per sequence from where the cache is now; every served prefix must be bit-exact."""
     now = client.get_cache(cache_id)
     counts = []
-    with DataPlaneClient(
-        now.endpoint,
-        TokenSource(client, cache_id, access="readwrite"),
-        cache_id,
-        spec,
-        ssl_context=client_tls(pki),
-        timeout=10.0,
-    ) as dp:
+    with tenant_dataplane(client, now, spec, pki, access="read") as dp:
         for tokens, kv in sequences:
             n, got = dp.get(tokens)
             assert n == 0 or torch.equal(got, kv[:, :, :n])  # never wrong KV

@@ -29,24 +29,19 @@ from fleet.models import Node
 from kcaas import wire
 from kcaas.dataplane import DataPlaneClient
 from kcaas.errors import KcaasError
-from kcaas.tokens import TokenSource
 from kcaas.wire import Opcode
-from tests.e2e.conftest import RawConnection, client_tls, random_kv, random_tokens, spec_for, tenant_key
+from tests.e2e.conftest import (
+    RawConnection,
+    random_kv,
+    random_tokens,
+    spec_for,
+    tenant_dataplane,
+    tenant_key,
+)
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.django_db(transaction=True)
 PUT_TOKENS = 64  # 4 full blocks of 16
-
-
-def data_plane(client: kcaas.Client, cache, spec, pki) -> DataPlaneClient:
-    return DataPlaneClient(
-        cache.endpoint,
-        TokenSource(client, cache.id, access="readwrite"),
-        cache.id,
-        spec,
-        ssl_context=client_tls(pki),
-        timeout=10.0,
-    )
 
 
 def start_half_put(conn: RawConnection, client: kcaas.Client, cache, spec, tokens, kv) -> int:
@@ -135,7 +130,7 @@ def test_sigkill_mid_put_then_restart_reprovisions_and_shows_nothing_of_the_cut_
         again = client.wait_for(cache.id, "ready", timeout=30)  # provisioned again on the node, same placement
         assert (again.node_id, again.endpoint, again.epoch) == (cache.node_id, cache.endpoint, cache.epoch)
 
-        with data_plane(client, again, spec, pki) as dp:
+        with tenant_dataplane(client, again, spec, pki) as dp:
             assert dp.hello is None and dp.lookup(tokens) == 0  # no half-written block of the cut put is visible
             assert dp.hello.node_id == str(agent.node_id) and dp.hello.epoch == cache.epoch
             n, _ = dp.get(tokens)
@@ -151,7 +146,7 @@ def test_a_connection_dying_mid_put_leaves_nothing_and_the_agent_keeps_serving(l
     tokens, kv = random_tokens(PUT_TOKENS, seed=31)[0], random_kv(spec, PUT_TOKENS, seed=32)
     try:
         cache = client.attach("cut", spec, {"device": 64 * spec.block_bytes}, timeout=30)
-        with data_plane(client, cache, spec, pki) as dp:
+        with tenant_dataplane(client, cache, spec, pki) as dp:
             conn = RawConnection(agent.endpoint, pki)
             try:
                 start_half_put(conn, client, cache, spec, tokens, kv)
@@ -166,7 +161,7 @@ def test_a_connection_dying_mid_put_leaves_nothing_and_the_agent_keeps_serving(l
             assert dp.lookup(tokens) == 0
             n, _ = dp.get(tokens)
             assert n == 0
-            with data_plane(client, cache, spec, pki) as other:  # another connection: a complete put works
+            with tenant_dataplane(client, cache, spec, pki) as other:  # another connection: a complete put works
                 put_and_read_back(other, tokens, kv)
             n, got = dp.get(tokens)
             assert n == PUT_TOKENS and torch.equal(got, kv)

@@ -11,9 +11,7 @@ import pytest
 import torch
 
 import kcaas
-from kcaas.dataplane import DataPlaneClient
-from kcaas.tokens import TokenSource
-from tests.e2e.conftest import client_tls, random_kv, random_tokens, spec_for, tenant_key
+from tests.e2e.conftest import random_kv, random_tokens, spec_for, tenant_dataplane, tenant_key
 
 pytestmark = pytest.mark.django_db(transaction=True)
 SEQ_TOKENS = 64  # 4 full blocks of 16
@@ -46,14 +44,7 @@ def test_sigkill_then_restart_serves_the_ssd_blocks_again(
     sequences = [(random_tokens(SEQ_TOKENS, seed=s)[0], random_kv(spec, SEQ_TOKENS, seed=s + 100)) for s in range(4)]
     try:
         cache = client.attach("warm", spec, {"device": 8 * spec.block_bytes, "ssd": 256 * spec.block_bytes}, timeout=30)
-        with DataPlaneClient(
-            cache.endpoint,
-            TokenSource(client, cache.id, access="readwrite"),
-            cache.id,
-            spec,
-            ssl_context=client_tls(pki),
-            timeout=10.0,
-        ) as dp:
+        with tenant_dataplane(client, cache, spec, pki) as dp:
             for tokens, kv in sequences:
                 assert dp.put(tokens, kv)["num_cached"] == SEQ_TOKENS
         directory = ssd_root / cache.id
@@ -65,14 +56,7 @@ def test_sigkill_then_restart_serves_the_ssd_blocks_again(
         restarted = agent_launcher.restart(agent)
         again = client.wait_for(cache.id, "ready", timeout=30)
         assert (again.endpoint, again.epoch) == (cache.endpoint, cache.epoch) and restarted.alive
-        with DataPlaneClient(
-            again.endpoint,
-            TokenSource(client, again.id, access="readwrite"),
-            again.id,
-            spec,
-            ssl_context=client_tls(pki),
-            timeout=10.0,
-        ) as dp:
+        with tenant_dataplane(client, again, spec, pki) as dp:
             for tokens, kv in sequences[:2]:
                 assert dp.lookup(tokens) == SEQ_TOKENS
                 n, got = dp.get(tokens)
@@ -104,14 +88,7 @@ def test_four_clients_putting_and_deleting_on_an_ssd_cache_never_fail_and_what_s
         lock = threading.Lock()
 
         def worker(index: int) -> None:
-            with DataPlaneClient(
-                cache.endpoint,
-                TokenSource(client, cache.id, access="readwrite"),
-                cache.id,
-                spec,
-                ssl_context=client_tls(pki),
-                timeout=20.0,
-            ) as dp:
+            with tenant_dataplane(client, cache, spec, pki, timeout=20.0) as dp:
                 for round_ in range(12):
                     seed = 1000 * index + round_
                     tokens, kv = distinct_tokens(seed), random_kv(spec, SEQ_TOKENS, seed=seed + 7)
@@ -141,14 +118,7 @@ def test_four_clients_putting_and_deleting_on_an_ssd_cache_never_fail_and_what_s
         agent.kill()
         agent_launcher.restart(agent)
         again = client.wait_for(cache.id, "ready", timeout=30)
-        with DataPlaneClient(
-            again.endpoint,
-            TokenSource(client, again.id),
-            again.id,
-            spec,
-            ssl_context=client_tls(pki),
-            timeout=10.0,
-        ) as dp:
+        with tenant_dataplane(client, again, spec, pki, access="read") as dp:
             served = 0
             for seed, (tokens, kv) in kept.items():
                 n, got = dp.get(tokens)
