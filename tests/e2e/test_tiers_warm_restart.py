@@ -5,13 +5,14 @@ hash key and SSD data key), the node rescans the cache's SSD directory and serve
 from __future__ import annotations
 
 import json
-import time
+import threading
 
 import pytest
 import torch
 
 import kcaas
 from tests.e2e.conftest import random_kv, random_tokens, spec_for, tenant_dataplane, tenant_key
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.django_db(transaction=True)
 SEQ_TOKENS = 64  # 4 full blocks of 16
@@ -48,10 +49,7 @@ def test_sigkill_then_restart_serves_the_ssd_blocks_again(
             for tokens, kv in sequences:
                 assert dp.put(tokens, kv)["num_cached"] == SEQ_TOKENS
         directory = ssd_root / cache.id
-        deadline = time.monotonic() + 20
-        while indexed_blocks(directory) < 8 and time.monotonic() < deadline:  # the first two sequences were evicted
-            time.sleep(0.05)
-        assert indexed_blocks(directory) >= 8
+        assert eventually(lambda: indexed_blocks(directory) >= 8)  # the first two sequences were evicted
         agent.kill()
         restarted = agent_launcher.restart(agent)
         again = client.wait_for(cache.id, "ready", timeout=30)
@@ -68,12 +66,9 @@ def test_sigkill_then_restart_serves_the_ssd_blocks_again(
 def test_four_clients_putting_and_deleting_on_an_ssd_cache_never_fail_and_what_stays_is_served(
     live_server, agent_launcher, pki, model, tmp_path, monkeypatch
 ):
-    """Deletes on a cache with an SSD tier commit its index while the SSD writer commits after its batches: with one
-    fixed temp name the two renamed each other's file away and a delete failed with the data plane's `internal`
-    error. Four clients put and delete at once against a real agent: no call fails, a deleted prefix is a miss, a
+    """Deletes commit the SSD index while the SSD writer commits after its batches, and neither may lose the other's
+    file. Four clients put and delete at once against a real agent: no call fails, a deleted prefix is a miss, a
     kept one is exact, and a restart finds exactly the kept ones on the SSD."""
-    import threading
-
     spec = spec_for(model)
     ssd_root = tmp_path / "ssd"
     monkeypatch.setenv("KCAAS_NODE_SSD_DIR", str(ssd_root))
@@ -110,10 +105,8 @@ def test_four_clients_putting_and_deleting_on_an_ssd_cache_never_fail_and_what_s
             thread.join()
         assert not errors, [repr(e) for e in errors]
         directory = ssd_root / cache.id
-        deadline = time.monotonic() + 30  # the 64 kept blocks the device cannot hold are on the SSD before the kill
-        while indexed_blocks(directory) < 64 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert indexed_blocks(directory) >= 64
+        # the 64 kept blocks the device cannot hold are on the SSD before the kill
+        assert eventually(lambda: indexed_blocks(directory) >= 64, timeout=30)
 
         agent.kill()
         agent_launcher.restart(agent)
