@@ -233,7 +233,7 @@ def test_a_read_only_connector_decodes_without_storing_and_returns_its_output():
 
 def test_a_connector_not_told_it_is_read_only_refuses_a_read_only_store_at_once():
     """Read-only is said, never guessed: over a store that refuses puts, a connector that would store raises at
-    construction, naming both ways out (it used to turn itself read-only and never cache, silently)."""
+    construction, naming both ways out, rather than going read-only and never caching without a word."""
     model = tiny("mistral")
     for refused in (dict(), dict(read_only=False)):
         with pytest.raises(ReadOnlyStore, match="access='readwrite'.*read_only=True"):
