@@ -30,7 +30,7 @@ def spec_from(fields: dict):
     return KVCacheSpec(**fields)
 
 
-# ---- PKI and tokens (as tests/dataplane/conftest.py) ---------------------------------------------------------------
+# ---- PKI and tokens (as tests/gpu_node/dataplane/conftest.py) ----------------------------------------------------
 def _b64url(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 

@@ -9,8 +9,8 @@ import pytest
 
 from kcaas.connectors.vllm_lookup import BoundedLookup
 from kcaas.dataplane import DataPlaneClient
-from tests.dataplane.conftest import CACHE_A
-from tests.dataplane.test_dataplane import TOKENS
+from tests.gpu_node.dataplane.conftest import CACHE_A
+from tests.gpu_node.dataplane.test_requests_over_tls import TOKENS
 from tests.gpu_node.kv_fixtures import prefix_kv, tiny_spec
 
 LOOKUP_S = 0.05

@@ -11,7 +11,7 @@ from caches import services
 from fleet.models import Node
 from kcaas.errors import KcaasError
 from tests.caches.conftest import BLOCK_BYTES, SPEC, purge_node_queue
-from tests.kcaas_client.test_cli import SPEC_FLAGS, cli  # noqa: F401 - the cli fixture reused
+from tests.kcaas.test_cli import SPEC_FLAGS, cli  # noqa: F401 - the cli fixture reused
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -16,7 +16,7 @@ from gpu_node.dataplane.server import DataPlaneServer, server_tls_context
 from kcaas import wire
 from kcaas.dataplane import DataPlaneClient
 from kcaas.wire import ErrorCode, Opcode
-from tests.dataplane.conftest import CACHE_A, CACHE_B, NODE_ID
+from tests.gpu_node.dataplane.conftest import CACHE_A, CACHE_B, NODE_ID
 from tests.gpu_node.kv_fixtures import prefix_kv
 from tests.waiting import eventually
 
@@ -56,7 +56,7 @@ def limited_server(request, registry, verifier, pki):
 def connect(limited_server, client_ctx):
     import socket
 
-    from tests.dataplane.conftest import RawConn
+    from tests.gpu_node.dataplane.conftest import RawConn
 
     opened = []
 
@@ -181,7 +181,7 @@ def test_pipelined_puts_each_keep_their_own_bytes(server, raw, make_token, spec,
 def test_drain_answers_started_requests_and_closes_idle_ones(registry, verifier, pki, client_ctx, make_token, spec):
     import socket
 
-    from tests.dataplane.conftest import RawConn
+    from tests.gpu_node.dataplane.conftest import RawConn
 
     srv = DataPlaneServer(
         registry, NODE_ID, verifier, server_tls_context(pki["cert"], pki["key"]), "127.0.0.1", 0, frame_timeout=5.0

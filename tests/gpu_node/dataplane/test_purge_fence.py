@@ -10,8 +10,8 @@ import torch
 
 from kcaas.dataplane import DataPlaneError
 from kcaas.wire import ErrorCode
-from tests.dataplane.conftest import CACHE_A
-from tests.dataplane.test_dataplane import TOKENS, client_for
+from tests.gpu_node.dataplane.conftest import CACHE_A
+from tests.gpu_node.dataplane.test_requests_over_tls import TOKENS, client_for
 from tests.gpu_node.kv_fixtures import prefix_kv
 from tests.waiting import eventually
 

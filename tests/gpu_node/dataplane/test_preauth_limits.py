@@ -15,7 +15,7 @@ from gpu_node.dataplane.admission import NodeLimits
 from gpu_node.dataplane.server import DataPlaneServer, server_tls_context
 from kcaas import wire
 from kcaas.wire import ErrorCode, Opcode
-from tests.dataplane.conftest import CACHE_A, CACHE_B, NODE_ID, RawConn
+from tests.gpu_node.dataplane.conftest import CACHE_A, CACHE_B, NODE_ID, RawConn
 from tests.gpu_node.kv_fixtures import prefix_kv
 from tests.waiting import eventually
 

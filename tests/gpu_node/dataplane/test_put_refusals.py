@@ -11,7 +11,7 @@ import torch
 from kcaas import wire
 from kcaas.dataplane import DataPlaneClient, DataPlaneError
 from kcaas.wire import ErrorCode, Opcode
-from tests.dataplane.conftest import EPOCH
+from tests.gpu_node.dataplane.conftest import EPOCH
 from tests.gpu_node.kv_fixtures import prefix_kv, tiny_spec
 
 TOKENS = np.arange(1000, 1010, dtype=np.int32)

@@ -8,7 +8,7 @@ import torch
 
 from gpu_node.agent.process import AgentConfig, NodeAgent
 from kcaas.dataplane import DataPlaneClient, DataPlaneError
-from tests.dataplane.conftest import CACHE_A, NODE_ID
+from tests.gpu_node.dataplane.conftest import CACHE_A, NODE_ID
 from tests.gpu_node.kv_fixtures import prefix_kv
 
 

@@ -26,7 +26,7 @@ from gpu_node.migration.transfer import (
 )
 from kcaas import wire
 from kcaas.dataplane import DataPlaneClient
-from tests.dataplane.conftest import CACHE_A, EPOCH, NODE_ID
+from tests.gpu_node.dataplane.conftest import CACHE_A, EPOCH, NODE_ID
 from tests.gpu_node.kv_fixtures import prefix_kv
 from tests.waiting import eventually
 

@@ -12,7 +12,7 @@ from gpu_node.dataplane.server import DataPlaneServer, server_tls_context
 from kcaas import wire
 from kcaas.dataplane import DataPlaneClient, DataPlaneError
 from kcaas.wire import ErrorCode, Opcode
-from tests.dataplane.conftest import CACHE_A, NODE_ID, RawConn
+from tests.gpu_node.dataplane.conftest import CACHE_A, NODE_ID, RawConn
 from tests.gpu_node.kv_fixtures import prefix_kv, tiny_spec
 
 

@@ -20,7 +20,7 @@ from gpu_node.dataplane.server import DataPlaneServer, server_tls_context
 from gpu_node.dataplane.staging import StagingPool
 from kcaas import wire
 from kcaas.wire import Opcode
-from tests.dataplane.conftest import CACHE_A, CACHE_B, EPOCH, NODE_ID, RawConn
+from tests.gpu_node.dataplane.conftest import CACHE_A, CACHE_B, EPOCH, NODE_ID, RawConn
 from tests.gpu_node.kv_fixtures import prefix_kv, tiny_spec
 from tests.waiting import eventually
 

@@ -14,7 +14,7 @@ import pytest
 import kcaas
 from kcaas import errors
 from tests.faults import free_port
-from tests.kcaas_client.test_client_transport import RAW_KEY, WHOAMI, Scripted, _err, server  # noqa: F401
+from tests.kcaas.test_client_transport import RAW_KEY, WHOAMI, Scripted, _err, server  # noqa: F401
 
 UNAVAILABLE = (503, {"Retry-After": "2"}, _err("database_unavailable", "The database is unavailable; retry later."))
 OUTAGE_SECONDS = 10.0

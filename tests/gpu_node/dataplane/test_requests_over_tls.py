@@ -14,7 +14,7 @@ import torch
 from kcaas import wire
 from kcaas.dataplane import DataPlaneClient, DataPlaneError
 from kcaas.wire import ErrorCode, Opcode
-from tests.dataplane.conftest import CACHE_A, CACHE_B, EPOCH, NODE_ID, RawConn
+from tests.gpu_node.dataplane.conftest import CACHE_A, CACHE_B, EPOCH, NODE_ID, RawConn
 from tests.gpu_node.kv_fixtures import prefix_kv, tiny_spec
 from tests.waiting import eventually
 
@@ -438,7 +438,7 @@ def test_unknown_kid_refetches_jwks_once(jwks, signing_key, make_token):
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from gpu_node.dataplane.server import TokenVerifier
-    from tests.dataplane.conftest import ISSUER, public_jwk
+    from tests.gpu_node.dataplane.conftest import ISSUER, public_jwk
 
     new_key = Ed25519PrivateKey.generate()
     new_jwk = public_jwk(new_key)

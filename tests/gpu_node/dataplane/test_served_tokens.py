@@ -8,8 +8,8 @@ import time
 import numpy as np
 
 from gpu_node.dataplane.server import DataPlaneServer, server_tls_context
-from tests.dataplane.conftest import CACHE_A, NODE_ID
-from tests.dataplane.test_dataplane import TOKENS, client_for
+from tests.gpu_node.dataplane.conftest import CACHE_A, NODE_ID
+from tests.gpu_node.dataplane.test_requests_over_tls import TOKENS, client_for
 from tests.gpu_node.kv_fixtures import prefix_kv
 
 

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from tests.caches.conftest import BLOCK_BYTES, SPEC
-from tests.kcaas_client.test_cli import cli  # noqa: F401 - the fixture: main() on the live server
+from tests.kcaas.test_cli import cli  # noqa: F401 - the fixture: main() on the live server
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
