@@ -40,6 +40,12 @@ class Client(CacheMethods, KeyMethods):
     # -- who am I -------------------------------------------------------------------------------------------------
 
     def whoami(self) -> Principal:
+        """Who this API key belongs to (GET /whoami): its tenant, key id and scopes.
+
+        Returns: the Principal.
+        Raises: a kcaas.errors.KcaasError subclass carrying the API's code (AuthenticationError 401),
+            APIConnectionError when the control plane cannot be reached.
+        """
         return Principal.from_json(self._request("GET", f"{API_PREFIX}/whoami").body)
 
     def usage(
@@ -47,7 +53,13 @@ class Client(CacheMethods, KeyMethods):
     ) -> Usage:
         """The tenant's effective quota limits, what counts against them, and the bytes resident (GET /usage);
         with `from_` and `to` (and `granularity` hour|day|month, default day) also the metered series
-        (`Usage.series`). Datetimes should be timezone-aware (UTC)."""
+        (`Usage.series`). Datetimes should be timezone-aware (UTC).
+
+        Returns: the Usage (with `series` when `from_` and `to` are given).
+        Raises: a kcaas.errors.KcaasError subclass carrying the API's code (AuthenticationError 401,
+            ValidationError 400 for a bad range or granularity), APIConnectionError when the control plane cannot be
+            reached.
+        """
         query = {"from": _timestamp(from_), "to": _timestamp(to), "granularity": granularity}
         return Usage.from_json(self._request("GET", f"{API_PREFIX}/usage", query=query).body)
 

@@ -66,8 +66,8 @@ class CacheMethods(RestTransport):
 
         Returns: the Cache in `state`.
         Raises: WaitTimeoutError past `timeout`; CacheFailedError if it fails; a kcaas.errors.KcaasError subclass
-        carrying the API's code (e.g. NotFoundError 404, QuotaExceededError,
-            ServiceUnavailableError 503 no_capacity), APIConnectionError when the control plane cannot be reached.
+            carrying the API's code (e.g. NotFoundError 404), APIConnectionError when the control plane cannot be
+            reached.
         """
         deadline = time.monotonic() + timeout
         delay = 0.05

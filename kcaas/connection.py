@@ -52,7 +52,11 @@ def connect(
     """A Connection to the control plane at `url` (default $KCAAS_URL, else http://127.0.0.1:8000) with `api_key`
     (default $KCAAS_API_KEY). `ca`: the CA that signs the nodes' data-plane certificates, a PEM file path or PEM text
     (default: fetched from the control plane). `verify=False` skips certificate checks on the data plane (a local
-    experiment only: anyone on the path can read the KV). `client_options` go to kcaas.Client (timeout, retries...)."""
+    experiment only: anyone on the path can read the KV). `client_options` go to kcaas.Client (timeout, retries...).
+
+    Returns: the Connection (nothing is fetched until it is used).
+    Raises: KcaasError `not_authenticated` when no API key is given or set.
+    """
     url = url or os.environ.get("KCAAS_URL") or DEFAULT_URL
     api_key = api_key or os.environ.get("KCAAS_API_KEY", "").strip()
     if not api_key:
@@ -94,7 +98,11 @@ class Connection:
         self.client.close()
 
     def find_cache(self, name_or_id: str) -> Cache:
-        """The tenant's cache with this id, or the live (pending, provisioning or ready) one with this name."""
+        """The tenant's cache with this id, or the live (pending, provisioning or ready) one with this name.
+
+        Returns: the Cache.
+        Raises: NotFoundError `cache_not_found` (its details list the live names); what kcaas.Client raises.
+        """
         if _is_uuid(name_or_id):
             return self.client.get_cache(name_or_id)
         caches = self.client.list_caches()
@@ -122,7 +130,13 @@ class Connection:
         """A connected DataPlaneClient for the cache `name_or_id`. `access`: "read" (lookup and get: the default, as
         for the REST API's data tokens) or "readwrite" (also put and delete). `spec`: the engine's own KV identity,
         checked against the cache's (IdentityMismatch names the fields that differ); default the cache's.
-        `ready_timeout` bounds the wait for `ready`; `timeout` is the data plane's per-operation timeout."""
+        `ready_timeout` bounds the wait for `ready`; `timeout` is the data plane's per-operation timeout.
+
+        Returns: the DataPlaneClient, connected (closed with this Connection).
+        Raises: ValueError for an unknown `access`; NotFoundError as find_cache; WaitTimeoutError or CacheFailedError
+            waiting for ready; IdentityMismatch when `spec` differs; KcaasError `certificate_verify_failed` when the
+            node's certificate is not trusted; what kcaas.Client and DataPlaneClient.connect raise.
+        """
         if access not in ACCESS_LEVELS:
             raise ValueError(f"access must be one of {ACCESS_LEVELS}, got {access!r}")
         cache = self.find_cache(name_or_id)
