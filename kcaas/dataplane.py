@@ -349,9 +349,7 @@ class DataPlaneClient:
             1, (self._t.max_frame_bytes - wire.HEADER_SIZE - _FRAME_SLACK - 4 * n) // spec.kv_bytes_per_token
         )
         start, written, retries = first, 0, 0
-        reply = None
-        if start == n:
-            return {"num_cached": n, "num_written": 0, "out_of_space": False}
+        num_cached, out_of_space = n, False  # what nothing to send answers
         while start < n:
             end = min(n, start + per_frame)
             try:
@@ -366,10 +364,11 @@ class DataPlaneClient:
                 start = held  # evicted under us: resend from what the node still holds (kv covers it)
                 continue
             written += reply.num_written[0]
-            if reply.out_of_space[0] or reply.num_cached[0] < end:
+            num_cached, out_of_space = reply.num_cached[0], reply.out_of_space[0]
+            if out_of_space or num_cached < end:
                 break
             start = end
-        return {"num_cached": reply.num_cached[0], "num_written": written, "out_of_space": reply.out_of_space[0]}
+        return {"num_cached": num_cached, "num_written": written, "out_of_space": out_of_space}
 
 
 class _Received:
@@ -431,6 +430,7 @@ class _Received:
             empty = torch.empty((spec.num_layers, 2, 0, spec.num_kv_heads, spec.head_dim), dtype=dtype)
             return min(self.num_cached, self.start), empty
         total = self.total
+        assert total is not None, "the first answer sets total before any token arrives"
         key = ("result", id(self.out), total)
         if n == total and self.out is not None:  # the same view of the same out as last time: made once
             known = self.recent.get(key)

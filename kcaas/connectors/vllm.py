@@ -188,7 +188,7 @@ class KCaaSConnector(KVConnectorBase_V1):
             self._hits: dict[str, int] = {}  # request id -> tokens the cache holds (one lookup per request)
             self._pending_loads: dict[str, tuple[int, int]] = {}  # request id -> (local hit, tokens to load)
             self._local_hits: dict[str, int] = {}  # request id -> vLLM's own hit when the connector was asked
-            self._worker = None
+            self._worker: ConnectorWorker | None = None
         else:
             self._worker = ConnectorWorker(self._session, self._config, self._layout)
 
@@ -197,17 +197,23 @@ class KCaaSConnector(KVConnectorBase_V1):
         return False  # a cache: a save that did not happen is a later miss, not a lost hand-off
 
     # ---- worker side --------------------------------------------------------------------------------------------
+    def _worker_side(self) -> ConnectorWorker:
+        """The worker half. Raises RuntimeError on the scheduler's connector (vLLM calls worker hooks on workers)."""
+        if self._worker is None:
+            raise RuntimeError("a worker hook was called on the scheduler-side KCaaS connector")
+        return self._worker
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layers = self._vllm_config.compilation_config.static_forward_context
         backends = {_backend_name(layers.get(name)) for name in kv_caches}
         first = min(kv_caches)
         write = _cache_write(_backend_name(layers.get(first)), layers.get(first)) if len(backends) == 1 else None
-        self._worker.register(kv_caches, backends, write)
+        self._worker_side().register(kv_caches, backends, write)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
         if metadata.loads:
-            self._worker.load(metadata.loads)
+            self._worker_side().load(metadata.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv filled every layer before the forward
@@ -218,10 +224,10 @@ class KCaaSConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         metadata = self._get_connector_metadata()
         if metadata.saves:
-            self._worker.save(metadata.saves)
+            self._worker_side().save(metadata.saves)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.take_failed_blocks()
+        return self._worker_side().take_failed_blocks()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         data = self._worker.take_stats() if self._worker is not None else {}
@@ -266,16 +272,16 @@ class KCaaSConnector(KVConnectorBase_V1):
             self._emit_save(tracked, new.num_computed_tokens + scheduled.get(new.req_id, 0), meta)
         cached = scheduler_output.scheduled_cached_reqs
         for index, req_id in enumerate(cached.req_ids):
-            tracked = self._tracked.get(req_id)
-            if tracked is None:
+            running = self._tracked.get(req_id)
+            if running is None:
                 continue
             new_blocks = cached.new_block_ids[index]
             if req_id in cached.resumed_req_ids:  # back from preemption: its blocks were all given again
-                tracked.block_ids = list(new_blocks[0]) if new_blocks else []
+                running.block_ids = list(new_blocks[0]) if new_blocks else []
             elif new_blocks:
-                tracked.block_ids.extend(new_blocks[0])
-            self._emit_load(req_id, tracked, meta)
-            self._emit_save(tracked, cached.num_computed_tokens[index] + scheduled.get(req_id, 0), meta)
+                running.block_ids.extend(new_blocks[0])
+            self._emit_load(req_id, running, meta)
+            self._emit_save(running, cached.num_computed_tokens[index] + scheduled.get(req_id, 0), meta)
         return meta
 
     def _emit_load(self, req_id: str, tracked: _Tracked, meta: KCaaSMetadata) -> None:

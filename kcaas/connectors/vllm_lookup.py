@@ -40,19 +40,21 @@ class BoundedLookup:
             logger.warning("KCaaS node not reachable at start-up (%s): lookups are misses until it is", exc)
             self.close()
 
-    def _open(self, connect_timeout: float) -> None:
-        self._client = self._open_client(connect_timeout)
-        self._client.connect()
-        self._client.settimeout(self._timeout)
+    def _open(self, connect_timeout: float) -> DataPlaneClient:
+        client = self._client = self._open_client(connect_timeout)
+        client.connect()
+        client.settimeout(self._timeout)
+        return client
 
     def __call__(self, prompt) -> int:
         now = self._clock()
         if now < self._down_until:
             return 0
         try:
-            if self._client is None:  # a reconnect after a failure: bounded too (a hung node)
-                self._open(max(10 * self._timeout, 0.5))
-            found = self._client.lookup(np.asarray(prompt, dtype=np.int32))
+            client = self._client
+            if client is None:  # a reconnect after a failure: bounded too (a hung node)
+                client = self._open(max(10 * self._timeout, 0.5))
+            found = client.lookup(np.asarray(prompt, dtype=np.int32))
         except Exception as exc:  # noqa: BLE001 - any failure of the node or the network is a miss, never a stall
             self._down_until, self._backoff = now + self._backoff, min(self._backoff * 2, MAX_BACKOFF_S)
             logger.warning(

@@ -72,8 +72,8 @@ class ConnectorWorker:
         own cache write where it can run here (then the block layout is probed from it, never assumed).
         Raises ConnectorSetupError for an unknown backend, a write the layout probe cannot map, or tensors of
         another layout than the cache's."""
-        kinds = {BACKEND_LAYOUTS.get(name) for name in backends}
-        if len(kinds) != 1 or None in kinds:
+        kinds = {BACKEND_LAYOUTS[name] for name in backends if name in BACKEND_LAYOUTS}
+        if len(kinds) != 1 or not backends <= BACKEND_LAYOUTS.keys():
             raise ConnectorSetupError(
                 f"attention backend {sorted(backends)} is not supported (known: {sorted(BACKEND_LAYOUTS)})"
             )
@@ -93,6 +93,18 @@ class ConnectorWorker:
             )
         self._layers, self._paged = layers, paged
 
+    def _pool(self) -> tuple[list[torch.Tensor], PagedLayout]:
+        """vLLM's paged tensors and their layout. Raises ConnectorSetupError before register()."""
+        if self._paged is None:
+            raise ConnectorSetupError("vLLM's KV tensors are not registered yet (register_kv_caches comes first)")
+        return self._layers, self._paged
+
+    def _reader(self) -> DataPlaneClient:
+        """The loads' client. Raises ConnectorSetupError on a connector whose role does not read."""
+        if self._loader is None:
+            raise ConnectorSetupError(f"a load planned for a connector whose role ({self._config.role}) does not read")
+        return self._loader
+
     # ---- loads --------------------------------------------------------------------------------------------------
     def load(self, loads: list[Load]) -> None:
         for load in loads:
@@ -102,7 +114,7 @@ class ConnectorWorker:
         started = time.perf_counter()
         bs = self._layout.block_size
         try:
-            end, kv = self._loader.get(load.tokens, start=load.start)
+            end, kv = self._reader().get(load.tokens, start=load.start)
         except Exception as exc:  # noqa: BLE001 - the node or the network: those blocks are recomputed
             logger.warning(
                 "KCaaS load of %d tokens failed (%s): vLLM recomputes them", len(load.tokens) - load.start, exc
@@ -111,7 +123,7 @@ class ConnectorWorker:
         filled = max(min(end, len(load.tokens)) - load.start, 0) // bs
         filled = min(filled, len(load.block_ids))
         if filled:
-            scatter(self._layers, self._paged, load.block_ids[:filled], kv[:, :, : filled * bs])
+            scatter(*self._pool(), load.block_ids[:filled], kv[:, :, : filled * bs])
         missed = load.block_ids[filled:]
         with self._lock:
             self._failed.update(missed)
@@ -131,7 +143,7 @@ class ConnectorWorker:
     # ---- saves --------------------------------------------------------------------------------------------------
     def save(self, saves: list[Save]) -> None:
         for save in saves:
-            kv = gather(self._layers, self._paged, save.block_ids)  # a copy: vLLM may reuse its blocks now
+            kv = gather(*self._pool(), save.block_ids)  # a copy: vLLM may reuse its blocks now
             if kv.device.type != "cpu":
                 kv = kv.cpu()
             if self._saver is not None:
