@@ -51,7 +51,8 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 INTERACTIVE_RETRY_BUDGET_SECONDS = 5.0
 EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED = 0, 2, 130
 SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(KVCacheSpec))
-SPEC_DEFAULTS = {"block_size": 16, "kv_dtype": "float16"}  # storage_dtype defaults to kv_dtype
+# storage_dtype defaults to kv_dtype; an 'mla' spec's num_kv_heads and head_dim to what its latent width implies
+SPEC_DEFAULTS = {"block_size": 16, "kv_dtype": "float16", "attention": "mha", "kv_lora_rank": 0, "qk_rope_head_dim": 0}
 HIDDEN_STATES = ("detached",)  # left out of `ls` unless --all (failed caches stay: they hold quota until detached)
 # The server's answers a broken or foreign server turns into these when the SDK reads them.
 _UNREADABLE = (AttributeError, KeyError, TypeError, ValueError)
@@ -93,6 +94,9 @@ def _spec_from_args(args: argparse.Namespace) -> KVCacheSpec:
     for name, default in SPEC_DEFAULTS.items():
         fields.setdefault(name, default)
     fields.setdefault("storage_dtype", fields["kv_dtype"])
+    if fields["attention"] == "mla" and all(isinstance(fields[w], int) for w in ("kv_lora_rank", "qk_rope_head_dim")):
+        fields.setdefault("num_kv_heads", 1)
+        fields.setdefault("head_dim", max((fields["kv_lora_rank"] + fields["qk_rope_head_dim"]) // 2, 1))
     missing = [name for name in SPEC_FIELDS if name not in fields]
     if missing:
         flags = ", ".join("--" + name.replace("_", "-") for name in missing)
@@ -331,6 +335,11 @@ def _parser() -> argparse.ArgumentParser:
     attach.add_argument("--block-size", type=int, help="tokens per block (default 16)")
     attach.add_argument("--kv-dtype", help="default float16")
     attach.add_argument("--storage-dtype", help="default: the kv dtype")
+    attach.add_argument(
+        "--attention", choices=("mha", "mla"), help="mla: latent KV (DeepSeek-V2/V3), with the two widths below"
+    )
+    attach.add_argument("--kv-lora-rank", type=int, help="mla: kv_c_normed width, e.g. 512")
+    attach.add_argument("--qk-rope-head-dim", type=int, help="mla: k_pe width, e.g. 64")
     attach.add_argument("--device-bytes", type=parse_bytes, required=True, metavar="N", help="e.g. 2GiB")
     attach.add_argument("--dram-bytes", type=parse_bytes, default=0, metavar="N")
     attach.add_argument("--ssd-bytes", type=parse_bytes, default=0, metavar="N")

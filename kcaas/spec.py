@@ -20,6 +20,7 @@ SCALE_NUM_BYTES = 4  # one float32 scale per (token, layer, K/V, kv head) for qu
 MAX_BLOCK_SIZE = 1024
 MAX_FINGERPRINT_LEN = 256
 DEFAULT_BLOCK_SIZE = 16  # tokens per block unless the engine says otherwise
+ATTENTION_KINDS = ("mha", "mla")  # per-head K and V (MHA, GQA, MQA); one latent row per token (MLA)
 
 
 class SpecError(ValueError):
@@ -41,7 +42,16 @@ class IdentityMismatch(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class KVCacheSpec:
-    """What a cache stores: one model's KV, in one layout."""
+    """What a cache stores: one model's KV, in one layout.
+
+    Two attention kinds (docs/ARCHITECTURE.md, "Latent KV"):
+    - "mha": per-head K and V (MHA, GQA, MQA); `kv_lora_rank` and `qk_rope_head_dim` are 0.
+    - "mla": multi-head latent attention (DeepSeek-V2/V3 and kin): one latent row per token per layer,
+      `[kv_c_normed (kv_lora_rank) | k_pe (qk_rope_head_dim)]`, post-norm and post-RoPE, identical on every
+      tensor-parallel rank. The pool keeps the row as the two halves of one "head" (num_kv_heads 1, head_dim
+      latent_dim / 2): the K plane holds the row's first half, the V plane its second, so bytes per token are
+      exactly num_layers * latent_dim * dtype bytes. `kcaas.latent` converts rows to that form and back.
+    """
 
     model_fingerprint: str  # model name + revision (or a weights digest): same shapes, other model => other cache
     num_layers: int  # attention layers whose KV is stored
@@ -50,6 +60,9 @@ class KVCacheSpec:
     block_size: int  # tokens per block: the unit of hashing, sharing and eviction
     kv_dtype: str  # the engine's KV dtype, what put takes and get returns
     storage_dtype: str  # what the pool holds: kv_dtype as-is, a wider/narrower float, or int8/fp8 with scales
+    attention: str = "mha"  # one of ATTENTION_KINDS
+    kv_lora_rank: int = 0  # mla: width of the compressed KV (kv_c_normed); 0 for mha
+    qk_rope_head_dim: int = 0  # mla: width of the shared rotary key (k_pe); 0 for mha
 
     def __post_init__(self) -> None:
         problems = self._problems()
@@ -70,7 +83,67 @@ class KVCacheSpec:
             problems.append(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
         if self.storage_dtype not in STORAGE_DTYPES:
             problems.append(f"storage_dtype must be one of {STORAGE_DTYPES}, got {self.storage_dtype!r}")
-        return problems
+        return problems + self._attention_problems()
+
+    def _attention_problems(self) -> list[str]:
+        if self.attention not in ATTENTION_KINDS:
+            return [f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}"]
+        widths = (self.kv_lora_rank, self.qk_rope_head_dim)
+        if any(isinstance(w, bool) or not isinstance(w, int) or w < 0 for w in widths):
+            return [f"kv_lora_rank and qk_rope_head_dim must be non-negative integers, got {widths!r}"]
+        if self.attention == "mha":
+            return [] if widths == (0, 0) else ["kv_lora_rank and qk_rope_head_dim are 0 unless attention is 'mla'"]
+        if self.kv_lora_rank < 1:
+            return ["an 'mla' spec needs kv_lora_rank >= 1"]
+        latent = self.kv_lora_rank + self.qk_rope_head_dim
+        if latent % 2:
+            return [f"an 'mla' latent row (kv_lora_rank + qk_rope_head_dim = {latent}) must have an even width"]
+        if (self.num_kv_heads, self.head_dim) != (1, latent // 2):
+            return [
+                f"an 'mla' spec stores its {latent}-wide latent row as num_kv_heads 1 and head_dim {latent // 2}, "
+                f"got {self.num_kv_heads} and {self.head_dim} (KVCacheSpec.latent builds it)"
+            ]
+        return []
+
+    @classmethod
+    def latent(
+        cls,
+        *,
+        model_fingerprint: str,
+        num_layers: int,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        kv_dtype: str = "bfloat16",
+        storage_dtype: str | None = None,
+    ) -> KVCacheSpec:
+        """The spec of an MLA model's latent KV (num_kv_heads and head_dim follow from the latent width).
+
+        Raises: SpecError when a value is invalid (an odd latent width among them)."""
+        latent = (
+            kv_lora_rank + qk_rope_head_dim if all(isinstance(w, int) for w in (kv_lora_rank, qk_rope_head_dim)) else 0
+        )
+        return cls(
+            model_fingerprint=model_fingerprint,
+            num_layers=num_layers,
+            num_kv_heads=1,
+            head_dim=max(latent // 2, 1),
+            block_size=block_size,
+            kv_dtype=kv_dtype,
+            storage_dtype=storage_dtype or kv_dtype,
+            attention="mla",
+            kv_lora_rank=kv_lora_rank,
+            qk_rope_head_dim=qk_rope_head_dim,
+        )
+
+    @property
+    def is_latent(self) -> bool:
+        return self.attention == "mla"
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one latent row (kv_lora_rank + qk_rope_head_dim); 0 for an 'mha' spec."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
     @property
     def is_quantized(self) -> bool:
@@ -116,9 +189,12 @@ class KVCacheSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVCacheSpec:
+        """The spec a dict names; the attention fields may be absent (senders that predate them mean 'mha').
+
+        Raises: SpecError naming unknown and missing fields, or what is invalid."""
         names = set(_FIELD_NAMES)
         unknown = set(data) - names
-        missing = names - set(data)
+        missing = names - set(data) - set(_ATTENTION_FIELDS)
         if unknown or missing:
             raise SpecError(
                 f"invalid KV cache spec: unknown fields {sorted(unknown)}, missing fields {sorted(missing)}"
@@ -134,29 +210,46 @@ class KVCacheSpec:
         block_size: int = DEFAULT_BLOCK_SIZE,
         model_fingerprint: str | None = None,
         storage_dtype: str | None = None,
+        mtp_layers: bool = False,
     ) -> KVCacheSpec:
-        """The identity of a transformers model's KV from its config (a PretrainedConfig or its dict): num_layers
-        from num_hidden_layers; num_kv_heads from num_key_value_heads (num_attention_heads without GQA); head_dim the
-        config's own `head_dim` when it has one (Gemma, Qwen3: not hidden_size // heads), else hidden_size //
-        num_attention_heads; kv_dtype `dtype` or the config's dtype/torch_dtype (float32 when neither says);
+        """The identity of a transformers model's KV from its config (a PretrainedConfig or its dict).
+
+        num_layers from num_hidden_layers (plus num_nextn_predict_layers, the multi-token-prediction layers, when
+        `mtp_layers`); kv_dtype `dtype` or the config's dtype/torch_dtype (float32 when neither says);
         storage_dtype kv_dtype unless given; the fingerprint `<name_or_path>@<revision or main>` unless given.
-        Raises SpecError naming what the config lacks."""
+        A config with a kv_lora_rank (DeepSeek-V2/V3 and kin) gives an 'mla' spec of its latent rows; any other
+        num_kv_heads from num_key_value_heads (num_attention_heads without GQA) and head_dim the config's own
+        `head_dim` when it has one (Gemma, Qwen3: not hidden_size // heads), else hidden_size //
+        num_attention_heads.
+
+        Raises: SpecError naming what the config lacks."""
         values = _hf_values(config)
+        kv_dtype = dtype or _hf_dtype(values)
+        fingerprint = model_fingerprint or _hf_fingerprint(values)
+        layers = _hf_int(values, "num_hidden_layers") + (_hf_mtp_layers(values) if mtp_layers else 0)
+        storage = storage_dtype or kv_dtype
+        if values.get("kv_lora_rank") is not None:
+            rope = values.get("qk_rope_head_dim")
+            if isinstance(rope, bool) or not isinstance(rope, int) or rope < 0:
+                raise SpecError(f"invalid KV cache spec: the MLA config has no qk_rope_head_dim (got {rope!r})")
+            return cls.latent(
+                model_fingerprint=fingerprint,
+                num_layers=layers,
+                kv_lora_rank=_hf_int(values, "kv_lora_rank"),
+                qk_rope_head_dim=rope,
+                block_size=block_size,
+                kv_dtype=kv_dtype,
+                storage_dtype=storage,
+            )
         heads = _hf_int(values, "num_attention_heads")
         head_dim = values.get("head_dim") or _hf_int(values, "hidden_size") // heads
-        kv_dtype = dtype or _hf_dtype(values)
         return cls(
-            model_fingerprint=model_fingerprint or _hf_fingerprint(values),
-            num_layers=_hf_int(values, "num_hidden_layers"),
-            num_kv_heads=values.get("num_key_value_heads") or heads,
-            head_dim=head_dim,
-            block_size=block_size,
-            kv_dtype=kv_dtype,
-            storage_dtype=storage_dtype or kv_dtype,
+            fingerprint, layers, values.get("num_key_value_heads") or heads, head_dim, block_size, kv_dtype, storage
         )
 
 
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(KVCacheSpec))
+_ATTENTION_FIELDS = ("attention", "kv_lora_rank", "qk_rope_head_dim")
 
 
 def _hf_values(config: Any) -> dict[str, Any]:
@@ -175,6 +268,13 @@ def _hf_int(values: dict[str, Any], name: str) -> int:
     value = values.get(name)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise SpecError(f"invalid KV cache spec: the model config has no positive integer {name} (got {value!r})")
+    return value
+
+
+def _hf_mtp_layers(values: dict[str, Any]) -> int:
+    value = values.get("num_nextn_predict_layers") or 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SpecError(f"invalid KV cache spec: num_nextn_predict_layers must be an integer >= 0, got {value!r}")
     return value
 
 

@@ -28,6 +28,12 @@ decoder over a read-only data token. A connector not told `read_only=True` store
 `read_only` attribute is true (a data-plane client over a read token) is refused at construction with
 ReadOnlyStore, naming both ways out, instead of a connector that silently never caches.
 
+Latent attention (DeepseekV2/V3 and kin: a config with kv_lora_rank): the model caches one latent row per token and
+layer, and the connector stores those rows in an 'mla' cache (kcaas.latent): a cached prefix is exactly the rows
+the model computed. A store whose spec (its `spec` attribute) does not describe the model's KV (K/V heads for an
+MLA model, another rank or head count, another number of layers) is refused at construction with
+IdentityMismatch naming each field, before anything is read or written.
+
 A vLLM KV connector maps onto the same two calls: `get_num_new_matched_tokens` -> lookup, the worker's
 `start_load_kv` -> get into the paged buffer (or attention in place on the same GPU), `save_kv_layer`/request
 finish -> put.
@@ -40,7 +46,11 @@ from typing import Protocol
 
 import torch
 
+from kcaas.spec import IdentityMismatch, KVCacheSpec
 from kcaas.transformers_kv import full_length_cache, kv_from_dynamic_cache
+
+# The fields that say how a model's KV is shaped (the rest of a spec says how a cache keeps it).
+LAYOUT_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "attention", "kv_lora_rank", "qk_rope_head_dim")
 
 
 class KVStore(Protocol):
@@ -64,8 +74,12 @@ class ReadOnlyStore(ValueError):
 
 class HFConnector:
     def __init__(self, model, store: KVStore, *, read_only: bool = False):
-        """`read_only`: get cached prefixes, never put. Raises ReadOnlyStore when `read_only` is False and the
-        store's `read_only` attribute is true: every put would be refused, and nothing would ever be cached."""
+        """`read_only`: get cached prefixes, never put.
+
+        Raises: ReadOnlyStore when `read_only` is False and the store's `read_only` attribute is true (every put
+        would be refused, and nothing would ever be cached); IdentityMismatch when the store's spec does not
+        describe the model's KV."""
+        _check_store_layout(model, store)
         if not read_only and getattr(store, "read_only", False):
             raise ReadOnlyStore(
                 "the store is read-only (a data token with access 'read', the default): this connector would compute "
@@ -76,6 +90,8 @@ class HFConnector:
         self.store = store
         self.read_only = bool(read_only)
         self.last_reuse: PrefixReuse | None = None
+        rank = getattr(getattr(model, "config", None), "kv_lora_rank", None)
+        self.kv_lora_rank: int | None = rank if isinstance(rank, int) else None  # set: a latent (MLA) model
 
     def cached_prefix(self, input_ids: torch.Tensor):
         """(n, a full-length DynamicCache holding the KV of the first n prompt tokens, empty when n is 0);
@@ -91,7 +107,7 @@ class HFConnector:
         if kv.shape[2] < num_cached:
             raise ValueError(f"the store answered {num_cached} cached tokens with the KV of {kv.shape[2]}")
         kv = kv[:, :, :num_cached].to(device=self.model.device, dtype=self.model.dtype)
-        return num_cached, full_length_cache(kv)
+        return num_cached, full_length_cache(kv, kv_lora_rank=self.kv_lora_rank)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, **generate_kwargs):
@@ -130,7 +146,19 @@ class HFConnector:
         number of tokens raises ValueError, and nothing is stored."""
         if self.read_only:
             raise ValueError("this connector is read-only: it never puts")
-        kv = kv_from_dynamic_cache(cache)
+        kv = kv_from_dynamic_cache(cache, latent=self.kv_lora_rank is not None)
         if kv.shape[2] != len(tokens):
             raise ValueError(f"the cache holds the KV of {kv.shape[2]} tokens, not of the {len(tokens)} tokens given")
         self.store.put(tokens.cpu(), kv.cpu())
+
+
+def _check_store_layout(model, store) -> None:
+    """Raise IdentityMismatch when the store has a spec whose KV layout is not the model's (fields as cache, model)."""
+    spec = getattr(store, "spec", None) or getattr(store, "identity", None)  # PagedKVCache, DataPlaneClient
+    config = getattr(model, "config", None)
+    if not isinstance(spec, KVCacheSpec) or config is None:
+        return
+    expected = KVCacheSpec.from_hf_config(config, dtype=spec.kv_dtype, model_fingerprint=spec.model_fingerprint)
+    fields = {name: pair for name, pair in spec.mismatches(expected).items() if name in LAYOUT_FIELDS}
+    if fields:
+        raise IdentityMismatch(fields)

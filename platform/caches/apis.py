@@ -27,7 +27,15 @@ from core.errors import ApplicationError
 from core.openapi import AUTH_ERRORS, RATE_LIMIT_HEADERS, RejectUnknownFieldsMixin, error_responses
 from core.pagination import BoundedLimitOffsetPagination
 from core.permissions import ScopePermission
-from kcaas.spec import KV_DTYPES, MAX_BLOCK_SIZE, MAX_FINGERPRINT_LEN, STORAGE_DTYPES, KVCacheSpec, SpecError
+from kcaas.spec import (
+    ATTENTION_KINDS,
+    KV_DTYPES,
+    MAX_BLOCK_SIZE,
+    MAX_FINGERPRINT_LEN,
+    STORAGE_DTYPES,
+    KVCacheSpec,
+    SpecError,
+)
 from tenants.fields import StrictBooleanField, StrictIntegerField
 from tenants.principals import TenantPrincipal, is_staff_user, request_tenant
 
@@ -39,17 +47,40 @@ MAX_SHAPE = 1 << 16  # layers, heads, head_dim: far above any model, small enoug
 
 
 class SpecSerializer(RejectUnknownFieldsMixin, serializers.Serializer):
-    """The cache's KV identity/layout (kcaas.spec.KVCacheSpec)."""
+    """The cache's KV identity/layout (kcaas.spec.KVCacheSpec). An 'mla' spec may leave num_kv_heads and head_dim
+    out: they follow from its latent width (1 and (kv_lora_rank + qk_rope_head_dim) / 2)."""
 
     model_fingerprint = serializers.CharField(
         max_length=MAX_FINGERPRINT_LEN, help_text="Model name + revision or a weights digest."
     )
     num_layers = StrictIntegerField(min_value=1, max_value=MAX_SHAPE)
-    num_kv_heads = StrictIntegerField(min_value=1, max_value=MAX_SHAPE)
-    head_dim = StrictIntegerField(min_value=1, max_value=MAX_SHAPE)
+    num_kv_heads = StrictIntegerField(min_value=1, max_value=MAX_SHAPE, required=False)
+    head_dim = StrictIntegerField(min_value=1, max_value=MAX_SHAPE, required=False)
     block_size = StrictIntegerField(min_value=1, max_value=MAX_BLOCK_SIZE, help_text="Tokens per block.")
     kv_dtype = serializers.ChoiceField(choices=KV_DTYPES)
     storage_dtype = serializers.ChoiceField(choices=STORAGE_DTYPES)
+    attention = serializers.ChoiceField(
+        choices=ATTENTION_KINDS,
+        required=False,
+        default="mha",
+        help_text="mha: per-head K and V (MHA, GQA, MQA). mla: one latent row per token and layer (DeepSeek-V2/V3).",
+    )
+    kv_lora_rank = StrictIntegerField(
+        min_value=0, max_value=MAX_SHAPE, required=False, default=0, help_text="mla: kv_c_normed width (else 0)."
+    )
+    qk_rope_head_dim = StrictIntegerField(
+        min_value=0, max_value=MAX_SHAPE, required=False, default=0, help_text="mla: k_pe width (else 0)."
+    )
+
+    def validate(self, attrs):
+        if attrs.get("attention") == "mla":
+            half = (attrs.get("kv_lora_rank", 0) + attrs.get("qk_rope_head_dim", 0)) // 2
+            attrs.setdefault("num_kv_heads", 1)
+            attrs.setdefault("head_dim", max(half, 1))
+        missing = {name: ["This field is required."] for name in ("num_kv_heads", "head_dim") if name not in attrs}
+        if missing:
+            raise serializers.ValidationError(missing)
+        return attrs
 
 
 class CapacitySerializer(RejectUnknownFieldsMixin, serializers.Serializer):

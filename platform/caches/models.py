@@ -15,7 +15,7 @@ import uuid
 from django.db import models
 from django.db.models import Q
 
-from kcaas.spec import KV_DTYPES, MAX_FINGERPRINT_LEN, STORAGE_DTYPES
+from kcaas.spec import ATTENTION_KINDS, KV_DTYPES, MAX_FINGERPRINT_LEN, STORAGE_DTYPES
 
 TIERS: tuple[str, ...] = ("device", "dram", "ssd", "network")
 # The tiers whose bytes a cache reserves on its node; network bytes are the fleet's store's (KCAAS_NETWORK_STORE_BYTES):
@@ -49,6 +49,9 @@ class Cache(models.Model):
     block_size = models.PositiveIntegerField()
     kv_dtype = models.CharField(max_length=16, choices=[(d, d) for d in KV_DTYPES])
     storage_dtype = models.CharField(max_length=16, choices=[(d, d) for d in STORAGE_DTYPES])
+    attention = models.CharField(max_length=8, choices=[(a, a) for a in ATTENTION_KINDS], default="mha")
+    kv_lora_rank = models.PositiveIntegerField(default=0)  # mla only
+    qk_rope_head_dim = models.PositiveIntegerField(default=0)  # mla only
 
     # Bytes reserved per tier; device is at least one block, the others 0 or at least one block.
     device_capacity_bytes = models.BigIntegerField()
@@ -119,6 +122,9 @@ class Cache(models.Model):
             "block_size": self.block_size,
             "kv_dtype": self.kv_dtype,
             "storage_dtype": self.storage_dtype,
+            "attention": self.attention,
+            "kv_lora_rank": self.kv_lora_rank,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
         }
 
 

@@ -36,6 +36,9 @@ SPEC = {
     "block_size": 16,
     "kv_dtype": "float16",
     "storage_dtype": "float16",
+    "attention": "mha",
+    "kv_lora_rank": 0,
+    "qk_rope_head_dim": 0,
 }
 BLOCK_BYTES = 2048
 

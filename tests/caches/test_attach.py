@@ -43,6 +43,42 @@ def test_invalid_spec_is_400_invalid_spec_naming_the_field(tenant_a, node, spec_
     assert not Cache.objects.exists()
 
 
+def test_a_latent_spec_attaches_with_its_heads_and_head_dim_implied(tenant_a, node):
+    body = attach_body(attention="mla", kv_lora_rank=512, qk_rope_head_dim=64, num_layers=3)
+    del body["spec"]["num_kv_heads"], body["spec"]["head_dim"]
+    response = _post(tenant_a.client, body)
+    assert response.status_code == 201, response.content
+    spec = response.json()["spec"]
+    assert (spec["attention"], spec["kv_lora_rank"], spec["qk_rope_head_dim"]) == ("mla", 512, 64)
+    assert (spec["num_kv_heads"], spec["head_dim"]) == (1, 288)
+    assert response.json()["block_bytes"] == 16 * 3 * 576 * 2  # one fp16 latent row per token and layer
+
+
+def test_a_spec_without_the_attention_fields_is_a_kv_spec(tenant_a, node):
+    body = attach_body()
+    for name in ("attention", "kv_lora_rank", "qk_rope_head_dim"):
+        del body["spec"][name]
+    response = _post(tenant_a.client, body)
+    assert response.status_code == 201, response.content
+    assert response.json()["spec"] == SPEC
+
+
+@pytest.mark.parametrize(
+    "spec_change",
+    [
+        {"attention": "mla", "kv_lora_rank": 0, "qk_rope_head_dim": 64},  # no latent
+        {"attention": "mla", "kv_lora_rank": 511, "qk_rope_head_dim": 64},  # odd width
+        {"attention": "mla", "kv_lora_rank": 512, "qk_rope_head_dim": 64},  # heads/head_dim of a K/V spec given
+        {"attention": "mha", "kv_lora_rank": 512},  # latent widths on a K/V spec
+        {"attention": "gqa"},
+    ],
+)
+def test_an_inconsistent_attention_spec_is_400_invalid_spec(tenant_a, node, spec_change):
+    error = _error(_post(tenant_a.client, attach_body(**spec_change)), 400, "invalid_spec")
+    assert error["details"]["fields"]["spec"]
+    assert not Cache.objects.exists()
+
+
 def test_missing_spec_field_is_invalid_spec(tenant_a, node):
     body = attach_body()
     del body["spec"]["head_dim"]

@@ -27,6 +27,14 @@ def tiny_spec(**overrides) -> KVCacheSpec:
     return KVCacheSpec(**fields)
 
 
+def tiny_latent_spec(**overrides) -> KVCacheSpec:
+    """A tiny MLA spec: 6 latent + 2 rotary values per token and layer (stored as one head of 4, K and V planes)."""
+    fields = dict(model_fingerprint="tiny-deepseek@test", num_layers=2, kv_lora_rank=6, qk_rope_head_dim=2)
+    fields.update(block_size=4, kv_dtype="float32")
+    fields.update(overrides)
+    return KVCacheSpec.latent(**fields)
+
+
 def tiny_cache(num_blocks=64, key=TEST_KEY, **spec_overrides) -> PagedKVCache:
     return PagedKVCache(tiny_spec(**spec_overrides), hash_key=key, num_blocks=num_blocks, device="cpu")
 

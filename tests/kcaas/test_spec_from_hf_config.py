@@ -65,3 +65,75 @@ def test_what_the_config_cannot_say_is_a_spec_error():
         KVCacheSpec.from_hf_config({**config.to_dict(), "torch_dtype": "int4"}, model_fingerprint="m")
     with pytest.raises(SpecError, match="num_hidden_layers"):
         KVCacheSpec.from_hf_config({"num_attention_heads": 4, "hidden_size": 64}, model_fingerprint="m")
+
+
+def deepseek_v3_config(**overrides):
+    """DeepSeek-V3's attention shapes (61 layers, 128 heads, kv_lora_rank 512, rope 64, one MTP layer)."""
+    values = dict(
+        num_hidden_layers=61,
+        hidden_size=7168,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        num_nextn_predict_layers=1,
+        dtype=torch.bfloat16,
+    )
+    values.update(overrides)
+    return named(transformers.DeepseekV3Config(**values), "deepseek-ai/DeepSeek-V3")
+
+
+def test_deepseek_v3_gives_a_latent_spec_of_one_576_wide_row_per_token_and_layer():
+    spec = KVCacheSpec.from_hf_config(deepseek_v3_config())
+    assert (spec.attention, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.latent_dim) == ("mla", 512, 64, 576)
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (61, 1, 288)
+    assert spec.kv_bytes_per_token == 61 * 1152  # 1,152 bytes per token per layer in bf16
+    materialized = 61 * 128 * ((128 + 64) + 128) * 2  # per-head K (nope + rope) and V, bf16
+    assert round(materialized / spec.kv_bytes_per_token) == 71
+
+
+def test_the_mtp_layers_count_only_when_asked():
+    assert KVCacheSpec.from_hf_config(deepseek_v3_config(), mtp_layers=True).num_layers == 62
+
+
+def test_deepseek_v2_lite_is_latent_too():
+    config = named(
+        transformers.DeepseekV2Config(num_hidden_layers=27, kv_lora_rank=512, qk_rope_head_dim=64, q_lora_rank=None),
+        "deepseek-ai/DeepSeek-V2-Lite",
+    )
+    spec = KVCacheSpec.from_hf_config(config, dtype="bfloat16")
+    assert spec == KVCacheSpec.latent(
+        model_fingerprint="deepseek-ai/DeepSeek-V2-Lite@main",
+        num_layers=27,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        kv_dtype="bfloat16",
+    )
+
+
+def test_a_spec_dict_without_attention_fields_is_a_kv_spec_and_round_trips():
+    kv = KVCacheSpec("m@1", 2, 2, 8, 16, "float16", "float16")
+    old = {k: v for k, v in kv.to_dict().items() if k not in ("attention", "kv_lora_rank", "qk_rope_head_dim")}
+    assert KVCacheSpec.from_dict(old) == kv
+    latent = KVCacheSpec.latent(model_fingerprint="m@1", num_layers=2, kv_lora_rank=512, qk_rope_head_dim=64)
+    assert KVCacheSpec.from_dict(latent.to_dict()) == latent
+    assert set(kv.mismatches(latent)) >= {"attention", "kv_lora_rank", "qk_rope_head_dim", "num_kv_heads"}
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(attention="mla", kv_lora_rank=511, qk_rope_head_dim=64, num_kv_heads=1, head_dim=287),
+        dict(attention="mla", kv_lora_rank=512, qk_rope_head_dim=64, num_kv_heads=2, head_dim=288),
+        dict(attention="mla", kv_lora_rank=0, qk_rope_head_dim=64, num_kv_heads=1, head_dim=32),
+        dict(attention="mha", kv_lora_rank=512, qk_rope_head_dim=0),
+        dict(attention="mqa"),
+    ],
+)
+def test_an_inconsistent_attention_spec_is_refused(fields):
+    base = dict(model_fingerprint="m@1", num_layers=2, num_kv_heads=2, head_dim=8, block_size=16)
+    with pytest.raises(SpecError):
+        KVCacheSpec(**{**base, "kv_dtype": "float16", "storage_dtype": "float16", **fields})

@@ -6,11 +6,12 @@ transfer); a block is never sent before its parent; a corrupted DRAM copy on the
 """
 
 import numpy as np
+import pytest
 import torch
 
 from gpu_node.agent.registry import CacheRegistry
 from gpu_node.migration import block_transfer as bt
-from tests.gpu_node.kv_fixtures import prefix_kv, tiny_spec
+from tests.gpu_node.kv_fixtures import prefix_kv, tiny_latent_spec, tiny_spec
 from tests.gpu_node.migration.test_migration_transfer import KEY, listener_for, pki, sender_for  # noqa: F401 (fixture)
 
 SSD_KEY = b"s" * 32
@@ -54,8 +55,8 @@ def device_keys(engine):
     return {meta.key for meta in bt.snapshot(engine) if not meta.lower}
 
 
-def test_lower_tier_blocks_migrate_bit_exact(tmp_path, pki):
-    spec = tiny_spec()
+@pytest.mark.parametrize("spec", [tiny_spec(), tiny_latent_spec()], ids=["kv", "latent"])
+def test_lower_tier_blocks_migrate_bit_exact(tmp_path, pki, spec):
     (_, src), (target, dst) = tiered_pair(tmp_path, spec)
     seqs = fill_many(src, spec)
     metas = bt.snapshot(src)

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from gpu_node.engine.block_hash import tokens_as_int32
+from gpu_node.engine.paged_cache import PagedKVCache
 from gpu_node.tiers.lower_tiers import LowerTiers
 from gpu_node.tiers.network_tier import NetworkTier, object_names
 from gpu_node.tiers.object_store import GuardedStore, MooncakeObjectStore
-from tests.gpu_node.kv_fixtures import prefix_kv, tiny_cache
+from tests.gpu_node.kv_fixtures import prefix_kv, tiny_cache, tiny_latent_spec
 from tests.gpu_node.migration.test_migration_transfer import pki  # noqa: F401 (fixture)
 from tests.waiting import eventually
 
@@ -34,8 +35,12 @@ class Keys:
         self.hash_key, self.data_key = os.urandom(32), os.urandom(32)
 
 
-def engine(store, keys, *, num_blocks=64, dram_blocks=0, network_blocks=256, write_through=False):
-    cache = tiny_cache(num_blocks=num_blocks, key=keys.hash_key)
+def engine(store, keys, *, num_blocks=64, dram_blocks=0, network_blocks=256, write_through=False, spec=None):
+    cache = (
+        tiny_cache(num_blocks=num_blocks, key=keys.hash_key)
+        if spec is None
+        else PagedKVCache(spec, hash_key=keys.hash_key, num_blocks=num_blocks, device="cpu")
+    )
     block_bytes = cache.spec.block_bytes
     network = NetworkTier(store, keys.data_key, network_blocks * 2 * block_bytes, write_through=write_through)
     cache.attach_tiers(LowerTiers(dram_blocks * block_bytes, None, network))
@@ -59,12 +64,13 @@ def store(network_store):
     guarded.close()
 
 
-def test_write_through_blocks_are_served_bit_exact_by_another_node(store):
+@pytest.mark.parametrize("spec", [None, tiny_latent_spec()], ids=["kv", "latent"])
+def test_write_through_blocks_are_served_bit_exact_by_another_node(store, spec):
     keys, tokens = Keys(), seq(40, 1000)
-    first = engine(store, keys, write_through=True)
+    first = engine(store, keys, write_through=True, spec=spec)
     assert put(first, tokens).num_cached_tokens == 40
     assert len(first.tiers.network) == 10  # every full block, before the put returned
-    second = engine(store, keys)  # another node: same keys, nothing of its own
+    second = engine(store, keys, spec=spec)  # another node: same keys, nothing of its own
     assert second.lookup(tokens) == 40
     assert served_exact(second, tokens) == 40
     assert second.tiers.bytes_moved()[("get", "network")] == 10 * second.spec.block_bytes
