@@ -44,13 +44,25 @@ def spec_from_hf_config(
 ) -> KVCacheSpec:
     """The spec for `model` (a directory holding config.json): layers, KV heads and head size from the config (an
     explicit head_dim wins over hidden_size // num_attention_heads, as for Gemma and Qwen3), the dtype from
-    `kv_dtype` or the config's torch_dtype/dtype."""
+    `kv_dtype` or the config's torch_dtype/dtype. A config with a kv_lora_rank (DeepSeek-V2/V3 and kin: vLLM keeps
+    one latent row per token and layer) gives the 'mla' spec of those rows."""
     config = _config_dict(model)
+    dtype = kv_dtype or _DTYPES.get(str(config.get("torch_dtype") or config.get("dtype") or "float16"), "float16")
+    name = model_fingerprint or fingerprint(model, revision)
+    if config.get("kv_lora_rank") is not None:
+        return KVCacheSpec.latent(
+            model_fingerprint=name,
+            num_layers=config["num_hidden_layers"],
+            kv_lora_rank=config["kv_lora_rank"],
+            qk_rope_head_dim=config.get("qk_rope_head_dim") or 0,
+            block_size=block_size,
+            kv_dtype=dtype,
+            storage_dtype=storage_dtype or dtype,
+        )
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    dtype = kv_dtype or _DTYPES.get(str(config.get("torch_dtype") or config.get("dtype") or "float16"), "float16")
     return KVCacheSpec(
-        model_fingerprint=model_fingerprint or fingerprint(model, revision),
+        model_fingerprint=name,
         num_layers=config["num_hidden_layers"],
         num_kv_heads=config.get("num_key_value_heads") or heads,
         head_dim=head_dim,

@@ -46,3 +46,24 @@ def test_the_command_prints_a_spec_the_cli_attaches_with(tmp_path, capsys):
     assert main([path, "--block-size", "128", "--storage-dtype", "int8"]) == 0
     spec = KVCacheSpec.from_dict(json.loads(capsys.readouterr().out))
     assert (spec.block_size, spec.kv_dtype, spec.storage_dtype, spec.head_dim) == (128, "float32", "int8", 32)
+
+
+def test_an_mla_config_gives_the_latent_spec_and_the_command_prints_it(tmp_path, capsys):
+    path = model_dir(
+        tmp_path,
+        architectures=["DeepseekV3ForCausalLM"],
+        num_hidden_layers=61,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        hidden_size=7168,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        torch_dtype="bfloat16",
+    )
+    spec = spec_from_hf_config(path, block_size=16)
+    assert (spec.attention, spec.kv_lora_rank, spec.qk_rope_head_dim) == ("mla", 512, 64)
+    assert spec.kv_bytes_per_token == 61 * 576 * 2
+    assert main([path, "--block-size", "16"]) == 0
+    assert KVCacheSpec.from_dict(json.loads(capsys.readouterr().out)) == spec
