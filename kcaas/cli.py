@@ -41,7 +41,7 @@ from kcaas.cli_output import KEY_SHAPE, TABLE_WIDTH, Out, human_bytes, parse_byt
 from kcaas.cli_resolve import cache_id, key_id
 from kcaas.client import Client
 from kcaas.errors import KcaasError
-from kcaas.spec import KVCacheSpec, SpecError
+from kcaas.spec import KVCacheSpec, SpecError, latent_head_shape
 from kcaas.usage import QUOTA_PAIRS
 
 __all__ = ["main", "human_bytes", "parse_bytes"]
@@ -94,9 +94,10 @@ def _spec_from_args(args: argparse.Namespace) -> KVCacheSpec:
     for name, default in SPEC_DEFAULTS.items():
         fields.setdefault(name, default)
     fields.setdefault("storage_dtype", fields["kv_dtype"])
-    if fields["attention"] == "mla" and all(isinstance(fields[w], int) for w in ("kv_lora_rank", "qk_rope_head_dim")):
-        fields.setdefault("num_kv_heads", 1)
-        fields.setdefault("head_dim", max((fields["kv_lora_rank"] + fields["qk_rope_head_dim"]) // 2, 1))
+    if fields["attention"] == "mla":
+        heads, head_dim = latent_head_shape(fields["kv_lora_rank"], fields["qk_rope_head_dim"])
+        fields.setdefault("num_kv_heads", heads)
+        fields.setdefault("head_dim", head_dim)
     missing = [name for name in SPEC_FIELDS if name not in fields]
     if missing:
         flags = ", ".join("--" + name.replace("_", "-") for name in missing)

@@ -98,7 +98,7 @@ class KVCacheSpec:
         latent = self.kv_lora_rank + self.qk_rope_head_dim
         if latent % 2:
             return [f"an 'mla' latent row (kv_lora_rank + qk_rope_head_dim = {latent}) must have an even width"]
-        if (self.num_kv_heads, self.head_dim) != (1, latent // 2):
+        if (self.num_kv_heads, self.head_dim) != latent_head_shape(self.kv_lora_rank, self.qk_rope_head_dim):
             return [
                 f"an 'mla' spec stores its {latent}-wide latent row as num_kv_heads 1 and head_dim {latent // 2}, "
                 f"got {self.num_kv_heads} and {self.head_dim} (KVCacheSpec.latent builds it)"
@@ -120,14 +120,12 @@ class KVCacheSpec:
         """The spec of an MLA model's latent KV (num_kv_heads and head_dim follow from the latent width).
 
         Raises: SpecError when a value is invalid (an odd latent width among them)."""
-        latent = (
-            kv_lora_rank + qk_rope_head_dim if all(isinstance(w, int) for w in (kv_lora_rank, qk_rope_head_dim)) else 0
-        )
+        num_kv_heads, head_dim = latent_head_shape(kv_lora_rank, qk_rope_head_dim)
         return cls(
             model_fingerprint=model_fingerprint,
             num_layers=num_layers,
-            num_kv_heads=1,
-            head_dim=max(latent // 2, 1),
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
             block_size=block_size,
             kv_dtype=kv_dtype,
             storage_dtype=storage_dtype or kv_dtype,
@@ -135,10 +133,6 @@ class KVCacheSpec:
             kv_lora_rank=kv_lora_rank,
             qk_rope_head_dim=qk_rope_head_dim,
         )
-
-    @property
-    def is_latent(self) -> bool:
-        return self.attention == "mla"
 
     @property
     def latent_dim(self) -> int:
@@ -246,6 +240,15 @@ class KVCacheSpec:
         return cls(
             fingerprint, layers, values.get("num_key_value_heads") or heads, head_dim, block_size, kv_dtype, storage
         )
+
+
+def latent_head_shape(kv_lora_rank: Any, qk_rope_head_dim: Any) -> tuple[int, int]:
+    """(num_kv_heads, head_dim) an 'mla' spec stores its rows as: one head of half the latent width.
+
+    Widths that are not integers give (1, 1), so the spec's own validation names them."""
+    if not all(isinstance(w, int) and not isinstance(w, bool) for w in (kv_lora_rank, qk_rope_head_dim)):
+        return 1, 1
+    return 1, max((kv_lora_rank + qk_rope_head_dim) // 2, 1)
 
 
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(KVCacheSpec))

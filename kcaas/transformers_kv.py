@@ -90,7 +90,7 @@ def full_length_cache(kv: torch.Tensor | None = None, *, kv_lora_rank: int | Non
     return DynamicCache(pairs)  # no config: every layer a full-length DynamicLayer
 
 
-def dynamic_cache_from_kv(kv: torch.Tensor, *, kv_lora_rank: int | None = None):
+def dynamic_cache_from_kv(kv: torch.Tensor):
     """A batch-1 DynamicCache holding `kv` ([L, 2, S, H, D]), ready to be passed as the model's cache (full length:
     see `full_length_cache`)."""
-    return full_length_cache(kv, kv_lora_rank=kv_lora_rank)
+    return full_length_cache(kv)

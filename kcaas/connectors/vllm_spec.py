@@ -48,27 +48,12 @@ def spec_from_hf_config(
     one latent row per token and layer) gives the 'mla' spec of those rows."""
     config = _config_dict(model)
     dtype = kv_dtype or _DTYPES.get(str(config.get("torch_dtype") or config.get("dtype") or "float16"), "float16")
-    name = model_fingerprint or fingerprint(model, revision)
-    if config.get("kv_lora_rank") is not None:
-        return KVCacheSpec.latent(
-            model_fingerprint=name,
-            num_layers=config["num_hidden_layers"],
-            kv_lora_rank=config["kv_lora_rank"],
-            qk_rope_head_dim=config.get("qk_rope_head_dim") or 0,
-            block_size=block_size,
-            kv_dtype=dtype,
-            storage_dtype=storage_dtype or dtype,
-        )
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    return KVCacheSpec(
-        model_fingerprint=name,
-        num_layers=config["num_hidden_layers"],
-        num_kv_heads=config.get("num_key_value_heads") or heads,
-        head_dim=head_dim,
+    return KVCacheSpec.from_hf_config(
+        config,
+        dtype=dtype,
         block_size=block_size,
-        kv_dtype=dtype,
-        storage_dtype=storage_dtype or dtype,
+        model_fingerprint=model_fingerprint or fingerprint(model, revision),
+        storage_dtype=storage_dtype,
     )
 
 

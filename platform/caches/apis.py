@@ -35,6 +35,7 @@ from kcaas.spec import (
     STORAGE_DTYPES,
     KVCacheSpec,
     SpecError,
+    latent_head_shape,
 )
 from tenants.fields import StrictBooleanField, StrictIntegerField
 from tenants.principals import TenantPrincipal, is_staff_user, request_tenant
@@ -74,9 +75,9 @@ class SpecSerializer(RejectUnknownFieldsMixin, serializers.Serializer):
 
     def validate(self, attrs):
         if attrs.get("attention") == "mla":
-            half = (attrs.get("kv_lora_rank", 0) + attrs.get("qk_rope_head_dim", 0)) // 2
-            attrs.setdefault("num_kv_heads", 1)
-            attrs.setdefault("head_dim", max(half, 1))
+            heads, head_dim = latent_head_shape(attrs.get("kv_lora_rank", 0), attrs.get("qk_rope_head_dim", 0))
+            attrs.setdefault("num_kv_heads", heads)
+            attrs.setdefault("head_dim", head_dim)
         missing = {name: ["This field is required."] for name in ("num_kv_heads", "head_dim") if name not in attrs}
         if missing:
             raise serializers.ValidationError(missing)

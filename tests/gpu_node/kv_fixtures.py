@@ -30,8 +30,7 @@ def tiny_spec(**overrides) -> KVCacheSpec:
 def tiny_latent_spec(**overrides) -> KVCacheSpec:
     """A tiny MLA spec: 6 latent + 2 rotary values per token and layer (stored as one head of 4, K and V planes)."""
     fields = dict(model_fingerprint="tiny-deepseek@test", num_layers=2, kv_lora_rank=6, qk_rope_head_dim=2)
-    fields.update(block_size=4, kv_dtype="float32")
-    fields.update(overrides)
+    fields.update({"block_size": 4, "kv_dtype": "float32", **overrides})
     return KVCacheSpec.latent(**fields)
 
 
