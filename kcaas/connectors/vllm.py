@@ -24,9 +24,11 @@ Worker side (one instance per worker):
     not fit is dropped and counted).
 Roles: kv_both loads and saves; kv_producer saves only; kv_consumer loads only, with a read-only data token.
 Identity: the cache's KVCacheSpec must equal the engine's (layers, KV heads, head size, dtype, fingerprint
-"<model>@<revision>"), and its block size must divide vLLM's; otherwise vLLM refuses to start with the mismatch named.
+"<model>@<revision>"; for an MLA model the latent spec: attention 'mla', kv_lora_rank, qk_rope_head_dim), and its
+block size must divide vLLM's; otherwise vLLM refuses to start with the mismatch named.
 Limits: tensor parallel size 1, one attention group (no hybrid or sliding-window groups), prompt blocks only (the
-KV of generated tokens is not saved), the CPU and CUDA flash-attention paged layouts (kcaas/connectors/vllm_blocks.py).
+KV of generated tokens is not saved), the CPU and CUDA flash-attention paged layouts and the MLA backends' latent
+rows, unquantized (kcaas/connectors/vllm_blocks.py).
 """
 
 from __future__ import annotations
@@ -43,12 +45,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.kv_cache_interface import MLAAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kcaas.connectors.vllm_blocks import CacheWrite, loadable_tokens, savable_tokens
+from kcaas.connectors.vllm_blocks import BACKEND_LAYOUTS, CacheWrite, loadable_tokens, savable_tokens
 from kcaas.connectors.vllm_lookup import BoundedLookup
 from kcaas.connectors.vllm_session import CacheSession, ConnectorConfig, ConnectorSetupError, EngineLayout
 from kcaas.connectors.vllm_worker import ConnectorWorker, Load, Save
+from kcaas.spec import latent_head_shape
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -120,13 +124,34 @@ def engine_layout(vllm_config: VllmConfig, kv_cache_config, fingerprint: str | N
     if cache_dtype not in ("auto", None):
         raise ConnectorSetupError(f"kv cache dtype {cache_dtype!r}: only the model's own dtype ('auto') is supported")
     model = vllm_config.model_config
-    return EngineLayout(
+    common = dict(
         model_fingerprint=fingerprint or f"{model.model}@{model.revision or 'main'}",
         num_layers=len(groups[0].layer_names),
-        num_kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_size,
         kv_dtype=str(spec.dtype).removeprefix("torch."),
         block_size=vllm_config.cache_config.block_size,
+    )
+    if isinstance(spec, MLAAttentionSpec):
+        return _latent_layout(model.hf_text_config, spec.head_size, common)
+    return EngineLayout(num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size, **common)
+
+
+def _latent_layout(text_config, row_width: int, common: dict[str, Any]) -> EngineLayout:
+    """An MLA engine's layout: one latent row (kv_lora_rank + qk_rope_head_dim wide) per token and layer.
+    Refuses rows that are not exactly that (a packed or quantized latent)."""
+    rank, rope = getattr(text_config, "kv_lora_rank", None), getattr(text_config, "qk_rope_head_dim", None)
+    if not isinstance(rank, int) or not isinstance(rope, int) or rank + rope != row_width:
+        raise ConnectorSetupError(
+            f"vLLM's MLA rows are {row_width} wide; the connector stores kv_lora_rank + qk_rope_head_dim "
+            f"({rank} + {rope}) unpacked"
+        )
+    num_kv_heads, head_dim = latent_head_shape(rank, rope)
+    return EngineLayout(
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        attention="mla",
+        kv_lora_rank=rank,
+        qk_rope_head_dim=rope,
+        **common,
     )
 
 
@@ -138,11 +163,14 @@ def _backend_name(layer) -> str:
 
 def _cache_write(backend: str, layer) -> CacheWrite | None:
     """The backend's own cache-write op, as vllm_blocks.PagedLayout.probed runs it, or None where the connector
-    cannot run it here (the CUDA backends: their layouts come from their documented views).
+    cannot run it here (the CUDA backends without MLA: their layouts come from their documented views).
 
     CPU_ATTN: `cpu_attn_reshape_and_cache` on the layer viewed as the backend's forward views it, with the ISA the
     backend chose for this layer (`layer.isa`, set by its metadata builder before the connector sees the caches).
+    MLA backends: the layer's own `impl.do_kv_cache_update` (on the layer's device, CPU or CUDA).
     Raises ConnectorSetupError if that ISA is not known."""
+    if BACKEND_LAYOUTS.get(backend) == "latent":
+        return _latent_cache_write(layer)
     if backend != "CPU_ATTN":
         return None
     from vllm import _custom_ops as vllm_ops
@@ -155,6 +183,22 @@ def _cache_write(backend: str, layer) -> CacheWrite | None:
         num_blocks, num_heads, block_size, _ = paged.shape
         key_cache, value_cache = paged.view(num_blocks, num_heads, block_size * 2, -1).chunk(2, dim=2)
         vllm_ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+
+    return write
+
+
+def _latent_cache_write(layer) -> CacheWrite:
+    """An MLA layer's cache write as a CacheWrite: KCaaS's K and V planes ([tokens, 1, width / 2] each) are the
+    latent row's halves; the row's first kv_lora_rank values go in as kv_c_normed, the rest as k_pe."""
+    impl = layer.impl
+    rank = impl.kv_lora_rank
+    scale = getattr(layer, "_k_scale", None)
+
+    def write(paged: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        rows = torch.cat([key, value], dim=-1).flatten(1)  # [tokens, kv_lora_rank + qk_rope_head_dim]
+        k_scale = scale if scale is not None else torch.ones(1, device=paged.device)
+        kv_c_normed, k_pe = rows[:, :rank].contiguous(), rows[:, rank:].unsqueeze(1).contiguous()
+        impl.do_kv_cache_update(kv_c_normed, k_pe, paged, slots, "auto", k_scale)
 
     return write
 

@@ -10,7 +10,12 @@ token's K and V sit inside the slab is the attention backend's business, and it 
     head dimension outermost inside each (block, head), `[head_dim, block_size]` on AVX2/AVX-512 ("vec"), and in
     other packings on other ISAs; V stays token-major. Nothing in vLLM's Python views shows this: it lives in the
     C++ kernels (csrc/cpu/cpu_attn_*.hpp), which both write and read the cache in that order;
-  * FLASH_ATTN and TRITON_ATTN (CUDA) write each token's row as its K then its V: `[..., :D]` and `[..., D:]`.
+  * FLASH_ATTN and TRITON_ATTN (CUDA) write each token's row as its K then its V: `[..., :D]` and `[..., D:]`;
+  * the MLA backends (CPU_MLA here; TRITON_MLA, FLASHMLA, FLASHINFER_MLA, CUTLASS_MLA, FLASH_ATTN_MLA on CUDA) keep
+    one latent row per token, `[num_blocks, 1, block_size, kv_lora_rank + qk_rope_head_dim]`: kv_c_normed then k_pe
+    (`concat_and_cache_mla`; CPU_MLA's `do_kv_cache_update` writes the same). KCaaS stores that row as one head
+    of half its width (kcaas.spec.KVCacheSpec.latent): the K plane is the row's first half, the V plane its second,
+    so a latent block is the "concat" layout of one head, and the row crosses unchanged.
 
 So a `PagedLayout` carries, for one block, the flat offset in the slab of every (K/V, token, head, dim) element:
 `offsets`, shaped `[2, block_size, num_kv_heads, head_dim]`. `PagedLayout.probed` takes it from the backend itself:
@@ -32,10 +37,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-LAYOUTS = ("cpu", "concat")
+LAYOUTS = ("cpu", "concat", "latent")
 # vLLM attention backends (their get_name()) whose paged tensors the connector knows; any other is refused at start-up
 # (a layout guessed wrong would load KV into the wrong places).
-BACKEND_LAYOUTS = {"CPU_ATTN": "cpu", "FLASH_ATTN": "concat", "TRITON_ATTN": "concat"}
+BACKEND_LAYOUTS = {
+    "CPU_ATTN": "cpu",
+    "FLASH_ATTN": "concat",
+    "TRITON_ATTN": "concat",
+    **dict.fromkeys(("CPU_MLA", "TRITON_MLA", "FLASHMLA", "FLASHINFER_MLA", "CUTLASS_MLA", "FLASH_ATTN_MLA"), "latent"),
+}
 
 # A backend's own cache write, on a layer-shaped tensor: (layer [blocks, heads, block_size, 2 * head_dim],
 # key [tokens, heads, head_dim], value [tokens, heads, head_dim], slot_mapping [tokens]) -> None; it views the layer
@@ -74,14 +84,17 @@ class PagedLayout:
 
     @classmethod
     def of(cls, kind: str, layer: torch.Tensor) -> PagedLayout:
-        """The layout a backend `kind` documents for `layer` ([blocks, kv_heads, block_size, 2 * head_dim])."""
+        """The layout a backend `kind` documents for `layer` ([blocks, kv_heads, block_size, 2 * head_dim]; a
+        "latent" layer has one head, its rows latent_dim wide)."""
         heads, block_size, head_dim = _paged_dims(layer)
         if kind not in LAYOUTS:
             raise ValueError(f"unknown paged KV layout {kind!r} (known: {', '.join(LAYOUTS)})")
+        if kind == "latent" and heads != 1:
+            raise ValueError(f"a latent (MLA) layer has one row per token, [blocks, 1, block_size, width], got {heads}")
         slab = torch.arange(2 * block_size * heads * head_dim)
         if kind == "cpu":  # the backend's view: [heads, 2, block_size, head_dim]
             offsets = slab.view(heads, 2, block_size, head_dim).permute(1, 2, 0, 3)
-        else:  # [block_size, heads, K|V]: each token's row is its K then its V
+        else:  # [heads, block_size, K|V]: each token's row is its K then its V (latent: kv_c_normed | k_pe)
             offsets = slab.view(heads, block_size, 2, head_dim).permute(2, 1, 0, 3)
         return cls(kind, heads, block_size, head_dim, offsets.contiguous())
 

@@ -105,7 +105,10 @@ class ConnectorConfig:
 
 @dataclass(frozen=True, slots=True)
 class EngineLayout:
-    """What the engine's KV is, from vLLM's own config (one attention group, tensor parallel size 1)."""
+    """What the engine's KV is, from vLLM's own config (one attention group, tensor parallel size 1).
+
+    An MLA engine ('mla') keeps one latent row per token and layer: num_kv_heads 1 and head_dim half the row, as
+    KVCacheSpec.latent stores it (kcaas.spec.latent_head_shape)."""
 
     model_fingerprint: str
     num_layers: int
@@ -113,6 +116,9 @@ class EngineLayout:
     head_dim: int
     kv_dtype: str
     block_size: int  # vLLM's block size: loads and saves move whole vLLM blocks
+    attention: str = "mha"
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
 
     def spec_with(self, cache_spec: KVCacheSpec) -> KVCacheSpec:
         """This engine's identity in the cache's block size and storage dtype (what the cache must equal)."""
@@ -124,6 +130,9 @@ class EngineLayout:
             block_size=cache_spec.block_size,
             kv_dtype=self.kv_dtype,
             storage_dtype=cache_spec.storage_dtype,
+            attention=self.attention,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_rope_head_dim=self.qk_rope_head_dim,
         )
 
 

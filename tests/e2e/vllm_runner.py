@@ -1,12 +1,12 @@
 """A real vLLM engine for the e2e tests, run by the vLLM venv's interpreter (KCAAS_VLLM_PYTHON, `make vllm-venv`),
 never imported by the main venv's pytest (its name is not test_*, and it imports vLLM only inside the subcommands).
 
-    $KCAAS_VLLM_PYTHON tests/e2e/vllm_runner.py build-model --arch llama|qwen2 --out DIR
+    $KCAAS_VLLM_PYTHON tests/e2e/vllm_runner.py build-model --arch llama|qwen2|deepseek_v3 --out DIR
     $KCAAS_VLLM_PYTHON tests/e2e/vllm_runner.py generate < job.json
     $KCAAS_VLLM_PYTHON tests/e2e/vllm_runner.py probe-layout
 
 `build-model` saves a tiny random-init model (seed 0, float32) with vLLM's own transformers: head_dim 32, the
-smallest the CPU attention backend takes; weights ten times the usual init scale, so greedy picks are clear (the
+smallest the CPU attention backend takes (deepseek_v3: MLA with the 512 + 64 latent vLLM's CPU MLA backend takes); weights ten times the usual init scale, so greedy picks are clear (the
 default init gives near-uniform logits, top-2 a few 1e-3 apart).
 
 `generate` reads ONE JSON line from stdin, the job:
@@ -19,6 +19,7 @@ default init gives near-uniform logits, top-2 a few 1e-3 apart).
      "multiprocess": true,            # false: engine core and worker in this process (starts ~25 s sooner)
      "kv_cache_memory_bytes": N, "max_num_batched_tokens": N, "max_num_seqs": N,       # optional engine sizes
      "block_size": N,                                                 # vLLM's block size (CPU default: 128)
+     "custom_ops": ["-rotary_embedding"],                             # optional compilation_config custom_ops
      "start_paused": false, "pause_between_rounds": false,
      "rounds": [{"prompts": [[ids]], "max_tokens": N}, ...]}          # or "prompts" + "max_tokens": one round
 
@@ -78,8 +79,11 @@ def build_model(arch: str, out: str) -> None:
     elif arch == "qwen2":
         config = transformers.Qwen2Config(**common, use_sliding_window=False)  # GQA, with q/k/v biases
         model_cls = transformers.Qwen2ForCausalLM
+    elif arch == "deepseek_v3":
+        config = _deepseek_v3_config(transformers, common)
+        model_cls = transformers.DeepseekV3ForCausalLM
     else:
-        raise SystemExit(f"unknown arch {arch!r} (llama, qwen2)")
+        raise SystemExit(f"unknown arch {arch!r} (llama, qwen2, deepseek_v3)")
     torch.manual_seed(0)
     model = model_cls(config).to(torch.float32)
     if arch == "qwen2":
@@ -89,6 +93,27 @@ def build_model(arch: str, out: str) -> None:
                     proj.bias.normal_(0.0, 0.5)
     model.save_pretrained(out)
     print(json.dumps({"model": out, "arch": arch}))
+
+
+def _deepseek_v3_config(transformers, common: dict):
+    """A tiny DeepSeek-V3 (MLA, dense layers only): the latent is 512 + 64 wide, the only width vLLM's CPU MLA
+    decode kernel takes; no q LoRA, no MoE layer (first_k_dense_replace = layers), no MTP layer."""
+    mla = {k: v for k, v in common.items() if k not in ("num_key_value_heads", "head_dim")}
+    return transformers.DeepseekV3Config(
+        **{**mla, "hidden_size": 256, "intermediate_size": 512},
+        num_key_value_heads=4,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        first_k_dense_replace=2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        num_nextn_predict_layers=0,
+        rope_scaling=None,
+    )
 
 
 class _StatsTap:
@@ -150,6 +175,8 @@ def generate(job: dict, proto, commands) -> None:
     for name in ("kv_cache_memory_bytes", "max_num_batched_tokens", "max_num_seqs", "block_size"):
         if job.get(name) is not None:
             kwargs[name] = job[name]
+    if job.get("custom_ops"):  # e.g. ["-rotary_embedding"]: vLLM's torch ops instead of those custom kernels
+        kwargs["compilation_config"] = {"custom_ops": list(job["custom_ops"])}
     if not job.get("multiprocess", True):
         kwargs["distributed_executor_backend"] = "uni"  # the worker in this process too
     if job.get("kv_role"):
@@ -256,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vllm_runner")
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build-model")
-    build.add_argument("--arch", choices=["llama", "qwen2"], required=True)
+    build.add_argument("--arch", choices=["llama", "qwen2", "deepseek_v3"], required=True)
     build.add_argument("--out", required=True)
     sub.add_parser("generate")
     sub.add_parser("probe-layout")
