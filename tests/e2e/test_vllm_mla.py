@@ -2,6 +2,8 @@
 vLLM's CPU_MLA backend, 16-token blocks) on the real service through KCaaSConnector, with a latent cache
 (KVCacheSpec attention 'mla': one 576-wide row per token and layer, stored as one head of 288):
 
+- the CPU MLA backend's own cache write (CPUMLAImpl.do_kv_cache_update, three dtypes) reads back exactly
+  through the layout the connector probes from it (and through the latent view);
 - exactness: one engine computes and saves prompts whose shared prefixes end on a block boundary (256 tokens) and
   inside a block (300); a fresh engine loads whole blocks of them (256, 288, 272), counted by vLLM as external
   hits, and its greedy tokens and logprobs are vLLM's alone;
@@ -18,6 +20,7 @@ vLLM's CPU `rotary_embedding` custom op mis-rotates MLA's strided k_pe; the engi
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
@@ -70,6 +73,16 @@ def mla_model(tmp_path_factory) -> str:
     )
     assert done.returncode == 0, done.stderr[-4000:]
     return out
+
+
+def test_the_cpu_mla_backends_own_writes_read_back_exactly_through_the_probed_layout():
+    done = subprocess.run(
+        [vllm_python(), str(RUNNER), "probe-mla-layout"], env=runner_env(), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    cases = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert {case["dtype"] for case in cases} == {"float32", "bfloat16", "float16"}
+    assert all(case["probed_reads_rows"] and case["view_reads_rows"] for case in cases), cases
 
 
 def mla_spec(model_dir: str, **overrides) -> KVCacheSpec:

@@ -4,10 +4,12 @@ never imported by the main venv's pytest (its name is not test_*, and it imports
     $KCAAS_VLLM_PYTHON tests/e2e/vllm_runner.py build-model --arch llama|qwen2|deepseek_v3 --out DIR
     $KCAAS_VLLM_PYTHON tests/e2e/vllm_runner.py generate < job.json
     $KCAAS_VLLM_PYTHON tests/e2e/vllm_runner.py probe-layout
+    $KCAAS_VLLM_PYTHON tests/e2e/vllm_runner.py probe-mla-layout
 
 `build-model` saves a tiny random-init model (seed 0, float32) with vLLM's own transformers: head_dim 32, the
-smallest the CPU attention backend takes (deepseek_v3: MLA with the 512 + 64 latent vLLM's CPU MLA backend takes); weights ten times the usual init scale, so greedy picks are clear (the
-default init gives near-uniform logits, top-2 a few 1e-3 apart).
+smallest the CPU attention backend takes (deepseek_v3: MLA with the 512 + 64 latent, the only width vLLM's CPU MLA
+backend takes); weights ten times the usual init scale, so greedy picks are clear (the default init gives
+near-uniform logits, top-2 a few 1e-3 apart).
 
 `generate` reads ONE JSON line from stdin, the job:
 
@@ -45,6 +47,8 @@ stderr.
 backend picks for each dtype, block size and head size) and prints one JSON line per case: whether the connector's
 probed layout reads back exactly the K and V the kernel was given, and whether the layout the backend's Python view
 suggests would have (`view_reads_k`, `view_reads_v`).
+
+`probe-mla-layout` does the same for the CPU MLA backend's latent rows (`probed_reads_rows`, `view_reads_rows`).
 """
 
 from __future__ import annotations
@@ -279,6 +283,45 @@ def probe_layout() -> None:
         )
 
 
+def probe_mla_layout() -> None:
+    """The CPU MLA backend's own cache write (CPUMLAImpl.do_kv_cache_update) read back through the layout the
+    connector probes from it, and through the latent view: one JSON line per dtype."""
+    import types
+
+    import torch
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+
+    from kcaas.connectors.vllm import _latent_cache_write
+    from kcaas.connectors.vllm_blocks import PagedLayout, gather
+
+    rank, rope, block_size = 512, 64, 16
+    impl = CPUMLAImpl.__new__(CPUMLAImpl)  # do_kv_cache_update reads nothing of the instance but the rank it is given
+    impl.kv_lora_rank = rank
+    for dtype_name in ("float32", "bfloat16", "float16"):
+        dtype = getattr(torch, dtype_name)
+        layer = torch.full((5, 1, block_size, rank + rope), float("nan"), dtype=dtype)
+        probed = PagedLayout.probed("latent", layer, _latent_cache_write(types.SimpleNamespace(impl=impl)))
+        generator = torch.Generator().manual_seed(rank + rope)
+        kv_c = torch.randn(3 * block_size, rank, generator=generator).to(dtype)
+        k_pe = torch.randn(3 * block_size, 1, rope, generator=generator).to(dtype)
+        blocks = [4, 0, 2]
+        slots = torch.cat([torch.arange(b * block_size, (b + 1) * block_size) for b in blocks])
+        impl.do_kv_cache_update(kv_c, k_pe, layer, slots, "auto", torch.ones(1))
+        rows = torch.cat([kv_c, k_pe.squeeze(1)], dim=-1)
+        read, viewed = (gather([layer], paged, blocks)[0] for paged in (probed, PagedLayout.of("latent", layer)))
+        print(
+            json.dumps(
+                {
+                    "backend": "CPU_MLA",
+                    "dtype": dtype_name,
+                    "probed_reads_rows": bool(torch.equal(torch.cat([read[0, :, 0], read[1, :, 0]], -1), rows)),
+                    "view_reads_rows": bool(torch.equal(torch.cat([viewed[0, :, 0], viewed[1, :, 0]], -1), rows)),
+                }
+            ),
+            flush=True,
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vllm_runner")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -287,12 +330,16 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--out", required=True)
     sub.add_parser("generate")
     sub.add_parser("probe-layout")
+    sub.add_parser("probe-mla-layout")
     args = parser.parse_args(argv)
     if args.command == "build-model":
         build_model(args.arch, args.out)
         return 0
     if args.command == "probe-layout":
         probe_layout()
+        return 0
+    if args.command == "probe-mla-layout":
+        probe_mla_layout()
         return 0
 
     # stdout carries only this script's JSON lines: vLLM (and the processes it starts, which inherit fd 1) log to

@@ -1,11 +1,14 @@
 """Between vLLM's paged KV tensors and KCaaS's layout (kcaas/connectors/vllm_blocks.py), checked against how the
 backends themselves read their tensors: the CPU backend views a layer as [blocks, heads, 2 * block_size, head_dim]
-and chunks dim 2 into K and V (vllm/v1/attention/backends/cpu_attn.py); flash attention splits the last dim."""
+and chunks dim 2 into K and V (vllm/v1/attention/backends/cpu_attn.py); flash attention splits the last dim; the
+MLA backends' `concat_and_cache_mla` writes each token's row as kv_c_normed then k_pe into the layer viewed as
+[blocks, block_size, kv_lora_rank + qk_rope_head_dim] (the reference of vLLM's own kernel test, test_cache.py)."""
 
 import pytest
 import torch
 
 from kcaas.connectors.vllm_blocks import (
+    BACKEND_LAYOUTS,
     LayoutProbeError,
     PagedLayout,
     gather,
@@ -52,6 +55,49 @@ def test_gather_reads_what_the_backend_reads_and_scatter_writes_only_the_named_b
         assert torch.isnan(layer[[1, 2, 3, 5]]).all()  # no other block touched
     with pytest.raises(ValueError, match="to fill 2 blocks"):
         scatter(fresh, layout, [0, 1], kv)
+
+
+RANK, ROPE = 6, 4  # a latent row 10 wide: stored as one head of 5
+
+
+def concat_and_cache_mla(layer, kv_c, k_pe, slots):
+    """vLLM's MLA cache write as its kernel test states it: the layer as [blocks, block_size, rank + rope], each
+    slot's row kv_c then k_pe (k_pe: [tokens, 1, rope], as the attention layer passes it)."""
+    rows = layer.view(layer.shape[0], layer.shape[2], RANK + ROPE)
+    for token, slot in enumerate(slots.tolist()):
+        block, offset = divmod(slot, layer.shape[2])
+        rows[block, offset, :RANK] = kv_c[token]
+        rows[block, offset, RANK:] = k_pe[token, 0]
+
+
+@pytest.mark.parametrize("backend", sorted(name for name, kind in BACKEND_LAYOUTS.items() if kind == "latent"))
+def test_the_mla_backends_latent_rows_cross_unchanged_as_one_head_of_half_the_row(backend):
+    layer = torch.full((NUM_BLOCKS, 1, BLOCK, RANK + ROPE), float("nan"))
+    torch.manual_seed(11)
+    kv_c, k_pe = torch.randn(3 * BLOCK, RANK), torch.randn(3 * BLOCK, 1, ROPE)
+    slots = torch.cat([torch.arange(b * BLOCK, (b + 1) * BLOCK) for b in (6, 1, 3)])
+    concat_and_cache_mla(layer, kv_c, k_pe, slots)
+    rows = torch.cat([kv_c, k_pe[:, 0]], dim=-1)  # [tokens, 10]
+
+    documented = PagedLayout.of(BACKEND_LAYOUTS[backend], layer)
+    assert (documented.num_kv_heads, documented.block_size, documented.head_dim) == (1, BLOCK, (RANK + ROPE) // 2)
+    kv = gather([layer], documented, [6, 1, 3])
+    assert torch.equal(torch.cat([kv[0, 0, :, 0], kv[0, 1, :, 0]], dim=-1), rows)  # K plane | V plane = the row
+
+    def write(paged, key, value, slot_mapping):  # the probe's CacheWrite, as kcaas.connectors.vllm adapts it
+        row = torch.cat([key, value], dim=-1).flatten(1)
+        concat_and_cache_mla(paged, row[:, :RANK], row[:, RANK:].unsqueeze(1), slot_mapping)
+
+    probed = PagedLayout.probed("latent", layer, write)
+    assert torch.equal(probed.offsets, documented.offsets)
+    fresh = torch.full_like(layer, float("nan"))
+    scatter([fresh], probed, [6, 1, 3], kv)
+    assert torch.equal(fresh.nan_to_num(-7.0), layer.nan_to_num(-7.0))  # a load writes what the kernel wrote
+
+
+def test_a_latent_layer_of_more_than_one_head_is_refused():
+    with pytest.raises(ValueError, match="one row per token"):
+        PagedLayout.of("latent", torch.zeros(2, 3, BLOCK, RANK + ROPE))
 
 
 def test_a_tensor_that_is_no_paged_layer_is_refused():
