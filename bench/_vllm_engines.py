@@ -100,7 +100,7 @@ def make_llm(job: dict):
         enforce_eager=True,
         enable_prefix_caching=False,
         seed=0,
-        **kwargs,
+        **{**kwargs, **job.get("llm_options", {})},  # e.g. the MLA phase's block size and custom ops
     )
 
 
@@ -258,8 +258,13 @@ def probe(python: Path, code: str) -> tuple[bool, str]:
     return done.returncode == 0, (done.stdout + done.stderr).strip()[-600:]
 
 
+def model_cache_root() -> Path:
+    """Where built models are kept between runs ($KCAAS_BENCH_CACHE, default ~/.cache/kcaas-bench)."""
+    return Path(os.environ.get("KCAAS_BENCH_CACHE") or Path.home() / ".cache" / "kcaas-bench")
+
+
 def model_dir(model: ModelConfig, python: Path, log) -> str:
-    root = Path(os.environ.get("KCAAS_BENCH_CACHE") or Path.home() / ".cache" / "kcaas-bench")
+    root = model_cache_root()
     directory = root / model.key()
     if not (directory / "config.json").exists():
         root.mkdir(parents=True, exist_ok=True)

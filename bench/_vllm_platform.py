@@ -97,10 +97,10 @@ def wait_for_connector(log, timeout: float) -> bool:
     return True
 
 
-def attach_cache(platform: Platform, spec: dict, device_bytes: int):
-    """A kcaas.Client on the platform (the demo tenant's key) and a freshly attached cache CACHE_NAME of `spec`."""
+def attach_cache(platform: Platform, spec: dict, device_bytes: int, name: str = CACHE_NAME):
+    """A kcaas.Client on the platform (the demo tenant's key) and a freshly attached cache `name` of `spec`."""
     sys.path.insert(0, str(REPO))
     import kcaas
 
     client = kcaas.Client(platform.url, platform.api_key)
-    return client, client.attach(CACHE_NAME, spec, {"device": device_bytes}, timeout=120)
+    return client, client.attach(name, spec, {"device": device_bytes}, timeout=120)

@@ -12,8 +12,9 @@ KCAAS_LMCACHE_PYTHON, default the same interpreter, used when it can import lmca
 a Unix socket. Without vLLM's venv it prints why and a JSON line of nulls.
 
 This module holds the configuration, the workload, the phases of a run (prepare, start_platform, check_lmcache,
-wave1, wave2, teardown) and the summary; the engine side (the model, the --serve loop an engine process runs, the
-Engine client and Run) is bench/_vllm_engines.py, the platform's start and the cache's attach bench/_vllm_platform.py.
+wave1, wave2, the MLA phase, teardown) and the summary; the engine side (the model, the --serve loop an engine
+process runs, the Engine client and Run) is bench/_vllm_engines.py, the platform's start and the cache's attach
+bench/_vllm_platform.py, the MLA phase bench/_vllm_mla.py.
 
 Workload: a shared-prefix chat, N requests (quick 16, full 32) = one 2,000-token system prompt + a distinct user turn
 of 40-60 tokens, sent one at a time (max_tokens=1: the time of llm.generate is the TTFT), on a random-init Llama
@@ -40,6 +41,9 @@ recompute p50 of the same (wave 1) rounds; ttft_speedup_vs_lmcache = lmcache_war
 external_hit_rate = tokens the connector supplied (RequestOutput.num_cached_tokens, which counts only external hits
 with prefix caching off) / prompt tokens, warm run. first_token_agreement: the share of shared prompts whose greedy
 first token with the connector equals vLLM alone's.
+MLA (bench/_vllm_mla.py, after the Llama waves, on the same platform): mla_bytes_per_token_vs_mha, the latent bytes
+per token of a DeepSeek-V3-shaped spec over its materialized per-head K/V, and mla_ttft_speedup_vs_recompute, a fresh
+engine running a random-init DeepSeek-V3-style MLA model loading a shared prefix against vLLM alone recomputing it.
 Every engine gets the same OpenMP binding (`omp_bind`: all cores but the last; VLLM_CPU_OMP_THREADS_BIND overrides):
 vLLM's own "auto" binding gives an engine with a KV connector both cores of a 2-core machine and vLLM alone one.
 The machines this runs on are small and shared (engines share the cores with the platform and with whatever else
@@ -74,6 +78,7 @@ from bench._vllm_engines import (
     serve,
     vllm_python,
 )
+from bench._vllm_mla import build_mla_model, bytes_figures, mla_phase
 from bench._vllm_platform import CONNECTOR_FILE, REPO, Platform, attach_cache, wait_for_connector
 
 VLLM_BLOCK_SIZE = 128  # vLLM's CPU backend's KV block size
@@ -164,6 +169,8 @@ def null_result(reason: str, mode: str) -> dict:
         "miss_overhead": None,
         "ttft_speedup_vs_lmcache": None,
         "lmcache_skipped": reason,
+        **bytes_figures(),
+        "mla_ttft_speedup_vs_recompute": None,
     }
 
 
@@ -185,6 +192,12 @@ def _table(r: dict) -> str:
         f"  speedup vs recompute {g('ttft_speedup_vs_recompute')}x, vs LMCache {g('ttft_speedup_vs_lmcache')}x"
         f", miss overhead {g('miss_overhead')}x, external hit rate {g('external_hit_rate')}"
     )
+    if "mla_bytes_per_token_vs_mha" in r:
+        lines.append(
+            f"  MLA: latent {r['mla_bytes_per_token_vs_mha']:.4f}x the bytes of per-head K/V (DeepSeek-V3 shapes); "
+            f"tiny MLA model speedup vs recompute {g('mla_ttft_speedup_vs_recompute')}x, "
+            f"hit rate {g('mla_external_hit_rate')}"
+        )
     if r.get("lmcache_skipped"):
         lines.append(f"  LMCache: {r['lmcache_skipped'][:400]}")
     for name, error in r.get("errors", {}).items():
@@ -239,6 +252,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--quick", action="store_true", help="16 warm requests, 8 rounds of full prefills (~4 min on 2 cores)"
     )
     parser.add_argument("--build-model", nargs=2, metavar=("DIR", "CONFIG_JSON"), help=argparse.SUPPRESS)
+    parser.add_argument("--build-mla-model", nargs=2, metavar=("DIR", "CONFIG_JSON"), help=argparse.SUPPRESS)
     parser.add_argument("--serve", nargs=2, metavar=("JOB", "SOCKET"), help=argparse.SUPPRESS)
     parser.add_argument("--skip", default="", help="comma-separated contenders to skip: kcaas, lmcache")
     parser.add_argument(
@@ -532,6 +546,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.build_model:
         build_model(args.build_model[0], ModelConfig(**json.loads(args.build_model[1])))
         return 0
+    if args.build_mla_model:
+        build_mla_model(args.build_mla_model[0], json.loads(args.build_mla_model[1]))
+        return 0
     if args.serve:
         return serve(*args.serve)
     mode = "quick" if args.quick else "full"
@@ -548,6 +565,9 @@ def main(argv: list[str] | None = None) -> int:
         wave1(b)
         wave2(b)
         collect_kcaas_warnings(b)
+        b.run.close_all()  # the Llama engines leave the cores to the MLA phase's
+        if "kcaas" not in b.skip and b.kcaas_job is not None:
+            mla_phase(b)
     finally:
         teardown(b)
     summarize_run(b.run, cfg, b.results)
