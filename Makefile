@@ -49,7 +49,7 @@ $(LOCK_VENV)/.installed: locks/tools.txt
 lock: $(LOCK_VENV)/.installed
 	$(PIP_COMPILE) $(LOCK_ARGS) --allow-unsafe -o locks/tools.txt locks/tools.in
 	$(PIP_COMPILE) $(LOCK_ARGS) --allow-unsafe --extra control --extra node --extra gpu --extra dev --extra network \
-		--extra hf -o locks/main.txt pyproject.toml locks/bootstrap.in
+		--extra hf --extra router -o locks/main.txt pyproject.toml locks/bootstrap.in
 	$(PIP_COMPILE) --allow-unsafe --extra control --extra node --extra gpu --extra network \
 		-o locks/server.txt pyproject.toml locks/bootstrap.in locks/server.in
 	$(PIP_COMPILE) $(LOCK_ARGS) --unsafe-package torchvision --unsafe-package torchaudio --unsafe-package torchcodec \

@@ -36,6 +36,10 @@ class AuditAction(enum.IntEnum):
     # data tokens 31xx
     DATA_TOKEN_ISSUED = 3101
     DATA_TOKENS_REVOKED = 3102
+    # engine instances (KV-aware routing) 32xx
+    ENGINE_REGISTERED = 3201
+    ENGINE_DEREGISTERED = 3202
+    ENGINE_LOST = 3203  # its health checks failed: its index dropped
     # billing 4xxx
     USAGE_REPORT_REFUSED = 4001
     RATE_CREATED = 4002

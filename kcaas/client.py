@@ -13,6 +13,7 @@ Standard library only (http.client), so `pip install kcaas` stays light:
   typed errors that never carry the API key, pagination; its docstring says what is retried and when;
 - kcaas/client_caches.py: caches (attach, wait_for, list, get, detach) and their data tokens (issue, revoke);
 - kcaas/client_keys.py: API keys (list, get, create, revoke, rotate);
+- kcaas/client_engines.py: engine instances for KV-aware routing (register, list, deregister, prefix_lookup);
 - here: who the key belongs to (whoami) and the tenant's quota and usage (usage).
 
 Answers: the response models (Cache, DataToken, ApiKeyInfo, IssuedKey, Principal) live in kcaas.resources and are
@@ -25,13 +26,14 @@ from datetime import datetime
 
 from kcaas._http import retry_after as _retry_after  # noqa: F401 - importable from here, as before the split
 from kcaas.client_caches import CacheMethods
+from kcaas.client_engines import EngineInstance, EngineMethods, PrefixHit  # noqa: F401 - re-exported
 from kcaas.client_keys import KeyMethods
 from kcaas.client_transport import API_PREFIX, HINTLESS_RETRIES, USER_AGENT, __version__  # noqa: F401 - the API
 from kcaas.resources import ApiKeyInfo, Cache, DataToken, IssuedKey, Principal  # noqa: F401 - re-exported
 from kcaas.usage import Usage
 
 
-class Client(CacheMethods, KeyMethods):
+class Client(CacheMethods, KeyMethods, EngineMethods):
     """A tenant's handle on the KCaaS REST API. Thread-safe: each thread gets its own keep-alive connection."""
 
     def __repr__(self) -> str:

@@ -31,7 +31,18 @@ ROOT = Path(__file__).resolve().parents[1]
 ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
 
 # The control plane's rooms, ground floor first: each may import only the rooms before it.
-CONTROL_PLANE = ("core", "audit", "tenants", "fleet", "caches", "billing", "privacy", "console", "controlplane")
+CONTROL_PLANE = (
+    "core",
+    "audit",
+    "tenants",
+    "fleet",
+    "caches",
+    "routing",
+    "billing",
+    "privacy",
+    "console",
+    "controlplane",
+)
 NODE_SIDE = ("kcaas", "kcaas_kernels", "gpu_node")
 ROOM_DIRS = {
     "core": "platform/core",
@@ -39,6 +50,7 @@ ROOM_DIRS = {
     "tenants": "tenants",
     "fleet": "platform/fleet",
     "caches": "platform/caches",
+    "routing": "platform/routing",
     "billing": "platform/billing",
     "privacy": "platform/privacy",
     "console": "platform/console",

@@ -57,6 +57,7 @@ INSTALLED_APPS = [
     "tenants",
     "fleet",
     "caches",
+    "routing",
     "billing",
     "privacy",
     "console",
@@ -226,6 +227,7 @@ SPECTACULAR_SETTINGS = {
     # Tags by resource, in the order Redoc and Swagger UI show them: the main resources first, the JWKS last.
     "TAGS": [
         {"name": "caches", "description": "Attach, list, inspect and detach KV caches."},
+        {"name": "routing", "description": "Engine instances, their KV events, and where a prompt's prefix is."},
         {"name": "tokens", "description": "Short-lived data-plane tokens for one cache, and their revocation."},
         {"name": "keys", "description": "The tenant's API keys: issue, rotate, revoke; who am I."},
         {"name": "usage", "description": "Quota limits against current use, and metered usage over time."},
@@ -276,6 +278,17 @@ KCAAS_KEK = os.environ.get("KCAAS_KEK") or _dev_secret("kek")
 KCAAS_AUDIT_HMAC_KEY = os.environ.get("KCAAS_AUDIT_HMAC_KEY") or _dev_secret("audit-hmac")
 # Length of a signed audit digest period (audit.digests), in seconds; periods align to multiples of it.
 KCAAS_AUDIT_DIGEST_SECONDS = env_int("KCAAS_AUDIT_DIGEST_SECONDS", 3600)
+# KV-aware routing (docs/routing.md): the networks engine instances may be registered in (the indexer connects to
+# them), and how long an instance's health checks may fail before it is lost and its index dropped.
+KCAAS_ROUTING_ENGINE_NETWORKS = tuple(
+    n.strip()
+    for n in os.environ.get(
+        "KCAAS_ROUTING_ENGINE_NETWORKS", "127.0.0.0/8,::1/128,10.0.0.0/8,172.16.0.0/12,192.168.0.0/16"
+    ).split(",")
+    if n.strip()
+)
+KCAAS_ROUTING_STALE_SECONDS = env_int("KCAAS_ROUTING_STALE_SECONDS", 15)
+
 # Proxies whose X-Forwarded-For names the client (addresses or networks, comma-separated); none by default.
 KCAAS_TRUSTED_PROXIES = [p.strip() for p in os.environ.get("KCAAS_TRUSTED_PROXIES", "").split(",") if p.strip()]
 

@@ -21,6 +21,7 @@ urlpatterns = [
     path("api/v1/", include("tenants.urls")),
     path("api/v1/", include("fleet.urls")),
     path("api/v1/", include("caches.urls")),
+    path("api/v1/", include("routing.urls")),
     path("api/v1/", include("billing.urls")),
     path("api/v1/", include("privacy.urls")),
     path("api/v1/", include("audit.urls")),

@@ -36,7 +36,8 @@ class ScopePermission(BasePermission):
         resource = getattr(view, "scope_resource", None)
         if not user.valid_resource(resource):
             raise ImproperlyConfiguredView(f"{type(view).__name__}.scope_resource {resource!r} is not a resource")
-        action = "read" if request.method in SAFE_METHODS else "write"
+        # a view may name its action (a POST that only reads, like a lookup with a body, sets scope_action = "read")
+        action = getattr(view, "scope_action", None) or ("read" if request.method in SAFE_METHODS else "write")
         if user.has_scope(resource, action):
             return True
         raise ApplicationError(

