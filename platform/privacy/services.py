@@ -30,7 +30,6 @@ from audit.actions import AuditAction
 from audit.context import SYSTEM, actor_of
 from audit.services import audit_record, tenant_pseudonym
 from caches.services import caches_detach_tenant
-from routing.services import instances_forget_tenant
 from core.celery import app as celery_app
 from core.errors import ConflictError, NotFoundError
 from core.ids import as_uuid
@@ -40,6 +39,7 @@ from kcaas.node_protocol.messages import CONTROL_QUEUE, PurgeTenant
 from privacy import receipt as receipts
 from privacy.erasure import erase_tenant_data
 from privacy.models import CANCELLABLE_STATES, ErasureJob, ErasurePurge, ErasureState, PurgeState
+from routing.services import instances_forget_tenant
 from tenants.models import ApiKey, Tenant
 from tenants.services import tenant_lock
 
