@@ -208,7 +208,7 @@ class Router:
         if not self.instances:
             return None
         first = next(iter(self.instances.values()))
-        query = {"model": self.config.model}
+        query: dict[str, Any] = {"model": self.config.model}
         query.update({"prompt": prompt} if path == "/v1/completions" else {"messages": body.get("messages")})
         try:
             async with self.session.post(
