@@ -7,13 +7,14 @@ Steps: migrate; a staff login, a demo tenant key (also written to var/secrets/de
 one credential per node agent, and a dev CA with one server certificate per agent for 127.0.0.1/localhost (plus the
 names in KCAAS_DEV_TLS_HOSTS) (var/secrets/dev-ca.pem, node-tls.pem/.key, node-2-tls.pem/.key, ...; made once and
 reused; keys 0600) for the agents' TLS 1.3 data planes, all kept under var/ across runs; then the web server
-(gunicorn on 127.0.0.1), the control queue's Celery worker, Celery beat and the node agents, each a child process.
+(gunicorn on 127.0.0.1), the control queue's Celery worker, Celery beat, the KV-event indexer and the node agents,
+each a child process.
 Prints the URLs, the login, the key, every node's endpoints, the dev CA's path (engines trust it) and the children's
 pids once every agent has registered. Ctrl-C (or SIGTERM) stops every child, restarted ones included (SIGTERM, then
 SIGKILL after a grace period).
 
 Once up, a dead child is handled by its kind (class Supervisor):
-- web (gunicorn), worker, beat: reported on stderr (`worker exited (-9): restarting in 1 s`, then `worker restarted
+- web (gunicorn), worker, beat, indexer: reported on stderr (`worker exited (-9): restarting in 1 s`, then `worker restarted
   (pid N)`) and started again with the same command and environment, after a backoff of 1 s doubling to 30 s (back
   to 1 s once a start has lived 60 s). A child that would be restarted a sixth time within 60 s is crash-looping:
   everything is stopped, with a message saying so, and up.py exits with status 1.
@@ -327,6 +328,8 @@ def children(env: dict, host: str, port: int, agents: int = 1) -> dict[str, list
             "--schedule",
             str(var_dir / "celerybeat-schedule"),
         ],
+        # KV-aware routing: subscribes to the engine instances tenants register (docs/routing.md)
+        "indexer": [PYTHON, str(REPO / "manage.py"), "run_kv_indexer"],
     }
     for index in range(1, agents + 1):
         commands[f"agent-{index}"] = [PYTHON, "-m", "gpu_node.agent"]
