@@ -16,8 +16,8 @@ SIGKILL after a grace period).
 Once up, a dead child is handled by its kind (class Supervisor):
 - web (gunicorn), worker, beat, indexer: reported on stderr (`worker exited (-9): restarting in 1 s`, then
   `worker restarted (pid N)`) and started again with the same command and environment, after a backoff of 1 s
-  doubling to 30 s (back to 1 s once a start has lived 60 s). A child that would be restarted a sixth time within 60 s is crash-looping:
-  everything is stopped, with a message saying so, and up.py exits with status 1.
+  doubling to 30 s (back to 1 s once a start has lived 60 s). A child that would be restarted a sixth time within
+  60 s is crash-looping: everything is stopped, with a message saying so, and up.py exits with status 1.
 - a node agent: everything is stopped (`agent-2 stopped: stopping the rest`, status 0), as a lost node is not
   something to paper over; with --survive-agent-loss its death is only reported and it stays dead: the control
   plane marks its node lost, as it would a crashed host. Agents are never restarted.
