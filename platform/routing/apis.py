@@ -28,7 +28,11 @@ class InstanceInputSerializer(RejectUnknownFieldsMixin, serializers.Serializer):
     api_base = serializers.URLField(max_length=512, help_text="Its OpenAI-compatible server, http://host:port.")
     events_endpoint = serializers.CharField(max_length=256, help_text="Its KV event publisher, tcp://host:port.")
     replay_endpoint = serializers.CharField(
-        max_length=256, required=False, default="", help_text="Its replay socket, tcp://host:port (optional)."
+        max_length=256,
+        required=False,
+        allow_blank=True,
+        default="",
+        help_text="Its replay socket, tcp://host:port (optional: without it a gap is skipped and counted).",
     )
 
 

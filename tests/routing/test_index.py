@@ -126,6 +126,10 @@ def test_registration_is_validated_audited_and_undone(tenant_a, register):
     assert AuditEvent.objects.filter(action=AuditAction.ENGINE_DEREGISTERED, target_id=one["id"]).count() == 1
 
 
+def test_an_instance_without_a_replay_socket_registers(tenant_a, register):
+    assert register(tenant_a, name="no-replay", replay_endpoint="")["replay_endpoint"] == ""
+
+
 def test_a_read_only_key_may_look_up_but_not_register(tenant_a, register):
     register(tenant_a, name="one")
     reader = tenant_a.key("caches:read")
