@@ -12,9 +12,10 @@ one per policy) stand in front of the same two servers.
 
 Workload (bench/_routing_trace.py): a trace in the Mooncake trace format, generated here: conversations (quick 8,
 full 16) over 2 shared system prompts of 512 tokens, 4 turns each, the conversations of a turn in a shuffled order;
-each turn's prompt is the conversation so far plus a new turn (100-200 tokens more). Each policy gets its own copy of the trace (same shapes, other tokens: no policy
-reuses another's KV). Requests are sent one at a time, max_tokens 1 (the request's wall time is its TTFT), the
-policies interleaved request by request in rotating order, so every policy meets the same machine load.
+each turn's prompt is the conversation so far plus a new turn (100-200 tokens more). Each policy gets its own copy
+of the trace (same shapes, other tokens: no policy reuses another's KV). Requests are sent one at a time,
+max_tokens 1 (the request's wall time is its TTFT), the policies interleaved request by request in rotating order,
+so every policy meets the same machine load.
 
 Figures: per policy, TTFT p50/p90 and the device-memory (HBM) hit rate, the tokens vLLM reports as cached
 (usage.prompt_tokens_details.cached_tokens) over prompt tokens; `routed_ttft_speedup_vs_round_robin` and
