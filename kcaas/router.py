@@ -16,8 +16,10 @@ flight, then round-robin order). If the lookup fails or times out the request go
 (counted as a fallback): the router never waits on KCaaS longer than `lookup_timeout_s`. With the KCaaS connector
 on every instance, a request sent where its prefix is not still loads it from the cache.
 
-Answers carry `x-kcaas-instance` (where it went) and `x-kcaas-expected-hit-tokens`; GET /metrics counts requests,
-decisions, expected hit tokens and fallbacks (Prometheus text). Needs aiohttp (`pip install kcaas[router]`).
+An instance that refuses the connection (it died before the indexer noticed) is skipped for two refresh periods and
+the request goes to the next choice, once (counted as a failover). Answers carry `x-kcaas-instance` (where it went)
+and `x-kcaas-expected-hit-tokens`; GET /metrics counts requests, decisions, expected hit tokens, fallbacks and
+failovers (Prometheus text). Needs aiohttp (`pip install kcaas[router]`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import ClientError, ClientSession, ClientTimeout, web
+from aiohttp import ClientConnectorError, ClientError, ClientSession, ClientTimeout, web
 
 logger = logging.getLogger("kcaas.router")
 POLICIES = ("kv", "least_loaded", "round_robin")
@@ -47,6 +49,7 @@ class Instance:
     block_size: int
     in_flight: int = 0
     in_flight_blocks: int = 0
+    down_until: float = 0.0  # refused a connection: skipped until then (monotonic seconds)
 
 
 @dataclass
@@ -77,6 +80,7 @@ class Metrics:
     fallbacks: Counter = field(default_factory=Counter)
     lookup_seconds: float = 0.0
     lookups: int = 0
+    failovers: int = 0  # an instance refused the connection: the request went to another
 
     def text(self) -> str:
         lines = ["# TYPE kcaas_router_requests_total counter"]
@@ -91,6 +95,8 @@ class Metrics:
         ]
         lines += [f'kcaas_router_fallbacks_total{{reason="{why}"}} {n}' for why, n in sorted(self.fallbacks.items())]
         lines += [
+            "# TYPE kcaas_router_failovers_total counter",
+            f"kcaas_router_failovers_total {self.failovers}",
             "# TYPE kcaas_router_lookup_seconds summary",
             f"kcaas_router_lookup_seconds_sum {self.lookup_seconds:.6f}",
             f"kcaas_router_lookup_seconds_count {self.lookups}",
@@ -159,7 +165,11 @@ class Router:
 
     # ---- decisions --------------------------------------------------------------------------------------------------
     def _rotated(self) -> list[Instance]:
+        """The instances to choose from, in this request's rotation: those not refusing connections (all of them
+        if every one is)."""
+        now = time.monotonic()
         ordered = sorted(self.instances.values(), key=lambda i: i.name)
+        ordered = [i for i in ordered if i.down_until <= now] or ordered
         start = next(self._turn) % len(ordered)
         return ordered[start:] + ordered[:start]
 
@@ -237,7 +247,19 @@ class Router:
             )
         tokens = await self.token_ids(request.path, body)
         decision = await self.decide(tokens)
-        return await self._forward(request, body, decision, len(tokens or ()))
+        try:
+            return await self._forward(request, body, decision, len(tokens or ()))
+        except ClientConnectorError:  # refused before anything was sent: one other instance may take it
+            decision.instance.down_until = time.monotonic() + 2 * self.config.refresh_s
+            self.metrics.failovers += 1
+            retry = await self.decide(tokens)
+            if retry.instance is decision.instance:
+                return self._upstream_failed(retry.instance, "refused the connection")
+            try:
+                return await self._forward(request, body, retry, len(tokens or ()))
+            except ClientConnectorError:
+                retry.instance.down_until = time.monotonic() + 2 * self.config.refresh_s
+                return self._upstream_failed(retry.instance, "refused the connection")
 
     async def _forward(self, request: web.Request, body: dict, decision: Decision, prompt_tokens: int):
         instance = decision.instance
@@ -248,6 +270,7 @@ class Router:
         self.metrics.expected_hit_tokens += decision.expected_hit_tokens
         self.metrics.prompt_tokens += prompt_tokens
         headers = {"x-kcaas-instance": instance.name, "x-kcaas-expected-hit-tokens": str(decision.expected_hit_tokens)}
+        response: web.StreamResponse | None = None
         try:
             async with self.session.post(f"{instance.api_base}{request.path}", json=body) as upstream:
                 response = web.StreamResponse(status=upstream.status, headers=headers)
@@ -257,15 +280,23 @@ class Router:
                     await response.write(chunk)
                 await response.write_eof()
                 return response
-        except (TimeoutError, ClientError) as exc:
-            return web.json_response(
-                {"error": {"message": f"instance {instance.name} failed: {exc}", "code": "upstream_failed"}},
-                status=502,
-                headers=headers,
-            )
+        except ClientConnectorError:
+            raise
+        except (ClientError, TimeoutError) as exc:
+            if response is not None and response.prepared:
+                return response  # the client saw the answer start: it ends short, as the instance's did
+            return self._upstream_failed(instance, str(exc))
         finally:
             instance.in_flight -= 1
             instance.in_flight_blocks -= blocks
+
+    @staticmethod
+    def _upstream_failed(instance: Instance, why: str) -> web.Response:
+        return web.json_response(
+            {"error": {"message": f"instance {instance.name} failed: {why}", "code": "upstream_failed"}},
+            status=502,
+            headers={"x-kcaas-instance": instance.name},
+        )
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.config.model, "object": "model"}]})

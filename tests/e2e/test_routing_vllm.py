@@ -5,7 +5,9 @@ over ZMQ with a replay socket), registered with the live control plane, indexed 
 - a conversation's next turn lands on the instance whose device memory holds its earlier turns (the router's
   x-kcaas-instance), and vLLM reports those tokens as its own prefix-cache hit;
 - another conversation is spread by load to the other instance; its next turn follows it there;
-- the router of another tenant has no instance to route to (503), and its lookups see none.
+- the router of another tenant has no instance to route to (503), and its lookups see none;
+- an instance that dies: the router's next request for its conversation fails over to the other instance, and the
+  indexer soon marks it lost (lookups no longer offer it).
 """
 
 from __future__ import annotations
@@ -84,6 +86,10 @@ class RouterProcess:
         except OSError:
             return 0
 
+    def text(self, path: str) -> str:
+        with urllib.request.urlopen(self.url + path, timeout=5) as answer:
+            return answer.read().decode()
+
     def complete(self, prompt: list[int]) -> tuple[str, dict]:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
         request = urllib.request.Request(
@@ -113,7 +119,7 @@ def test_a_conversation_follows_its_kv_and_another_tenant_routes_nowhere(live_se
         )
         for name, port in ports.items()
     }
-    indexer = Indexer(refresh_s=0.2, health_s=0.5)
+    indexer = Indexer(refresh_s=0.2, health_s=0.5, stale_s=3.0)
     thread = threading.Thread(target=indexer.run, daemon=True)
     routers: list[RouterProcess] = []
     try:
@@ -149,6 +155,14 @@ def test_a_conversation_follows_its_kv_and_another_tenant_routes_nowhere(live_se
 
         assert lookup(stranger, TURN_1["a"]) == {}
         assert eventually(lambda: other.get("/health") == 503, timeout=30)  # the stranger's router: no instance
+
+        # the instance holding conversation a dies: its next turn still gets an answer, from the other one
+        servers[first_a].close()
+        prompt = TURN_2["a"] + PROMPTS["a_other"][-20:]
+        went, answer = router.complete(prompt)
+        assert went != first_a and answer["usage"]["prompt_tokens"] == len(prompt)
+        assert "kcaas_router_failovers_total 1" in router.text("/metrics")  # it tried the dead one first
+        assert eventually(lambda: first_a not in lookup(tenant, TURN_1["a"]), timeout=30)  # the indexer lost it
     finally:
         indexer.stop.set()
         thread.join(timeout=10)
