@@ -36,7 +36,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kcaas.cli_errors import EXIT_API, EXIT_CONNECTION, report, unreadable_answer  # noqa: F401 - exit codes
+from kcaas.cli_engines import add_engine_commands
+from kcaas.cli_errors import EXIT_API, EXIT_CONNECTION, UsageError, report, unreadable_answer  # noqa: F401
 from kcaas.cli_output import KEY_SHAPE, TABLE_WIDTH, Out, human_bytes, parse_bytes, short_ids, table, when
 from kcaas.cli_resolve import cache_id, key_id
 from kcaas.client import Client
@@ -68,10 +69,6 @@ clamps: the server clamps `token --ttl` to its range (60 s up to its configured 
   CLI then says so on stderr (`kcaas: note: ...`) and prints the token it got.
 exit codes: 0 done, 1 refused by the API, 2 usage error, 3 no usable answer from --url,
   130 interrupted."""
-
-
-class UsageError(Exception):
-    """Bad input found after argparse (a spec file, a missing key): exit 2."""
 
 
 # ---- commands --------------------------------------------------------------------------------------------------------
@@ -310,7 +307,7 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="kcaas",
-        description="KCaaS command line: caches, data tokens, API keys, usage.",
+        description="KCaaS command line: caches, data tokens, API keys, usage, engine instances.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -396,6 +393,7 @@ def _parser() -> argparse.ArgumentParser:
     rotate = command(key_commands, "rotate", cmd_keys_rotate, "a successor key; the old one works for the overlap")
     rotate.add_argument("key", help=key_help)
     rotate.add_argument("--overlap", type=int, metavar="S", help="seconds the old key keeps working")
+    add_engine_commands(commands, command, _Parser)
     return parser
 
 

@@ -22,6 +22,10 @@ _MAX_MESSAGE = 300
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 
+class UsageError(Exception):
+    """Bad input found after argparse (a spec file, a missing key): exit 2."""
+
+
 class UnexpectedAnswer(KcaasError):
     """An answer the KCaaS API would not give: not its JSON error envelope, or a success body the SDK cannot read."""
 
