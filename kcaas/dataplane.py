@@ -25,6 +25,7 @@ from __future__ import annotations
 import base64
 import json
 import ssl
+from dataclasses import dataclass
 from typing import Any
 
 from kcaas import wire
@@ -37,6 +38,16 @@ __all__ = ["DataPlaneClient", "DataPlaneError"]
 _TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 _FRAME_SLACK = 8192  # header and metadata room left in a frame the client fills with KV
 _MAX_PREFIX_RETRIES = 3  # a long put whose prefix the node evicted between frames resumes from what it holds
+
+
+@dataclass(frozen=True)
+class CacheEvents:
+    """DataPlaneClient.events' answer (docs/routing.md, "Events out")."""
+
+    first_seq: int  # the oldest batch the node still keeps
+    next_seq: int  # read on from here
+    batches: tuple  # ((seq, kcaas.kv_events.EventBatch), ...), seq ascending
+    missed: bool  # batches asked for are gone (older than first_seq)
 
 
 class DataPlaneClient:
@@ -136,6 +147,21 @@ class DataPlaneClient:
             node refuses; OSError when the connection fails.
         """
         return self._t.call(Opcode.LOOKUP, [_as_int32(tokens)]).num_cached[0]
+
+    def events(self, since: int = 0, *, max_batches: int = 256) -> CacheEvents:
+        """The cache's block events from batch `since` on (vLLM's KV-event format, kcaas.kv_events): which full
+        blocks entered and left the node's device pool, in order. Read again from `next_seq` for what follows;
+        `missed` says batches before `first_seq` are gone (start over from an empty view: resync with lookups).
+
+        Returns: CacheEvents(first_seq, next_seq, batches [(seq, EventBatch)], missed).
+        Raises: DataPlaneError (its `code`: not_found, token_expired, ...) when the node refuses; OSError when the
+            connection fails.
+        """
+        from kcaas.kv_events import decode_batch
+
+        answer = self._t.call_events(since, max_batches)
+        batches = tuple((seq, decode_batch(payload)) for seq, payload in answer.batches)
+        return CacheEvents(answer.first_seq, answer.next_seq, batches, missed=since < answer.first_seq)
 
     def delete(self, tokens) -> int:
         """Forget the cached prefix of `tokens` and everything stored under it; returns the blocks removed.

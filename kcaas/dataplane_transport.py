@@ -119,6 +119,16 @@ class Transport:
 
         return self._with_retries(attempt)
 
+    def call_events(self, since: int, max_batches: int):
+        """One EVENTS request under the retry policy; returns its wire.EventsOk."""
+
+        def attempt():
+            rid = self._new_id()
+            self._send(wire.encode_events_request(rid, cache_id=self.cache_id, since=since, max_batches=max_batches))
+            return self._response(rid, Opcode.EVENTS, 1)
+
+        return self._with_retries(attempt)
+
     def connect(self) -> None:
         """Connected and HELLO answered, under the same retry policy as a request."""
         self._with_retries(lambda: None)

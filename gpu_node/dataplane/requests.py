@@ -114,28 +114,33 @@ class RequestHandler:
         return str(conn.sessions[request.cache_id].claims["sub"])
 
     def _authorize(self, conn: Conn, request: wire.RequestHead) -> Session:
-        session = conn.sessions.get(request.cache_id)
-        if session is None:
-            raise ProtocolError(ErrorCode.UNAUTHENTICATED, "send HELLO with a data token for this cache first")
-        fences_for(self.registry).check(request.cache_id, write=request.op in WRITE_OPS)
-        hosted = self.registry.get(request.cache_id)
-        if hosted is None or hosted.epoch != session.hosted.epoch:
-            conn.sessions.pop(request.cache_id, None)
-            raise ProtocolError(ErrorCode.NOT_FOUND, NOT_FOUND_MESSAGE)
-        self._check_claims(conn, request, session.claims)
+        session, hosted = self._session(conn, request.cache_id, request.op)
         if request.identity_sent:  # else the session's, checked against this cache at HELLO
             hosted.spec.check_matches(request.identity)
         return session
 
-    def _check_claims(self, conn: Conn, request: wire.RequestHead, claims: dict) -> None:
-        """The session's token still grants this request: not expired, not revoked, readwrite for a write."""
+    def _session(self, conn: Conn, cache_id: str, op: str) -> tuple[Session, Any]:
+        """The connection's session for a cache still hosted here in its epoch, its token still granting the
+        request (not expired, not revoked, readwrite for a write): (session, the hosted cache). Raises ProtocolError
+        otherwise."""
+        write = op in WRITE_OPS
+        session = conn.sessions.get(cache_id)
+        if session is None:
+            raise ProtocolError(ErrorCode.UNAUTHENTICATED, "send HELLO with a data token for this cache first")
+        fences_for(self.registry).check(cache_id, write=write)
+        hosted = self.registry.get(cache_id)
+        if hosted is None or hosted.epoch != session.hosted.epoch:
+            conn.sessions.pop(cache_id, None)
+            raise ProtocolError(ErrorCode.NOT_FOUND, NOT_FOUND_MESSAGE)
+        claims = session.claims
         if time.time() >= float(claims["exp"]) + self.verifier.leeway:
             raise ProtocolError(ErrorCode.TOKEN_EXPIRED, "the data token has expired: send HELLO with a fresh one")
         if self.verifier.is_revoked(claims["jti"]):
-            conn.sessions.pop(request.cache_id, None)
+            conn.sessions.pop(cache_id, None)
             raise ProtocolError(ErrorCode.UNAUTHENTICATED, "the data token has been revoked")
-        if request.op in WRITE_OPS and claims.get("access") != "readwrite":
-            raise ProtocolError(ErrorCode.FORBIDDEN, f"a read-only token cannot {request.op}")
+        if write and claims.get("access") != "readwrite":
+            raise ProtocolError(ErrorCode.FORBIDDEN, f"a read-only token cannot {op}")
+        return session, hosted
 
     # ---- a whole frame ------------------------------------------------------------------------------------------
     def handle(self, conn: Conn, frame: wire.Frame) -> list:
@@ -144,6 +149,8 @@ class RequestHandler:
             raise frame.error
         if frame.opcode == Opcode.HELLO:
             return self._hello(conn, frame)
+        if frame.opcode == Opcode.EVENTS:
+            return self._events(conn, frame)
         if frame.opcode not in wire.DATA_OPS:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"{frame.opcode.name} is not a request")
         return self._data(conn, frame)
@@ -169,6 +176,23 @@ class RequestHandler:
         if session.max_answer_bytes is not None and engine.zero_copy_reads:  # nothing staged: one frame for it all
             answer_limit = max(session.max_answer_bytes, self.max_frame_bytes)
         return answer_get(conn, session.hosted, request, tokens, conn.holds[id(frame.meta)], answer_limit)
+
+    def _events(self, conn: Conn, frame: wire.Frame) -> list:
+        """The cache's block events from `since`, for a session of that cache (its token: read access suffices);
+        as many whole batches as fit in one frame (at least one: a batch is at most a few MiB)."""
+        request = wire.parse_events_request(frame)
+        _, hosted = self._session(conn, request.cache_id, "events")
+        read = hosted.engine.events.read(request.since, request.max_batches)
+        batches: list[tuple[int, bytes]] = []
+        room = self.max_frame_bytes - self.max_metadata_bytes
+        for seq, payload in read.batches:
+            if batches and len(payload) > room:
+                break
+            batches.append((seq, payload))
+            room -= len(payload)
+        return wire.encode_events_ok(
+            frame.request_id, first_seq=read.first_seq, next_seq=read.next_seq, batches=tuple(batches)
+        )
 
     def _hello(self, conn: Conn, frame: wire.Frame) -> list:
         hello = wire.parse_hello(frame)  # through kcaas.wire: tests stand in an older node's parser there

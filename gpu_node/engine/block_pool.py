@@ -31,6 +31,7 @@ object per block; allocation and release work on whole batches of ids.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Protocol
 
 import numpy as np
 
@@ -40,9 +41,19 @@ NO_TOKEN = -1
 _FEW_BLOCKS = 8  # hold/release of up to this many blocks go element by element (numpy's fixed setup cost)
 
 
+class IndexListener(Protocol):
+    """Told of every full block entering or leaving the index, in order, under the caller's lock (the cache's
+    block events, gpu_node/engine/block_events.py)."""
+
+    def stored(self, block_hash: BlockHash, parent: BlockHash, tokens: np.ndarray) -> None: ...
+
+    def removed(self, block_hash: BlockHash) -> None: ...
+
+
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, listener: IndexListener | None = None):
         assert num_blocks >= 1 and block_size >= 1
+        self.listener = listener
         self.num_blocks = num_blocks
         self.block_size = block_size
         # Holders of each block: readers that pinned it plus a put writing it. Only this class changes it.
@@ -222,6 +233,8 @@ class BlockPool:
                 if block_hash is not None:
                     self.block_hash[block_id] = block_hash
                     index[block_hash] = block_id
+                    if self.listener is not None:
+                        self.listener.stored(block_hash, parent, self.block_tokens[block_id])
             if block_hash is None:
                 assert position == num_blocks - 1, "only a partial last block has no hash"
                 break
@@ -235,6 +248,8 @@ class BlockPool:
         if block_hash is not None and block_hash not in self.cached_hash_to_block:
             self.block_hash[block_id] = block_hash
             self.cached_hash_to_block[block_hash] = block_id
+            if self.listener is not None:
+                self.listener.stored(block_hash, self._parent_of(block_id), self.block_tokens[block_id])
 
     def _set_tokens(self, block_id: int, tokens: np.ndarray) -> None:
         num_tokens = len(tokens)
@@ -323,6 +338,8 @@ class BlockPool:
             if block_hash is not None:
                 self.block_hash[current] = None
                 del index[block_hash]
+                if self.listener is not None:
+                    self.listener.removed(block_hash)
                 if removed_hashes is not None:
                     removed_hashes.append(block_hash)
                 stack.extend(hash_to_children.pop(block_hash, ()))

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 import kcaas_kernels
+from gpu_node.engine.block_events import BlockEventLog
 from gpu_node.engine.block_exchange import BlockExchange
 from gpu_node.engine.block_hash import BlockChain, BlockHash, BlockHasher, tokens_as_int32
 from gpu_node.engine.block_pool import BlockPool
@@ -173,13 +174,15 @@ class PagedKVCache:
         self.kv_dtype = TORCH_DTYPES[spec.kv_dtype]
         self.block_size = spec.block_size
         self.pool, self.scales = _allocate_storage(spec, num_blocks, self.device)
+        hasher = BlockHasher(hash_key, spec.block_size, spec.model_fingerprint)
+        self.events = BlockEventLog(spec.block_size, hasher.root)  # the device pool's block events (docs/routing.md)
         self._state = CacheState(
             spec=spec,
             device=self.device,
             pool=self.pool,
             scales=self.scales,
-            hasher=BlockHasher(hash_key, spec.block_size, spec.model_fingerprint),
-            blocks=BlockPool(num_blocks, spec.block_size),
+            hasher=hasher,
+            blocks=BlockPool(num_blocks, spec.block_size, listener=self.events),
         )
         self._moves = TierMoves(self._state)
         self._fence = PurgeFence(self._state, self._moves)
@@ -212,7 +215,9 @@ class PagedKVCache:
 
     def wipe(self, *, wait_seconds: float = 60.0, keep_network: bool = False) -> int:
         """Purge (PurgeFence.wipe): fence, forget, zero every tier. Returns the bytes that were resident."""
-        return self._fence.wipe(wait_seconds=wait_seconds, keep_network=keep_network)
+        freed = self._fence.wipe(wait_seconds=wait_seconds, keep_network=keep_network)
+        self.events.cleared()
+        return freed
 
     @property
     def zero_copy_reads(self) -> bool:

@@ -11,6 +11,14 @@ pure Python (struct + memoryview + json): no torch, no numpy, no Django. This mo
 
 from __future__ import annotations
 
+from kcaas.wire.events import (  # noqa: F401 - re-exported
+    EventsOk,
+    EventsRequest,
+    encode_events_ok,
+    encode_events_request,
+    parse_events_ok,
+    parse_events_request,
+)
 from kcaas.wire.frames import (
     BATCH_BIT,
     DATA_OPS,

@@ -65,6 +65,7 @@ class Opcode(enum.IntEnum):
     PUT = 0x03
     GET = 0x04
     DELETE = 0x05
+    EVENTS = 0x06  # the cache's block events, numbered, from a given seq (kcaas/wire/events.py)
     LOOKUP_BATCH = 0x12  # batch forms: the same op over 1..MAX_BATCH_SIZE sequences (BATCH_BIT | op)
     PUT_BATCH = 0x13
     GET_BATCH = 0x14
@@ -79,7 +80,7 @@ BATCH_BIT = 0x10
 _SINGLE_OPS = (Opcode.LOOKUP, Opcode.PUT, Opcode.GET, Opcode.DELETE)
 DATA_OPS = frozenset(_SINGLE_OPS + tuple(Opcode(BATCH_BIT | op) for op in _SINGLE_OPS))
 # Frames whose payload must be empty: the decoder refuses a non-zero payload_len for them before allocating.
-NO_PAYLOAD_OPS = frozenset({Opcode.HELLO, Opcode.ERROR, Opcode.MOVED})
+NO_PAYLOAD_OPS = frozenset({Opcode.HELLO, Opcode.EVENTS, Opcode.ERROR, Opcode.MOVED})
 _OPCODES = {int(op): op for op in Opcode}
 OP_NAMES = {
     Opcode.HELLO: "hello",
@@ -87,6 +88,7 @@ OP_NAMES = {
     Opcode.PUT: "put",
     Opcode.GET: "get",
     Opcode.DELETE: "delete",
+    Opcode.EVENTS: "events",
 }
 
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Sequence
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
 from kcaas.spec import KVCacheSpec, SpecError
+from kcaas.wire.events import EventsOk, parse_events_ok
+from kcaas.wire.fields import _bad, _bool_list, _check_keys, _int_field, _int_list, _str_field
 from kcaas.wire.frames import (
     BATCH_BIT,
     DATA_OPS,
@@ -40,10 +41,6 @@ _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 # ---- shared validation ----------------------------------------------------------------------------------------------
-def _bad(code: str, message: str, request_id: int | None = None, **details: Any) -> ProtocolError:
-    return ProtocolError(code, message, request_id=request_id, details=details or None)
-
-
 def pack_token_ids(tokens: Any) -> memoryview:
     """Token ids as int32 little-endian bytes (a view; no copy when given a native int32 buffer on a LE host).
 
@@ -123,53 +120,6 @@ def spec_from_wire(obj: Any, *, request_id: int | None = None) -> KVCacheSpec:
             _SPECS_SEEN.clear()
         _SPECS_SEEN[key] = spec
     return spec
-
-
-def _str_field(meta: dict, key: str, request_id: int | None, *, max_len: int = 256) -> str:
-    value = meta.get(key)
-    if not isinstance(value, str) or not 0 < len(value) <= max_len:
-        raise _bad(ErrorCode.BAD_REQUEST, f"{key} must be a non-empty string of at most {max_len} chars", request_id)
-    return value
-
-
-def _int_field(meta: dict, key: str, request_id: int | None, *, lo: int = 0, hi: int = (1 << 63) - 1) -> int:
-    value = meta.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise _bad(ErrorCode.BAD_REQUEST, f"{key} must be an integer in [{lo}, {hi}]", request_id)
-    return value
-
-
-def _int_list(
-    meta: dict,
-    key: str,
-    n: int,
-    request_id: int | None,
-    *,
-    lo: int = 0,
-    hi: int = (1 << 63) - 1,
-    code: str = ErrorCode.BAD_REQUEST,
-) -> tuple[int, ...]:
-    value = meta.get(key)
-    if type(value) is list and len(value) == n:  # JSON gives exact types: int here is never a bool
-        for v in value:
-            if type(v) is not int or not lo <= v <= hi:
-                break
-        else:
-            return tuple(value)
-    raise _bad(code, f"{key} must be a list of {n} integers in [{lo}, {hi}]", request_id)
-
-
-def _bool_list(meta: dict, key: str, n: int, request_id: int | None) -> tuple[bool, ...]:
-    value = meta.get(key)
-    if not isinstance(value, list) or len(value) != n or any(not isinstance(v, bool) for v in value):
-        raise _bad(ErrorCode.BAD_REQUEST, f"{key} must be a list of {n} booleans", request_id)
-    return tuple(value)
-
-
-def _check_keys(meta: dict, allowed: AbstractSet[str], request_id: int | None) -> None:
-    unknown = set(meta) - allowed
-    if unknown:
-        raise _bad(ErrorCode.BAD_REQUEST, f"unknown metadata fields {sorted(unknown)}", request_id)
 
 
 class _Segments:
@@ -587,7 +537,7 @@ def encode_moved(request_id: int, *, cache_id: str, endpoint: str, epoch: int) -
 
 def parse_response(
     frame: Frame, *, request_opcode: Opcode, num_sequences: int = 1, spec: KVCacheSpec | None = None
-) -> Response:
+) -> Response | EventsOk:
     """A response frame to the request it answers -> a typed result. ERROR and MOVED come back as values (the SDK
     decides what to raise or retry); a malformed response raises ProtocolError (the node misbehaves: close)."""
     meta, rid = frame.meta, frame.request_id
@@ -612,6 +562,8 @@ def parse_response(
     if meta.get("op") != op:
         raise _bad(ErrorCode.BAD_METADATA, f"an OK for {meta.get('op')!r} answers a {op} request", rid)
     n = num_sequences
+    if op == "events":
+        return parse_events_ok(frame)
     if op != "get" and frame.payload_len:
         raise _bad(ErrorCode.PAYLOAD_LENGTH_MISMATCH, f"an OK for {op} carries no payload", rid)
     if op == "hello":
