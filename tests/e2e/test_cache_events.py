@@ -5,11 +5,18 @@ of its tokens; another tenant's token opens only its own cache's events, never t
 
 from __future__ import annotations
 
+import json
+import subprocess
+import threading
+
 import pytest
 
 import kcaas
+from kcaas.events_bridge import EventsBridge, check_loopback
 from kcaas.kv_events import BlockRemoved, BlockStored
 from tests.e2e.conftest import client_tls, random_kv, random_tokens, spec_for, tenant_dataplane, tenant_key
+from tests.e2e.vllm_support import REPO, requires_vllm, runner_env, vllm_python
+from tests.faults import free_port
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -66,6 +73,50 @@ def test_a_tenant_reads_its_caches_block_events_and_no_one_elses(live_server, ag
     finally:
         for client in (writer, reader, other):
             client.close()
+
+
+@requires_vllm
+def test_the_loopback_bridge_republishes_a_caches_events_for_vllm_event_consumers(live_server, agent, model, pki):
+    spec = spec_for(model)
+    client = kcaas.Client(live_server.url, tenant_key())
+    cache = client.attach("bridged", spec, {"device": 24 * spec.block_bytes}, timeout=30)
+    writer = tenant_dataplane(client, cache, spec, pki)
+    reader = tenant_dataplane(client, cache, spec, pki, access="read")
+    port = free_port()
+    endpoints = (f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}")
+    bridge = EventsBridge(reader, *endpoints, poll_s=0.05)
+    stop = threading.Event()
+    running = threading.Thread(target=bridge.run, args=(stop,), daemon=True)  # its sockets are its thread's
+    consumer = subprocess.Popen(
+        [vllm_python(), str(REPO / "tests" / "e2e" / "vllm_events.py"), "consume", *endpoints, "2"],
+        env=runner_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        running.start()
+        assert json.loads(consumer.stdout.readline()) == {"ready": True}
+        tokens = random_tokens(32, seed=3)[0]
+        writer.put(tokens, random_kv(spec, 32, seed=3))
+        first = json.loads(consumer.stdout.readline())
+        writer.delete(tokens)
+        second = json.loads(consumer.stdout.readline())
+        assert first["seq"] == 0 and first["events"][0]["type"] == "BlockStored"
+        assert first["events"][0]["token_ids"] == tokens.tolist() and len(first["events"][0]["block_hashes"]) == 2
+        assert second["seq"] == 1 and second["events"][0]["type"] == "BlockRemoved"
+        assert set(second["events"][0]["block_hashes"]) == set(first["events"][0]["block_hashes"])
+        assert json.loads(consumer.stdout.readline()) == {"replayed": [0, 1]}  # vLLM's replay protocol
+    finally:
+        stop.set()
+        running.join(timeout=10)
+        consumer.kill()
+        bridge.close()
+        writer.close()
+        reader.close()
+
+
+def test_the_bridge_binds_only_the_loopback_unless_told():
+    check_loopback("tcp://127.0.0.1:5557")
+    with pytest.raises(ValueError, match="not a loopback"):
+        check_loopback("tcp://0.0.0.0:5557")
 
 
 def torch_cat(*parts):

@@ -4,10 +4,16 @@ the main venv's pytest:
     $KCAAS_VLLM_PYTHON tests/e2e/vllm_events.py encode < events.json     # one hex line: vLLM's msgspec encoding
     $KCAAS_VLLM_PYTHON tests/e2e/vllm_events.py decode < payload.hex     # one JSON line: what vLLM's decoder reads
     $KCAAS_VLLM_PYTHON tests/e2e/vllm_events.py publish PUB REPLAY HEALTH_PORT
+    $KCAAS_VLLM_PYTHON tests/e2e/vllm_events.py consume PUB REPLAY N    # N batches, then a replay from seq 0
 
 events.json is one JSON line, a list of events: {"type": "BlockStored", "block_hashes": [...], "parent_block_hash":
 ..., "token_ids": [...], "block_size": n, "medium": "GPU", "extra_keys": [...] | null} | {"type": "BlockRemoved",
 "block_hashes": [...], "medium": ...} | {"type": "AllBlocksCleared"}.
+
+`consume` reads a publisher as vLLM-event consumers do (a SUB socket, frames `(topic, seq, payload)` decoded by vLLM's
+typed msgspec decoder into KVEventBatch), prints {"ready": true} once subscribed, then one JSON line per batch
+(`{"seq", "events": [{"type", "block_hashes", "token_ids"?, ...}]}`) until N arrived, then asks the ROUTER socket for
+every batch from seq 0 and prints `{"replayed": [seqs]}`.
 
 `publish` runs vllm.distributed.kv_events.ZmqEventPublisher (vLLM's own publisher, with its replay buffer) on the
 PUB and ROUTER endpoints, and an HTTP server answering GET /health on HEALTH_PORT (what vLLM's OpenAI server
@@ -94,6 +100,48 @@ def publish(pub: str, replay: str, health_port: int) -> None:
     server.shutdown()
 
 
+def consume(pub: str, replay: str, count: int) -> None:
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch
+
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(pub)
+    time.sleep(0.5)  # the subscription reaches the publisher (ZMQ's slow joiner)
+    print(json.dumps({"ready": True}), flush=True)
+
+    def described(batch) -> list[dict]:
+        return [
+            {
+                "type": type(e).__name__,
+                **{k: v.hex() if isinstance(v, bytes) else v for k, v in msgspec.structs.asdict(e).items()},
+            }
+            for e in batch.events
+        ]
+
+    for _ in range(count):
+        _, seq, payload = sub.recv_multipart()
+        batch = decoder.decode(payload)
+        events = described(batch)
+        for event in events:
+            event["block_hashes"] = [h.hex() if isinstance(h, bytes) else h for h in event.get("block_hashes", [])]
+        print(json.dumps({"seq": int.from_bytes(seq, "big"), "events": events}, default=repr), flush=True)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(replay)
+    dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+    seqs = []
+    while True:
+        frames = dealer.recv_multipart()
+        if frames[2] == (-1).to_bytes(8, "big", signed=True):
+            break
+        decoder.decode(frames[3])
+        seqs.append(int.from_bytes(frames[2], "big"))
+    print(json.dumps({"replayed": seqs}), flush=True)
+
+
 if __name__ == "__main__":
     command = sys.argv[1]
     if command == "encode":
@@ -102,5 +150,7 @@ if __name__ == "__main__":
         decode()
     elif command == "publish":
         publish(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    elif command == "consume":
+        consume(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     else:
         raise SystemExit(f"unknown command {command!r}")
