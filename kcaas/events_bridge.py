@@ -20,6 +20,7 @@ import logging
 import os
 import time
 from collections import deque
+from typing import Any
 from urllib.parse import urlsplit
 
 from kcaas.kv_events import END_SEQ, AllBlocksCleared, EventBatch, encode_batch
@@ -35,7 +36,7 @@ class EventsBridge:
         import zmq
 
         self._dp, self._poll_s, self._topic = dataplane, poll_s, topic.encode()
-        self._ctx = zmq.Context.instance()
+        self._ctx: Any = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.bind(endpoint)
         self._replay = None
