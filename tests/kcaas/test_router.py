@@ -2,6 +2,7 @@
 credited less; ties spread; and a lookup that fails never holds a request (least loaded, counted)."""
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 from kcaas.router import Instance, Router, RouterConfig, choose
 from tests.faults import free_port
@@ -47,6 +48,7 @@ def test_a_failed_lookup_routes_by_load_and_is_counted():
         finally:
             await router.session.close()
 
-    decision = asyncio.run(decide())
+    with ThreadPoolExecutor(1) as thread:  # its own event loop, whatever loop this thread may have running
+        decision = thread.submit(asyncio.run, decide()).result(timeout=30)
     assert decision.instance.name == "b" and decision.reason.startswith("fallback")
     assert sum(router.metrics.fallbacks.values()) == 1 and router.metrics.lookups == 1
