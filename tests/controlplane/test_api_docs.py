@@ -6,7 +6,19 @@ import re
 import pytest
 from django.test import Client
 
-ALLOWED_TAGS = ["caches", "routing", "tokens", "keys", "usage", "invoices", "audit", "privacy", "admin", "nodes", "well-known"]
+ALLOWED_TAGS = [
+    "caches",
+    "routing",
+    "tokens",
+    "keys",
+    "usage",
+    "invoices",
+    "audit",
+    "privacy",
+    "admin",
+    "nodes",
+    "well-known",
+]
 EXTERNAL_URL = re.compile(r"""(?:https?:)?//(?!testserver[/:"'])[a-z0-9.-]+\.[a-z]{2,}""", re.IGNORECASE)
 HTTP_METHODS = {"get", "post", "put", "patch", "delete"}
 
