@@ -10,6 +10,7 @@ import subprocess
 import threading
 
 import pytest
+import torch
 
 import kcaas
 from kcaas.events_bridge import EventsBridge, check_loopback
@@ -43,7 +44,7 @@ def test_a_tenant_reads_its_caches_block_events_and_no_one_elses(live_server, ag
     other = tenant_dataplane(b, cache_b, spec, pki)
     try:
         first = random_tokens(40, seed=1)[0]  # 2 full blocks and a partial one
-        second = torch_cat(first[:32], random_tokens(20, seed=2)[0])  # shares 2 blocks, adds 1 full
+        second = torch.cat((first[:32], random_tokens(20, seed=2)[0]))  # shares 2 blocks, adds 1 full
         writer.put(first, random_kv(spec, 40, seed=1))
         writer.put(second, random_kv(spec, 52, seed=2))
         events = reader.events()
@@ -117,9 +118,3 @@ def test_the_bridge_binds_only_the_loopback_unless_told():
     check_loopback("tcp://127.0.0.1:5557")
     with pytest.raises(ValueError, match="not a loopback"):
         check_loopback("tcp://0.0.0.0:5557")
-
-
-def torch_cat(*parts):
-    import torch
-
-    return torch.cat(parts)

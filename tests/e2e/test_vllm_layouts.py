@@ -24,6 +24,7 @@ from kcaas.transformers_kv import kv_from_dynamic_cache
 from tests.e2e.vllm_support import (  # noqa: F401 - fixtures
     PROMPTS,
     RUNNER,
+    as_baseline,
     assert_same_as_baseline,
     baseline,
     connector_job,
@@ -83,12 +84,6 @@ def greedy(model, tokens: list[int], connector: HFConnector | None = None) -> li
     output = connector.generate(ids, **kwargs) if connector else model.generate(ids, **kwargs)
     sequences = output.sequences if connector else output
     return sequences[0, len(tokens) :].tolist()
-
-
-def as_baseline(result: dict, names: list[str]) -> dict[str, dict]:
-    return {
-        name: {"tokens": result["outputs"][i], "logprobs": sampled_logprobs(result, i)} for i, name in enumerate(names)
-    }
 
 
 @pytest.mark.django_db(transaction=True)

@@ -33,6 +33,7 @@ from tests.e2e.test_vllm_connector import refusal_reasons
 from tests.e2e.vllm_support import (  # noqa: F401 - fixtures
     PROMPTS,
     RUNNER,
+    as_baseline,
     assert_same_as_baseline,
     connector_job,
     connector_stat,
@@ -87,12 +88,6 @@ def test_the_cpu_mla_backends_own_writes_read_back_exactly_through_the_probed_la
 
 def mla_spec(model_dir: str, **overrides) -> KVCacheSpec:
     return engine_spec(model_dir, block_size=MLA_BLOCK, **overrides)
-
-
-def as_baseline(result: dict, names: list[str]) -> dict[str, dict]:
-    return {
-        name: {"tokens": result["outputs"][i], "logprobs": sampled_logprobs(result, i)} for i, name in enumerate(names)
-    }
 
 
 @torch.no_grad()

@@ -11,9 +11,9 @@ events.json is one JSON line, a list of events: {"type": "BlockStored", "block_h
 "block_hashes": [...], "medium": ...} | {"type": "AllBlocksCleared"}.
 
 `consume` reads a publisher as vLLM-event consumers do (a SUB socket, frames `(topic, seq, payload)` decoded by vLLM's
-typed msgspec decoder into KVEventBatch), prints {"ready": true} once subscribed, then one JSON line per batch
-(`{"seq", "events": [{"type", "block_hashes", "token_ids"?, ...}]}`) until N arrived, then asks the ROUTER socket for
-every batch from seq 0 and prints `{"replayed": [seqs]}`.
+typed msgspec decoder into KVEventBatch; what it missed, from the ROUTER replay socket), prints {"ready": true} once
+connected, then one JSON line per batch in seq order (`{"seq", "events": [{"type", "block_hashes", "token_ids"?,
+...}]}`) until N arrived, then asks the replay socket for every batch from seq 0 and prints `{"replayed": [seqs]}`.
 
 `publish` runs vllm.distributed.kv_events.ZmqEventPublisher (vLLM's own publisher, with its replay buffer) on the
 PUB and ROUTER endpoints, and an HTTP server answering GET /health on HEALTH_PORT (what vLLM's OpenAI server
@@ -110,36 +110,42 @@ def consume(pub: str, replay: str, count: int) -> None:
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(pub)
-    time.sleep(0.5)  # the subscription reaches the publisher (ZMQ's slow joiner)
-    print(json.dumps({"ready": True}), flush=True)
-
-    def described(batch) -> list[dict]:
-        return [
-            {
-                "type": type(e).__name__,
-                **{k: v.hex() if isinstance(v, bytes) else v for k, v in msgspec.structs.asdict(e).items()},
-            }
-            for e in batch.events
-        ]
-
-    for _ in range(count):
-        _, seq, payload = sub.recv_multipart()
-        batch = decoder.decode(payload)
-        events = described(batch)
-        for event in events:
-            event["block_hashes"] = [h.hex() if isinstance(h, bytes) else h for h in event.get("block_hashes", [])]
-        print(json.dumps({"seq": int.from_bytes(seq, "big"), "events": events}, default=repr), flush=True)
     dealer = ctx.socket(zmq.DEALER)
     dealer.connect(replay)
-    dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-    seqs = []
-    while True:
-        frames = dealer.recv_multipart()
-        if frames[2] == (-1).to_bytes(8, "big", signed=True):
-            break
-        decoder.decode(frames[3])
-        seqs.append(int.from_bytes(frames[2], "big"))
-    print(json.dumps({"replayed": seqs}), flush=True)
+    print(json.dumps({"ready": True}), flush=True)
+
+    def replayed_from(first: int) -> list[tuple[int, bytes]]:
+        """vLLM's replay protocol: every kept batch from `first`, then END_SEQ."""
+        dealer.send_multipart([b"", first.to_bytes(8, "big")])
+        batches = []
+        while (frames := dealer.recv_multipart())[2] != (-1).to_bytes(8, "big", signed=True):
+            batches.append((int.from_bytes(frames[2], "big"), frames[3]))
+        return batches
+
+    def show(seq: int, payload: bytes) -> None:
+        events = []
+        for event in decoder.decode(payload).events:
+            fields = msgspec.structs.asdict(event)
+            fields["block_hashes"] = [h.hex() if isinstance(h, bytes) else h for h in fields.get("block_hashes", [])]
+            events.append({"type": type(event).__name__, **fields})
+        print(json.dumps({"seq": seq, "events": events}, default=repr), flush=True)
+
+    # What a consumer that joined late missed (ZMQ delivers only after its subscription arrived) it asks the
+    # replay socket for: at a gap in the seqs, and whenever the stream is quiet.
+    next_seq = 0
+    while next_seq < count:
+        if sub.poll(100):
+            _, seq_bytes, payload = sub.recv_multipart()
+            arrived = [(int.from_bytes(seq_bytes, "big"), payload)]
+            if arrived[0][0] > next_seq:
+                arrived = replayed_from(next_seq)
+        else:
+            arrived = replayed_from(next_seq)
+        for seq, payload in arrived:
+            if seq == next_seq and next_seq < count:
+                show(seq, payload)
+                next_seq += 1
+    print(json.dumps({"replayed": [seq for seq, payload in replayed_from(0) if decoder.decode(payload)]}), flush=True)
 
 
 if __name__ == "__main__":

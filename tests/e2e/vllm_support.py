@@ -330,9 +330,13 @@ def _run_baseline(vllm_models, tmp_path_factory) -> dict[str, dict[str, dict]]:
         results = {arch: process.message() for arch, process in running.items()}
     finally:
         processes.close()
+    return {arch: as_baseline(r, names) for arch, r in results.items()}
+
+
+def as_baseline(result: dict, names: list[str]) -> dict[str, dict]:
+    """{name: {"tokens", "logprobs"}} of a round's requests, named in order (what assert_same_as_baseline takes)."""
     return {
-        arch: {name: {"tokens": r["outputs"][i], "logprobs": sampled_logprobs(r, i)} for i, name in enumerate(names)}
-        for arch, r in results.items()
+        name: {"tokens": result["outputs"][i], "logprobs": sampled_logprobs(result, i)} for i, name in enumerate(names)
     }
 
 

@@ -12,6 +12,7 @@ from audit.models import AuditEvent
 from kcaas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from routing import services
 from routing.models import EngineInstance, IndexedBlock
+from tests.routing.conftest import engine_body
 
 pytestmark = pytest.mark.django_db
 
@@ -140,6 +141,4 @@ def test_a_read_only_key_may_look_up_but_not_register(tenant_a, register):
 
 
 def one_body(name: str = "other"):
-    from tests.routing.conftest import engine_body
-
     return engine_body(name, port=5577)
