@@ -15,8 +15,7 @@ from collections.abc import Callable
 
 from kcaas.cli_errors import UsageError
 from kcaas.cli_output import Out, table
-
-MEDIA = ("GPU", "CPU", "STORAGE")
+from kcaas.kv_events import MEDIA  # GPU, CPU, STORAGE, NETWORK: the columns, fastest first
 
 
 def _instance_id(client, wanted: str) -> str:
@@ -68,10 +67,11 @@ def _tokens(args) -> list[int]:
 
 def cmd_engines_lookup(client, args, out: Out) -> None:
     tokens = _tokens(args)
-    hits = client.prefix_lookup(args.model, tokens, lora_name=args.lora)
-    rows = [[h.name, *(h.prefix_tokens.get(m, 0) for m in MEDIA), h.used_blocks] for h in hits]
-    headers = ("NAME", *(f"{m} TOKENS" for m in MEDIA), "USED BLOCKS")
-    out.result(hits, lambda: f"{len(tokens)} tokens\n" + table(headers, rows))
+    answer = client.prefix_lookup(args.model, tokens, lora_name=args.lora)
+    rows = [["instance", h.name, *(h.prefix_tokens.get(m, 0) for m in MEDIA), h.used_blocks] for h in answer.instances]
+    rows += [["cache", h.name, *(h.prefix_tokens.get(m, 0) for m in MEDIA), h.used_blocks] for h in answer.caches]
+    headers = ("KIND", "NAME", *(f"{m} TOKENS" for m in MEDIA), "USED BLOCKS")
+    out.result(answer, lambda: f"{len(tokens)} tokens\n" + table(headers, rows))
 
 
 def add_engine_commands(commands, command: Callable[..., argparse.ArgumentParser], parser_class) -> None:

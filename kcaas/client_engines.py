@@ -30,7 +30,8 @@ class EngineInstance:
 
 @dataclass(frozen=True)
 class PrefixHit:
-    """One instance's answer: its longest cached prefix of the prompt per medium (GPU, CPU, STORAGE), in tokens."""
+    """One instance's answer: per medium (GPU, CPU, STORAGE, ...), the longest prefix of the prompt it holds in that
+    medium or a faster one, in tokens."""
 
     id: str
     name: str
@@ -42,6 +43,30 @@ class PrefixHit:
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> PrefixHit:
         return cls(**{name: body[name] for name in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class CachePrefixHit:
+    """One cache's answer: per tier (GPU, CPU, STORAGE, NETWORK), the longest prefix of the prompt it holds in that
+    tier or a faster one, in tokens."""
+
+    id: str
+    name: str
+    block_size: int
+    prefix_tokens: dict[str, int]
+    used_blocks: int
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> CachePrefixHit:
+        return cls(**{name: body[name] for name in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class PrefixLookup:
+    """A lookup's answer: the tenant's live instances serving the model, and its followed caches."""
+
+    instances: list[PrefixHit]
+    caches: list[CachePrefixHit]
 
 
 class EngineMethods(RestTransport):
@@ -74,9 +99,12 @@ class EngineMethods(RestTransport):
         """Forget an instance and what the index holds of it. Raises NotFoundError (404) for an unknown id."""
         self._request("DELETE", f"{API_PREFIX}/engines/{_segment(instance_id)}")
 
-    def prefix_lookup(self, model: str, token_ids: list[int], *, lora_name: str | None = None) -> list[PrefixHit]:
-        """Each live instance serving `model`, with the longest prefix of `token_ids` it holds per medium (a read:
-        safe to retry)."""
+    def prefix_lookup(self, model: str, token_ids: list[int], *, lora_name: str | None = None) -> PrefixLookup:
+        """Each live instance serving `model` and each ready cache of the tenant, with the longest prefix of
+        `token_ids` it holds per medium (a read: safe to retry)."""
         body = {"model": model, "token_ids": list(token_ids), "lora_name": lora_name}
         answer = self._request("POST", f"{API_PREFIX}/engines/lookup", json_body=body, repeatable=True).body
-        return [PrefixHit.from_json(hit) for hit in answer["instances"]]
+        return PrefixLookup(
+            [PrefixHit.from_json(hit) for hit in answer["instances"]],
+            [CachePrefixHit.from_json(hit) for hit in answer["caches"]],
+        )

@@ -18,7 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-MEDIA = ("GPU", "CPU", "STORAGE")  # vLLM's media: device memory, its CPU offload tier, storage
+# The media KCaaS names, fastest first: vLLM's three (device memory, its CPU offload tier, storage) and the fleet's
+# network store (a KCaaS cache's network tier). The field is a free string in vLLM: a publisher may name others.
+MEDIA = ("GPU", "CPU", "STORAGE", "NETWORK")
+MAX_MEDIUM_CHARS = 16
 
 
 class EventFormatError(ValueError):
@@ -131,9 +134,9 @@ def _hashes(values: Any) -> tuple[BlockHash, ...]:
 
 
 def _medium(value: Any) -> str | None:
-    if value is None or value in MEDIA:
+    if value is None or (isinstance(value, str) and 0 < len(value) <= MAX_MEDIUM_CHARS):
         return value
-    raise EventFormatError(f"unknown medium {value!r} (known: {', '.join(MEDIA)})")
+    raise EventFormatError(f"a medium is a name of 1 to {MAX_MEDIUM_CHARS} characters, not {value!r}")
 
 
 def _str_or_none(value: Any) -> str | None:

@@ -182,7 +182,7 @@ class RequestHandler:
         as many whole batches as fit in one frame (at least one: a batch is at most a few MiB)."""
         request = wire.parse_events_request(frame)
         _, hosted = self._session(conn, request.cache_id, "events")
-        read = hosted.engine.events.read(request.since, request.max_batches)
+        read = hosted.engine.read_events(request.since, request.max_batches)
         batches: list[tuple[int, bytes]] = []
         room = self.max_frame_bytes - self.max_metadata_bytes
         for seq, payload in read.batches:

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 import kcaas_kernels
-from gpu_node.engine.block_events import BlockEventLog
+from gpu_node.engine.block_events import BlockEventLog, EventsRead
 from gpu_node.engine.block_exchange import BlockExchange
 from gpu_node.engine.block_hash import BlockChain, BlockHash, BlockHasher, tokens_as_int32
 from gpu_node.engine.block_pool import BlockPool
@@ -175,7 +175,7 @@ class PagedKVCache:
         self.block_size = spec.block_size
         self.pool, self.scales = _allocate_storage(spec, num_blocks, self.device)
         hasher = BlockHasher(hash_key, spec.block_size, spec.model_fingerprint)
-        self.events = BlockEventLog(spec.block_size, hasher.root)  # the device pool's block events (docs/routing.md)
+        self.events = BlockEventLog(spec.block_size, hasher.root)  # the cache's block events (docs/routing.md)
         self._state = CacheState(
             spec=spec,
             device=self.device,
@@ -218,6 +218,11 @@ class PagedKVCache:
         freed = self._fence.wipe(wait_seconds=wait_seconds, keep_network=keep_network)
         self.events.cleared()
         return freed
+
+    def read_events(self, since: int, max_batches: int) -> EventsRead:
+        """The cache's block events from batch `since` (BlockEventLog.read), the lower tiers' changes announced."""
+        self._moves.announce_lower(self.events)
+        return self.events.read(since, max_batches)
 
     @property
     def zero_copy_reads(self) -> bool:

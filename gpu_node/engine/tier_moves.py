@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from gpu_node.engine.block_events import LOWER_MEDIA, BlockEventLog
 from gpu_node.engine.block_hash import BlockChain, BlockHash
 from gpu_node.engine.cache_state import CacheState
 from gpu_node.engine.checksum import block_checksum
@@ -126,6 +127,15 @@ class TierMoves:
         with self._state.lock:
             num_full = self._state.num_cached_full_blocks(chain)
         self._state.lower().probe(chain.hashes(num_full))
+
+    def announce_lower(self, log: BlockEventLog) -> None:
+        """Have the cache's event log announce what the lower tiers gained and lost since it last did (under the
+        cache lock, so it reads one state of every tier)."""
+        if self._state.tiers is None:
+            return
+        with self._state.lock:
+            held = self._state.lower().held_by_medium()
+            log.announce_lower({LOWER_MEDIA[name]: blocks for name, blocks in held.items()})
 
     # ---- reads ----------------------------------------------------------------------------------------------------
     def lower_run_end(self, chain: BlockChain, num_full: int, tokens: np.ndarray) -> int:

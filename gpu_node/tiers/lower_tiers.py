@@ -373,6 +373,8 @@ class LowerTiers:
             if owned:
                 zero(payload)
             return
+        if block_hash not in self.lineage:  # a write-through block: the device keeps it, the store gets a copy
+            self.lineage.add(block_hash, lineage[0], lineage[1])
         network.store(block_hash, payload if owned else bytearray(payload), checksum, lineage)
         self._count("put", "network", len(payload))
 
@@ -406,6 +408,16 @@ class LowerTiers:
         """Lineage of the blocks some tier holds now (entries of blocks gone from every tier are pruned)."""
         self.lineage.prune(self.has)
         return dict(self.lineage.items())
+
+    def held_by_medium(self) -> dict[str, dict[BlockHash, BlockLineage]]:
+        """Tier name ("dram", "ssd", "network") -> {hash: lineage} of the blocks it holds that have lineage (no I/O:
+        callable under the cache lock; the cache's block events announce these, block_events.announce_lower)."""
+        held = {}
+        for name, tier in self._named().items():
+            if tier is not None:
+                known = ((h, self.lineage.get(h)) for h in set(tier.hashes()))
+                held[name] = {h: lineage for h, lineage in known if lineage is not None}
+        return held
 
     def peek(self, block_hash: BlockHash) -> bytearray | None:
         """A verified copy of a block's payload read straight from DRAM or SSD: nothing is promoted or moved."""

@@ -288,6 +288,8 @@ KCAAS_ROUTING_ENGINE_NETWORKS = tuple(
     if n.strip()
 )
 KCAAS_ROUTING_STALE_SECONDS = env_int("KCAAS_ROUTING_STALE_SECONDS", 15)
+# How often the indexer reads each ready cache's block events from its node (routing.cache_follower).
+KCAAS_ROUTING_CACHE_POLL_SECONDS = float(os.environ.get("KCAAS_ROUTING_CACHE_POLL_SECONDS", "1.0"))
 
 # Proxies whose X-Forwarded-For names the client (addresses or networks, comma-separated); none by default.
 KCAAS_TRUSTED_PROXIES = [p.strip() for p in os.environ.get("KCAAS_TRUSTED_PROXIES", "").split(",") if p.strip()]

@@ -67,15 +67,34 @@ class InstanceHitSerializer(serializers.Serializer):
     api_base = serializers.CharField(source="instance.api_base")
     block_size = serializers.IntegerField(source="instance.block_size")
     prefix_tokens = serializers.DictField(
-        child=serializers.IntegerField(), help_text="Longest cached prefix per medium (GPU, CPU, STORAGE), in tokens."
+        child=serializers.IntegerField(),
+        help_text=(
+            "Per medium (GPU, CPU, STORAGE, or what the engine names), the longest prefix held in that medium or a "
+            "faster one, in tokens (whole blocks)."
+        ),
     )
     used_blocks = serializers.IntegerField(help_text="Blocks the instance holds in device memory.")
+
+
+class CacheHitSerializer(serializers.Serializer):
+    id = serializers.UUIDField(source="cache.id")
+    name = serializers.CharField(source="cache.name")
+    block_size = serializers.IntegerField(source="cache.block_size")
+    prefix_tokens = serializers.DictField(
+        child=serializers.IntegerField(),
+        help_text=(
+            "Per tier (GPU: the node's device pool, CPU: its DRAM, STORAGE: its SSD, NETWORK: the fleet's network "
+            "store), the longest prefix held in that tier or a faster one, in tokens (whole blocks)."
+        ),
+    )
+    used_blocks = serializers.IntegerField(help_text="Blocks the cache holds in its device pool.")
 
 
 class LookupOutputSerializer(serializers.Serializer):
     model = serializers.CharField()
     num_tokens = serializers.IntegerField()
     instances = InstanceHitSerializer(many=True)
+    caches = CacheHitSerializer(many=True)
 
 
 class EngineListRegisterApi(APIView):
@@ -156,19 +175,21 @@ class PrefixLookupApi(APIView):
         parameters=RATE_LIMIT_HEADERS,
         responses={200: LookupOutputSerializer, **error_responses(*AUTH_ERRORS)},
         description=(
-            "For a prompt's token ids and a model: each live instance of the tenant serving that model, with the "
-            "longest contiguous prefix of the prompt it holds per medium (whole blocks, in tokens) and its load "
-            "(blocks in device memory). Needs caches:read."
+            "For a prompt's token ids and a model: each live instance of the tenant serving that model, and each "
+            "ready cache of the tenant (whatever its model: compare its fingerprint), with the longest contiguous "
+            "prefix of the prompt it holds per medium (whole blocks, in tokens) and its load (blocks in device "
+            "memory). Needs caches:read."
         ),
     )
     def post(self, request):
         tenant = request_tenant(request)
         data = LookupInputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
-        hits = selectors.prefix_lookup(tenant_id=tenant.id, **data.validated_data)
+        answer = selectors.prefix_lookup(tenant_id=tenant.id, **data.validated_data)
         body = {
             "model": data.validated_data["model"],
             "num_tokens": len(data.validated_data["token_ids"]),
-            "instances": hits,
+            "instances": answer.instances,
+            "caches": answer.caches,
         }
         return Response(LookupOutputSerializer(body).data)

@@ -1,6 +1,7 @@
 """The KV-event indexer: one process (`manage.py run_kv_indexer`) that subscribes to every registered engine
 instance's ZMQ publisher, applies their event batches in order to the index (routing.services.apply_batch), replays
-what it missed, and health-checks the instances (docs/routing.md).
+what it missed, and health-checks the instances; a thread of it follows the tenants' ready caches' own block events
+over the data plane (routing.cache_follower) (docs/routing.md).
 
 Ordering: batches apply strictly in seq order per instance. On start, on a new subscription and on a gap, the
 missing batches are asked of the instance's replay socket (vLLM keeps `buffer_steps` of them); a gap it cannot fill
@@ -25,6 +26,7 @@ from django.db.utils import DatabaseError
 
 from kcaas.kv_events import END_SEQ, EventFormatError, decode_batch
 from routing import services
+from routing.cache_follower import CacheFollower
 from routing.models import EngineInstance, InstanceState
 
 logger = logging.getLogger("kcaas.routing.indexer")
@@ -45,7 +47,17 @@ class Subscription:
 
 
 class Indexer:
-    def __init__(self, *, refresh_s: float = 1.0, health_s: float = 2.0, stale_s: float | None = None):
+    def __init__(
+        self,
+        *,
+        refresh_s: float = 1.0,
+        health_s: float = 2.0,
+        stale_s: float | None = None,
+        caches: CacheFollower | None = None,
+        cache_poll_s: float | None = None,
+    ):
+        self.caches = caches if caches is not None else CacheFollower()
+        self.cache_poll_s = settings.KCAAS_ROUTING_CACHE_POLL_SECONDS if cache_poll_s is None else cache_poll_s
         self.ctx = zmq.Context.instance()
         self.poller = zmq.Poller()
         self.subs: dict[uuid.UUID, Subscription] = {}
@@ -57,13 +69,16 @@ class Indexer:
     # ---- the loop -------------------------------------------------------------------------------------------------
     def run(self) -> None:
         health = threading.Thread(target=self._health_loop, name="kcaas-indexer-health", daemon=True)
+        caches = threading.Thread(target=self._caches_loop, name="kcaas-indexer-caches", daemon=True)
         health.start()
+        caches.start()
         try:
             self._loop()
         finally:
             for sub in list(self.subs.values()):
                 self._close(sub)
             health.join(timeout=self.health_s + HEALTH_TIMEOUT_S + 1)
+            caches.join(timeout=self.cache_poll_s + 30)
             connections.close_all()
 
     def _loop(self) -> None:
@@ -178,6 +193,17 @@ class Indexer:
             logger.info("indexer: no replay from %s within %d ms", sub.replay_endpoint, REPLAY_TIMEOUT_MS)
         finally:
             sock.close(linger=0)
+
+    # ---- caches ---------------------------------------------------------------------------------------------------
+    def _caches_loop(self) -> None:
+        try:
+            while not self.stop.is_set():
+                close_old_connections()
+                self._guarded(self.caches.step)
+                self.stop.wait(self.cache_poll_s)
+        finally:
+            self.caches.close()
+            connections.close_all()
 
     # ---- health ---------------------------------------------------------------------------------------------------
     def _health_loop(self) -> None:

@@ -18,7 +18,7 @@ from audit.services import audit_record
 from core.errors import ApplicationError, ConflictError, NotFoundError
 from kcaas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from routing.chain import block_key
-from routing.models import EngineInstance, IndexedBlock, InstanceState
+from routing.models import CacheFollow, EngineInstance, IndexedBlock, InstanceState
 from tenants.models import Tenant
 
 ENDPOINT_SCHEMES = ("tcp",)
@@ -111,7 +111,9 @@ def instance_deregister(*, instance_id: uuid.UUID, tenant_id: uuid.UUID) -> None
 
 
 def instances_forget_tenant(*, tenant_id: uuid.UUID) -> int:
-    """Every instance of a tenant and its index gone (erasure); how many instances."""
+    """Every instance of a tenant, every cache it followed, and their index gone (erasure); how many instances."""
+    IndexedBlock.objects.filter(cache__tenant_id=tenant_id).delete()
+    CacheFollow.objects.filter(cache__tenant_id=tenant_id).delete()
     count, _ = EngineInstance.objects.filter(tenant_id=tenant_id).delete()
     return count
 
@@ -127,7 +129,7 @@ def apply_batch(*, instance_id: uuid.UUID, seq: int, batch: EventBatch) -> bool:
         if instance is None or instance.state != InstanceState.LIVE or seq != instance.next_seq:
             return False
         for event in batch.events:
-            _apply_event(instance, event)
+            apply_event({"instance": instance}, instance.block_size, event)
         instance.next_seq = seq + 1
         instance.events_applied += len(batch.events)
         instance.last_event_at = timezone.now()
@@ -135,25 +137,27 @@ def apply_batch(*, instance_id: uuid.UUID, seq: int, batch: EventBatch) -> bool:
     return True
 
 
-def _apply_event(instance: EngineInstance, event) -> None:
+def apply_event(owner: dict, block_size: int, event) -> None:
+    """One event to the index of `owner` ({"instance": ...} or {"cache": ...}) whose blocks hold `block_size`
+    tokens."""
     if isinstance(event, BlockStored):
-        _store(instance, event)
+        _store(owner, block_size, event)
     elif isinstance(event, BlockRemoved):
         hashes = [_engine_hash(h) for h in event.block_hashes]
-        IndexedBlock.objects.filter(instance=instance, medium=event.medium or "GPU", engine_hash__in=hashes).delete()
+        IndexedBlock.objects.filter(**owner, medium=event.medium or "GPU", engine_hash__in=hashes).delete()
     elif isinstance(event, AllBlocksCleared):
-        IndexedBlock.objects.filter(instance=instance).delete()
+        IndexedBlock.objects.filter(**owner).delete()
 
 
-def _store(instance: EngineInstance, event: BlockStored) -> None:
+def _store(owner: dict, block_size: int, event: BlockStored) -> None:
     """Index the event's blocks under their content keys; blocks whose parent this index does not know (an event it
     never saw) are skipped: their keys cannot be computed, and a block that cannot be matched is never advertised."""
-    if event.block_size != instance.block_size:
+    if event.block_size != block_size:
         return
     parent = b""
     if event.parent_block_hash is not None:
         known = (
-            IndexedBlock.objects.filter(instance=instance, engine_hash=_engine_hash(event.parent_block_hash))
+            IndexedBlock.objects.filter(**owner, engine_hash=_engine_hash(event.parent_block_hash))
             .values_list("block_key", flat=True)
             .first()
         )
@@ -166,10 +170,7 @@ def _store(instance: EngineInstance, event: BlockStored) -> None:
         parent = block_key(parent, event.token_ids[i * size : (i + 1) * size], extras)
         rows.append(
             IndexedBlock(
-                instance=instance,
-                medium=event.medium or "GPU",
-                engine_hash=_engine_hash(engine_hash),
-                block_key=parent.hex(),
+                **owner, medium=event.medium or "GPU", engine_hash=_engine_hash(engine_hash), block_key=parent.hex()
             )
         )
     IndexedBlock.objects.bulk_create(rows, ignore_conflicts=True)

@@ -41,9 +41,9 @@ def test_register_list_lookup_and_deregister(make_tenant, cli, tmp_path):
     tokens = tmp_path / "ids.json"
     tokens.write_text(json.dumps(PROMPT))
     code, out, _ = cli(key, "engines", "lookup", "--model", "tiny-llama", "--tokens-file", str(tokens), "--json")
-    assert code == 0 and json.loads(out)[0]["prefix_tokens"] == {"GPU": 8}
+    assert code == 0 and json.loads(out)["instances"][0]["prefix_tokens"] == {"GPU": 8}
     code, out, _ = cli(key, "engines", "lookup", "--model", "tiny-llama", "--tokens", ",".join(map(str, PROMPT[:5])))
-    assert code == 0 and out.splitlines()[2].split() == ["gpu-0", "4", "0", "0", "2"]
+    assert code == 0 and out.splitlines()[2].split() == ["instance", "gpu-0", "4", "0", "0", "0", "2"]
 
     assert cli(key, "engines", "lookup", "--model", "m", "--tokens", "1,x")[0] == 2
     assert cli(key, "engines", "deregister", "no-such-engine")[0] == 2

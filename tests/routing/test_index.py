@@ -41,9 +41,12 @@ def test_a_lookup_finds_the_longest_contiguous_prefix_per_instance_and_medium(te
     apply(one, stored([13], PROMPT[8:12], parent=12))
     apply(one, stored([21], PROMPT[:4], medium="CPU"))
     apply(two, stored([31], PROMPT[:4]), stored([33], PROMPT[8:12], parent=32))  # block 2 without block 1
+    apply(two, stored([32], PROMPT[4:8], parent=31, medium="CPU"))  # block 1, offloaded: after block 0 on the GPU
 
-    assert lookup(tenant_a, PROMPT) == {"one": {"GPU": 12, "CPU": 4}, "two": {"GPU": 4}}
-    assert lookup(tenant_a, PROMPT[:7]) == {"one": {"GPU": 4, "CPU": 4}, "two": {"GPU": 4}}  # whole blocks only
+    # per medium: the prefix held in it or a faster one (GPU, then CPU)
+    assert lookup(tenant_a, PROMPT) == {"one": {"GPU": 12, "CPU": 12}, "two": {"GPU": 4, "CPU": 8}}
+    # whole blocks only; a medium is named where it holds one of the prompt's blocks
+    assert lookup(tenant_a, PROMPT[:7]) == {"one": {"GPU": 4, "CPU": 4}, "two": {"GPU": 4}}
     assert lookup(tenant_a, [1, 2, 3, 4, *PROMPT]) == {"one": {}, "two": {}}  # a prefix, not a substring
     assert lookup(tenant_a, PROMPT, model="another-model") == {}
     assert not IndexedBlock.objects.filter(instance_id=two, engine_hash="33").exists()  # its parent was never seen

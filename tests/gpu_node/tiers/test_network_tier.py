@@ -334,3 +334,25 @@ def test_closing_the_client_under_a_stuck_call_neither_crashes_nor_calls_it_agai
         assert store.get("kc/close-test/a") is None and store.put("kc/close-test/b", b"y") is False
     finally:
         fresh_network_store.resume_master()
+
+
+def test_the_network_tier_announces_its_blocks_as_network_events_and_a_delete_removes_them(store):
+    from kcaas.kv_events import BlockRemoved, BlockStored, decode_batch
+
+    keys, tokens = Keys(), seq(16, 8000)
+    cache = engine(store, keys, write_through=True)
+    put(cache, tokens)
+
+    def network_blocks() -> set[bytes]:
+        held: set[bytes] = set()
+        for _, payload in cache.read_events(0, 1000).batches:
+            for event in decode_batch(payload).events:
+                if isinstance(event, BlockStored) and event.medium == "NETWORK":
+                    held |= set(event.block_hashes)
+                elif isinstance(event, BlockRemoved) and event.medium == "NETWORK":
+                    held -= set(event.block_hashes)
+        return held
+
+    assert network_blocks() == set(block_hashes_of(cache, tokens)) == set(cache.tiers.network.hashes())
+    cache.delete(tokens)
+    assert network_blocks() == set()
