@@ -29,6 +29,7 @@ from tenants.models import Tenant
 logger = logging.getLogger("kcaas.routing.caches")
 MAX_BATCHES_PER_READ = 256
 RENEW_FRACTION = 0.75  # a token is replaced once this much of its life is spent
+MAX_BACKOFF_S = 60.0  # a cache whose node does not answer is retried at most this far apart
 
 
 @dataclass
@@ -44,6 +45,7 @@ class CacheFollower:
         self._ssl = ssl_context
         self._timeout = timeout_s
         self._readers: dict[uuid.UUID, _Reader] = {}
+        self._failing: dict[uuid.UUID, tuple[int, float]] = {}  # cache -> (failures in a row, not before: monotonic)
 
     def step(self) -> int:
         """One round over every followed cache; returns the batches applied."""
@@ -56,6 +58,7 @@ class CacheFollower:
         gone = set(CacheFollow.objects.exclude(cache_id__in=ready).values_list("cache_id", flat=True))
         for cache_id in (set(self._readers) - set(ready)) | gone:
             self._drop(cache_id)
+            self._failing.pop(cache_id, None)
         if gone:
             cache_index.follow_stop(cache_ids=gone)
         return sum(self._read(cache) for cache in ready.values())
@@ -65,6 +68,9 @@ class CacheFollower:
             self._drop(cache_id)
 
     def _read(self, cache: Cache) -> int:
+        failures, not_before = self._failing.get(cache.id, (0, 0.0))
+        if time.monotonic() < not_before:
+            return 0
         try:
             reader = self._reader(cache)
             if reader is None:
@@ -73,9 +79,15 @@ class CacheFollower:
             answer = reader.client.call_events(follow.next_seq, MAX_BATCHES_PER_READ)
             batches = [(seq, decode_batch(payload)) for seq, payload in answer.batches]
         except (DataPlaneError, OSError, EventFormatError) as exc:
+            # backed off (1, 2, 4 ... 60 s); a refusal may be the token's: the next try gets a fresh one
             logger.info("caches: no events from cache %s at %s: %s", cache.id, cache.endpoint, exc)
-            self._drop(cache.id)
+            self._failing[cache.id] = (failures + 1, time.monotonic() + min(MAX_BACKOFF_S, 2.0**failures))
+            if isinstance(exc, DataPlaneError):
+                self._drop(cache.id)
+            elif cache.id in self._readers:
+                self._readers[cache.id].client.close()  # reconnects on the next try, with the same token
             return 0
+        self._failing.pop(cache.id, None)
         if answer.next_seq < follow.next_seq:  # the node's log started over (its agent restarted)
             cache_index.follow_restart(cache_id=cache.id)
             return 0

@@ -7,7 +7,9 @@ over ZMQ with a replay socket), registered with the live control plane, indexed 
 - another conversation is spread by load to the other instance; its next turn follows it there;
 - the router of another tenant has no instance to route to (503), and its lookups see none;
 - an instance that dies: the router's next request for its conversation fails over to the other instance, and the
-  indexer soon marks it lost (lookups no longer offer it).
+  indexer soon marks it lost (lookups no longer offer it);
+- with the KCaaS connector on every instance, the request that fails over to an instance that never saw its prefix
+  loads that prefix from the tenant's cache instead of recomputing it (vLLM counts it as an external hit).
 """
 
 from __future__ import annotations
@@ -21,16 +23,22 @@ import urllib.request
 
 import pytest
 
+from routing.cache_follower import CacheFollower
 from routing.indexer import Indexer
+from tests.e2e.conftest import client_tls
 from tests.e2e.vllm_support import (  # noqa: F401 - fixtures
     PROMPTS,
     REPO,
     START_TIMEOUT,
     VllmServer,
+    engine_spec,
     requires_vllm,
     runner_env,
     tenants,
+    vllm_agent,
+    vllm_agent_launcher,
     vllm_models,
+    wait_cached,
 )
 from tests.faults import free_port
 from tests.waiting import eventually
@@ -172,5 +180,65 @@ def test_a_conversation_follows_its_kv_and_another_tenant_routes_nowhere(live_se
             server.close()
 
 
+def test_with_the_connector_a_request_sent_where_its_prefix_is_not_loads_it_from_kcaas(
+    live_server, pki, vllm_models, vllm_agent, tenants, tmp_path
+):
+    tenant = tenants()
+    cache = tenant.attach("chat", engine_spec(vllm_models["llama"]))
+    transfer = {
+        "kv_connector": "KCaaSConnector",
+        "kv_connector_module_path": "kcaas.connectors.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"kcaas_url": live_server.url, "cache": "chat", "ca_file": pki["ca"]},
+    }
+    ports = {name: free_port() for name in ("one", "two")}
+    servers = {
+        name: VllmServer(
+            vllm_models["llama"], transfer, tenant.env(), tmp_path, name, extra_args=events_args(port),
+            served_model_name=MODEL,
+        )
+        for name, port in ports.items()
+    }  # fmt: skip
+    indexer = Indexer(refresh_s=0.2, health_s=0.5, stale_s=3.0, caches=CacheFollower(ssl_context=client_tls(pki)))
+    thread = threading.Thread(target=indexer.run, daemon=True)
+    router = None
+    try:
+        for name, server in servers.items():
+            tenant.client.register_engine(
+                name, model=MODEL, block_size=BLOCK, api_base=server.url,
+                events_endpoint=f"tcp://127.0.0.1:{ports[name]}", replay_endpoint=f"tcp://127.0.0.1:{ports[name] + 1}",
+            )  # fmt: skip
+        thread.start()
+        for server in servers.values():
+            assert eventually(server.healthy, timeout=START_TIMEOUT, interval=0.5), server.log_tail()
+        router = RouterProcess(live_server.url, tenant.key, tmp_path)
+        assert eventually(lambda: router.get("/health") == 200, timeout=60), router.log_path.read_text()[-3000:]
+
+        first, answer = router.complete(PROMPTS["a_seed"])
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        saved = len(PROMPTS["a_seed"]) // BLOCK * BLOCK
+        wait_cached(tenant.data_plane(cache), {"a_seed": saved})  # the connector saved the prefix to the cache
+        assert eventually(lambda: lookup(tenant, PROMPTS["a_seed"]).get(first, 0) >= saved, timeout=30)
+
+        def in_cache() -> dict:  # the lookup's answer for the tenant's cache, on its node's pool
+            return {hit.name: hit.prefix_tokens for hit in tenant.client.prefix_lookup(MODEL, PROMPTS["a_seed"]).caches}
+
+        assert eventually(lambda: in_cache().get("chat", {}).get("GPU", 0) >= saved, timeout=30), in_cache()
+
+        servers[first].close()  # where the prefix is in device memory: gone
+        went, answer = router.complete(PROMPTS["a_seed"] + PROMPTS["b_other"][-20:])
+        assert went != first
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= saved  # loaded, not recomputed
+        assert servers[went].metric("vllm:external_prefix_cache_hits_total") >= saved
+    finally:
+        indexer.stop.set()
+        thread.join(timeout=10)
+        if router is not None:
+            router.close()
+        for server in servers.values():
+            server.close()
+
+
 def lookup(tenant, prompt: list[int]) -> dict[str, int]:
-    return {hit.name: hit.prefix_tokens.get("GPU", 0) for hit in tenant.client.prefix_lookup(MODEL, prompt)}
+    answer = tenant.client.prefix_lookup(MODEL, prompt)
+    return {hit.name: hit.prefix_tokens.get("GPU", 0) for hit in answer.instances}

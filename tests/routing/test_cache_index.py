@@ -73,3 +73,19 @@ def test_a_new_log_or_dropped_batches_leave_nothing_stale_and_erasure_forgets_it
     assert cache_index.apply_cache_batch(cache_id=cache.pk, seq=5, batch=batch(stored))
     services.instances_forget_tenant(tenant_id=tenant_a.tenant.pk)
     assert not CacheFollow.objects.exists() and not IndexedBlock.objects.exists()
+
+
+def test_a_node_that_does_not_answer_is_retried_with_backoff_on_the_same_token(tenant_a, node):  # noqa: F811
+    from caches.models import CacheState, DataToken
+    from routing.cache_follower import CacheFollower
+    from tests.faults import free_port
+
+    cache = attached(tenant_a, node)
+    Cache.objects.filter(pk=cache.pk).update(state=CacheState.READY, endpoint=f"127.0.0.1:{free_port()}")
+    follower = CacheFollower(timeout_s=2.0)
+    try:
+        assert follower.step() == 0 and follower.step() == 0  # refused, then not retried within its backoff
+        assert DataToken.objects.filter(cache_id=cache.pk).count() == 1  # one token, not one per round
+        assert not IndexedBlock.objects.filter(cache_id=cache.pk).exists()
+    finally:
+        follower.close()
