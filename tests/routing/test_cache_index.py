@@ -75,7 +75,7 @@ def test_a_new_log_or_dropped_batches_leave_nothing_stale_and_erasure_forgets_it
     assert not CacheFollow.objects.exists() and not IndexedBlock.objects.exists()
 
 
-def test_a_node_that_does_not_answer_is_retried_with_backoff_on_the_same_token(tenant_a, node):  # noqa: F811
+def test_a_node_that_does_not_answer_is_retried_with_backoff_on_the_same_token(tenant_a, node):
     from caches.models import CacheState, DataToken
     from routing.cache_follower import CacheFollower
     from tests.faults import free_port
