@@ -40,9 +40,16 @@ def cmd_engines_register(client, args, out: Out) -> None:
 
 def cmd_engines_ls(client, args, out: Out) -> None:
     engines = client.engines()
-    rows = [[e.name, e.model, e.state, e.block_size, e.api_base, e.events_applied, e.gaps] for e in engines]
-    headers = ("NAME", "MODEL", "STATE", "BLOCK", "API BASE", "EVENTS", "GAPS")
+    rows = [
+        [e.name, e.model, e.state, e.block_size, e.api_base, e.events_applied, e.gaps, _known(e.requests_waiting)]
+        for e in engines
+    ]
+    headers = ("NAME", "MODEL", "STATE", "BLOCK", "API BASE", "EVENTS", "GAPS", "WAITING")
     out.result(engines, lambda: table(headers, rows, elidable=("MODEL", "API BASE")))
+
+
+def _known(value: int | None) -> str:
+    return "-" if value is None else str(value)
 
 
 def cmd_engines_deregister(client, args, out: Out) -> None:

@@ -22,10 +22,12 @@ class EngineInstance:
     next_seq: int
     events_applied: int
     gaps: int
+    requests_waiting: int | None = None  # its queue at the last health check (None: the engine does not report it)
+    requests_running: int | None = None
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> EngineInstance:
-        return cls(**{name: body[name] for name in cls.__dataclass_fields__})
+        return cls(**{name: body[name] for name in cls.__dataclass_fields__ if name in body})
 
 
 @dataclass(frozen=True)
@@ -39,10 +41,12 @@ class PrefixHit:
     block_size: int
     prefix_tokens: dict[str, int]
     used_blocks: int
+    requests_waiting: int | None = None  # its queue, as it reports it (None: unreported)
+    requests_running: int | None = None
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> PrefixHit:
-        return cls(**{name: body[name] for name in cls.__dataclass_fields__})
+        return cls(**{name: body[name] for name in cls.__dataclass_fields__ if name in body})
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,8 @@ class InstanceOutputSerializer(serializers.Serializer):
     gaps = serializers.IntegerField(help_text="Batches lost for good (no replay): the index may miss blocks.")
     last_event_at = serializers.DateTimeField(allow_null=True)
     last_healthy_at = serializers.DateTimeField(allow_null=True)
+    requests_waiting = serializers.IntegerField(allow_null=True, help_text="Its queue at the last health check.")
+    requests_running = serializers.IntegerField(allow_null=True)
     created_at = serializers.DateTimeField()
 
 
@@ -74,6 +76,12 @@ class InstanceHitSerializer(serializers.Serializer):
         ),
     )
     used_blocks = serializers.IntegerField(help_text="Blocks the instance holds in device memory.")
+    requests_waiting = serializers.IntegerField(
+        source="instance.requests_waiting", allow_null=True, help_text="Its queue (vLLM's gauge; null: unreported)."
+    )
+    requests_running = serializers.IntegerField(
+        source="instance.requests_running", allow_null=True, help_text="Requests it runs (vLLM's gauge)."
+    )
 
 
 class CacheHitSerializer(serializers.Serializer):

@@ -27,6 +27,7 @@ from django.db.utils import DatabaseError
 from kcaas.kv_events import END_SEQ, EventFormatError, decode_batch
 from routing import services
 from routing.cache_follower import CacheFollower
+from routing.engine_load import read_queue
 from routing.models import EngineInstance, InstanceState
 
 logger = logging.getLogger("kcaas.routing.indexer")
@@ -226,7 +227,8 @@ class Indexer:
         now = time.monotonic()
         if healthy:
             sub.last_healthy = now
-            if services.mark_healthy(instance_id=sub.instance_id):
+            queue = read_queue(sub.api_base, HEALTH_TIMEOUT_S)
+            if services.mark_healthy(instance_id=sub.instance_id, queue=queue):
                 sub.needs_replay = True  # what it published while it was lost
         elif now - sub.last_healthy > self.stale_s and services.mark_lost(instance_id=sub.instance_id):
             logger.warning("indexer: instance %s is lost (no health for %.0f s)", sub.instance_id, self.stale_s)

@@ -40,6 +40,9 @@ class EngineInstance(models.Model):
     gaps = models.BigIntegerField(default=0)  # batches that could not be replayed (the index may miss blocks)
     last_event_at = models.DateTimeField(null=True, blank=True)
     last_healthy_at = models.DateTimeField(null=True, blank=True)
+    # Its queue at the last health check, as it reports it (vLLM's /metrics gauges; null: not reported)
+    requests_waiting = models.IntegerField(null=True, blank=True)
+    requests_running = models.IntegerField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

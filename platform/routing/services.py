@@ -18,6 +18,7 @@ from audit.services import audit_record
 from core.errors import ApplicationError, ConflictError, NotFoundError
 from kcaas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from routing.chain import block_key
+from routing.engine_load import EngineQueue
 from routing.models import CacheFollow, EngineInstance, IndexedBlock, InstanceState
 from tenants.models import Tenant
 
@@ -188,14 +189,17 @@ def gap_skipped(*, instance_id: uuid.UUID, next_seq: int) -> None:
     EngineInstance.objects.filter(id=instance_id).update(next_seq=next_seq, gaps=F("gaps") + 1)
 
 
-def mark_healthy(*, instance_id: uuid.UUID) -> bool:
-    """A health check answered: the instance is live. True if it was lost (its index refills from its events: the
-    indexer replays them)."""
+def mark_healthy(*, instance_id: uuid.UUID, queue: EngineQueue | None = None) -> bool:
+    """A health check answered: the instance is live, its queue as it reported it (None: unknown). True if it was
+    lost (its index refills from its events: the indexer replays them)."""
     now = timezone.now()
     came_back = EngineInstance.objects.filter(id=instance_id, state=InstanceState.LOST).update(
         state=InstanceState.LIVE, last_healthy_at=now
     )
-    EngineInstance.objects.filter(id=instance_id).update(last_healthy_at=now)
+    queue = queue or EngineQueue(None, None)
+    EngineInstance.objects.filter(id=instance_id).update(
+        last_healthy_at=now, requests_waiting=queue.waiting, requests_running=queue.running
+    )
     return bool(came_back)
 
 
@@ -204,7 +208,7 @@ def mark_lost(*, instance_id: uuid.UUID) -> bool:
     True if it was live."""
     with transaction.atomic():
         updated = EngineInstance.objects.filter(id=instance_id, state=InstanceState.LIVE).update(
-            state=InstanceState.LOST, next_seq=0
+            state=InstanceState.LOST, next_seq=0, requests_waiting=None, requests_running=None
         )
         if updated:
             IndexedBlock.objects.filter(instance_id=instance_id).delete()
