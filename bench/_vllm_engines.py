@@ -98,7 +98,7 @@ def make_llm(job: dict):
         max_num_batched_tokens=job["max_model_len"],
         max_num_seqs=4,
         enforce_eager=True,
-        enable_prefix_caching=False,
+        enable_prefix_caching=job["mode"] == "hbm",  # the upper bound: a hit in the engine's own device memory
         seed=0,
         **{**kwargs, **job.get("llm_options", {})},  # e.g. the MLA phase's block size and custom ops
     )

@@ -35,8 +35,14 @@ Contenders (at most two engines alive at a time, their requests interleaved roun
                 every 4th round (its samples join the recompute figure) unless LMCache runs there.
   lmcache_warm  LMCacheConnectorV1, local CPU backend (its store lives in the engine process, so it cannot be warm
                 for a fresh engine): one seeding request, then the shared-prefix prompts, beside kcaas_warm.
+  hbm_warm      the upper bound: vLLM alone with its own prefix caching on, seeded with the same seeding request,
+                so every shared prompt hits the system prompt in the engine's own device memory (the same 128-token
+                blocks: it recomputes the same tail past the last whole block as the connector does). Beside
+                kcaas_warm in every round of wave 2.
 
-Ratios: ttft_speedup_vs_recompute = recompute p50 (all its samples) / kcaas_warm p50; miss_overhead = kcaas_miss p50 /
+Ratios: ttft_speedup_vs_recompute = recompute p50 (all its samples) / kcaas_warm p50; ttft_vs_hbm_hit = kcaas_warm
+p50 / hbm_warm p50 (what serving the prefix from KCaaS costs over the engine's own HBM: 1.0 is the bound; also
+paired round by round: ttft_vs_hbm_hit_paired_median); miss_overhead = kcaas_miss p50 /
 recompute p50 of the same (wave 1) rounds; ttft_speedup_vs_lmcache = lmcache_warm p50 / kcaas_warm p50;
 external_hit_rate = tokens the connector supplied (RequestOutput.num_cached_tokens, which counts only external hits
 with prefix caching off) / prompt tokens, warm run. first_token_agreement: the share of shared prompts whose greedy
@@ -82,6 +88,7 @@ from bench._vllm_mla import build_mla_model, bytes_figures, mla_phase
 from bench._vllm_platform import CONNECTOR_FILE, REPO, Platform, attach_cache, wait_for_connector
 
 VLLM_BLOCK_SIZE = 128  # vLLM's CPU backend's KV block size
+CONTENDERS = ("recompute", "kcaas_miss", "kcaas_warm", "hbm_warm", "lmcache_warm")
 MODEL_FINGERPRINT = "kcaas-bench-llama-12l-768h@seed0"
 
 
@@ -163,8 +170,9 @@ def null_result(reason: str, mode: str) -> dict:
         "bench": "vllm_connector",
         "mode": mode,
         "skipped": reason,
-        "ttft_p50_ms": {"recompute": None, "kcaas_warm": None, "kcaas_miss": None, "lmcache_warm": None},
+        "ttft_p50_ms": {name: None for name in CONTENDERS},
         "ttft_speedup_vs_recompute": None,
+        "ttft_vs_hbm_hit": None,
         "external_hit_rate": None,
         "miss_overhead": None,
         "ttft_speedup_vs_lmcache": None,
@@ -185,11 +193,12 @@ def _table(r: dict) -> str:
         f"{r['cpu_count']} cores",
         f"  {'contender':<14} {'TTFT p50 ms':>11} {'p90 ms':>9} {'n':>4}",
     ]
-    for name in ("recompute", "kcaas_miss", "kcaas_warm", "lmcache_warm"):
+    for name in CONTENDERS:
         lines.append(f"  {name:<14} {fmt(p50.get(name)):>11} {fmt(p90.get(name)):>9} {n.get(name, '-'):>4}")
     g = lambda k: "-" if r.get(k) is None else f"{r[k]:.3f}"  # noqa: E731
     lines.append(
-        f"  speedup vs recompute {g('ttft_speedup_vs_recompute')}x, vs LMCache {g('ttft_speedup_vs_lmcache')}x"
+        f"  speedup vs recompute {g('ttft_speedup_vs_recompute')}x, vs LMCache {g('ttft_speedup_vs_lmcache')}x, "
+        f"over the engine's own HBM hit {g('ttft_vs_hbm_hit')}x"
         f", miss overhead {g('miss_overhead')}x, external hit rate {g('external_hit_rate')}"
     )
     if "mla_bytes_per_token_vs_mha" in r:
@@ -254,7 +263,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--build-model", nargs=2, metavar=("DIR", "CONFIG_JSON"), help=argparse.SUPPRESS)
     parser.add_argument("--build-mla-model", nargs=2, metavar=("DIR", "CONFIG_JSON"), help=argparse.SUPPRESS)
     parser.add_argument("--serve", nargs=2, metavar=("JOB", "SOCKET"), help=argparse.SUPPRESS)
-    parser.add_argument("--skip", default="", help="comma-separated contenders to skip: kcaas, lmcache")
+    parser.add_argument("--skip", default="", help="comma-separated contenders to skip: kcaas, lmcache, hbm")
     parser.add_argument(
         "--wait-for-connector",
         type=float,
@@ -403,13 +412,21 @@ def wave2(b: Bench) -> None:
         run.start("lmcache", b.lm_python, {**b.base_job, "mode": "lmcache"}, engine_env(LMCACHE_ENV), b.workdir)
     if b.kcaas_job and "kcaas_seed" in run.samples:
         run.start("kcaas_2", b.python, b.kcaas_job[0], b.kcaas_job[1], b.workdir)
+    if "hbm" not in b.skip:
+        run.start("hbm", b.python, {**b.base_job, "mode": "hbm"}, engine_env(), b.workdir)
     run.wait_ready(b.results)
     if "lmcache" in run.engines:
         run.ask("lmcache", "lmcache_seed", b.seed_prompt)
+    if "hbm" in run.engines:
+        run.ask("hbm", "hbm_seed", b.seed_prompt)  # the system prompt now in its own prefix cache
     b.log(f"wave 2: {cfg.num_requests} rounds of shared-prefix prompts ...")
     extra_index = cfg.compute_requests
     for i in range(cfg.num_requests):
-        calls = [("kcaas_2", "kcaas_warm", b.shared[i]), ("lmcache", "lmcache_warm", b.shared[i])]
+        calls = [
+            ("kcaas_2", "kcaas_warm", b.shared[i]),
+            ("hbm", "hbm_warm", b.shared[i]),
+            ("lmcache", "lmcache_warm", b.shared[i]),
+        ]
         if "lmcache" not in run.engines and i % cfg.extra_recompute_every == 0:
             calls.append(("recompute", "recompute", b.shared[extra_index % len(b.shared)]))
             extra_index += 1
@@ -465,10 +482,7 @@ def summarize_run(run: Run, cfg: BenchConfig, results: dict) -> None:
     summaries = {name: summarize(s) for name, s in run.samples.items() if s}
     results["ttft_summary"] = summaries
     results["ttft_ms_samples"] = {name: [round(x["ttft_ms"], 1) for x in s] for name, s in run.samples.items()}
-    p50 = {
-        name: (summaries[name]["p50"] if name in summaries else None)
-        for name in ("recompute", "kcaas_warm", "kcaas_miss", "lmcache_warm")
-    }
+    p50 = {name: (summaries[name]["p50"] if name in summaries else None) for name in CONTENDERS}
     lm = summaries.get("lmcache_warm")
     if lm is not None and not lm["cached_tokens"]:  # LMCache ran but served nothing: recompute under another name
         results["lmcache_uncached_ttft_p50_ms"] = lm["p50"]
@@ -476,10 +490,17 @@ def summarize_run(run: Run, cfg: BenchConfig, results: dict) -> None:
     results["ttft_p50_ms"] = p50
     results["ttft_p90_ms"] = {name: s["p90"] for name, s in summaries.items()}
     results["ttft_speedup_vs_recompute"] = ratio(p50["recompute"], p50["kcaas_warm"])
+    results["ttft_vs_hbm_hit"] = ratio(p50["kcaas_warm"], p50["hbm_warm"])
+    pairs = [
+        k["ttft_ms"] / h["ttft_ms"] for k, h in zip(run.samples.get("kcaas_warm", []), run.samples.get("hbm_warm", []))
+    ]
+    results["ttft_vs_hbm_hit_paired_median"] = statistics.median(pairs) if pairs else None
     results.update(miss_overhead_figures(run, cfg, p50))
     results["ttft_speedup_vs_lmcache"] = ratio(p50["lmcache_warm"], p50["kcaas_warm"])
     warm = summaries.get("kcaas_warm")
     results["external_hit_rate"] = warm["cached_tokens"] / warm["prompt_tokens"] if warm else None
+    hbm = summaries.get("hbm_warm")  # the bound's own hit rate: the same whole blocks as the connector's
+    results["hbm_hit_rate"] = hbm["cached_tokens"] / hbm["prompt_tokens"] if hbm else None
     if lm is not None:
         results["lmcache_hit_rate"] = lm["cached_tokens"] / lm["prompt_tokens"]
     if p50["lmcache_warm"] is not None:
@@ -518,7 +539,7 @@ def check_figures(run: Run, cfg: BenchConfig, summaries: dict) -> dict:
         figures["kcaas_miss_cached_tokens"] = miss["cached_tokens"]  # 0: every miss prompt really missed
     # The greedy first token with a connector against vLLM alone on the same prompts: loaded KV = computed KV.
     agreement = {}
-    for name in ("kcaas_warm", "lmcache_warm"):
+    for name in ("kcaas_warm", "hbm_warm", "lmcache_warm"):
         pairs = first_token_pairs(run.samples.get("recompute", []), cfg, run.samples.get(name, []))
         if pairs:
             agreement[name] = sum(a == b for a, b in pairs) / len(pairs)
