@@ -66,7 +66,11 @@ DEEPSEEK_V3 = dict(  # the attention shapes of deepseek-ai/DeepSeek-V3's config.
 )
 SYSTEM_TOKENS, USER_TOKENS = 1000, (40, 60)
 MAX_MODEL_LEN = 1152  # the longest prompt (1,060 tokens) + room
-LLM_OPTIONS = {"block_size": MLA_BLOCK_SIZE, "compilation_config": {"custom_ops": ["-rotary_embedding"]}}
+LLM_OPTIONS = {
+    "block_size": MLA_BLOCK_SIZE,
+    "compilation_config": {"custom_ops": ["-rotary_embedding"]},
+    "attention_backend": "CPU_MLA",  # named: on a CPU with AMX vLLM would pick AMX_MLA (bf16 weights only)
+}
 REQUESTS = {"quick": 8, "full": 16}
 
 

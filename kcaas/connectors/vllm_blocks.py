@@ -46,6 +46,10 @@ BACKEND_LAYOUTS = {
     "TRITON_ATTN": "concat",
     **dict.fromkeys(("CPU_MLA", "TRITON_MLA", "FLASHMLA", "FLASHINFER_MLA", "CUTLASS_MLA", "FLASH_ATTN_MLA"), "latent"),
 }
+# What to do about a backend the connector refuses, where something can be done.
+BACKEND_HINTS = {
+    "AMX_MLA": "vLLM prefers AMX_MLA for MLA models on CPUs with AMX; start it with --attention-backend CPU_MLA",
+}
 
 # A backend's own cache write, on a layer-shaped tensor: (layer [blocks, heads, block_size, 2 * head_dim],
 # key [tokens, heads, head_dim], value [tokens, heads, head_dim], slot_mapping [tokens]) -> None; it views the layer

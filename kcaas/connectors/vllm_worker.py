@@ -23,7 +23,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kcaas.connectors.vllm_blocks import BACKEND_LAYOUTS, CacheWrite, LayoutProbeError, PagedLayout, gather, scatter
+from kcaas.connectors.vllm_blocks import (
+    BACKEND_HINTS,
+    BACKEND_LAYOUTS,
+    CacheWrite,
+    LayoutProbeError,
+    PagedLayout,
+    gather,
+    scatter,
+)
 from kcaas.connectors.vllm_session import CacheSession, ConnectorConfig, ConnectorSetupError, EngineLayout
 from kcaas.dataplane import DataPlaneClient, DataPlaneError
 
@@ -74,8 +82,9 @@ class ConnectorWorker:
         another layout than the cache's."""
         kinds = {BACKEND_LAYOUTS[name] for name in backends if name in BACKEND_LAYOUTS}
         if len(kinds) != 1 or not backends <= BACKEND_LAYOUTS.keys():
+            hints = "".join(f"; {BACKEND_HINTS[name]}" for name in sorted(backends) if name in BACKEND_HINTS)
             raise ConnectorSetupError(
-                f"attention backend {sorted(backends)} is not supported (known: {sorted(BACKEND_LAYOUTS)})"
+                f"attention backend {sorted(backends)} is not supported (known: {sorted(BACKEND_LAYOUTS)}){hints}"
             )
         names = sorted(kv_caches, key=_layer_order)
         layers = [kv_caches[name] for name in names]

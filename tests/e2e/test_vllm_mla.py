@@ -58,7 +58,10 @@ SEED = ["a_seed", "b_seed"]
 SEED_SAVED = {"a_seed": 272, "b_seed": 400}  # whole 16-token blocks of 276 and 400 tokens
 FRESH = ["a_other", "b_other", "a_seed", "unrelated"]
 FRESH_HITS = [256, 288, 272, 0]  # whole blocks of the cached prefix (300 shared: 288), never the last token
-MLA_OPTIONS = dict(block_size=MLA_BLOCK, custom_ops=["-rotary_embedding"], kv_cache_memory_bytes=32 << 20)
+# CPU_MLA named: on a CPU with AMX, vLLM would pick AMX_MLA (bf16 weights only, rows the connector refuses)
+MLA_OPTIONS = dict(
+    block_size=MLA_BLOCK, custom_ops=["-rotary_embedding"], kv_cache_memory_bytes=32 << 20, attention_backend="CPU_MLA"
+)
 KV_ATOL = 1e-3  # vLLM and transformers agree to fp32 rounding; a misplaced value is off by its own size (~1)
 
 

@@ -22,6 +22,7 @@ near-uniform logits, top-2 a few 1e-3 apart).
      "kv_cache_memory_bytes": N, "max_num_batched_tokens": N, "max_num_seqs": N,       # optional engine sizes
      "block_size": N,                                                 # vLLM's block size (CPU default: 128)
      "custom_ops": ["-rotary_embedding"],                             # optional compilation_config custom_ops
+     "attention_backend": "CPU_MLA",                                  # optional: vLLM's choice otherwise
      "start_paused": false, "pause_between_rounds": false,
      "rounds": [{"prompts": [[ids]], "max_tokens": N}, ...]}          # or "prompts" + "max_tokens": one round
 
@@ -176,7 +177,7 @@ def generate(job: dict, proto, commands) -> None:
         enable_prefix_caching=job.get("enable_prefix_caching", False),
         disable_log_stats=False,
     )
-    for name in ("kv_cache_memory_bytes", "max_num_batched_tokens", "max_num_seqs", "block_size"):
+    for name in ("kv_cache_memory_bytes", "max_num_batched_tokens", "max_num_seqs", "block_size", "attention_backend"):
         if job.get(name) is not None:
             kwargs[name] = job[name]
     if job.get("custom_ops"):  # e.g. ["-rotary_embedding"]: vLLM's torch ops instead of those custom kernels
