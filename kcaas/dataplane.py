@@ -25,6 +25,7 @@ from __future__ import annotations
 import base64
 import json
 import ssl
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,7 +189,7 @@ class DataPlaneClient:
         """
         return self.put_batch([(tokens, kv, start)])[0]
 
-    def get(self, tokens, *, out=None, start: int = 0):
+    def get(self, tokens, *, out=None, start: int = 0, progress=None):
         """(n, kv): the longest cached prefix of `tokens` and its KV [num_layers, 2, n, num_kv_heads, head_dim].
 
         `start`: only the KV of tokens[start:n] is sent (a caller that holds the first `start` tokens' KV itself);
@@ -198,12 +199,19 @@ class DataPlaneClient:
         of it: no fresh buffer per get (its page faults cost more than the transfer). Without it, each get allocates
         one buffer for its result.
 
+        `progress(layers, tokens)`: with `out`, called on this thread while the answer arrives, once every layer
+        below `layers` holds its final KV for the answer's `tokens` tokens in `out` (layer-major: layer i's K and V
+        of every token), so another thread may read those layers of `out` before get returns (a layer-pipelined
+        load). Only for the part that completes the answer (a long answer in several frames: its last one).
+
         Returns: (n, kv); n 0 and kv empty on a miss.
         Raises: DataPlaneError (its `code`: not_found, forbidden, token_expired, identity_mismatch, overloaded, ...)
         when the
             node refuses; OSError when the connection fails. ValueError for an unusable `out` or `start`.
         """
-        return self.get_batch([tokens], outs=[out], starts=[start])[0]
+        if progress is not None and out is None:
+            raise ValueError("progress needs an out tensor: the layers it reports are read there")
+        return self.get_batch([tokens], outs=[out], starts=[start], progress=progress)[0]
 
     # ---- batches ------------------------------------------------------------------------------------------------
     def lookup_batch(self, sequences) -> list[int]:
@@ -228,7 +236,7 @@ class DataPlaneClient:
         ids = [_as_int32(t) for t in sequences]
         return self._token_only(Opcode.DELETE, ids, lambda reply: reply.num_removed_blocks)
 
-    def get_batch(self, sequences, *, outs=None, starts=None) -> list:
+    def get_batch(self, sequences, *, outs=None, starts=None, progress=None) -> list:
         """get of each sequence: [(n, kv), ...]. outs[i] / starts[i] as get's `out` / `start` (None / 0).
 
         Returns: one (n, kv) per sequence.
@@ -252,7 +260,9 @@ class DataPlaneClient:
             _Received(self._out_bytes(out, dtype, len(seq) - start), start, len(seq), spec, out, self._views)
             for out, seq, start in zip(outs, ids, starts)
         ]
-        with self._t.lock:
+        if progress is not None and len(states) == 1:
+            states[0].progress = progress
+        with self._t.lock, _streaming(self._t, states[0] if progress is not None and len(states) == 1 else None):
             pending = list(range(len(ids)))
             while pending:
                 for chunk in self._chunks(pending, ids) if len(pending) > 1 else (pending,):
@@ -397,6 +407,16 @@ class DataPlaneClient:
         return {"num_cached": num_cached, "num_written": written, "out_of_space": out_of_space}
 
 
+@contextmanager
+def _streaming(transport: Transport, state: _Received | None):
+    """While a GET with progress is in flight, the transport tells its receiver the payload bytes as they arrive."""
+    transport.on_payload = state.on_payload if state is not None else None
+    try:
+        yield
+    finally:
+        transport.on_payload = None
+
+
 class _Received:
     """Where one sequence's GET answer goes, part by part. Its KV is laid out [num_layers, 2, total, heads, dim] in
     one buffer — the caller's `out`, else one allocated when the first answer says how long the cached prefix is
@@ -407,6 +427,8 @@ class _Received:
 
     def __init__(self, out_view, start: int, bound: int, spec: KVCacheSpec, out=None, recent=None):
         self.spec, self.start, self.bound = spec, start, bound
+        self.progress = None  # progress(layers, tokens) of get: told as the part that completes the answer arrives
+        self._layer_bytes = 0  # bytes of one layer (K and V) of that part; 0 for any other part
         self.out, self.recent = out, recent  # the caller's tensor (out_view is its bytes), and the client's memo
         self.buffer = out_view  # None until the first answer when the caller gave no out
         self.total: int | None = None  # tokens of KV the buffer is laid out for (set by the first answer)
@@ -429,6 +451,7 @@ class _Received:
         total, at = self.total, self.num_received
         fit = self._fit = max(min(n, total - at), 0)
         run = spec.kv_bytes_per_token // (2 * spec.num_layers)  # one token of one (layer, K|V) run
+        self._layer_bytes = 2 * n * run if n and at + fit >= total else 0  # this part completes the answer
         if fit == n == total and at == 0:
             return [self.buffer[: total * spec.kv_bytes_per_token]]  # the whole answer at once: one view
         views = []
@@ -439,6 +462,11 @@ class _Received:
             if n > fit:
                 views.append(memoryview(bytearray((n - fit) * run)))  # beyond what the first answer promised
         return views
+
+    def on_payload(self, received: int) -> None:
+        """The transport's count of the answer's payload bytes so far: layers whose bytes are all in, reported."""
+        if self.progress is not None and self._layer_bytes:
+            self.progress(min(received // self._layer_bytes, self.spec.num_layers), self.total)
 
     def arrived(self, num_cached: int, num_tokens: int) -> None:
         fit = self._fit if num_tokens > 0 else 0

@@ -24,6 +24,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kcaas import wire
@@ -94,6 +95,8 @@ class Transport:
         self._decoder: wire.FrameDecoder | None = None
         self._next_id = 1
         self._receive_into: list | None = None  # the GET in flight: one receiver per sequence
+        # told the payload bytes received of the answer in flight, as they arrive (a streaming GET's progress)
+        self.on_payload: Callable[[int], None] | None = None
 
     # ---- operations ---------------------------------------------------------------------------------------------
     def call(
@@ -337,6 +340,8 @@ class Transport:
             except ProtocolError as exc:
                 self._drop()
                 raise DataPlaneError(f"malformed stream from the node: {exc.message}", code=exc.code) from None
+            if self.on_payload is not None and decoder.payload_received:
+                self.on_payload(decoder.payload_received)
 
     def _send(self, buffers: list) -> None:
         try:

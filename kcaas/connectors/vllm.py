@@ -66,6 +66,7 @@ STAT_NAMES = (
     "load_seconds",
     "load_failures",
     "failed_tokens",
+    "load_wait_seconds",
     "saved_tokens",
     "saved_bytes",
     "save_failures",
@@ -260,12 +261,13 @@ class KCaaSConnector(KVConnectorBase_V1):
             self._worker_side().load(metadata.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv filled every layer before the forward
+        self._worker_side().wait_layer(layer_name)  # layerwise: this layer of the step's loads, once arrived
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         return  # saved whole in wait_for_save, once the step's KV is all written
 
     def wait_for_save(self) -> None:
+        self._worker_side().finish_loads()  # the forward is over: loads joined before the saves read the blocks
         metadata = self._get_connector_metadata()
         if metadata.saves:
             self._worker_side().save(metadata.saves)

@@ -24,6 +24,7 @@ from kcaas.tokens import TokenSource
 
 ROLES = ("kv_both", "kv_producer", "kv_consumer")
 SAVE_MODES = ("sync", "async")
+LOAD_MODES = ("layerwise", "sync")
 KNOWN_KEYS = frozenset(
     {
         "kcaas_url",
@@ -34,6 +35,7 @@ KNOWN_KEYS = frozenset(
         "lookup_timeout_ms",
         "io_timeout_s",
         "save",
+        "load",
         "model_fingerprint",
         "save_queue_bytes",
     }
@@ -58,6 +60,7 @@ class ConnectorConfig:
     lookup_timeout_s: float = 0.1  # the scheduler's lookup: a slower node is a miss, never a stall
     io_timeout_s: float = 5.0  # a worker's load or save: a hung node costs at most this, then a recompute
     save: str = "async"
+    load: str = "layerwise"  # "sync": every layer loaded before the forward
     save_queue_bytes: int = 1 << 30  # async saves waiting for the network; beyond it a save is dropped (a miss)
     model_fingerprint: str | None = None
 
@@ -77,6 +80,9 @@ class ConnectorConfig:
         save = extra.get("save") or ("sync" if role == "kv_producer" else "async")
         if save not in SAVE_MODES:
             raise ConnectorSetupError(f"save must be one of {SAVE_MODES}, not {save!r}")
+        load = extra.get("load") or "layerwise"
+        if load not in LOAD_MODES:
+            raise ConnectorSetupError(f"load must be one of {LOAD_MODES}, not {load!r}")
         try:
             return cls(
                 url=str(url),
@@ -88,6 +94,7 @@ class ConnectorConfig:
                 lookup_timeout_s=float(extra.get("lookup_timeout_ms", 100)) / 1000.0,
                 io_timeout_s=float(extra.get("io_timeout_s", 5.0)),
                 save=save,
+                load=load,
                 save_queue_bytes=int(extra.get("save_queue_bytes", 1 << 30)),
                 model_fingerprint=extra.get("model_fingerprint"),
             )

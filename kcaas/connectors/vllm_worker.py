@@ -32,6 +32,7 @@ from kcaas.connectors.vllm_blocks import (
     gather,
     scatter,
 )
+from kcaas.connectors.vllm_loads import LayerwiseLoads
 from kcaas.connectors.vllm_session import CacheSession, ConnectorConfig, ConnectorSetupError, EngineLayout
 from kcaas.dataplane import DataPlaneClient, DataPlaneError
 
@@ -73,6 +74,15 @@ class ConnectorWorker:
         self._paged: PagedLayout | None = None
         self._saver = _Saver(self) if config.writes and config.save == "async" else None
         self._put_client: DataPlaneClient | None = None
+        self._layer_index: dict[str, int] = {}
+        self._layerwise = (
+            LayerwiseLoads(
+                self._reader, self._pool, layout.block_size, session.spec.kv_bytes_per_token, config.io_timeout_s,
+                self.count,
+            )
+            if config.reads and config.load == "layerwise"
+            else None
+        )  # fmt: skip
 
     # ---- set-up -------------------------------------------------------------------------------------------------
     def register(self, kv_caches: dict[str, torch.Tensor], backends: set[str], write: CacheWrite | None = None) -> None:
@@ -101,6 +111,7 @@ class ConnectorWorker:
                 f"vLLM's KV tensors are (layers, kv heads, head size, block size) {found}, the cache's layout {wanted}"
             )
         self._layers, self._paged = layers, paged
+        self._layer_index = {name: index for index, name in enumerate(names)}
 
     def _pool(self) -> tuple[list[torch.Tensor], PagedLayout]:
         """vLLM's paged tensors and their layout. Raises ConnectorSetupError before register()."""
@@ -116,8 +127,25 @@ class ConnectorWorker:
 
     # ---- loads --------------------------------------------------------------------------------------------------
     def load(self, loads: list[Load]) -> None:
+        """The step's loads: begun on the loader thread, layer by layer (`load: "layerwise"`, the default), or
+        done here, every layer before the forward (`load: "sync"`)."""
+        if self._layerwise is not None:
+            self._layerwise.start(loads)
+            return
         for load in loads:
             self._load_one(load)
+
+    def wait_layer(self, layer_name: str) -> None:
+        """Before the attention of `layer_name`: its layer of the step's loads is in vLLM's blocks."""
+        if self._layerwise is not None and layer_name in self._layer_index:
+            self._layerwise.wait_layer(self._layer_index[layer_name])
+
+    def finish_loads(self) -> None:
+        """The step's forward is over: the loads joined, what they did not fill reported (take_failed_blocks)."""
+        if self._layerwise is not None:
+            failed = self._layerwise.finish()
+            with self._lock:
+                self._failed.update(failed)
 
     def _load_one(self, load: Load) -> None:
         started = time.perf_counter()
@@ -145,6 +173,7 @@ class ConnectorWorker:
             )
 
     def take_failed_blocks(self) -> set[int]:
+        self.finish_loads()
         with self._lock:
             failed, self._failed = self._failed, set()
         return failed

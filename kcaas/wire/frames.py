@@ -361,6 +361,11 @@ class FrameDecoder:
         return memoryview(self._scratch)
 
     @property
+    def payload_received(self) -> int:
+        """Bytes of the current frame's payload received so far (0 outside a payload: a complete frame resets it)."""
+        return self._payload_got if self._state == _PAYLOAD else 0
+
+    @property
     def buffer_is_payload(self) -> bool:
         """The last get_buffer() handed out the payload sink's own memory: a reader may fill more of it (several
         reads) before one buffer_updated() with the total."""

@@ -1,0 +1,149 @@
+"""Layer-pipelined loads for the vLLM connector's worker (no vLLM import): a step's GETs run on a loader thread while
+vLLM's forward runs, each answer streamed layer by layer into a staging buffer (DataPlaneClient.get's `progress`);
+the attention of layer i waits (`wait_layer`, from vLLM's wait_for_layer_load) only until layer i of every load of
+the step has arrived, and scatters that layer into vLLM's blocks. The forward of layer i thus overlaps the arrival
+of layers i+1, i+2, ...
+
+Invariants:
+  * a layer of a load is scattered at most once, and only once the node's bytes for all of its tokens are in the
+    staging buffer;
+  * when the step ends (`finish`), every promised block holds the node's KV in every layer, or is reported failed
+    (vLLM recomputes it): a load that failed, came back short, or has a layer that was never scattered (the
+    forward did not wait for it) fails the blocks it did not fill in every layer;
+  * a staging buffer is reused only after the step that filled it finished (the loader thread joined).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kcaas.connectors.vllm_blocks import PagedLayout, scatter
+
+logger = logging.getLogger("kcaas.connectors.vllm")
+
+
+@dataclass
+class _Job:
+    """One load of the step: its staging buffer and how far its answer has arrived."""
+
+    load: object  # vllm_worker.Load
+    out: torch.Tensor  # [num_layers, 2, tokens to load, kv_heads, head_dim]
+    layers_in: int = 0  # layers whose bytes are all in `out`
+    answered: int | None = None  # tokens the node answered (known with the first layer, or at the end)
+    done: bool = False
+    scattered: set[int] = field(default_factory=set)
+
+
+class LayerwiseLoads:
+    """The step's loads, pipelined by layer. `reader()` gives the loads' DataPlaneClient; `pool()` vLLM's paged
+    layers and their layout; `count(**stats)` adds to the worker's counters."""
+
+    def __init__(
+        self, reader: Callable, pool: Callable, block_size: int, bytes_per_token: int, timeout_s: float, count: Callable
+    ):
+        self._reader, self._pool, self._bs, self._bytes_per_token = reader, pool, block_size, bytes_per_token
+        self._timeout_s, self._count = timeout_s, count
+        self._cond = threading.Condition()
+        self._jobs: list[_Job] = []
+        self._thread: threading.Thread | None = None
+        self._staging: list[torch.Tensor] = []  # flat buffers, one per concurrent load, grown as needed
+        self._started = self._arrived = 0.0
+
+    def start(self, loads: list) -> None:
+        """Begin the step's loads on the loader thread (vLLM's start_load_kv)."""
+        layers, paged = self._pool()
+        self._jobs = [_Job(load, self._buffer(i, layers[0], paged, load)) for i, load in enumerate(loads)]
+        self._started = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, name="kcaas-loader", daemon=True)
+        self._thread.start()
+
+    def _buffer(self, index: int, like: torch.Tensor, paged: PagedLayout, load) -> torch.Tensor:
+        shape = (len(self._pool()[0]), 2, len(load.tokens) - load.start, paged.num_kv_heads, paged.head_dim)
+        numel = shape[0] * shape[1] * shape[2] * shape[3] * shape[4]
+        while len(self._staging) <= index:
+            self._staging.append(torch.empty(0, dtype=like.dtype))
+        if self._staging[index].numel() < numel or self._staging[index].dtype != like.dtype:
+            self._staging[index] = torch.empty(numel, dtype=like.dtype)  # on the CPU: what the wire lands in
+        return self._staging[index][:numel].view(shape)
+
+    def _run(self) -> None:
+        for job in self._jobs:
+            load = job.load
+
+            def progress(layers: int, answered: int, job: _Job = job) -> None:
+                with self._cond:
+                    job.layers_in, job.answered = layers, answered
+                    self._cond.notify_all()
+
+            try:
+                end, _ = self._reader().get(load.tokens, start=load.start, out=job.out, progress=progress)
+                answered = max(min(end, len(load.tokens)) - load.start, 0)
+                layers_in = job.out.shape[0]
+            except Exception as exc:  # noqa: BLE001 - the node or the network: what did not arrive is recomputed
+                logger.warning(
+                    "KCaaS load of %d tokens failed (%s): vLLM recomputes them", len(load.tokens) - load.start, exc
+                )
+                answered, layers_in = job.answered or 0, job.layers_in
+            with self._cond:
+                job.answered, job.layers_in, job.done = answered, layers_in, True
+                self._cond.notify_all()
+        self._arrived = time.perf_counter()
+
+    def wait_layer(self, index: int) -> None:
+        """Before the attention of layer `index`: that layer of every load, once arrived, into vLLM's blocks."""
+        if not self._jobs:
+            return
+        waited = time.perf_counter()
+        deadline = waited + self._timeout_s * len(self._jobs) + 1.0
+        for job in self._jobs:
+            with self._cond:
+                while not job.done and job.layers_in <= index and time.perf_counter() < deadline:
+                    self._cond.wait(timeout=max(deadline - time.perf_counter(), 0.0))
+                ready = job.layers_in > index and index not in job.scattered
+                filled = self._filled(job)
+            if ready and filled:
+                layers, paged = self._pool()
+                kv = _answer(job)[index : index + 1, :, : filled * self._bs]
+                scatter([layers[index]], paged, job.load.block_ids[:filled], kv)
+                job.scattered.add(index)
+        self._count(load_wait_seconds=time.perf_counter() - waited)
+
+    def _filled(self, job: _Job) -> int:
+        """Whole vLLM blocks the answer covers (of those promised)."""
+        return min((job.answered or 0) // self._bs, len(job.load.block_ids))
+
+    def finish(self) -> set[int]:
+        """The step is over: join the loader, and return the promised blocks not filled in every layer."""
+        if self._thread is None:
+            return set()
+        self._thread.join()
+        self._thread = None
+        failed: set[int] = set()
+        num_layers = len(self._pool()[0])
+        for job in self._jobs:
+            filled = self._filled(job) if len(job.scattered) == num_layers else 0
+            missed = job.load.block_ids[filled:]
+            failed.update(missed)
+            self._count(
+                loaded_tokens=filled * self._bs,
+                loaded_bytes=filled * self._bs * self._bytes_per_token,
+                load_failures=1 if missed else 0,
+                failed_tokens=len(missed) * self._bs,
+            )
+        self._count(load_seconds=self._arrived - self._started)  # the loads' own time, overlapped with the forward
+        self._jobs = []
+        return failed
+
+
+def _answer(job: _Job) -> torch.Tensor:
+    """The answer in the staging buffer: laid out for the tokens the node answered ([layers, 2, answered, ...] from
+    the buffer's start), which may be fewer than the buffer has room for."""
+    layers, _, _, heads, dim = job.out.shape
+    answered = job.answered or 0
+    return job.out.view(-1)[: layers * 2 * answered * heads * dim].view(layers, 2, answered, heads, dim)
