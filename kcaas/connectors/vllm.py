@@ -14,7 +14,9 @@ Scheduler side (one instance in the engine core):
     request whose prompt was computed this step saves its prompt's whole blocks not already in the cache.
 Worker side (one instance per worker):
   * `start_load_kv`: GET of the promised tokens (only those beyond vLLM's local hit cross the wire), scattered into
-    the blocks vLLM allocated, all layers before the forward. Tokens the node no longer has (evicted, node gone)
+    the blocks vLLM allocated: by default streamed on a loader thread, each layer scattered in `wait_for_layer_load`
+    right before its attention (kcaas/connectors/vllm_loads.py); with `load: "sync"`, all layers before the
+    forward. Tokens the node no longer has (evicted, node gone)
     are reported by `get_block_ids_with_load_errors`, and vLLM recomputes them (the connector sets
     kv_load_failure_policy to "recompute": a KCaaS miss is never a failed request). Wrong KV is never loaded: what
     arrives is what the node verified for exactly these tokens.
