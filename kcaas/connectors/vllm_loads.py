@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kcaas.connectors.vllm_blocks import PagedLayout, scatter
@@ -28,11 +29,22 @@ from kcaas.connectors.vllm_blocks import PagedLayout, scatter
 logger = logging.getLogger("kcaas.connectors.vllm")
 
 
+@dataclass(frozen=True)
+class Load:
+    """Fill `block_ids` with the KV of tokens[start:] (tokens: the prompt up to the load's end; start: vLLM's
+    own hit, a whole number of blocks)."""
+
+    req_id: str
+    tokens: np.ndarray
+    start: int
+    block_ids: list[int]
+
+
 @dataclass
 class _Job:
     """One load of the step: its staging buffer and how far its answer has arrived."""
 
-    load: object  # vllm_worker.Load
+    load: Load
     out: torch.Tensor  # [num_layers, 2, tokens to load, kv_heads, head_dim]
     layers_in: int = 0  # layers whose bytes are all in `out`
     answered: int | None = None  # tokens the node answered (known with the first layer, or at the end)
@@ -55,7 +67,7 @@ class LayerwiseLoads:
         self._staging: list[torch.Tensor] = []  # flat buffers, one per concurrent load, grown as needed
         self._started = self._arrived = 0.0
 
-    def start(self, loads: list) -> None:
+    def start(self, loads: list[Load]) -> None:
         """Begin the step's loads on the loader thread (vLLM's start_load_kv)."""
         layers, paged = self._pool()
         self._jobs = [_Job(load, self._buffer(i, layers[0], paged, load)) for i, load in enumerate(loads)]
@@ -63,7 +75,7 @@ class LayerwiseLoads:
         self._thread = threading.Thread(target=self._run, name="kcaas-loader", daemon=True)
         self._thread.start()
 
-    def _buffer(self, index: int, like: torch.Tensor, paged: PagedLayout, load) -> torch.Tensor:
+    def _buffer(self, index: int, like: torch.Tensor, paged: PagedLayout, load: Load) -> torch.Tensor:
         shape = (len(self._pool()[0]), 2, len(load.tokens) - load.start, paged.num_kv_heads, paged.head_dim)
         numel = shape[0] * shape[1] * shape[2] * shape[3] * shape[4]
         while len(self._staging) <= index:

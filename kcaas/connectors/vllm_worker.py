@@ -32,22 +32,11 @@ from kcaas.connectors.vllm_blocks import (
     gather,
     scatter,
 )
-from kcaas.connectors.vllm_loads import LayerwiseLoads
+from kcaas.connectors.vllm_loads import LayerwiseLoads, Load
 from kcaas.connectors.vllm_session import CacheSession, ConnectorConfig, ConnectorSetupError, EngineLayout
 from kcaas.dataplane import DataPlaneClient, DataPlaneError
 
 logger = logging.getLogger("kcaas.connectors.vllm")
-
-
-@dataclass(frozen=True)
-class Load:
-    """Fill `block_ids` with the KV of tokens[start:] (tokens: the prompt up to the load's end; start: vLLM's
-    own hit, a whole number of blocks)."""
-
-    req_id: str
-    tokens: np.ndarray
-    start: int
-    block_ids: list[int]
 
 
 @dataclass(frozen=True)
