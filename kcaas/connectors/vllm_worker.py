@@ -119,6 +119,7 @@ class ConnectorWorker:
         """The step's loads: begun on the loader thread, layer by layer (`load: "layerwise"`, the default), or
         done here, every layer before the forward (`load: "sync"`)."""
         if self._layerwise is not None:
+            self.finish_loads()  # a step vLLM ended without wait_for_save: its loads settled before buffers are reused
             self._layerwise.start(loads)
             return
         for load in loads:
