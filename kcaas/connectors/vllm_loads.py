@@ -48,6 +48,7 @@ class _Job:
     out: torch.Tensor  # [num_layers, 2, tokens to load, kv_heads, head_dim]
     layers_in: int = 0  # layers whose bytes are all in `out`
     answered: int | None = None  # tokens the node answered (known with the first layer, or at the end)
+    kv: torch.Tensor | None = None  # the GET's own result, once it returned (what the answer is, in every case)
     done: bool = False
     scattered: set[int] = field(default_factory=set)
 
@@ -93,17 +94,17 @@ class LayerwiseLoads:
                     job.layers_in, job.answered = layers, answered
                     self._cond.notify_all()
 
+            kv = None
             try:
-                end, _ = self._reader().get(load.tokens, start=load.start, out=job.out, progress=progress)
-                answered = max(min(end, len(load.tokens)) - load.start, 0)
-                layers_in = job.out.shape[0]
+                _, kv = self._reader().get(load.tokens, start=load.start, out=job.out, progress=progress)
+                answered, layers_in = kv.shape[2], job.out.shape[0]
             except Exception as exc:  # noqa: BLE001 - the node or the network: what did not arrive is recomputed
                 logger.warning(
                     "KCaaS load of %d tokens failed (%s): vLLM recomputes them", len(load.tokens) - load.start, exc
                 )
                 answered, layers_in = job.answered or 0, job.layers_in
             with self._cond:
-                job.answered, job.layers_in, job.done = answered, layers_in, True
+                job.answered, job.layers_in, job.kv, job.done = answered, layers_in, kv, True
                 self._cond.notify_all()
         self._arrived = time.perf_counter()
 
@@ -154,8 +155,10 @@ class LayerwiseLoads:
 
 
 def _answer(job: _Job) -> torch.Tensor:
-    """The answer in the staging buffer: laid out for the tokens the node answered ([layers, 2, answered, ...] from
-    the buffer's start), which may be fewer than the buffer has room for."""
+    """The answer: the GET's result once it returned; before, the staging buffer as the streaming part lays it out
+    ([layers, 2, answered, ...] from the buffer's start: the node may answer fewer tokens than there is room for)."""
+    if job.kv is not None:
+        return job.kv
     layers, _, _, heads, dim = job.out.shape
     answered = job.answered or 0
     return job.out.view(-1)[: layers * 2 * answered * heads * dim].view(layers, 2, answered, heads, dim)
