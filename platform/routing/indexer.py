@@ -200,7 +200,10 @@ class Indexer:
         try:
             while not self.stop.is_set():
                 close_old_connections()
-                self._guarded(self.caches.step)
+                try:
+                    self._guarded(self.caches.step)
+                except Exception:  # logged; the next round tries again, the thread never dies
+                    logger.exception("indexer: a round over the caches failed")
                 self.stop.wait(self.cache_poll_s)
         finally:
             self.caches.close()
