@@ -130,7 +130,7 @@ class Cache(models.Model):
 
 class DataToken(models.Model):
     """One issued data-plane token (the JWT itself is never stored): counts toward the outstanding quota until it
-    expires or is revoked."""
+    expires or is revoked, unless the platform issued it to itself (`platform_reader`)."""
 
     jti = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     cache = models.ForeignKey(Cache, on_delete=models.CASCADE, related_name="data_tokens")
@@ -141,6 +141,9 @@ class DataToken(models.Model):
     revoked_at = models.DateTimeField(null=True, blank=True)
     # The API key that minted it: revoking (or expiring) the key revokes the tokens it minted (caches.token_cascade).
     api_key = models.ForeignKey("tenants.ApiKey", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    # A read token the control plane's indexer holds to read the cache's block events (routing.cache_follower): the
+    # platform's, not the tenant's, so not in the tenant's outstanding quota; revoked with the tenant's all the same.
+    platform_reader = models.BooleanField(default=False)
 
     class Meta:
         indexes = [models.Index(fields=["tenant", "expires_at"], name="caches_token_tenant_exp")]

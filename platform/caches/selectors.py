@@ -137,9 +137,10 @@ def tenant_usage(*, tenant: Tenant) -> TenantUsage:
 
 
 def data_tokens_outstanding(*, tenant_id: uuid.UUID, now=None) -> int:
-    """Tokens of the tenant neither expired nor revoked."""
+    """Tokens of the tenant neither expired nor revoked (those the platform holds itself not counted)."""
     now = now or timezone.now()
-    return DataToken.objects.filter(tenant_id=tenant_id, revoked_at__isnull=True, expires_at__gt=now).count()
+    live = DataToken.objects.filter(tenant_id=tenant_id, revoked_at__isnull=True, expires_at__gt=now)
+    return live.filter(platform_reader=False).count()
 
 
 def caches_on_node(*, node_id: uuid.UUID) -> list[dict]:

@@ -501,6 +501,7 @@ def data_token_issue(
     access: str,
     ttl_seconds: int | None = None,
     api_key_id: uuid.UUID | None = None,
+    platform_reader: bool = False,
 ) -> IssuedToken:
     """Issue a short-lived EdDSA JWT for one ready cache of the tenant (see caches.signing for its verification).
 
@@ -510,9 +511,13 @@ def data_token_issue(
     max_data_tokens_outstanding (403 quota_exceeded). 404 for another tenant's cache, 409 cache_not_ready.
     `api_key_id`: the key that asked for it; revoking (or expiring) that key revokes the token
     (caches.token_cascade), as suspending or erasing the tenant does.
+    `platform_reader`: a read token the control plane issues itself (the routing indexer reading the cache's
+    events): audited like any, not counted in (nor refused by) the tenant's outstanding quota.
     """
     if access not in ACCESS_LEVELS:
         raise ValueError(f"access must be one of {ACCESS_LEVELS}")
+    if platform_reader and access != "read":
+        raise ValueError("the platform issues itself read tokens only")
     tenant = tenant_lock(tenant_id=tenant_id)
     if tenant.status != Tenant.Status.ACTIVE:
         raise ConflictError(f"The tenant is {tenant.status}.", code="tenant_inactive")
@@ -526,7 +531,7 @@ def data_token_issue(
     issued_at = int(time.time())
     now = datetime.fromtimestamp(issued_at, tz=UTC)
     outstanding = selectors.data_tokens_outstanding(tenant_id=tenant.pk, now=now)
-    if outstanding >= limit:
+    if outstanding >= limit and not platform_reader:
         raise QuotaExceeded(
             f"The tenant may hold at most {limit} outstanding data tokens.",
             details={"limit": "max_data_tokens_outstanding", "limit_value": limit, "in_use": outstanding},
@@ -540,13 +545,20 @@ def data_token_issue(
         issued_at=now,
         expires_at=now + timedelta(seconds=ttl),
         api_key_id=api_key_id,
+        platform_reader=platform_reader,
     )
     audit_record(
         action=AuditAction.DATA_TOKEN_ISSUED,
         target_type="data_token",
         target_id=data_token.jti,
         tenant_id=tenant.pk,
-        new={"cache_id": cache.pk, "access": access, "epoch": cache.epoch, "expires_at": data_token.expires_at},
+        new={
+            "cache_id": cache.pk,
+            "access": access,
+            "epoch": cache.epoch,
+            "expires_at": data_token.expires_at,
+            **({"platform_reader": True} if platform_reader else {}),
+        },
     )  # never the token
     claims = {
         "iss": settings.KCAAS_TOKEN_ISSUER,

@@ -1,7 +1,8 @@
 """The indexer's reader of caches: every round, each ready cache of an active tenant has its block events read from
-its node over the TLS data plane (an EVENTS request under a read-only data token the control plane issues it, as
-the tenant's own engines get theirs: audited, counted in the tenant's outstanding tokens, revoked with them) and
-applied to the routing index (routing.cache_index). One connection per followed cache, kept between rounds.
+its node over the TLS data plane (an EVENTS request under a read-only data token the control plane issues itself:
+audited and revoked with the tenant's, but the platform's (`platform_reader`), so not in the tenant's outstanding
+quota: following a tenant's caches never takes tokens its engines need) and applied to the routing index
+(routing.cache_index). One connection per followed cache, kept between rounds.
 
 What a node's log says is what its cache's tiers held at the read (gpu_node/engine/block_events.py), so a lookup
 answers per cache and per tier (GPU, CPU, STORAGE, NETWORK) with no question to the node on the request's path.
@@ -109,7 +110,7 @@ class CacheFollower:
                 return reader
         self._drop(cache.id)
         try:
-            issued = data_token_issue(tenant_id=cache.tenant_id, cache_id=cache.id, access="read")
+            issued = data_token_issue(tenant_id=cache.tenant_id, cache_id=cache.id, access="read", platform_reader=True)
         except ApplicationError as exc:  # quota spent, tenant inactive, cache no longer ready: next round
             logger.info("caches: no data token for cache %s: %s", cache.id, exc)
             return None

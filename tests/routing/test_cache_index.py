@@ -75,17 +75,23 @@ def test_a_new_log_or_dropped_batches_leave_nothing_stale_and_erasure_forgets_it
     assert not CacheFollow.objects.exists() and not IndexedBlock.objects.exists()
 
 
-def test_a_node_that_does_not_answer_is_retried_with_backoff_on_the_same_token(tenant_a, node):
+def test_the_reader_backs_off_a_silent_node_on_one_token_outside_the_tenants_quota(tenant_a, node):
     from caches.models import CacheState, DataToken
+    from caches.selectors import data_tokens_outstanding
     from routing.cache_follower import CacheFollower
+    from tenants import services as tenant_services
     from tests.faults import free_port
 
     cache = attached(tenant_a, node)
     Cache.objects.filter(pk=cache.pk).update(state=CacheState.READY, endpoint=f"127.0.0.1:{free_port()}")
+    tenant_services.quota_update(tenant=tenant_a.tenant, max_data_tokens_outstanding=0)  # none left for its engines
     follower = CacheFollower(timeout_s=2.0)
     try:
         assert follower.step() == 0 and follower.step() == 0  # refused, then not retried within its backoff
         assert DataToken.objects.filter(cache_id=cache.pk).count() == 1  # one token, not one per round
+        # the platform's own reader: issued whatever the tenant's quota, and not counted in it
+        assert DataToken.objects.get(cache_id=cache.pk).platform_reader
+        assert data_tokens_outstanding(tenant_id=tenant_a.tenant.pk) == 0
         assert not IndexedBlock.objects.filter(cache_id=cache.pk).exists()
     finally:
         follower.close()
