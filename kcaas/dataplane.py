@@ -260,9 +260,11 @@ class DataPlaneClient:
             Received(self._out_bytes(out, dtype, len(seq) - start), start, len(seq), spec, out, self._views)
             for out, seq, start in zip(outs, ids, starts)
         ]
-        if progress is not None and len(states) == 1:
+        if progress is not None:
+            if len(states) != 1:
+                raise ValueError("progress streams one sequence's answer: get, not a batch")
             states[0].progress = progress
-        with self._t.lock, streaming(self._t, states[0] if progress is not None and len(states) == 1 else None):
+        with self._t.lock, streaming(self._t, states[0] if progress is not None else None):
             pending = list(range(len(ids)))
             while pending:
                 for chunk in self._chunks(pending, ids) if len(pending) > 1 else (pending,):

@@ -71,13 +71,14 @@ class LayerwiseLoads:
     def start(self, loads: list[Load]) -> None:
         """Begin the step's loads on the loader thread (vLLM's start_load_kv)."""
         layers, paged = self._pool()
-        self._jobs = [_Job(load, self._buffer(i, layers[0], paged, load)) for i, load in enumerate(loads)]
+        self._jobs = [_Job(load, self._buffer(i, layers, paged, load)) for i, load in enumerate(loads)]
         self._started = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="kcaas-loader", daemon=True)
         self._thread.start()
 
-    def _buffer(self, index: int, like: torch.Tensor, paged: PagedLayout, load: Load) -> torch.Tensor:
-        shape = (len(self._pool()[0]), 2, len(load.tokens) - load.start, paged.num_kv_heads, paged.head_dim)
+    def _buffer(self, index: int, layers: list[torch.Tensor], paged: PagedLayout, load: Load) -> torch.Tensor:
+        like = layers[0]
+        shape = (len(layers), 2, len(load.tokens) - load.start, paged.num_kv_heads, paged.head_dim)
         numel = shape[0] * shape[1] * shape[2] * shape[3] * shape[4]
         while len(self._staging) <= index:
             self._staging.append(torch.empty(0, dtype=like.dtype))

@@ -39,6 +39,7 @@ class _Reader:
     endpoint: str
     epoch: int
     renew_at: float  # monotonic: issue a fresh token from here on
+    next_seq: int | None = None  # the batch to read next; None: ask the follow (its row) first
 
 
 class CacheFollower:
@@ -76,8 +77,11 @@ class CacheFollower:
             reader = self._reader(cache)
             if reader is None:
                 return 0
-            follow = cache_index.follow_start(cache_id=cache.id, endpoint=cache.endpoint, epoch=cache.epoch)
-            answer = reader.client.call_events(follow.next_seq, MAX_BATCHES_PER_READ)
+            if reader.next_seq is None:  # a new reader: the follow's row says where to go on (no query per round)
+                follow = cache_index.follow_start(cache_id=cache.id, endpoint=cache.endpoint, epoch=cache.epoch)
+                reader.next_seq = follow.next_seq
+            since = reader.next_seq
+            answer = reader.client.call_events(since, MAX_BATCHES_PER_READ)
             batches = [(seq, decode_batch(payload)) for seq, payload in answer.batches]
         except (DataPlaneError, OSError, EventFormatError) as exc:
             # backed off (1, 2, 4 ... 60 s); a refusal may be the token's: the next try gets a fresh one
@@ -89,16 +93,20 @@ class CacheFollower:
                 self._readers[cache.id].client.close()  # reconnects on the next try, with the same token
             return 0
         self._failing.pop(cache.id, None)
-        if answer.next_seq < follow.next_seq:  # the node's log started over (its agent restarted)
+        if answer.next_seq < since:  # the node's log started over (its agent restarted)
             cache_index.follow_restart(cache_id=cache.id)
+            reader.next_seq = 0
             return 0
-        if follow.next_seq < answer.first_seq:
+        if since < answer.first_seq:
             logger.warning("caches: cache %s's log dropped batches before they were read", cache.id)
             cache_index.follow_restart(cache_id=cache.id, next_seq=answer.first_seq, gap=True)
+            reader.next_seq = answer.first_seq
         applied = 0
         for seq, batch in batches:
             if not cache_index.apply_cache_batch(cache_id=cache.id, seq=seq, batch=batch):
+                reader.next_seq = None  # the row moved on or is gone (erasure): read it again next round
                 break
+            reader.next_seq = seq + 1
             applied += 1
         return applied
 

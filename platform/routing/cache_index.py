@@ -14,12 +14,11 @@ import uuid
 
 from django.db import transaction
 from django.db.models import F
-from django.utils import timezone
 
 from caches.models import Cache
 from kcaas.kv_events import EventBatch
 from routing.models import CacheFollow, IndexedBlock
-from routing.services import apply_event
+from routing.services import apply_batch_to
 
 
 def follow_start(*, cache_id: uuid.UUID, endpoint: str, epoch: int) -> CacheFollow:
@@ -60,10 +59,5 @@ def apply_cache_batch(*, cache_id: uuid.UUID, seq: int, batch: EventBatch) -> bo
         if follow is None or seq != follow.next_seq:
             return False
         cache = Cache.objects.only("id", "block_size").get(id=cache_id)
-        for event in batch.events:
-            apply_event({"cache": cache}, cache.block_size, event)
-        follow.next_seq = seq + 1
-        follow.events_applied += len(batch.events)
-        follow.last_event_at = timezone.now()
-        follow.save(update_fields=["next_seq", "events_applied", "last_event_at"])
+        apply_batch_to({"cache": cache}, cache.block_size, follow, seq, batch)
     return True

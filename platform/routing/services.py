@@ -129,13 +129,19 @@ def apply_batch(*, instance_id: uuid.UUID, seq: int, batch: EventBatch) -> bool:
         instance = EngineInstance.objects.select_for_update().filter(id=instance_id).first()
         if instance is None or instance.state != InstanceState.LIVE or seq != instance.next_seq:
             return False
-        for event in batch.events:
-            apply_event({"instance": instance}, instance.block_size, event)
-        instance.next_seq = seq + 1
-        instance.events_applied += len(batch.events)
-        instance.last_event_at = timezone.now()
-        instance.save(update_fields=["next_seq", "events_applied", "last_event_at"])
+        apply_batch_to({"instance": instance}, instance.block_size, instance, seq, batch)
     return True
+
+
+def apply_batch_to(owner: dict, block_size: int, cursor, seq: int, batch: EventBatch) -> None:
+    """In the caller's transaction, the row `cursor` locked and expecting `seq`: the batch's events to `owner`'s
+    index, and the cursor moved past it (next_seq, events_applied, last_event_at)."""
+    for event in batch.events:
+        apply_event(owner, block_size, event)
+    cursor.next_seq = seq + 1
+    cursor.events_applied += len(batch.events)
+    cursor.last_event_at = timezone.now()
+    cursor.save(update_fields=["next_seq", "events_applied", "last_event_at"])
 
 
 def apply_event(owner: dict, block_size: int, event) -> None:
