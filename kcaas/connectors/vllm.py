@@ -8,10 +8,11 @@ connector API, KVConnectorBase_V1). docs/vllm.md is the user's page; this is how
 Scheduler side (one instance in the engine core):
   * `get_num_new_matched_tokens`: one LOOKUP per request on the node (remembered for the request: vLLM may ask
     again), bounded by `lookup_timeout_ms`; a node that fails or times out is a miss, and lookups are skipped for a
-    back-off after it (no request waits on a dead node twice). What may load: whole vLLM blocks, never the prompt's
+    back-off after it (no request waits on a dead node twice). What may load: whole cache blocks (the cache's block
+    size divides vLLM's, so a hit may end inside a vLLM block: vLLM computes the rest of it), never the prompt's
     last token, beyond vLLM's own local hit.
   * `build_connector_meta`: per step, the loads promised (tokens, the vLLM blocks to fill) and the saves due: a
-    request whose prompt was computed this step saves its prompt's whole blocks not already in the cache.
+    request whose prompt was computed this step saves its prompt's whole cache blocks not already in the cache.
 Worker side (one instance per worker):
   * `start_load_kv`: GET of the promised tokens (only those beyond vLLM's local hit cross the wire), scattered into
     the blocks vLLM allocated: by default streamed on a loader thread, each layer scattered in `wait_for_layer_load`
@@ -20,10 +21,12 @@ Worker side (one instance per worker):
     are reported by `get_block_ids_with_load_errors`, and vLLM recomputes them (the connector sets
     kv_load_failure_policy to "recompute": a KCaaS miss is never a failed request). Wrong KV is never loaded: what
     arrives is what the node verified for exactly these tokens.
-  * `wait_for_save`: the saves' blocks are copied out of vLLM's pool (so vLLM keeps no block for us) and PUT:
-    in this call (`save: "sync"`, the default of kv_producer, so a consumer finds the KV once the producer's request
-    returned) or by a background thread (`save: "async"`, the default otherwise; a bounded queue, a save that does
-    not fit is dropped and counted).
+  * `save_kv_layer` / `wait_for_save`: the saves' blocks are copied out of vLLM's pool layer by layer as the
+    forward writes each layer (a copier thread, beside the forward: kcaas/connectors/vllm_saves.py), all of them
+    before wait_for_save returns (so vLLM keeps no block for us), and PUT: in wait_for_save (`save: "sync"`, the
+    default of kv_producer, so a consumer finds the KV once the producer's request returned) or by a background
+    thread (`save: "async"`, the default otherwise; a bounded queue, a save that does not fit is dropped and
+    counted).
 Roles: kv_both loads and saves; kv_producer saves only; kv_consumer loads only, with a read-only data token.
 Identity: the cache's KVCacheSpec must equal the engine's (layers, KV heads, head size, dtype, fingerprint
 "<model>@<revision>"; for an MLA model the latent spec: attention 'mla', kv_lora_rank, qk_rope_head_dim), and its
@@ -69,6 +72,8 @@ STAT_NAMES = (
     "load_failures",
     "failed_tokens",
     "load_wait_seconds",
+    "save_wait_seconds",
+    "save_layers_copied_late",
     "saved_tokens",
     "saved_bytes",
     "save_failures",
@@ -214,8 +219,9 @@ class KCaaSConnector(KVConnectorBase_V1):
         transfer = self._kv_transfer_config
         self._config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config, transfer.kv_role)
         self._layout = engine_layout(vllm_config, kv_cache_config, self._config.model_fingerprint)
-        self._block_size = self._layout.block_size
+        self._block_size = self._layout.block_size  # vLLM's
         self._session = CacheSession(self._config, self._layout)
+        self._hit_unit = self._session.spec.block_size  # the cache's (divides vLLM's): what a hit is counted in
         logger.info(
             "KCaaS connector (%s, %s): cache %s at %s",
             role.name.lower(),
@@ -259,6 +265,7 @@ class KCaaSConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
+        self._worker_side().begin_saves(metadata.saves)  # copied out layer by layer as the forward writes them
         if metadata.loads:
             self._worker_side().load(metadata.loads)
 
@@ -266,13 +273,11 @@ class KCaaSConnector(KVConnectorBase_V1):
         self._worker_side().wait_layer(layer_name)  # layerwise: this layer of the step's loads, once arrived
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
-        return  # saved whole in wait_for_save, once the step's KV is all written
+        self._worker_side().layer_saved(layer_name)  # the step's saves copy this layer out, beside the forward
 
     def wait_for_save(self) -> None:
-        self._worker_side().finish_loads()  # the forward is over: loads joined before the saves read the blocks
-        metadata = self._get_connector_metadata()
-        if metadata.saves:
-            self._worker_side().save(metadata.saves)
+        self._worker_side().finish_loads()  # the forward is over: loads joined
+        self._worker_side().finish_saves()  # copies joined; PUT now (sync) or on the saver thread (async)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().take_failed_blocks()
@@ -302,7 +307,7 @@ class KCaaSConnector(KVConnectorBase_V1):
         if not self._config.reads:
             return 0, False
         self._local_hits[request.request_id] = num_computed_tokens
-        loadable = loadable_tokens(self._hits[request.request_id], len(prompt), self._block_size)
+        loadable = loadable_tokens(self._hits[request.request_id], len(prompt), self._hit_unit)
         return max(loadable - num_computed_tokens, 0), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -336,29 +341,20 @@ class KCaaSConnector(KVConnectorBase_V1):
         planned = self._pending_loads.pop(req_id, None)
         if planned is None:
             return
-        local, count = planned
-        first, last = local // self._block_size, (local + count) // self._block_size
-        meta.loads.append(
-            Load(
-                req_id,
-                np.asarray(tracked.prompt[: local + count], dtype=np.int32),
-                local,
-                tracked.block_ids[first:last],
-            )
-        )
+        local, count = planned  # local: whole vLLM blocks; count: whole cache blocks (may end inside a vLLM block)
+        first, last = local // self._block_size, -(-(local + count) // self._block_size)
+        tokens = np.asarray(tracked.prompt[: local + count], dtype=np.int32)
+        meta.loads.append(Load(req_id, tokens, local, tracked.block_ids[first:last], self._block_size))
 
     def _emit_save(self, tracked: _Tracked, computed: int, meta: KCaaSMetadata) -> None:
         if not self._config.writes or tracked.saved or computed < len(tracked.prompt):
             return
         tracked.saved = True
-        end = savable_tokens(len(tracked.prompt), self._block_size)
-        have = min(tracked.cached_in_kcaas, end) // self._block_size * self._block_size
-        if end > have and end // self._block_size <= len(tracked.block_ids):
-            meta.saves.append(
-                Save(
-                    np.asarray(tracked.prompt[:end], dtype=np.int32), have, tracked.block_ids[: end // self._block_size]
-                )
-            )
+        end = savable_tokens(len(tracked.prompt), self._hit_unit)
+        have = min(tracked.cached_in_kcaas, end) // self._hit_unit * self._hit_unit
+        blocks = -(-end // self._block_size)
+        if end > have and blocks <= len(tracked.block_ids):
+            meta.saves.append(Save(np.asarray(tracked.prompt[:end], dtype=np.int32), have, tracked.block_ids[:blocks]))
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._tracked.pop(request.request_id, None)

@@ -25,9 +25,10 @@ within one block. `PagedLayout.of` derives it from a backend's documented views,
 probe here (the CUDA ones; their write kernels store token-major rows, as their views say).
 
 KCaaS's layout is `[num_layers, 2, num_tokens, num_kv_heads, head_dim]` (kcaas/dataplane.py, the same bytes the
-transformers connector and every other engine read). `gather` copies whole vLLM blocks out into it, `scatter`
-copies it into whole vLLM blocks; both touch only the blocks named, and move whole blocks only (a connector loads
-and saves full blocks: the last, partial block of a prompt is always computed by vLLM).
+transformers connector and every other engine read). `gather` copies whole vLLM blocks out into it (a save keeps the
+tokens it needs), `scatter` copies it into vLLM blocks: whole ones, and the head of the last one where the tokens end
+inside it (the cache's blocks are finer than vLLM's: a hit ends on a cache block, and vLLM computes the rest of that
+vLLM block). Both touch only the blocks named, and scatter only the slots of the tokens given.
 """
 
 from __future__ import annotations
@@ -176,15 +177,31 @@ def gather(
 
 
 def scatter(layers: list[torch.Tensor], layout: PagedLayout, block_ids: list[int], kv: torch.Tensor) -> None:
-    """Write kv ([num_layers, 2, len(block_ids) * block_size, kv_heads, head_dim]) into the blocks `block_ids`."""
+    """Write kv ([num_layers, 2, n, kv_heads, head_dim]) into the first n slots of the blocks `block_ids`, in order
+    (n > (len(block_ids) - 1) * block_size): whole blocks, then, where n ends inside the last block, only its first
+    n % block_size slots; the slots past n are left as they are (vLLM may have written its own tokens there)."""
     nb, bs, heads, dim = len(block_ids), layout.block_size, layout.num_kv_heads, layout.head_dim
-    expected = (len(layers), 2, nb * bs, heads, dim)
-    if tuple(kv.shape) != expected:
-        raise ValueError(f"kv must be {expected} to fill {nb} blocks, got {tuple(kv.shape)}")
+    n = kv.shape[2] if kv.dim() == 5 else -1
+    if tuple(kv.shape) != (len(layers), 2, n, heads, dim) or not (nb - 1) * bs < n <= nb * bs:
+        raise ValueError(
+            f"kv must be [{len(layers)}, 2, tokens, {heads}, {dim}] with tokens ending in the last of {nb} blocks of "
+            f"{bs}, got {tuple(kv.shape)}"
+        )
+    first = layers[0]
+    kv = kv.to(device=first.device, dtype=first.dtype)
+    whole = n // bs
+    if whole:
+        _scatter_blocks(layers, layout, block_ids[:whole], kv[:, :, : whole * bs])
+    if n > whole * bs:
+        _scatter_head_of_block(layers, layout, block_ids[whole], kv[:, :, whole * bs :])
+
+
+def _scatter_blocks(layers: list[torch.Tensor], layout: PagedLayout, block_ids: list[int], kv: torch.Tensor) -> None:
+    """Write kv (whole blocks: [num_layers, 2, len(block_ids) * block_size, heads, dim]) into `block_ids`."""
+    nb, bs, heads, dim = len(block_ids), layout.block_size, layout.num_kv_heads, layout.head_dim
     first = layers[0]
     ids = torch.tensor(block_ids, dtype=torch.long, device=first.device)
     offsets = layout.offsets.to(first.device).flatten()
-    kv = kv.to(device=first.device, dtype=first.dtype)
     slab = torch.empty((nb, layout.block_elements), dtype=first.dtype, device=first.device)
     for index, layer in enumerate(layers):
         canonical = kv[index].view(2, nb, bs, heads, dim).transpose(0, 1).reshape(nb, layout.block_elements)
@@ -192,13 +209,23 @@ def scatter(layers: list[torch.Tensor], layout: PagedLayout, block_ids: list[int
         _slabs(layer, layout).index_copy_(0, ids, slab)
 
 
+def _scatter_head_of_block(layers: list[torch.Tensor], layout: PagedLayout, block_id: int, kv: torch.Tensor) -> None:
+    """Write kv ([num_layers, 2, r, heads, dim], r < block_size) into the first r slots of block `block_id` only."""
+    r = kv.shape[2]
+    offsets = layout.offsets[:, :r].to(layers[0].device).flatten()  # [2, r, heads, dim]: KCaaS's element order
+    for index, layer in enumerate(layers):
+        _slabs(layer, layout)[block_id].index_copy_(0, offsets, kv[index].reshape(-1))
+
+
 def loadable_tokens(num_cached: int, num_prompt_tokens: int, block_size: int) -> int:
-    """Of a prompt whose first `num_cached` tokens the store holds, how many a connector may load: whole vLLM
-    blocks only, and never the prompt's last token (vLLM recomputes it to have logits to sample from)."""
+    """Of a prompt whose first `num_cached` tokens the store holds, how many a connector may load: whole cache blocks
+    (`block_size`: the cache's, which divides vLLM's; the last one may end inside a vLLM block), and never the
+    prompt's last token (vLLM recomputes it to have logits to sample from)."""
     usable = min(num_cached, num_prompt_tokens - 1)
     return max(usable, 0) // block_size * block_size
 
 
 def savable_tokens(num_prompt_tokens: int, block_size: int) -> int:
-    """The prompt tokens whose KV fills whole vLLM blocks: what a connector saves once the prompt is computed."""
+    """The prompt tokens whose KV fills whole cache blocks (`block_size`: the cache's): what a connector saves once
+    the prompt is computed (the last vLLM block it reads from may be partly filled)."""
     return num_prompt_tokens // block_size * block_size

@@ -7,9 +7,9 @@ of layers i+1, i+2, ...
 Invariants:
   * a layer of a load is scattered at most once, and only once the node's bytes for all of its tokens are in the
     staging buffer;
-  * when the step ends (`finish`), every promised block holds the node's KV in every layer, or is reported failed
-    (vLLM recomputes it): a load that failed, came back short, or has a layer that was never scattered (the
-    forward did not wait for it) fails the blocks it did not fill in every layer;
+  * when the step ends (`finish`), every promised token's slot holds the node's KV in every layer, or its block is
+    reported failed (vLLM recomputes it): a load that failed, came back short, or has a layer that was never
+    scattered (the forward did not wait for it) fails the blocks it did not fill in every layer;
   * a staging buffer is reused only after the step that filled it finished (the loader thread joined).
 """
 
@@ -31,13 +31,33 @@ logger = logging.getLogger("kcaas.connectors.vllm")
 
 @dataclass(frozen=True)
 class Load:
-    """Fill `block_ids` with the KV of tokens[start:] (tokens: the prompt up to the load's end; start: vLLM's
-    own hit, a whole number of blocks)."""
+    """Fill the slots of tokens[start:] with their KV: `block_ids` are the vLLM blocks holding them, in order
+    (tokens: the prompt up to the load's end, a whole number of cache blocks; start: vLLM's own hit, a whole number
+    of vLLM blocks; the last block may hold fewer of the load's tokens than it has slots)."""
 
     req_id: str
     tokens: np.ndarray
     start: int
     block_ids: list[int]
+    block_size: int  # vLLM's
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the load promised."""
+        return len(self.tokens) - self.start
+
+    def filled(self, answered_end: int) -> int:
+        """Tokens of the load an answer ending at token `answered_end` (the node's n) covers."""
+        return min(max(min(answered_end, len(self.tokens)) - self.start, 0), len(self.block_ids) * self.block_size)
+
+    def blocks_holding(self, tokens: int) -> list[int]:
+        """The vLLM blocks the load's first `tokens` tokens are in."""
+        return self.block_ids[: -(-tokens // self.block_size)]
+
+    def missed(self, filled: int) -> list[int]:
+        """The promised blocks not filled when the load's first `filled` tokens are: from the block the first
+        unfilled token is in (vLLM recomputes from that block's start)."""
+        return self.block_ids[filled // self.block_size :] if filled < self.num_tokens else []
 
 
 @dataclass
@@ -57,10 +77,8 @@ class LayerwiseLoads:
     """The step's loads, pipelined by layer. `reader()` gives the loads' DataPlaneClient; `pool()` vLLM's paged
     layers and their layout; `count(**stats)` adds to the worker's counters."""
 
-    def __init__(
-        self, reader: Callable, pool: Callable, block_size: int, bytes_per_token: int, timeout_s: float, count: Callable
-    ):
-        self._reader, self._pool, self._bs, self._bytes_per_token = reader, pool, block_size, bytes_per_token
+    def __init__(self, reader: Callable, pool: Callable, bytes_per_token: int, timeout_s: float, count: Callable):
+        self._reader, self._pool, self._bytes_per_token = reader, pool, bytes_per_token
         self._timeout_s, self._count = timeout_s, count
         self._cond = threading.Condition()
         self._jobs: list[_Job] = []
@@ -120,17 +138,13 @@ class LayerwiseLoads:
                 while not job.done and job.layers_in <= index and time.perf_counter() < deadline:
                     self._cond.wait(timeout=max(deadline - time.perf_counter(), 0.0))
                 ready = job.layers_in > index and index not in job.scattered
-                filled = self._filled(job)
+                filled = job.load.filled(job.load.start + (job.answered or 0))
             if ready and filled:
                 layers, paged = self._pool()
-                kv = _answer(job)[index : index + 1, :, : filled * self._bs]
-                scatter([layers[index]], paged, job.load.block_ids[:filled], kv)
+                kv = _answer(job)[index : index + 1, :, :filled]
+                scatter([layers[index]], paged, job.load.blocks_holding(filled), kv)
                 job.scattered.add(index)
         self._count(load_wait_seconds=time.perf_counter() - waited)
-
-    def _filled(self, job: _Job) -> int:
-        """Whole vLLM blocks the answer covers (of those promised)."""
-        return min((job.answered or 0) // self._bs, len(job.load.block_ids))
 
     def finish(self) -> set[int]:
         """The step is over: join the loader, and return the promised blocks not filled in every layer."""
@@ -141,14 +155,15 @@ class LayerwiseLoads:
         failed: set[int] = set()
         num_layers = len(self._pool()[0])
         for job in self._jobs:
-            filled = self._filled(job) if len(job.scattered) == num_layers else 0
-            missed = job.load.block_ids[filled:]
+            load = job.load
+            filled = load.filled(load.start + (job.answered or 0)) if len(job.scattered) == num_layers else 0
+            missed = load.missed(filled)
             failed.update(missed)
             self._count(
-                loaded_tokens=filled * self._bs,
-                loaded_bytes=filled * self._bs * self._bytes_per_token,
+                loaded_tokens=filled,
+                loaded_bytes=filled * self._bytes_per_token,
                 load_failures=1 if missed else 0,
-                failed_tokens=len(missed) * self._bs,
+                failed_tokens=load.num_tokens - filled,
             )
         self._count(load_seconds=self._arrived - self._started)  # the loads' own time, overlapped with the forward
         self._jobs = []

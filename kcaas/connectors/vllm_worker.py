@@ -1,19 +1,20 @@
-"""The vLLM connector's worker side (no vLLM import): loads into vLLM's blocks before a forward, saves out of them
-after it, counts what it did. kcaas/connectors/vllm.py calls it; the plan (which tokens, which blocks) comes from
-the scheduler side as `Load`s and `Save`s.
+"""The vLLM connector's worker side (no vLLM import): loads into vLLM's blocks before or during a forward, saves out
+of them during and after it, counts what it did. kcaas/connectors/vllm.py calls it; the plan (which tokens, which
+blocks) comes from the scheduler side as `Load`s and `Save`s.
 
 Invariants:
-  * a load fills only whole vLLM blocks with KV the node sent for exactly those tokens; every promised block it
-    could not fill is reported once (`take_failed_blocks`) so vLLM recomputes it — never left as garbage;
-  * a save copies its blocks out of vLLM's pool before this call returns (vLLM may reuse them at once); the PUT
-    happens here (sync) or on the saver thread (async), and its failure is a later miss, never an engine error;
+  * a load fills the slots of its tokens (whole cache blocks; the last may end inside a vLLM block) with KV the
+    node sent for exactly those tokens; every promised block it could not fill is reported once
+    (`take_failed_blocks`) so vLLM recomputes it — never left as garbage;
+  * a save's KV is copied out of vLLM's pool layer by layer during the forward, and all of it before the step's
+    wait_for_save returns (vLLM may reuse the blocks then: kcaas/connectors/vllm_saves.py); the PUT happens in
+    wait_for_save (sync) or on the saver thread (async), and its failure is a later miss, never an engine error;
   * no exception of the node or the network reaches vLLM from a load or a save.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import re
 import threading
 import time
@@ -29,10 +30,10 @@ from kcaas.connectors.vllm_blocks import (
     CacheWrite,
     LayoutProbeError,
     PagedLayout,
-    gather,
     scatter,
 )
 from kcaas.connectors.vllm_loads import LayerwiseLoads, Load
+from kcaas.connectors.vllm_saves import SaveQueue, StagedSaves
 from kcaas.connectors.vllm_session import CacheSession, ConnectorConfig, ConnectorSetupError, EngineLayout
 from kcaas.dataplane import DataPlaneClient, DataPlaneError
 
@@ -41,7 +42,8 @@ logger = logging.getLogger("kcaas.connectors.vllm")
 
 @dataclass(frozen=True)
 class Save:
-    """PUT the KV of `tokens` (whole vLLM blocks, in `block_ids`), the cache holding tokens[:start] already."""
+    """PUT the KV of `tokens` (whole cache blocks; `block_ids`: the vLLM blocks holding them, the last maybe only in
+    part), the cache holding tokens[:start] already."""
 
     tokens: np.ndarray
     start: int
@@ -61,13 +63,17 @@ class ConnectorWorker:
         self._failed: set[int] = set()
         self._layers: list[torch.Tensor] = []
         self._paged: PagedLayout | None = None
-        self._saver = _Saver(self) if config.writes and config.save == "async" else None
+        self._saver = (
+            SaveQueue(self.put, config.save_queue_bytes, lambda: self.count(saves_dropped=1))
+            if config.writes and config.save == "async"
+            else None
+        )
+        self._staged = StagedSaves(self._pool) if config.writes else None
         self._put_client: DataPlaneClient | None = None
         self._layer_index: dict[str, int] = {}
         self._layerwise = (
             LayerwiseLoads(
-                self._reader, self._pool, layout.block_size, session.spec.kv_bytes_per_token, config.io_timeout_s,
-                self.count,
+                self._reader, self._pool, session.spec.kv_bytes_per_token, config.io_timeout_s, self.count
             )
             if config.reads and config.load == "layerwise"
             else None
@@ -139,7 +145,6 @@ class ConnectorWorker:
 
     def _load_one(self, load: Load) -> None:
         started = time.perf_counter()
-        bs = self._layout.block_size
         try:
             end, kv = self._reader().get(load.tokens, start=load.start)
         except Exception as exc:  # noqa: BLE001 - the node or the network: those blocks are recomputed
@@ -147,19 +152,18 @@ class ConnectorWorker:
                 "KCaaS load of %d tokens failed (%s): vLLM recomputes them", len(load.tokens) - load.start, exc
             )
             end, kv = load.start, None
-        filled = max(min(end, len(load.tokens)) - load.start, 0) // bs
-        filled = min(filled, len(load.block_ids))
+        filled = load.filled(end)
         if filled:
-            scatter(*self._pool(), load.block_ids[:filled], kv[:, :, : filled * bs])
-        missed = load.block_ids[filled:]
+            scatter(*self._pool(), load.blocks_holding(filled), kv[:, :, :filled])
+        missed = load.missed(filled)
         with self._lock:
             self._failed.update(missed)
             self._count(
-                loaded_tokens=filled * bs,
-                loaded_bytes=filled * bs * self._session.spec.kv_bytes_per_token,
+                loaded_tokens=filled,
+                loaded_bytes=filled * self._session.spec.kv_bytes_per_token,
                 load_seconds=time.perf_counter() - started,
                 load_failures=1 if missed else 0,
-                failed_tokens=len(missed) * bs,
+                failed_tokens=load.num_tokens - filled,
             )
 
     def take_failed_blocks(self) -> set[int]:
@@ -169,11 +173,26 @@ class ConnectorWorker:
         return failed
 
     # ---- saves --------------------------------------------------------------------------------------------------
-    def save(self, saves: list[Save]) -> None:
-        for save in saves:
-            kv = gather(*self._pool(), save.block_ids)  # a copy: vLLM may reuse its blocks now
-            if kv.device.type != "cpu":
-                kv = kv.cpu()
+    def begin_saves(self, saves: list[Save]) -> None:
+        """The step's saves, before its forward: their layers are copied out as the forward writes them."""
+        if self._staged is not None:
+            self._staged.begin(saves)
+
+    def layer_saved(self, layer_name: str) -> None:
+        """After the attention of `layer_name` (vLLM's save_kv_layer): its KV for the step is written."""
+        if self._staged is not None and layer_name in self._layer_index:
+            self._staged.layer_written(self._layer_index[layer_name])
+
+    def finish_saves(self) -> None:
+        """The step's forward is over (vLLM's wait_for_save): the saves' copies joined (what vLLM did not report is
+        copied now), then PUT here (sync) or handed to the saver thread (async)."""
+        if self._staged is None:
+            return
+        waited = time.perf_counter()
+        staged = self._staged.finish()
+        if staged:
+            self.count(save_wait_seconds=time.perf_counter() - waited, save_layers_copied_late=self._staged.copied_late)
+        for save, kv in staged:
             if self._saver is not None:
                 self._saver.submit(save, kv)
             else:
@@ -217,40 +236,3 @@ class ConnectorWorker:
         for client in (self._loader, self._put_client):
             if client is not None:
                 client.close()
-
-
-class _Saver:
-    """The async saves: a thread PUTs them in order; at most `save_queue_bytes` of KV wait (a save beyond it is
-    dropped and counted: a later miss)."""
-
-    def __init__(self, worker: ConnectorWorker):
-        self._worker = worker
-        self._limit = worker._config.save_queue_bytes
-        self._queue: queue.Queue = queue.Queue()
-        self._waiting_bytes = 0
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="kcaas-saver", daemon=True)
-        self._thread.start()
-
-    def submit(self, save: Save, kv: torch.Tensor) -> None:
-        size = kv.numel() * kv.element_size()
-        with self._lock:
-            if self._waiting_bytes + size > self._limit:
-                self._worker.count(saves_dropped=1)
-                return
-            self._waiting_bytes += size
-        self._queue.put((save, kv, size))
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            save, kv, size = item
-            try:
-                self._worker.put(save, kv)
-            finally:
-                with self._lock:
-                    self._waiting_bytes -= size
-
-    def close(self, timeout_s: float) -> None:
-        """Send what is queued (for at most `timeout_s`), then stop."""
-        self._queue.put(None)
-        self._thread.join(timeout_s)

@@ -4,9 +4,10 @@ node agent process with its TLS data plane, tenants and keys; each engine is its
 off, so what vLLM reports as cached (num_cached_tokens) is exactly what the connector promised to load.
 
 - exactness (Llama): one engine computes and saves (async) prompts whose shared prefixes end on a vLLM block
-  boundary (256 tokens) and inside a block (300); a fresh engine gets them from KCaaS: whole blocks only (256,
-  never the block the prompts diverge in), loaded not recomputed, and its greedy tokens and logprobs are vLLM's
-  alone; isolation: tenant B's fresh engine, identical prompts, a cache of the same name: no hit at all;
+  boundary (256 tokens) and inside a block (300); a fresh engine gets them from KCaaS to the cache's 16-token
+  blocks (256 and 288, never the block the prompts diverge in; 288 and a seed's own 272 end inside vLLM's
+  128-token blocks), loaded not recomputed, and its greedy tokens and logprobs are vLLM's alone; isolation:
+  tenant B's fresh engine, identical prompts, a cache of the same name: no hit at all;
 - bfloat16 (the CPU build runs it): a bf16 cache, a fresh engine's greedy tokens equal a bf16 engine's alone;
 - prefill/decode hand-off (Qwen2, GQA with q/k/v biases, 128-token KCaaS blocks, vLLM's engine and worker in
   their own processes): a kv_producer prefills (max_tokens 1, sync saves: in the cache when its requests return),
@@ -55,7 +56,9 @@ pytestmark = [requires_vllm, pytest.mark.django_db(transaction=True)]
 
 SEED = ["a_seed", "b_seed"]
 FRESH = ["a_other", "b_other", "a_seed", "unrelated"]
-FRESH_HITS = [256, 256, 256, 0]  # whole vLLM blocks of the cached prefix, never the block the prompts diverge in
+# whole 16-token cache blocks of the cached prefix (2 vLLM blocks, and 2 of 16 more), never the one prompts diverge in
+FRESH_HITS = [256, 288, 272, 0]
+SEEDS_SAVED = {"a_seed": 272, "b_seed": 400}  # their prompts' whole cache blocks
 NODE_TOKEN_LEEWAY_S = inspect.signature(TokenVerifier).parameters["leeway"].default
 
 
@@ -76,7 +79,9 @@ def test_a_fresh_engine_loads_the_prefix_exactly_and_another_tenant_gets_nothing
     seeded = seeder.message()
     assert seeded["num_cached_tokens"] == [0, 0]
     assert_same_as_baseline(seeded, SEED, baseline["llama"])
-    wait_cached(a.data_plane(cache_a), {"a_seed": 256, "b_seed": 384})  # its async saves landed
+    assert connector_stat(seeded, "save_wait_seconds") > 0  # its saves were staged in the step ...
+    assert connector_stat(seeded, "save_layers_copied_late") == 0  # ... every layer copied beside the forward
+    wait_cached(a.data_plane(cache_a), SEEDS_SAVED)  # its async saves landed
     seeder.close()
 
     assert fresh.message() == {"ready": True} and other.message() == {"ready": True}
@@ -114,7 +119,7 @@ def test_bfloat16_kv_loads_exactly_too(live_server, pki, vllm_models, vllm_agent
     )
     expected = alone.message()["outputs"]
     assert seeder.message()["num_cached_tokens"] == [0, 0]
-    wait_cached(tenant.data_plane(cache), {"a_seed": 256, "b_seed": 384})
+    wait_cached(tenant.data_plane(cache), SEEDS_SAVED)
     seeder.close()
     assert fresh.message() == {"ready": True}
     fresh.go()
@@ -186,7 +191,7 @@ def test_requests_after_the_data_tokens_expired_still_hit(
 
     first = engine.message()
     assert_same_as_baseline(first, SEED, baseline["llama"])
-    wait_cached(tenant.data_plane(cache), {"a_seed": 256, "b_seed": 384})
+    wait_cached(tenant.data_plane(cache), SEEDS_SAVED)
     # every token issued so far (the engine's included) is past its expiry, and past the node's leeway
     issued_until = timezone.now()
     latest = DataToken.objects.filter(cache_id=cache.id, issued_at__lte=issued_until).aggregate(m=Max("expires_at"))
@@ -199,8 +204,8 @@ def test_requests_after_the_data_tokens_expired_still_hit(
     second = engine.message()
     # the node refused the engine's expired tokens, the connector took fresh ones, and the requests still hit
     assert agent_metric(vllm_agent, "kcaas_dataplane_auth_failures_total", reason="token_expired") > refused_before
-    assert second["num_cached_tokens"] == [256, 256]
-    assert connector_stat(second, "loaded_tokens") == 512
+    assert second["num_cached_tokens"] == FRESH_HITS[:2]
+    assert connector_stat(second, "loaded_tokens") == sum(FRESH_HITS[:2])
     assert_same_as_baseline(second, ["a_other", "b_other"], baseline["llama"])
     assert DataToken.objects.filter(cache_id=cache.id, issued_at__gt=issued_until).exists()  # it got fresh ones
 

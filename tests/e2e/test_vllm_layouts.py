@@ -117,11 +117,11 @@ def test_engines_of_other_block_sizes_and_transformers_read_each_others_saves_ex
 
     assert seeder.message()["num_cached_tokens"] == [0, 0]
     vllm_saved = tenant.data_plane(from_vllm)
-    wait_cached(vllm_saved, {"a_seed": 256, "b_seed": 384})  # whole 128-token vLLM blocks
+    wait_cached(vllm_saved, {"a_seed": 272, "b_seed": 400})  # whole 16-token cache blocks
     seeder.close()
 
     # 1. the bytes vLLM saved are the KV transformers computes for the same tokens
-    for name, saved_tokens in (("a_seed", 256), ("b_seed", 384)):
+    for name, saved_tokens in (("a_seed", 272), ("b_seed", 400)):
         n, saved = vllm_saved.get(PROMPTS[name])
         assert n == saved_tokens
         expected = transformers_kv(model, PROMPTS[name][:n])
@@ -134,19 +134,20 @@ def test_engines_of_other_block_sizes_and_transformers_read_each_others_saves_ex
         assert greedy(model, PROMPTS[name], reader) == greedy(model, PROMPTS[name]), name
         assert reader.last_reuse.num_cached_tokens == {"a_other": 256, "b_other": 300}[name]  # to the token
 
-    # 3. an engine with 32-token vLLM blocks loads the 128-token engine's saves (288 of b_other: 9 blocks of 32)
+    # 3. an engine with 32-token vLLM blocks loads the 128-token engine's saves, to the cache's 16-token blocks
+    # (288 of b_other: 9 blocks of 32; 272 of a_seed: 8 blocks of 32 and half of the ninth)
     expected_32 = alone_32.message()
     assert fresh_32.message() == {"ready": True}
     fresh_32.go()
     served_32 = fresh_32.message()
-    assert served_32["num_cached_tokens"] == [256, 288, 256, 0]
-    assert connector_stat(served_32, "loaded_tokens") == 256 + 288 + 256
+    assert served_32["num_cached_tokens"] == [256, 288, 272, 0]
+    assert connector_stat(served_32, "loaded_tokens") == 256 + 288 + 272
     assert_same_as_baseline(served_32, FRESH, as_baseline(expected_32, FRESH))
 
     # 4. an engine loads what transformers saved
     assert reads_hf.message() == {"ready": True}
     reads_hf.go()
     served_hf = reads_hf.message()
-    assert served_hf["num_cached_tokens"] == [256, 256, 256, 0]
-    assert connector_stat(served_hf, "loaded_tokens") == 3 * 256
+    assert served_hf["num_cached_tokens"] == [256, 288, 272, 0]
+    assert connector_stat(served_hf, "loaded_tokens") == 256 + 288 + 272
     assert_same_as_baseline(served_hf, FRESH, baseline["llama"])

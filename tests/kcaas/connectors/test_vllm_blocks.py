@@ -53,8 +53,29 @@ def test_gather_reads_what_the_backend_reads_and_scatter_writes_only_the_named_b
     assert torch.equal(reference_kv(kind, fresh, [4, 0, 6]), kv)  # the backend reads back exactly what was loaded
     for layer in fresh:
         assert torch.isnan(layer[[1, 2, 3, 5]]).all()  # no other block touched
-    with pytest.raises(ValueError, match="to fill 2 blocks"):
-        scatter(fresh, layout, [0, 1], kv)
+    with pytest.raises(ValueError, match="ending in the last of 2 blocks"):
+        scatter(fresh, layout, [0, 1], kv)  # 3 blocks of tokens for 2 blocks
+    with pytest.raises(ValueError, match="ending in the last of 4 blocks"):
+        scatter(fresh, layout, [0, 1, 3, 2], kv)  # a block no token of it lands in
+
+
+@pytest.mark.parametrize("kind", ["cpu", "concat"])
+@pytest.mark.parametrize("tail", [1, BLOCK - 1])
+def test_tokens_ending_inside_a_block_fill_its_first_slots_and_leave_the_rest_as_they_were(kind, tail):
+    """A hit finer than vLLM's blocks: the last block gets its first `tail` slots; vLLM's own tokens after them
+    (written before the load in a layer-pipelined step) stay."""
+    torch.manual_seed(5)
+    layers = [torch.randn(NUM_BLOCKS, HEADS, BLOCK, 2 * DIM) for _ in range(2)]
+    layout = PagedLayout.of(kind, layers[0])
+    source = gather(layers, layout, [5, 1])[:, :, : BLOCK + tail]  # a block and `tail` tokens of the next
+    fresh = [torch.randn_like(layer) for layer in layers]
+    before = [layer.clone() for layer in fresh]
+    scatter(fresh, layout, [3, 0], source)
+    got = reference_kv(kind, fresh, [3, 0])
+    assert torch.equal(got[:, :, : BLOCK + tail], source)
+    assert torch.equal(got[:, :, BLOCK + tail :], reference_kv(kind, before, [3, 0])[:, :, BLOCK + tail :])
+    for layer, old in zip(fresh, before, strict=True):
+        assert torch.equal(layer[[1, 2, 4, 5, 6]], old[[1, 2, 4, 5, 6]])  # no other block touched
 
 
 RANK, ROPE = 6, 4  # a latent row 10 wide: stored as one head of 5
@@ -107,12 +128,14 @@ def test_a_tensor_that_is_no_paged_layer_is_refused():
         PagedLayout.of("flashinfer", torch.zeros(2, 3, 5, 8))
 
 
-def test_only_whole_blocks_load_and_the_last_prompt_token_is_always_computed():
+def test_only_whole_cache_blocks_load_and_the_last_prompt_token_is_always_computed():
     assert loadable_tokens(300, 400, 128) == 256  # a hit ending inside a block: its whole blocks
+    assert loadable_tokens(2000, 2050, 16) == 2000  # 16-token cache blocks under 128-token vLLM blocks
+    assert loadable_tokens(2050, 2050, 16) == 2048 and loadable_tokens(2048, 2048, 16) == 2032
     assert loadable_tokens(256, 256, 128) == 128  # the whole prompt cached: the last token is recomputed
     assert loadable_tokens(256, 257, 128) == 256
     assert loadable_tokens(100, 400, 128) == 0 and loadable_tokens(0, 1, 16) == 0
-    assert savable_tokens(300, 128) == 256 and savable_tokens(127, 128) == 0
+    assert savable_tokens(300, 128) == 256 and savable_tokens(127, 128) == 0 and savable_tokens(2050, 16) == 2048
 
 
 def dim_major_k_writer(layer, key, value, slots):
