@@ -30,7 +30,7 @@ class ModelConfig:
     num_kv_heads: int = 4
     intermediate_size: int = 2048
     vocab_size: int = 32000
-    max_position_embeddings: int = 4096
+    max_position_embeddings: int = 16384  # room for the long-document workload (8k-16k tokens)
     seed: int = 0
 
     @property
@@ -46,6 +46,10 @@ class ModelConfig:
             f"llama-l{self.num_layers}-h{self.hidden_size}-a{self.num_heads}-kv{self.num_kv_heads}"
             f"-i{self.intermediate_size}-v{self.vocab_size}-p{self.max_position_embeddings}-s{self.seed}"
         )
+
+
+# the in-tree peers by the job's mode (bench/_vllm_peers.py)
+PEER_CONNECTORS = {"lmcache": "LMCacheConnectorV1", "mooncake": "MooncakeStoreConnector"}
 
 
 # ---- the vLLM side (runs in vLLM's venv: `python -m bench.vllm_connector --build-model/--serve ...`) -----------------
@@ -84,9 +88,9 @@ def make_llm(job: dict):
             kv_role="kv_both",
             kv_connector_extra_config=job["extra_config"],
         )
-    elif job["mode"] == "lmcache":
+    elif job["mode"] in PEER_CONNECTORS:
         kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="LMCacheConnectorV1",
+            kv_connector=PEER_CONNECTORS[job["mode"]],
             kv_role="kv_both",
             kv_connector_extra_config=job.get("extra_config") or {},
         )

@@ -32,6 +32,7 @@ from bench._vllm_engines import Run, engine_env, interleave, model_cache_root
 MLA_FINGERPRINT = "kcaas-bench-deepseek-v3-mla-8l-768h@seed0"
 MLA_CACHE_NAME = "bench-vllm-mla"
 MLA_BLOCK_SIZE = 16  # the CPU MLA backend's only block size
+MLA_CACHE_BYTES = 256 << 20  # the MLA cache's device bytes (on the Llama cache's node)
 MLA_MODEL = dict(  # DeepSeek-V3-style attention: the only latent width vLLM's CPU MLA kernel takes (512 + 64)
     hidden_size=768,
     intermediate_size=2048,
@@ -164,7 +165,7 @@ def mla_phase(b) -> None:
     n = REQUESTS[b.results["mode"]]
     shared, seed_prompt, warmup = prompts(n)
     try:
-        _, cache = attach_cache(b.platform, spec_dict(), 256 << 20, name=MLA_CACHE_NAME)
+        _, cache = attach_cache(b.platform, spec_dict(), MLA_CACHE_BYTES, name=MLA_CACHE_NAME)
         base = {
             "model_dir": mla_model_dir(b.python, b.log),
             "max_model_len": MAX_MODEL_LEN,

