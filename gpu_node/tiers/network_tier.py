@@ -13,7 +13,10 @@ A `tiers.Tier` below DRAM and SSD (docs/ARCHITECTURE.md, "The network tier"):
   the index (no I/O: callable under the cache lock); `probe` asks the store (without the cache lock);
 - writes are queued to the tier's writer thread (demotions happen under the cache lock) and readable at once from
   the pending set; `flush` waits for them (write-through puts); removals (discard, clear) are queued behind the
-  writes before them, so a removal always follows the write it undoes;
+  writes before them, so a removal always follows the write it undoes (a batch of puts is one store call, its
+  chunks pipelined inside it: the next chunk sealed while the last is in flight; the call answers after its last
+  transfer, so nothing queued behind it starts before every object of the batch was sent);
+- reads of a run are one store call too, pipelined the other way (a chunk opened while the next is in flight);
 - the store's faults are the guard's (misses, never errors); a write the store refused is dropped and counted.
 
 Invariants (under `_lock`): bytes_resident == sum of the index's record bytes <= capacity_bytes; a hash is never both
@@ -42,7 +45,7 @@ AAD_PREFIX = b"kcaas/net/v1/"
 MAX_PENDING_BYTES = 256 << 20  # writes queued beyond this are dropped (the store is behind): bounded memory
 FLUSH_TIMEOUT_S = 10.0
 DEFAULT_SLOT_BYTES = 4 << 20
-WRITE_BATCH_BLOCKS = 16  # queued puts sent in one batched transfer, at most
+WRITE_BATCH_BLOCKS = 16  # queued puts sent in one store call (pipelined chunks: object_store.WRITE_CHUNK_BLOCKS)
 CORRUPT = object()  # what opening a record that is not this block's answers
 
 
@@ -139,8 +142,8 @@ class NetworkTier:
         return self.fetch_many([block_hash])[0]
 
     def fetch_many(self, hashes: Sequence[BlockHash]) -> list[tuple[bytearray, tuple | None] | None]:
-        """`fetch` of each hash, in order: one batched transfer (into the store client's reused buffer, opened
-        straight from it) for those not still queued here."""
+        """`fetch` of each hash, in order: one store call (pipelined batched transfers into the store client's reused
+        buffers, each record opened straight from them) for those not still queued here."""
         hashes = [BlockHash(bytes(h)) for h in hashes]
         results: list[tuple[bytearray, tuple | None] | None] = [None] * len(hashes)
         wanted: dict[str, int] = {}

@@ -84,6 +84,12 @@ class MooncakeObjectStore:
     transfer buffer (`buffer_bytes`) bounds one object's size. It connects on first use (and again after a failed
     try): a store that is down when the node starts delays nothing, and one that comes up later is used. A master
     whose port refuses connections fails at once (Mooncake's own setup would retry for ~90 s).
+
+    Zero-copy transfers use buffers registered with the client on first use and reused, each at least a whole chunk of
+    2 MiB records (TRANSFER_BUFFER_BYTES: a batch's size never regrows one): two per direction, so a batched call is a
+    pipeline of chunks (`write_many` seals chunk k+1 while chunk k is sent, `read_many` opens chunk k while chunk
+    k+1 arrives, the other chunk's transfer on the transfer thread), and one each for single reads and writes. A
+    buffer is written again only once the transfer that used it answered; larger objects grow it (doubling).
     """
 
     def __init__(self, master: str, metadata_url: str, *, buffer_bytes: int = 64 << 20, host: str = "127.0.0.1"):
@@ -91,7 +97,8 @@ class MooncakeObjectStore:
         self._buffer_bytes, self._host = buffer_bytes, host
         self._client = None
         self._buffers: dict[str, _Registered] = {}  # by purpose: reused, registered with the client
-        self._transfers: ThreadPoolExecutor | None = None  # read_many's transfer thread, started on first use
+        self._transfers: ThreadPoolExecutor | None = None  # the pipelines' transfer thread, started on first use
+        self.num_buffer_registrations = 0  # transfer buffers registered: one per purpose, unless objects outgrow it
 
     @property
     def _store(self):
@@ -152,33 +159,57 @@ class MooncakeObjectStore:
         return consume(name, buffer.view[:size]) if size > 0 else None
 
     def read_many(self, names: list[str], consume: Callable[[str, memoryview], Any], slot_bytes: int) -> list:
-        """Batched transfers of up to READ_CHUNK_BLOCKS objects, pipelined: the next chunk is transferred (on the
+        """Batched transfers of up to READ_CHUNK_BLOCKS objects, pipelined: chunk k+1 is transferred (on the
         client's transfer thread, which holds no GIL while the store moves bytes) into one buffer while the objects
-        of the last are consumed from the other. An object larger than its slot is read alone."""
+        of chunk k are consumed from the other; the first chunk is transferred on this thread (no hand-off before
+        there is work to overlap). An object larger than its slot is read alone."""
         slot = max(int(slot_bytes), 4096)
-        chunks = [names[i : i + READ_CHUNK_BLOCKS] for i in range(0, len(names), READ_CHUNK_BLOCKS)]
+        chunks = _chunks(names, READ_CHUNK_BLOCKS)
         sides = min(2, len(chunks))  # a second buffer only when a transfer overlaps the opening of another
-        buffers = [self._buffer(f"batch{side}", slot * min(len(names), READ_CHUNK_BLOCKS)) for side in range(sides)]
+        buffers = [self._buffer(f"batch{side}", slot * len(chunks[0])) for side in range(sides)]
         results: list = []
-        transfer = self._transfer(chunks[0], buffers[0], slot)
-        for k, chunk in enumerate(chunks):
-            sizes = transfer.result()
-            if k + 1 < len(chunks):
-                transfer = self._transfer(chunks[k + 1], buffers[(k + 1) % sides], slot)
-            view = buffers[k % sides].view
-            for i, (name, size) in enumerate(zip(chunk, sizes)):
-                if size == TOO_SMALL:
-                    results.append(self.read(name, consume))
-                else:
-                    results.append(consume(name, view[i * slot : i * slot + size]) if size > 0 else None)
+        sizes = self._store.batch_get_into(*self._slots(chunks[0], buffers[0], slot))
+        transfer: Future | None = None
+        try:
+            for k, chunk in enumerate(chunks):
+                if transfer is not None:
+                    sizes, transfer = transfer.result(), None
+                if k + 1 < len(chunks):
+                    slots = self._slots(chunks[k + 1], buffers[(k + 1) % sides], slot)
+                    transfer = self._start(self._store.batch_get_into, *slots)
+                results.extend(self._consume_chunk(chunk, sizes, buffers[k % sides].view, slot, consume))
+        finally:
+            _settle(transfer)  # a consumer that raised: the buffer is not handed out again while it is written
         return results
 
-    def _transfer(self, names: list[str], buffer: _Registered, slot: int) -> Future:
-        """batch_get_into of `names` into `buffer`'s slots, on the transfer thread."""
+    def _consume_chunk(self, chunk: list[str], sizes: list[int], view: memoryview, slot: int, consume) -> list:
+        results = []
+        for i, (name, size) in enumerate(zip(chunk, sizes)):
+            if size == TOO_SMALL:
+                results.append(self.read(name, consume))
+            else:
+                results.append(consume(name, view[i * slot : i * slot + size]) if size > 0 else None)
+        return results
+
+    @staticmethod
+    def _slots(names: list[str], buffer: _Registered, slot: int) -> tuple[list[str], list[int], list[int]]:
+        """batch_get_into's arguments for `names` into `buffer`'s slots of `slot` bytes."""
+        return names, [buffer.address + i * slot for i in range(len(names))], [slot] * len(names)
+
+    def _start(self, method: Callable, *args) -> Future:
+        """`method(*args)` on the transfer thread, returned once that thread runs it: the caller's next work (sealing,
+        opening: GIL-bound) then overlaps the transfer instead of keeping its thread from starting."""
         if self._transfers is None:
             self._transfers = ThreadPoolExecutor(1, thread_name_prefix="kcaas-store-transfer")
-        addresses = [buffer.address + i * slot for i in range(len(names))]
-        return self._transfers.submit(self._store.batch_get_into, names, addresses, [slot] * len(names))
+        started = threading.Event()
+
+        def run():
+            started.set()
+            return method(*args)
+
+        future = self._transfers.submit(run)
+        started.wait()
+        return future
 
     def write(self, name: str, nbytes: int, fill: Callable[[memoryview], Any]) -> bool:
         buffer = self._buffer("write", nbytes)
@@ -187,11 +218,29 @@ class MooncakeObjectStore:
         return code == 0 or self._store.is_exist(name) == 1
 
     def write_many(self, names: list[str], sizes: list[int], fill: Callable[[int, memoryview], Any]) -> list[bool]:
-        buffer = self._buffer("write", sum(sizes))
-        offsets = [0, *itertools.accumulate(sizes[:-1])]
-        for i, (offset, size) in enumerate(zip(offsets, sizes)):
-            fill(i, buffer.view[offset : offset + size])
-        codes = self._store.batch_put_from(names, [buffer.address + offset for offset in offsets], sizes)
+        """Batched puts of up to WRITE_CHUNK_BLOCKS objects, pipelined: chunk k+1 is filled (sealed) into one
+        buffer while chunk k is sent from the other on the transfer thread; the last chunk is sent from this thread.
+        A buffer is filled again only once the transfer that read it answered."""
+        chunks = _chunks(list(range(len(names))), WRITE_CHUNK_BLOCKS)
+        sides = min(2, len(chunks))
+        codes: list[int] = []
+        transfer: Future | None = None
+        try:
+            for k, chunk in enumerate(chunks):
+                buffer = self._buffer(f"send{k % sides}", sum(sizes[i] for i in chunk))
+                offsets = [0, *itertools.accumulate(sizes[i] for i in chunk[:-1])]
+                for i, offset in zip(chunk, offsets):
+                    fill(i, buffer.view[offset : offset + sizes[i]])
+                if transfer is not None:
+                    codes.extend(transfer.result())
+                    transfer = None
+                args = ([names[i] for i in chunk], [buffer.address + at for at in offsets], [sizes[i] for i in chunk])
+                if k + 1 < len(chunks):
+                    transfer = self._start(self._store.batch_put_from, *args)
+                else:
+                    codes.extend(self._store.batch_put_from(*args))
+        finally:
+            _settle(transfer)
         return [code == 0 or self._store.is_exist(name) == 1 for name, code in zip(names, codes)]
 
     def _buffer(self, purpose: str, nbytes: int) -> _Registered:
@@ -200,23 +249,45 @@ class MooncakeObjectStore:
         if current is not None and current.size >= nbytes:
             return current
         if current is not None:
+            self._buffers.pop(purpose)
             self._store.unregister_buffer(current.address)
-        fresh = _Registered(max(nbytes, 2 * current.size if current is not None else nbytes))
+        fresh = _Registered(max(nbytes, TRANSFER_BUFFER_BYTES, 2 * current.size if current is not None else 0))
         if self._store.register_buffer(fresh.address, fresh.size) != 0:
             raise StoreFault("the store client refused to register a transfer buffer")
+        self.num_buffer_registrations += 1
         self._buffers[purpose] = fresh
         return fresh
 
     def close(self) -> None:
+        """Close the client; its buffers are unregistered first (the transfer engine outlives a client in this
+        process, and a later client's buffer at a freed address must not meet a stale registration)."""
         if self._transfers is not None:
             self._transfers.shutdown(wait=True)
         if self._client is not None:
+            for buffer in self._buffers.values():
+                self._client.unregister_buffer(buffer.address)
+            self._buffers.clear()
             self._client.close()
 
 
 CLOSE_WAIT_S = 10.0  # how long close waits for a running call before leaving the client open
 TOO_SMALL = -600  # Mooncake's answer to a get_into whose buffer cannot hold the object
-READ_CHUNK_BLOCKS = 16  # objects per transfer of read_many (smaller chunks overlapped less than they cost)
+READ_CHUNK_BLOCKS = 4  # objects per transfer of read_many: the opening of one chunk overlaps the next's transfer
+WRITE_CHUNK_BLOCKS = 4  # objects per transfer of write_many: the sealing of one chunk overlaps the last's transfer
+TRANSFER_BUFFER_BYTES = 12 << 20  # a transfer buffer's least size: a chunk of 2 MiB records (larger grow it)
+
+
+def _chunks(items: list, size: int) -> list[list]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def _settle(transfer: Future | None) -> None:
+    """Wait for a transfer whose caller is leaving on an error (its fault is the caller's, already raised)."""
+    if transfer is not None:
+        try:
+            transfer.result()
+        except Exception:  # noqa: BLE001 - the error that made the caller leave is the one it reports
+            pass
 
 
 class _Registered:
