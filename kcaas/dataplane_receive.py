@@ -11,10 +11,13 @@ from typing import Any
 from kcaas.dataplane_transport import Transport
 from kcaas.spec import KVCacheSpec
 
+_UNBOUNDED = 1 << 62  # no report due: read on
+
 
 @contextmanager
 def streaming(transport: Transport, state: Received | None) -> Iterator[None]:
-    """While a GET with progress is in flight, the transport tells its receiver the payload bytes as they arrive."""
+    """While a GET with progress is in flight, the transport tells its receiver the payload bytes as they arrive
+    (before each read into the payload) and reads no further than the next layer the receiver reports."""
     transport.on_payload = state.on_payload if state is not None else None
     try:
         yield
@@ -34,6 +37,7 @@ class Received:
         self.spec, self.start, self.bound = spec, start, bound
         self.progress = None  # progress(layers, tokens) of get: told as the part that completes the answer arrives
         self._layer_bytes = 0  # bytes of one layer (K and V) of that part; 0 for any other part
+        self._layers_told = 0  # the layers progress was last told of (for that part)
         self.out, self.recent = out, recent  # the caller's tensor (out_view is its bytes), and the client's memo
         self.buffer = out_view  # None until the first answer when the caller gave no out
         self.total: int | None = None  # tokens of KV the buffer is laid out for (set by the first answer)
@@ -57,6 +61,7 @@ class Received:
         fit = self._fit = max(min(n, total - at), 0)
         run = spec.kv_bytes_per_token // (2 * spec.num_layers)  # one token of one (layer, K|V) run
         self._layer_bytes = 2 * n * run if n and at + fit >= total else 0  # this part completes the answer
+        self._layers_told = 0
         if fit == n == total and at == 0:
             return [self.buffer[: total * spec.kv_bytes_per_token]]  # the whole answer at once: one view
         views = []
@@ -68,14 +73,22 @@ class Received:
                 views.append(memoryview(bytearray((n - fit) * run)))  # beyond what the first answer promised
         return views
 
-    def on_payload(self, received: int) -> None:
-        """The transport's count of the answer's payload bytes so far: layers whose bytes are all in, reported."""
-        if self.progress is not None and self._layer_bytes:
-            self.progress(min(received // self._layer_bytes, self.spec.num_layers), self.total)
+    def on_payload(self, received: int) -> int:
+        """The transport's count of the answer's payload bytes so far: layers whose bytes are all in are reported
+        (once each: progress is told only when the count grows). Returns the bytes the transport may read before
+        the next layer is in (it tells this receiver again then)."""
+        step = self._layer_bytes
+        if self.progress is None or not step:
+            return _UNBOUNDED
+        layers = min(received // step, self.spec.num_layers)
+        if layers > self._layers_told:
+            self._layers_told = layers
+            self.progress(layers, self.total)
+        return step - received % step
 
     def arrived(self, num_cached: int, num_tokens: int) -> None:
         fit = self._fit if num_tokens > 0 else 0
-        self._fit = 0
+        self._fit, self._layer_bytes = 0, 0  # the part is in: nothing more of it to report
         self.num_received += fit
         self.num_cached = num_cached
         # more of the promised prefix to come: a frame limit cut this part short (or, in a batch, left it no room)
