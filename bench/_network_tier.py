@@ -194,8 +194,9 @@ def warm_client(spec: KVCacheSpec, store: GuardedStore) -> None:
     for block_hash in hashes:
         payload = bytearray(spec.block_bytes)
         tier.store(block_hash, payload, block_checksum(payload))
-    assert tier.flush(TIMEOUT_S) and tier.num_dropped_writes == 0
-    assert all(fetched is not None for fetched in tier.fetch_many(hashes)) and tier.fetch(hashes[0]) is not None
+    assert tier.flush(TIMEOUT_S) and tier.num_dropped_writes == 0, "the warm-up's puts were not all stored"
+    fetched = tier.fetch_many(hashes) + [tier.fetch(hashes[0])]
+    assert all(f is not None for f in fetched), f"the warm-up's gets missed {sum(f is None for f in fetched)}"
     tier.wipe()
     tier.close()
 
