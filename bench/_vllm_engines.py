@@ -93,6 +93,7 @@ def make_llm(job: dict):
             kv_connector=PEER_CONNECTORS[job["mode"]],
             kv_role="kv_both",
             kv_connector_extra_config=job.get("extra_config") or {},
+            kv_load_failure_policy="recompute",  # as the KCaaS connector sets it: a failed load is a miss
         )
     return LLM(
         model=job["model_dir"],
@@ -138,7 +139,8 @@ def serve(job_file: str, address: str) -> int:
                     "ttft_ms": ttft_ms,
                     "cached_tokens": request.num_cached_tokens or 0,
                     "prompt_tokens": len(prompt),
-                    "first_token": request.outputs[0].token_ids[0],
+                    # none where the request failed (a connector's failed load under "fail"): counted as a mismatch
+                    "first_token": (request.outputs[0].token_ids or [None])[0],
                 }
             )
         else:

