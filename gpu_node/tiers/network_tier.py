@@ -14,8 +14,8 @@ A `tiers.Tier` below DRAM and SSD (docs/ARCHITECTURE.md, "The network tier"):
 - writes are queued to the tier's writer thread (demotions happen under the cache lock) and readable at once from
   the pending set; `flush` waits for them (write-through puts); removals (discard, clear) are queued behind the
   writes before them, so a removal always follows the write it undoes (a batch of puts is one store call, its
-  chunks pipelined inside it: the next chunk sealed while the last is in flight; the call answers after its last
-  transfer, so nothing queued behind it starts before every object of the batch was sent);
+  chunks pipelined inside it where the client pipelines: the next chunk sealed while the last is in flight; the
+  call answers after its last transfer, so nothing queued behind it starts before every object was sent);
 - reads of a run are one store call too, pipelined the other way (a chunk opened while the next is in flight);
 - the store's faults are the guard's (misses, never errors); a write the store refused is dropped and counted.
 
@@ -45,7 +45,7 @@ AAD_PREFIX = b"kcaas/net/v1/"
 MAX_PENDING_BYTES = 256 << 20  # writes queued beyond this are dropped (the store is behind): bounded memory
 FLUSH_TIMEOUT_S = 10.0
 DEFAULT_SLOT_BYTES = 4 << 20
-WRITE_BATCH_BLOCKS = 16  # queued puts sent in one store call (pipelined chunks: object_store.WRITE_CHUNK_BLOCKS)
+WRITE_BATCH_BLOCKS = 16  # queued puts sent in one store call (in pipelined chunks: the client's chunk_blocks)
 CORRUPT = object()  # what opening a record that is not this block's answers
 
 

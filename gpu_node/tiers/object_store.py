@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import logging
+import os
 import queue
 import socket
 import threading
@@ -85,16 +86,26 @@ class MooncakeObjectStore:
     try): a store that is down when the node starts delays nothing, and one that comes up later is used. A master
     whose port refuses connections fails at once (Mooncake's own setup would retry for ~90 s).
 
-    Zero-copy transfers use buffers registered with the client on first use and reused, each at least a whole chunk of
-    2 MiB records (TRANSFER_BUFFER_BYTES: a batch's size never regrows one): two per direction, so a batched call is a
-    pipeline of chunks (`write_many` seals chunk k+1 while chunk k is sent, `read_many` opens chunk k while chunk
-    k+1 arrives, the other chunk's transfer on the transfer thread), and one each for single reads and writes. A
-    buffer is written again only once the transfer that used it answered; larger objects grow it (doubling).
+    Zero-copy transfers use buffers registered with the client on first use and reused, each at least a chunk of 2 MiB
+    records (TRANSFER_BUFFER_BYTES: a batch's size never regrows one): two per direction, so a batched call is a
+    pipeline of chunks of `chunk_blocks` (`write_many` seals chunk k+1 while chunk k is sent, `read_many` opens chunk
+    k while chunk k+1 arrives, the other chunk's transfer on the transfer thread; the first read and the last write
+    run on the calling thread), and one each for single reads and writes. A buffer is written again only once the
+    transfer that used it answered; larger objects grow it (doubling).
     """
 
-    def __init__(self, master: str, metadata_url: str, *, buffer_bytes: int = 64 << 20, host: str = "127.0.0.1"):
+    def __init__(
+        self,
+        master: str,
+        metadata_url: str,
+        *,
+        buffer_bytes: int = 64 << 20,
+        host: str = "127.0.0.1",
+        chunk_blocks: int | None = None,
+    ):
         self._master, self._metadata_url = master, metadata_url
         self._buffer_bytes, self._host = buffer_bytes, host
+        self.chunk_blocks = chunk_blocks or default_chunk_blocks()  # objects per pipelined transfer
         self._client = None
         self._buffers: dict[str, _Registered] = {}  # by purpose: reused, registered with the client
         self._transfers: ThreadPoolExecutor | None = None  # the pipelines' transfer thread, started on first use
@@ -159,12 +170,12 @@ class MooncakeObjectStore:
         return consume(name, buffer.view[:size]) if size > 0 else None
 
     def read_many(self, names: list[str], consume: Callable[[str, memoryview], Any], slot_bytes: int) -> list:
-        """Batched transfers of up to READ_CHUNK_BLOCKS objects, pipelined: chunk k+1 is transferred (on the
+        """Batched transfers of up to `chunk_blocks` objects, pipelined: chunk k+1 is transferred (on the
         client's transfer thread, which holds no GIL while the store moves bytes) into one buffer while the objects
         of chunk k are consumed from the other; the first chunk is transferred on this thread (no hand-off before
         there is work to overlap). An object larger than its slot is read alone."""
         slot = max(int(slot_bytes), 4096)
-        chunks = _chunks(names, READ_CHUNK_BLOCKS)
+        chunks = _chunks(names, self.chunk_blocks)
         sides = min(2, len(chunks))  # a second buffer only when a transfer overlaps the opening of another
         buffers = [self._buffer(f"batch{side}", slot * len(chunks[0])) for side in range(sides)]
         results: list = []
@@ -218,10 +229,10 @@ class MooncakeObjectStore:
         return code == 0 or self._store.is_exist(name) == 1
 
     def write_many(self, names: list[str], sizes: list[int], fill: Callable[[int, memoryview], Any]) -> list[bool]:
-        """Batched puts of up to WRITE_CHUNK_BLOCKS objects, pipelined: chunk k+1 is filled (sealed) into one
+        """Batched puts of up to `chunk_blocks` objects, pipelined: chunk k+1 is filled (sealed) into one
         buffer while chunk k is sent from the other on the transfer thread; the last chunk is sent from this thread.
         A buffer is filled again only once the transfer that read it answered."""
-        chunks = _chunks(list(range(len(names))), WRITE_CHUNK_BLOCKS)
+        chunks = _chunks(list(range(len(names))), self.chunk_blocks)
         sides = min(2, len(chunks))
         codes: list[int] = []
         transfer: Future | None = None
@@ -272,9 +283,18 @@ class MooncakeObjectStore:
 
 CLOSE_WAIT_S = 10.0  # how long close waits for a running call before leaving the client open
 TOO_SMALL = -600  # Mooncake's answer to a get_into whose buffer cannot hold the object
-READ_CHUNK_BLOCKS = 4  # objects per transfer of read_many: the opening of one chunk overlaps the next's transfer
-WRITE_CHUNK_BLOCKS = 4  # objects per transfer of write_many: the sealing of one chunk overlaps the last's transfer
+PIPELINE_CHUNK_BLOCKS = 4  # objects per transfer where chunks overlap: sealing / opening one hides under another's
+WHOLE_BATCH_BLOCKS = 16  # where they cannot: a tier's whole batch (network_tier.WRITE_BATCH_BLOCKS) per transfer
 TRANSFER_BUFFER_BYTES = 12 << 20  # a transfer buffer's least size: a chunk of 2 MiB records (larger grow it)
+
+
+def default_chunk_blocks() -> int:
+    """PIPELINE_CHUNK_BLOCKS where this process may run on more than 2 cores, else WHOLE_BATCH_BLOCKS. Overlap needs
+    a core besides the transfer's: the Mooncake client polls for a transfer's completion on one, and a store server
+    on the same host copies on another; on 2 cores, sealing or opening beside a transfer only slows it, and smaller
+    transfers cost more each (bench.tiers: `network_put_stages` and docs/performance.md)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return PIPELINE_CHUNK_BLOCKS if cores > 2 else WHOLE_BATCH_BLOCKS
 
 
 def _chunks(items: list, size: int) -> list[list]:

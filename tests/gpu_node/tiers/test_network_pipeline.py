@@ -1,7 +1,8 @@
 """The network store client's pipelined batches on a real Mooncake Store: a batch over several chunks stores and
 reads back every object whole (no buffer is written again while its transfer is in flight), a fill that fails midway
 is a fault that leaves the next batch intact, the transfer buffers are registered once, and the network tier's writer
-sends a burst of puts through the pipeline bit-exact, zeroing each plaintext once sealed."""
+sends a burst of puts through the pipeline bit-exact, zeroing each plaintext once sealed. How many objects a chunk
+holds by default follows the machine's cores (object_store.default_chunk_blocks); here it is fixed."""
 
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ from gpu_node.tiers.object_store import GuardedStore, MooncakeObjectStore
 from tests.waiting import eventually
 
 MIB = 1 << 20
+CHUNK = object_store.PIPELINE_CHUNK_BLOCKS  # pipelined whatever this machine's cores (its default may not be)
 
 
 @pytest.fixture
 def client(network_store):
-    raw = MooncakeObjectStore(network_store.master, network_store.metadata_url)
+    raw = MooncakeObjectStore(network_store.master, network_store.metadata_url, chunk_blocks=CHUNK)
     guarded = GuardedStore(raw, timeout_s=30.0, min_backoff_s=0.05, max_backoff_s=0.05)
     yield raw, guarded
     guarded.close()
@@ -46,7 +48,7 @@ def read_all(store: GuardedStore, names: list[str], slot_bytes: int) -> list[byt
 
 def test_a_batch_over_several_chunks_is_stored_and_read_back_whole(client):
     _, store = client
-    count = 3 * object_store.WRITE_CHUNK_BLOCKS - 1  # chunks of 4, 4 and 3: two buffers, each used again
+    count = 3 * CHUNK - 1  # chunks of 4, 4 and 3: two buffers, each used again
     names = [f"kc/pipeline/{os.urandom(8).hex()}" for _ in range(count)]
     values = [os.urandom(MIB + 4096 * i) for i in range(count)]  # sizes differ: offsets within a chunk matter
     assert write_all(store, names, values) == [True] * count
@@ -63,7 +65,7 @@ def test_a_fill_that_fails_midway_is_a_fault_and_the_next_batch_is_intact(client
     cleanups: list[bool] = []
 
     def fill(i: int, view: memoryview) -> None:
-        if i == object_store.WRITE_CHUNK_BLOCKS + 1:  # in the second chunk, while the first is in flight
+        if i == CHUNK + 1:  # in the second chunk, while the first is in flight
             raise RuntimeError("sealing failed")
         view[:] = values[i]
 

@@ -312,7 +312,7 @@ def test_erasure_of_a_tenant_leaves_no_object_of_its_caches(store, network_store
 
 
 def test_a_long_run_is_promoted_in_pipelined_batches_bit_exact(store):
-    keys, tokens = Keys(), seq(4 * 40, 18000)  # 40 blocks: ten chunks of 4, each fetched while the last is opened
+    keys, tokens = Keys(), seq(4 * 40, 18000)  # 40 blocks: several chunks, each fetched while the last is opened
     put(engine(store, keys, num_blocks=64, write_through=True), tokens)
     reader = engine(store, keys, num_blocks=64)
     assert served_exact(reader, tokens) == len(tokens)
