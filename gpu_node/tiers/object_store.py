@@ -177,7 +177,7 @@ class MooncakeObjectStore:
         slot = max(int(slot_bytes), 4096)
         chunks = _chunks(names, self.chunk_blocks)
         sides = min(2, len(chunks))  # a second buffer only when a transfer overlaps the opening of another
-        buffers = [self._buffer(f"batch{side}", slot * len(chunks[0])) for side in range(sides)]
+        buffers = [self._buffer(f"batch{side}", slot * self.chunk_blocks) for side in range(sides)]  # a whole chunk
         results: list = []
         sizes = self._store.batch_get_into(*self._slots(chunks[0], buffers[0], slot))
         transfer: Future | None = None
@@ -233,12 +233,12 @@ class MooncakeObjectStore:
         buffer while chunk k is sent from the other on the transfer thread; the last chunk is sent from this thread.
         A buffer is filled again only once the transfer that read it answered."""
         chunks = _chunks(list(range(len(names))), self.chunk_blocks)
-        sides = min(2, len(chunks))
+        sides, most = min(2, len(chunks)), max(sizes, default=0)  # a buffer holds a whole chunk of the largest
         codes: list[int] = []
         transfer: Future | None = None
         try:
             for k, chunk in enumerate(chunks):
-                buffer = self._buffer(f"send{k % sides}", sum(sizes[i] for i in chunk))
+                buffer = self._buffer(f"send{k % sides}", max(sum(sizes[i] for i in chunk), most * self.chunk_blocks))
                 offsets = [0, *itertools.accumulate(sizes[i] for i in chunk[:-1])]
                 for i, offset in zip(chunk, offsets):
                     fill(i, buffer.view[offset : offset + sizes[i]])

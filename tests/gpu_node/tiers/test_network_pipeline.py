@@ -77,8 +77,10 @@ def test_a_fill_that_fails_midway_is_a_fault_and_the_next_batch_is_intact(client
     assert read_all(store, again, MIB) == values[:9]
 
 
-def test_a_batch_of_another_size_registers_no_new_transfer_buffer(client):
-    raw, store = client
+@pytest.mark.parametrize("chunk_blocks", [CHUNK, None], ids=["pipelined", "this-machine"])
+def test_a_batch_of_another_size_registers_no_new_transfer_buffer(network_store, chunk_blocks):
+    raw = MooncakeObjectStore(network_store.master, network_store.metadata_url, chunk_blocks=chunk_blocks)
+    store = GuardedStore(raw, timeout_s=30.0)
     record = 2 * MIB + 4096  # a Llama-3-8B-like block's record
     warm = [f"kc/pipeline-buffers/{os.urandom(8).hex()}" for _ in range(8)]  # each buffer used once: registered
     assert write_all(store, warm, [os.urandom(record) for _ in warm]) == [True] * 8
@@ -90,6 +92,7 @@ def test_a_batch_of_another_size_registers_no_new_transfer_buffer(client):
         assert write_all(store, names, values) == [True] * count
         assert read_all(store, names, record) == values
     assert raw.num_buffer_registrations == registered
+    store.close()
 
 
 def test_the_tier_sends_a_burst_of_puts_through_the_pipeline_bit_exact(client):
