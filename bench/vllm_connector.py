@@ -221,7 +221,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="16 warm requests, 8 rounds of full prefills, the long workload (~12 min on 2 cores)",
+        help="16 warm requests, 8 rounds of full prefills, the second workload (~15 min on a busy 2-core VM)",
     )
     parser.add_argument("--build-model", nargs=2, metavar=("DIR", "CONFIG_JSON"), help=argparse.SUPPRESS)
     parser.add_argument("--build-mla-model", nargs=2, metavar=("DIR", "CONFIG_JSON"), help=argparse.SUPPRESS)
