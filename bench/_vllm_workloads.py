@@ -15,9 +15,10 @@ be the connector's; the same 128-token blocks for hbm and KCaaS, the same tail p
                never saw the document, loads it from KCaaS for each question (long_doc_kcaas). hbm computes the same
                seeding prompt first (long_doc_hbm_seed), then hits the document in its own prefix cache
                (long_doc_hbm). vLLM alone recomputes every long_doc_recompute_every-th question, in the same rounds
-               (long_doc_recompute: a full prefill of ~8k tokens is ~40 s on one core).
-  multi_turn   turn 1 runs on kcaas_1 and hbm (computed, saved or cached: multi_turn_*_first); from turn 2 on, each
-               turn runs on the other KCaaS engine than the turn before, so its prefix (the previous turn's prompt)
+               (long_doc_recompute: a full prefill of ~8k tokens is 40-75 s on one core).
+  multi_turn   turn 1 runs on kcaas_3 (a third KCaaS engine, started for wave 3) and hbm (computed, saved or
+               cached: multi_turn_*_first); from turn 2 on, each turn runs on the other KCaaS engine (kcaas_2,
+               kcaas_3) than the turn before, so its prefix (the previous turn's prompt)
                is the one the other engine saved to KCaaS (multi_turn_kcaas); hbm hits the previous turn in its own
                prefix cache (multi_turn_hbm); vLLM alone recomputes every turn (multi_turn_recompute). The KCaaS
                engines save "sync": each turn's PUT of its new blocks is inside its TTFT.
@@ -102,11 +103,14 @@ def seed_long_doc(b) -> None:
 
 
 def wave3(b) -> None:
-    """The long document, then the multi-turn chat, on wave 2's engines (kcaas_2, hbm, recompute) and kcaas_1."""
+    """The long document, then the multi-turn chat, on wave 2's engines (kcaas_2, hbm, recompute) and a third KCaaS
+    engine, kcaas_3 (started here, ready before the first round: at most four engines are alive at a time)."""
     run = b.run
     if "recompute" not in run.engines and "recompute" not in run.errors:  # closed for LMCache in wave 2
         run.start("recompute", b.python, {**b.base_job, "mode": "none"}, engine_env(), b.workdir)
-        run.wait_ready(b.results)
+    if b.kcaas_job and "kcaas_2" in run.engines:
+        run.start("kcaas_3", b.python, b.kcaas_job[0], b.kcaas_job[1], b.workdir)
+    run.wait_ready(b.results)
     p, cfg = b.long, b.cfg
     seeded = run.ask("hbm", "long_doc_hbm_seed", p.doc_seed)  # the document now in hbm's own prefix cache
     b.log(
@@ -119,9 +123,9 @@ def wave3(b) -> None:
             calls.append(("recompute", "long_doc_recompute", prompt))
         ask_round(run, i, calls)
     b.log(f"wave 3: a {len(p.turns)}-turn chat ({len(p.turns[0])} to {len(p.turns[-1])} tokens) ...")
-    ask_round(run, 0, [("kcaas_1", "multi_turn_kcaas_first", p.turns[0]), ("hbm", "multi_turn_hbm_first", p.turns[0])])
+    ask_round(run, 0, [("kcaas_3", "multi_turn_kcaas_first", p.turns[0]), ("hbm", "multi_turn_hbm_first", p.turns[0])])
     for k in range(1, len(p.turns)):
-        kcaas = "kcaas_2" if k % 2 else "kcaas_1"  # the other engine than the previous turn's: its prefix is KCaaS's
+        kcaas = "kcaas_2" if k % 2 else "kcaas_3"  # the other engine than the previous turn's: its prefix is KCaaS's
         calls = [(kcaas, "multi_turn_kcaas", p.turns[k]), ("hbm", "multi_turn_hbm", p.turns[k])]
         ask_round(run, k, [*calls, ("recompute", "multi_turn_recompute", p.turns[k])])
 
