@@ -265,7 +265,6 @@ class KCaaSConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
-        self._worker_side().begin_saves(metadata.saves)  # copied out layer by layer as the forward writes them
         if metadata.loads:
             self._worker_side().load(metadata.loads)
 
@@ -273,11 +272,13 @@ class KCaaSConnector(KVConnectorBase_V1):
         self._worker_side().wait_layer(layer_name)  # layerwise: this layer of the step's loads, once arrived
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
-        self._worker_side().layer_saved(layer_name)  # the step's saves copy this layer out, beside the forward
+        saves = self._get_connector_metadata().saves  # bound before the forward (start_load_kv may come after it)
+        self._worker_side().layer_saved(layer_name, saves)  # copied out now, beside the rest of the forward
 
     def wait_for_save(self) -> None:
         self._worker_side().finish_loads()  # the forward is over: loads joined
-        self._worker_side().finish_saves()  # copies joined; PUT now (sync) or on the saver thread (async)
+        saves = self._get_connector_metadata().saves
+        self._worker_side().finish_saves(saves)  # copies joined; PUT now (sync) or on the saver thread (async)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().take_failed_blocks()

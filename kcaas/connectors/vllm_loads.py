@@ -1,15 +1,18 @@
 """Layer-pipelined loads for the vLLM connector's worker (no vLLM import): a step's GETs run on a loader thread while
-vLLM's forward runs, each answer streamed layer by layer into a staging buffer (DataPlaneClient.get's `progress`);
-the attention of layer i waits (`wait_layer`, from vLLM's wait_for_layer_load) only until layer i of every load of
-the step has arrived, and scatters that layer into vLLM's blocks. The forward of layer i thus overlaps the arrival
-of layers i+1, i+2, ...
+vLLM's forward runs, each answer streamed layer by layer into a staging buffer (DataPlaneClient.get's `progress`)
+and each layer scattered into vLLM's blocks by the loader as soon as its bytes are all in. The attention of layer i
+waits (`wait_layer`, from vLLM's wait_for_layer_load) only until layer i of every load of the step is there. The
+forward of layer i thus overlaps the arrival and the scatter of layers i+1, i+2, ... on the connector's own CPUs
+(kcaas/connectors/io_threads.py).
 
 Invariants:
-  * a layer of a load is scattered at most once, and only once the node's bytes for all of its tokens are in the
-    staging buffer;
-  * when the step ends (`finish`), every promised token's slot holds the node's KV in every layer, or its block is
-    reported failed (vLLM recomputes it): a load that failed, came back short, or has a layer that was never
-    scattered (the forward did not wait for it) fails the blocks it did not fill in every layer;
+  * a layer of a load is scattered once, in order, and only once the node's bytes for all of its tokens are in the
+    staging buffer; it writes only the slots of the load's tokens (vLLM may be writing its own tokens' KV into the
+    rest of the last block at the same time);
+  * when the step ends (`finish`), every promised token's slot held the node's KV in every layer before the
+    forward read that layer, or its block is reported failed (vLLM recomputes it): a load that failed, came back
+    short, or had a layer the forward did not wait for, or read before it was there, fails the blocks it did not
+    fill in every layer;
   * a staging buffer is reused only after the step that filled it finished (the loader thread joined).
 """
 
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kcaas.connectors.io_threads import bind_current_thread
 from kcaas.connectors.vllm_blocks import PagedLayout, scatter
 
 logger = logging.getLogger("kcaas.connectors.vllm")
@@ -62,24 +66,33 @@ class Load:
 
 @dataclass
 class _Job:
-    """One load of the step: its staging buffer and how far its answer has arrived."""
+    """One load of the step: its staging buffer, how far its answer has arrived and been scattered."""
 
     load: Load
     out: torch.Tensor  # [num_layers, 2, tokens to load, kv_heads, head_dim]
-    layers_in: int = 0  # layers whose bytes are all in `out`
+    layers_in: int = 0  # layers scattered into vLLM's blocks (all of the answer's tokens), in order
     answered: int | None = None  # tokens the node answered (known with the first layer, or at the end)
     kv: torch.Tensor | None = None  # the GET's own result, once it returned (what the answer is, in every case)
     done: bool = False
-    scattered: set[int] = field(default_factory=set)
+    ready_at_wait: set[int] = field(default_factory=set)  # layers already scattered when the forward waited for them
 
 
 class LayerwiseLoads:
     """The step's loads, pipelined by layer. `reader()` gives the loads' DataPlaneClient; `pool()` vLLM's paged
-    layers and their layout; `count(**stats)` adds to the worker's counters."""
+    layers and their layout; `count(**stats)` adds to the worker's counters; the loader thread runs on `cpus`
+    (kcaas/connectors/io_threads.py; empty: where it is started)."""
 
-    def __init__(self, reader: Callable, pool: Callable, bytes_per_token: int, timeout_s: float, count: Callable):
+    def __init__(
+        self,
+        reader: Callable,
+        pool: Callable,
+        bytes_per_token: int,
+        timeout_s: float,
+        count: Callable,
+        cpus: set[int] | None = None,
+    ):
         self._reader, self._pool, self._bytes_per_token = reader, pool, bytes_per_token
-        self._timeout_s, self._count = timeout_s, count
+        self._timeout_s, self._count, self._cpus = timeout_s, count, cpus or set()
         self._cond = threading.Condition()
         self._jobs: list[_Job] = []
         self._thread: threading.Thread | None = None
@@ -105,49 +118,60 @@ class LayerwiseLoads:
         return self._staging[index][:numel].view(shape)
 
     def _run(self) -> None:
+        bind_current_thread(self._cpus)
         for job in self._jobs:
             load = job.load
 
             def progress(layers: int, answered: int, job: _Job = job) -> None:
-                with self._cond:
-                    job.layers_in, job.answered = layers, answered
-                    self._cond.notify_all()
+                job.answered = answered
+                self._scatter_up_to(job, layers, _answer(job))
 
-            kv = None
             try:
                 _, kv = self._reader().get(load.tokens, start=load.start, out=job.out, progress=progress)
-                answered, layers_in = kv.shape[2], job.out.shape[0]
+                job.answered, job.kv = kv.shape[2], kv
+                self._scatter_up_to(job, kv.shape[0], kv)
             except Exception as exc:  # noqa: BLE001 - the node or the network: what did not arrive is recomputed
                 logger.warning(
                     "KCaaS load of %d tokens failed (%s): vLLM recomputes them", len(load.tokens) - load.start, exc
                 )
-                answered, layers_in = job.answered or 0, job.layers_in
             with self._cond:
-                job.answered, job.layers_in, job.kv, job.done = answered, layers_in, kv, True
+                job.done = True
                 self._cond.notify_all()
         self._arrived = time.perf_counter()
 
+    def _scatter_up_to(self, job: _Job, layers_in: int, answer: torch.Tensor) -> None:
+        """On the loader thread: the layers below `layers_in` of the answer not yet scattered, into vLLM's blocks,
+        each announced to the forward once it is there."""
+        filled = job.load.filled(job.load.start + (job.answered or 0))
+        if not filled:
+            return
+        layers, paged = self._pool()
+        blocks = job.load.blocks_holding(filled)
+        for index in range(job.layers_in, layers_in):
+            with torch.inference_mode():  # the engine's tensors are inference tensors; the mode is per thread
+                scatter([layers[index]], paged, blocks, answer[index : index + 1, :, :filled])
+            with self._cond:
+                job.layers_in = index + 1
+                self._cond.notify_all()
+
     def wait_layer(self, index: int) -> None:
-        """Before the attention of layer `index`: that layer of every load, once arrived, into vLLM's blocks."""
+        """Before the attention of layer `index`: wait until the loader scattered that layer of every load (or the
+        load ended without it: then its blocks fail)."""
         if not self._jobs:
             return
         waited = time.perf_counter()
         deadline = waited + self._timeout_s * len(self._jobs) + 1.0
-        for job in self._jobs:
-            with self._cond:
+        with self._cond:
+            for job in self._jobs:
                 while not job.done and job.layers_in <= index and time.perf_counter() < deadline:
                     self._cond.wait(timeout=max(deadline - time.perf_counter(), 0.0))
-                ready = job.layers_in > index and index not in job.scattered
-                filled = job.load.filled(job.load.start + (job.answered or 0))
-            if ready and filled:
-                layers, paged = self._pool()
-                kv = _answer(job)[index : index + 1, :, :filled]
-                scatter([layers[index]], paged, job.load.blocks_holding(filled), kv)
-                job.scattered.add(index)
+                if job.layers_in > index:
+                    job.ready_at_wait.add(index)
         self._count(load_wait_seconds=time.perf_counter() - waited)
 
     def finish(self) -> set[int]:
-        """The step is over: join the loader, and return the promised blocks not filled in every layer."""
+        """The step is over: join the loader, and return the promised blocks not filled in every layer before the
+        forward read that layer."""
         if self._thread is None:
             return set()
         self._thread.join()
@@ -156,7 +180,8 @@ class LayerwiseLoads:
         num_layers = len(self._pool()[0])
         for job in self._jobs:
             load = job.load
-            filled = load.filled(load.start + (job.answered or 0)) if len(job.scattered) == num_layers else 0
+            whole = len(job.ready_at_wait) == num_layers
+            filled = load.filled(load.start + (job.answered or 0)) if whole else 0
             missed = load.missed(filled)
             failed.update(missed)
             self._count(

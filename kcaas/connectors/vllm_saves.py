@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from kcaas.connectors.io_threads import bind_current_thread
 from kcaas.connectors.vllm_blocks import gather
 
 logger = logging.getLogger("kcaas.connectors.vllm")
@@ -28,10 +29,11 @@ logger = logging.getLogger("kcaas.connectors.vllm")
 
 class StagedSaves:
     """A step's saves, copied out layer by layer. `pool()` gives vLLM's paged layers and their layout; each save
-    has `block_ids` (vLLM's blocks holding its tokens) and `tokens`."""
+    has `block_ids` (vLLM's blocks holding its tokens) and `tokens`; the copier thread runs on `cpus`
+    (kcaas/connectors/io_threads.py; empty: where it is started)."""
 
-    def __init__(self, pool: Callable):
-        self._pool = pool
+    def __init__(self, pool: Callable, cpus: set[int] | None = None):
+        self._pool, self._cpus = pool, cpus or set()
         self._saves: list = []
         self._outs: list[torch.Tensor] = []
         self._copied: set[int] = set()
@@ -41,26 +43,27 @@ class StagedSaves:
         self._thread = threading.Thread(target=self._run, name="kcaas-save-copier", daemon=True)
         self._thread.start()
 
-    def begin(self, saves: list) -> None:
-        """The step's saves (vLLM's start_load_kv, before the forward): their buffers, no layer copied yet."""
-        self.finish()  # a step vLLM ended without wait_for_save: its copies are over before new ones start
-        if not saves:
-            return
+    def _begin(self, saves: list) -> None:
+        """The step's saves: their buffers, no layer copied yet (the copier is idle: the last step finished)."""
         layers, paged = self._pool()
         shape = (len(layers), 2, 0, paged.num_kv_heads, paged.head_dim)
-        self._saves = list(saves)
+        self._saves = saves
         self._outs = [
             torch.empty(shape[:2] + (len(save.block_ids) * paged.block_size,) + shape[3:], dtype=layers[0].dtype)
             for save in saves
         ]
         self._copied = set()
 
-    def layer_written(self, index: int) -> None:
-        """vLLM's save_kv_layer: layer `index` of the step is written; the copier thread copies it out."""
+    def layer_written(self, index: int, saves: list) -> None:
+        """vLLM's save_kv_layer: layer `index` of the step whose saves are `saves` (the step's own list: the first
+        layer reported begins them) is written; the copier thread copies it out."""
+        if saves and saves is not self._saves:
+            self._begin(saves)
         if self._saves:
             self._layers.put(index)
 
     def _run(self) -> None:
+        bind_current_thread(self._cpus)
         while True:
             item = self._layers.get()
             if isinstance(item, threading.Event):
@@ -68,19 +71,22 @@ class StagedSaves:
                 continue
             try:
                 self._copy(item)
-            except Exception:
+            except Exception:  # copied again by finish, on the caller's thread
                 logger.exception("KCaaS save: copying layer %d out failed", item)
 
     def _copy(self, index: int) -> None:
         layers, paged = self._pool()
-        for save, out in zip(self._saves, self._outs, strict=True):
-            gather([layers[index]], paged, save.block_ids, out=out[index : index + 1])
+        with torch.inference_mode():  # the engine's tensors are inference tensors; the mode is per thread
+            for save, out in zip(self._saves, self._outs, strict=True):
+                gather([layers[index]], paged, save.block_ids, out=out[index : index + 1])
         with self._lock:
             self._copied.add(index)
 
-    def finish(self) -> list[tuple[Any, torch.Tensor]]:
-        """The step's forward is over: every copy joined; each save with its KV ([layers, 2, tokens, ...]), every
-        layer copied."""
+    def finish(self, saves: list) -> list[tuple[Any, torch.Tensor]]:
+        """The step's forward is over (its saves: `saves`): every copy joined; each save with its KV ([layers, 2,
+        tokens, ...]), every layer copied (those vLLM did not report, here: `copied_late` counts them)."""
+        if saves and saves is not self._saves:
+            self._begin(saves)  # no layer was reported in this step
         if not self._saves:
             return []
         drained = threading.Event()
@@ -96,11 +102,11 @@ class StagedSaves:
 
 
 class SaveQueue:
-    """Async saves: a thread runs `put(save, kv)` in order; at most `limit_bytes` of KV wait (a save beyond it is
-    dropped and `dropped()` called)."""
+    """Async saves: a thread (on `cpus`) runs `put(save, kv)` in order; at most `limit_bytes` of KV wait (a save
+    beyond it is dropped and `dropped()` called)."""
 
-    def __init__(self, put: Callable, limit_bytes: int, dropped: Callable[[], None]):
-        self._put, self._limit, self._dropped = put, limit_bytes, dropped
+    def __init__(self, put: Callable, limit_bytes: int, dropped: Callable[[], None], cpus: set[int] | None = None):
+        self._put, self._limit, self._dropped, self._cpus = put, limit_bytes, dropped, cpus or set()
         self._queue: queue.Queue = queue.Queue()
         self._waiting_bytes = 0
         self._lock = threading.Lock()
@@ -117,6 +123,7 @@ class SaveQueue:
         self._queue.put((save, kv, size))
 
     def _run(self) -> None:
+        bind_current_thread(self._cpus)
         while (item := self._queue.get()) is not None:
             save, kv, size = item
             try:

@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass
 
 from kcaas.client import Client
+from kcaas.connectors.io_threads import parse_cpu_list
 from kcaas.dataplane import DataPlaneClient
 from kcaas.errors import KcaasError
 from kcaas.spec import IdentityMismatch, KVCacheSpec, SpecError
@@ -38,6 +39,7 @@ KNOWN_KEYS = frozenset(
         "load",
         "model_fingerprint",
         "save_queue_bytes",
+        "io_cpus",
     }
 )
 
@@ -63,6 +65,7 @@ class ConnectorConfig:
     load: str = "layerwise"  # "sync": every layer loaded before the forward
     save_queue_bytes: int = 1 << 30  # async saves waiting for the network; beyond it a save is dropped (a miss)
     model_fingerprint: str | None = None
+    io_cpus: str | None = None  # the CPUs of the connector's I/O threads (default: those vLLM's OpenMP leaves out)
 
     @classmethod
     def from_extra(cls, extra: dict, role: str | None, environ=os.environ) -> ConnectorConfig:
@@ -83,6 +86,13 @@ class ConnectorConfig:
         load = extra.get("load") or "layerwise"
         if load not in LOAD_MODES:
             raise ConnectorSetupError(f"load must be one of {LOAD_MODES}, not {load!r}")
+        io_cpus = extra.get("io_cpus")
+        if io_cpus is not None:
+            try:
+                if not parse_cpu_list(str(io_cpus)):
+                    raise ValueError("no CPU")
+            except ValueError:
+                raise ConnectorSetupError(f"io_cpus must be a CPU list such as '3' or '2-3', not {io_cpus!r}") from None
         try:
             return cls(
                 url=str(url),
@@ -97,6 +107,7 @@ class ConnectorConfig:
                 load=load,
                 save_queue_bytes=int(extra.get("save_queue_bytes", 1 << 30)),
                 model_fingerprint=extra.get("model_fingerprint"),
+                io_cpus=None if io_cpus is None else str(io_cpus),
             )
         except (TypeError, ValueError) as exc:
             raise ConnectorSetupError(f"a kv_connector_extra_config value has the wrong type: {exc}") from None

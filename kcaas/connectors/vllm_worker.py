@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kcaas.connectors.io_threads import io_cpus
 from kcaas.connectors.vllm_blocks import (
     BACKEND_HINTS,
     BACKEND_LAYOUTS,
@@ -63,17 +64,18 @@ class ConnectorWorker:
         self._failed: set[int] = set()
         self._layers: list[torch.Tensor] = []
         self._paged: PagedLayout | None = None
+        cpus = io_cpus(config.io_cpus)
         self._saver = (
-            SaveQueue(self.put, config.save_queue_bytes, lambda: self.count(saves_dropped=1))
+            SaveQueue(self.put, config.save_queue_bytes, lambda: self.count(saves_dropped=1), cpus)
             if config.writes and config.save == "async"
             else None
         )
-        self._staged = StagedSaves(self._pool) if config.writes else None
+        self._staged = StagedSaves(self._pool, cpus) if config.writes else None
         self._put_client: DataPlaneClient | None = None
         self._layer_index: dict[str, int] = {}
         self._layerwise = (
             LayerwiseLoads(
-                self._reader, self._pool, session.spec.kv_bytes_per_token, config.io_timeout_s, self.count
+                self._reader, self._pool, session.spec.kv_bytes_per_token, config.io_timeout_s, self.count, cpus
             )
             if config.reads and config.load == "layerwise"
             else None
@@ -173,23 +175,19 @@ class ConnectorWorker:
         return failed
 
     # ---- saves --------------------------------------------------------------------------------------------------
-    def begin_saves(self, saves: list[Save]) -> None:
-        """The step's saves, before its forward: their layers are copied out as the forward writes them."""
-        if self._staged is not None:
-            self._staged.begin(saves)
-
-    def layer_saved(self, layer_name: str) -> None:
-        """After the attention of `layer_name` (vLLM's save_kv_layer): its KV for the step is written."""
+    def layer_saved(self, layer_name: str, saves: list[Save]) -> None:
+        """After the attention of `layer_name` (vLLM's save_kv_layer) in the step whose saves are `saves`: its KV
+        for the step is written."""
         if self._staged is not None and layer_name in self._layer_index:
-            self._staged.layer_written(self._layer_index[layer_name])
+            self._staged.layer_written(self._layer_index[layer_name], saves)
 
-    def finish_saves(self) -> None:
-        """The step's forward is over (vLLM's wait_for_save): the saves' copies joined (what vLLM did not report is
+    def finish_saves(self, saves: list[Save]) -> None:
+        """The step's forward is over (vLLM's wait_for_save): its saves' copies joined (what vLLM did not report is
         copied now), then PUT here (sync) or handed to the saver thread (async)."""
         if self._staged is None:
             return
         waited = time.perf_counter()
-        staged = self._staged.finish()
+        staged = self._staged.finish(saves)
         if staged:
             self.count(save_wait_seconds=time.perf_counter() - waited, save_layers_copied_late=self._staged.copied_late)
         for save, kv in staged:

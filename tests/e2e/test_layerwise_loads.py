@@ -77,7 +77,8 @@ def test_a_hit_finer_than_vllms_blocks_fills_the_head_of_the_last_block(live_ser
     cache = client.attach("finer", spec, {"device": 64 * spec.block_bytes}, timeout=30)
     dp = tenant_dataplane(client, cache, spec, pki)
     bs, vbs = spec.block_size, 2 * spec.block_size
-    layers = [torch.randn(16, spec.num_kv_heads, vbs, 2 * spec.head_dim) for _ in range(spec.num_layers)]
+    with torch.inference_mode():  # as vLLM's blocks are: the loader thread writes them outside that mode
+        layers = [torch.randn(16, spec.num_kv_heads, vbs, 2 * spec.head_dim) for _ in range(spec.num_layers)]
     paged = PagedLayout.of("cpu", layers[0])
     loads = LayerwiseLoads(lambda: dp, lambda: (layers, paged), spec.kv_bytes_per_token, 10.0, lambda **_: None)
     try:

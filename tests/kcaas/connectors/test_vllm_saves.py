@@ -25,32 +25,40 @@ def test_every_layer_is_copied_reported_or_not_and_the_copy_is_independent_of_vl
     staged = StagedSaves(lambda: (layers, paged))
     whole = Save(np.arange(2 * BLOCK, dtype=np.int32), 0, [5, 2])
     partial = Save(np.arange(BLOCK + 2, dtype=np.int32), 0, [1, 6])  # ends 2 tokens into block 6
-    staged.begin([whole, partial])
-    staged.layer_written(0)
-    staged.layer_written(2)  # layer 1 never reported: copied in finish
+    saves = [whole, partial]
+    staged.layer_written(0, saves)  # the first layer reported begins the step's saves
+    staged.layer_written(2, saves)  # layer 1 never reported: copied in finish
     expected = [gather(layers, paged, [5, 2]), gather(layers, paged, [1, 6])[:, :, : BLOCK + 2]]
-    result = staged.finish()
+    result = staged.finish(saves)
     assert staged.copied_late == 1
     for layer in layers:
         layer.fill_(float("nan"))  # vLLM reuses its blocks once the step is over
     assert [save for save, _ in result] == [whole, partial]
     for (_, kv), want in zip(result, expected, strict=True):
         assert torch.equal(kv, want)
-    assert staged.finish() == []  # nothing staged any more
+    assert staged.finish([]) == []  # a step without saves
+
+
+def test_a_step_whose_layers_were_never_reported_is_copied_whole_at_its_end():
+    layers, paged = paged_pool()
+    staged = StagedSaves(lambda: (layers, paged))
+    save = Save(np.arange(2 * BLOCK, dtype=np.int32), 0, [4, 0])
+    ((_, kv),) = staged.finish([save])
+    assert staged.copied_late == LAYERS and torch.equal(kv, gather(layers, paged, [4, 0]))
 
 
 def test_a_layer_is_copied_as_written_in_its_step():
     layers, paged = paged_pool()
     staged = StagedSaves(lambda: (layers, paged))
-    save = Save(np.arange(BLOCK, dtype=np.int32), 0, [3])
-    staged.begin([save])
+    saves = [Save(np.arange(BLOCK, dtype=np.int32), 0, [3])]
     for index in range(LAYERS):
         layers[index][3].fill_(float(index))  # the forward writes layer `index` ...
-        staged.layer_written(index)  # ... then reports it
-    ((_, kv),) = staged.finish()
+        staged.layer_written(index, saves)  # ... then reports it
+    ((_, kv),) = staged.finish(saves)
+    assert staged.copied_late == 0
     assert [float(kv[index].unique()) for index in range(LAYERS)] == [0.0, 1.0, 2.0]
-    staged.begin([])
-    assert staged.finish() == []
+    staged.layer_written(0, [])  # the next step saves nothing
+    assert staged.finish([]) == []
 
 
 def test_the_save_queue_drops_what_does_not_fit_and_sends_the_rest_in_order():
@@ -68,3 +76,16 @@ def test_the_save_queue_drops_what_does_not_fit_and_sends_the_rest_in_order():
     gate.set()
     saves.close(10)
     assert sent == [0, 1] and dropped == [1]
+
+
+def test_the_engines_inference_tensors_are_copied_out_beside_its_forward():
+    """vLLM runs its forward in inference mode, so its blocks and the buffers made on its thread are inference
+    tensors; the copier thread (where that mode is off unless set) still copies every layer during the forward."""
+    with torch.inference_mode():
+        layers, paged = paged_pool()
+        staged = StagedSaves(lambda: (layers, paged))
+        saves = [Save(np.arange(BLOCK, dtype=np.int32), 0, [2])]
+        for index in range(LAYERS):
+            staged.layer_written(index, saves)
+        ((_, kv),) = staged.finish(saves)
+    assert staged.copied_late == 0 and torch.equal(kv, gather(layers, paged, [2]))
