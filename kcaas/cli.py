@@ -20,7 +20,8 @@ stderr as `kcaas: note: ...`.
 
 Exit codes: 0 done; 1 the API refused or a cache failed (`error: <code>: <message>`, the details one per line, and
 a `hint:`; kcaas/cli_errors.py); 2 a usage error (argparse, an unreadable spec file, no API key); 3 no usable
-answer from the control plane (no connection, or a server that does not answer as the KCaaS API); 130 interrupted.
+answer from the control plane (no connection, or a server that does not answer as the KCaaS API); 130 interrupted;
+141 stdout was closed early (`kcaas ls | head -1`: the rest is dropped quietly, as a Unix tool does).
 No failure prints a traceback.
 """
 
@@ -51,6 +52,7 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 # A person waits at the prompt: the CLI rides out a blip of a few seconds, not the SDK's 30 s outage budget.
 INTERACTIVE_RETRY_BUDGET_SECONDS = 5.0
 EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED = 0, 2, 130
+EXIT_CLOSED_PIPE = 141  # 128 + SIGPIPE: what a Unix tool killed by a closed pipe reports
 SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(KVCacheSpec))
 # storage_dtype defaults to kv_dtype; an 'mla' spec's num_kv_heads and head_dim to what its latent width implies
 SPEC_DEFAULTS = {"block_size": 16, "kv_dtype": "float16", "attention": "mha", "kv_lora_rank": 0, "qk_rope_head_dim": 0}
@@ -401,7 +403,32 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one command; returns the exit code (see the module docstring) instead of raising SystemExit."""
+    """Run one command; returns the exit code (see the module docstring) instead of raising SystemExit.
+
+    A reader that closes stdout early (`| head`) ends the command quietly with EXIT_CLOSED_PIPE: stdout is flushed
+    here, inside the guard, so the interpreter's own flush at exit has nothing left to fail on."""
+    try:
+        code = _run(argv)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        _drop_stdout()
+        return EXIT_CLOSED_PIPE
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so that nothing (the exit's flush included) writes to the closed pipe again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a real file (a test's capture): nothing will flush into a pipe
+        pass
+    finally:
+        os.close(devnull)
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    """Parse argv and run its command: the exit code, with every failure but a closed stdout reported."""
     try:
         args = _parser().parse_args(argv)
     except SystemExit as exc:  # --help (0) or a usage error (2, already printed)

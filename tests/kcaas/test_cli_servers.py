@@ -215,3 +215,66 @@ def test_help_names_the_environment_and_the_ttl_clamp(capsys):
     assert all(len(line) <= 100 for line in text.splitlines())
     assert main(["ls", "--help"]) == 0
     assert "--all" in capsys.readouterr().out
+
+
+# ---- a reader that stops early (`kcaas ls | head -1`) ------------------------------------------------------------
+
+_MANY_CACHES = json.dumps(
+    [
+        {"id": f"c{i:06d}" + "0" * 20, "name": f"cache-{i}", "state": "ready", "capacity": {"device": 2**30}}
+        for i in range(3000)
+    ]
+).encode()  # a table far longer than a pipe's buffer (64 KiB)
+
+
+def _env_for(url: str) -> dict:
+    return {
+        **{k: v for k, v in os.environ.items() if not k.startswith("KCAAS_")},
+        "KCAAS_URL": url,
+        "KCAAS_API_KEY": KEY,
+    }
+
+
+def _quiet_exit(code: int, stderr: str) -> None:
+    assert code in (0, 141), stderr  # 141 = 128 + SIGPIPE, what a Unix tool cut off by `head` reports
+    assert "Traceback" not in stderr and "BrokenPipe" not in stderr and "Exception ignored" not in stderr, stderr
+
+
+@pytest.mark.parametrize("argv", [["ls"], ["ls", "--json"], ["--help"]])
+def test_a_closed_stdout_ends_the_command_quietly(serve, argv):
+    url = serve(_answering(200, "application/json", _MANY_CACHES))
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("KCAAS_")},
+        "KCAAS_URL": url,
+        "KCAAS_API_KEY": KEY,
+    }
+    reader, writer = os.pipe()
+    os.close(reader)  # closed before the command writes: every write to stdout fails with EPIPE
+    with os.fdopen(writer, "wb") as stdout:
+        done = subprocess.run(
+            [sys.executable, "-m", "kcaas", *argv],
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+    _quiet_exit(done.returncode, done.stderr)
+
+
+def test_piped_to_head_the_list_prints_its_first_line_and_no_traceback(serve):
+    url = serve(_answering(200, "application/json", _MANY_CACHES))
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("KCAAS_")},
+        "KCAAS_URL": url,
+        "KCAAS_API_KEY": KEY,
+    }
+    done = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", f"'{sys.executable}' -m kcaas ls --wide | head -1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert done.stdout.split() == ["ID", "NAME", "STATE", "ENDPOINT", "DEVICE", "DRAM", "SSD", "NETWORK", "CREATED"]
+    _quiet_exit(done.returncode, done.stderr)
