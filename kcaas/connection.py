@@ -212,7 +212,7 @@ def _certificate_error(error: KcaasError, where: str, url: str) -> CertificateVe
         f"TLS to {where} failed: the certificate is not signed by a CA this client trusts ({error.message}). "
         f"Pass ca= (the PEM file of the CA that signs the nodes' certificates; `make up` writes "
         f"var/secrets/dev-ca.pem), or let kcaas.connect() fetch the platform CA from {url}{tls.CA_PATH}",
-        details={"endpoint": where},
+        details={"url": url} if where == url else {"endpoint": where},  # the control plane's, or a node's
     )
 
 

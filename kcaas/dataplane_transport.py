@@ -190,7 +190,9 @@ class Transport:
                 except _ConnectionLost as exc:
                     self._drop()
                     if reconnected:
-                        raise DataPlaneError(f"data-plane connection lost: {exc}", code="connection_error") from None
+                        raise DataPlaneError(
+                            f"data-plane connection lost: {exc}", code="connection_error", details=self._where()
+                        ) from None
                     reconnected = True
 
     def _token(self) -> str:
@@ -283,7 +285,13 @@ class Transport:
                 raw.close()
                 raise
         except (OSError, ssl.SSLError) as exc:
-            raise DataPlaneError(f"cannot connect to the data plane: {exc}", code="connection_error") from None
+            raise DataPlaneError(
+                f"cannot connect to the data plane: {exc}", code="connection_error", details=self._where()
+            ) from None
+
+    def _where(self) -> dict[str, str]:
+        """The node address this connection dials, for a connection error's hint (kcaas.errors.hint_for)."""
+        return {"endpoint": self.endpoint} if self.endpoint else {"uds_path": str(self.uds_path)}
 
     def _sink(self, head: wire.FrameHead) -> Any:
         """A GET answer's KV straight into where each sequence's receiver puts it (`receive_into[i].views_for`):

@@ -182,18 +182,21 @@ def is_certificate_failure(message: str) -> bool:
 
 def hint_for(code: str, message: str, details: dict[str, Any]) -> str | None:
     """What to do about an error with this code, message and details; None when there is nothing useful to say."""
+    node = details.get("endpoint") or details.get("uds_path")  # set by the data plane: the node's own address
     if is_certificate_failure(message):
-        return (
-            "the node's certificate is not signed by a CA this client trusts: connect with kcaas.connect(url) (it "
-            f"trusts the CA the control plane publishes at <url>{CA_URL_PATH}), or pass ca= (a PEM file or text; "
-            "`make up` writes var/secrets/dev-ca.pem)"
-        )
+        return _certificate_hint(node, details.get("url") or _url_in(message))
     if code == "no_capacity":
         return _no_capacity_hint(details)
     if code in AUTHENTICATION_CODES:
         return (
             "pass api_key= or set KCAAS_API_KEY to a valid key (`make up` writes its demo tenant's key to "
             "var/secrets/demo-api-key); create a new one with `kcaas keys create` if it was revoked or expired"
+        )
+    if code == "connection_error" and node:
+        return (
+            f"the node at {node} (the cache's data-plane address) did not answer: its node agent may be down or "
+            "restarting; the control plane moves the cache to another node (`kcaas show CACHE` shows where), "
+            "then connect again"
         )
     if code == "connection_error" and ("refused" in message.lower() or "Could not connect" in message):
         url = details.get("url") or _url_in(message) or "the control plane URL"
@@ -206,6 +209,21 @@ def hint_for(code: str, message: str, details: dict[str, Any]) -> str | None:
     if code == "cache_not_ready":
         return "wait for the cache to be ready (Client.wait_for) before asking for a data token"
     return None
+
+
+def _certificate_hint(node: str | None, url: str | None) -> str:
+    """An untrusted certificate: whose it was (a node's on the data plane, else the control plane's) and what to do."""
+    if not node:
+        where = f"the control plane at {url}" if url else "the control plane"
+        return (
+            f"{where} presents a certificate this client does not trust: pass ca= (a PEM file or text) or use "
+            "an https:// URL whose certificate the system trusts"
+        )
+    return (
+        f"the node at {node} presents a certificate not signed by a CA this client trusts: connect with "
+        f"kcaas.connect(url) (it trusts the CA the control plane publishes at <url>{CA_URL_PATH}), or pass ca= (a PEM "
+        "file or text; `make up` writes var/secrets/dev-ca.pem)"
+    )
 
 
 def _no_capacity_hint(details: dict[str, Any]) -> str:
