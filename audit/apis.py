@@ -176,6 +176,7 @@ class AuditEventListApi(APIView):
 
     @extend_schema(
         operation_id="audit_events_list",
+        summary="List audit events",
         tags=["audit"],
         parameters=[
             *_RANGE_PARAMS,
@@ -231,6 +232,7 @@ class AuditExportApi(APIView):
 
     @extend_schema(
         operation_id="audit_export",
+        summary="Export a verifiable slice of the audit trail",
         tags=["audit"],
         parameters=[
             OpenApiParameter("format", str, required=False, enum=list(exports.FORMATS), default="jsonl"),
@@ -279,6 +281,7 @@ class AuditDigestListApi(APIView):
 
     @extend_schema(
         operation_id="audit_digests_list",
+        summary="List the signed digests of the audit chain (staff)",
         tags=["audit"],
         parameters=_RANGE_PARAMS,
         responses={200: AuditDigestSerializer(many=True), **_errors(400, 401, 403, 429)},
@@ -312,7 +315,13 @@ class PlatformKeyApi(APIView):
     permission_classes = [AllowAny]
     throttle_classes: list = []
 
-    @extend_schema(operation_id="platform_key", tags=["well-known"], auth=[], responses={200: PlatformKeySerializer})
+    @extend_schema(
+        operation_id="platform_key",
+        summary="The platform's public signing key (JWK)",
+        tags=["well-known"],
+        auth=[],
+        responses={200: PlatformKeySerializer},
+    )
     def get(self, request):
         response = Response(PlatformKeySerializer(platform_public_jwk()).data)
         response["Cache-Control"] = "public, max-age=300"

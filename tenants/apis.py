@@ -22,6 +22,7 @@ from core.errors import ApplicationError
 from core.openapi import AUTH_ERRORS, RATE_LIMIT_HEADERS, RejectUnknownFieldsMixin, error_responses
 from core.pagination import BoundedLimitOffsetPagination
 from core.permissions import IsStaff, ScopePermission
+from tenants import api_examples as ex
 from tenants import scopes as scope_rules
 from tenants import selectors, services
 from tenants.fields import QuotaValueField, StrictCharField, StrictIntegerField
@@ -130,6 +131,7 @@ class KeyListCreateApi(PaginatedApi):
         operation_id="keys_list",
         tags=["keys"],
         summary="List this tenant's API keys (never secrets or hashes)",
+        examples=[ex.KEY_LIST],
         parameters=[_TENANT_ID_PARAM, *RATE_LIMIT_HEADERS],
         responses={200: KeyOutputSerializer(many=True), **error_responses(*AUTH_ERRORS, 404)},
     )
@@ -144,6 +146,7 @@ class KeyListCreateApi(PaginatedApi):
         operation_id="keys_create",
         tags=["keys"],
         summary="Issue an API key; the raw key is in this response only",
+        examples=[ex.KEY_CREATE, ex.KEY_ISSUED],
         request=InputSerializer,
         parameters=RATE_LIMIT_HEADERS,
         responses={201: IssuedKeyOutputSerializer, **error_responses(*AUTH_ERRORS, 404, 409)},
@@ -422,6 +425,7 @@ class WhoAmIApi(JsonApi):
         operation_id="whoami",
         tags=["keys"],
         summary="Who the caller is: its tenant, key and scopes",
+        examples=[ex.WHOAMI],
         description="Answers for any valid credential: a tenant key gets its tenant id, key id and scopes (so an SDK "
         "can check a key in one cheap request); staff get kind `staff`. 401 for a missing, malformed, revoked or "
         "expired key.",

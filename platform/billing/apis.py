@@ -341,6 +341,7 @@ class UsageApi(APIView):
 
     @extend_schema(
         operation_id="usage_retrieve",
+        summary="Quota limits and current usage",
         tags=["usage"],
         parameters=[
             _TENANT_ID_PARAM,
@@ -484,6 +485,7 @@ class InvoiceListApi(_InvoiceApi):
 
     @extend_schema(
         operation_id="invoices_list",
+        summary="List invoices",
         tags=["invoices"],
         parameters=[_TENANT_ID_PARAM, *PAGE_PARAMS, *RATE_LIMIT_HEADERS],
         responses={200: _page_of(InvoiceSerializer, "PaginatedInvoiceList"), **error_responses(*AUTH_ERRORS, 404)},
@@ -500,6 +502,7 @@ class InvoiceListApi(_InvoiceApi):
 class InvoiceDetailApi(_InvoiceApi):
     @extend_schema(
         operation_id="invoices_retrieve",
+        summary="Retrieve an invoice",
         tags=["invoices"],
         parameters=RATE_LIMIT_HEADERS,
         responses={200: InvoiceSerializer, **error_responses(*AUTH_ERRORS, 404)},
@@ -542,6 +545,7 @@ class AdminRatesApi(APIView):
 
     @extend_schema(
         operation_id="admin_rates_list",
+        summary="List the price list's rates (staff)",
         tags=["admin"],
         parameters=[FilterSerializer, *PAGE_PARAMS],
         responses={200: _page_of(RateSerializer, "PaginatedRateList"), **error_responses(*AUTH_ERRORS)},
@@ -559,6 +563,7 @@ class AdminRatesApi(APIView):
 
     @extend_schema(
         operation_id="admin_rates_create",
+        summary="Add a rate to the price list (staff)",
         tags=["admin"],
         request=RateSerializer,
         responses={201: RateSerializer, **error_responses(*AUTH_ERRORS, 409)},

@@ -17,6 +17,7 @@ from rest_framework.permissions import AllowAny, BasePermission
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from caches import api_examples as ex
 from caches import selectors, services, signing
 from caches.errors import InvalidCapacity, InvalidSpec
 from caches.idempotency import HEADER as IDEMPOTENCY_HEADER
@@ -224,6 +225,8 @@ class CacheListAttachApi(APIView):
 
     @extend_schema(
         operation_id="caches_list",
+        summary="List caches",
+        examples=[ex.CACHE_LIST],
         tags=["caches"],
         parameters=[
             _TENANT_ID_PARAM,
@@ -252,6 +255,8 @@ class CacheListAttachApi(APIView):
 
     @extend_schema(
         operation_id="caches_attach",
+        summary="Attach a cache",
+        examples=[ex.ATTACH_REQUEST, ex.ATTACHED],
         tags=["caches"],
         request=AttachInputSerializer,
         parameters=[_TENANT_ID_PARAM, _IDEMPOTENCY_PARAM, _REPLAYED_HEADER, *RATE_LIMIT_HEADERS],
@@ -298,6 +303,8 @@ class CacheDetailDetachApi(APIView):
 
     @extend_schema(
         operation_id="caches_retrieve",
+        summary="Retrieve a cache",
+        examples=[ex.CACHE_READY],
         tags=["caches"],
         parameters=RATE_LIMIT_HEADERS,
         responses={200: CacheOutputSerializer, **error_responses(*AUTH_ERRORS, 404)},
@@ -314,6 +321,8 @@ class CacheDetailDetachApi(APIView):
 
     @extend_schema(
         operation_id="caches_detach",
+        summary="Detach a cache",
+        examples=[ex.DETACHING],
         tags=["caches"],
         request=None,
         parameters=RATE_LIMIT_HEADERS,
@@ -388,6 +397,8 @@ class DataTokenIssueApi(APIView):
 
     @extend_schema(
         operation_id="caches_tokens_create",
+        summary="Issue a data-plane token for a cache",
+        examples=[ex.TOKEN_REQUEST, ex.TOKEN_ISSUED],
         tags=["tokens"],
         request=InputSerializer,
         parameters=RATE_LIMIT_HEADERS,
@@ -505,7 +516,13 @@ class JwksApi(APIView):
     class OutputSerializer(serializers.Serializer):
         keys = JwkSerializer(many=True)
 
-    @extend_schema(operation_id="jwks", tags=["well-known"], auth=[], responses={200: OutputSerializer})
+    @extend_schema(
+        operation_id="jwks",
+        summary="Public keys that verify data-plane tokens (JWKS)",
+        tags=["well-known"],
+        auth=[],
+        responses={200: OutputSerializer},
+    )
     def get(self, request):
         response = Response(self.OutputSerializer(signing.jwks()).data)
         response["Cache-Control"] = "public, max-age=300"

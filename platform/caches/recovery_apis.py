@@ -19,6 +19,7 @@ class CacheRecoverApi(APIView):
 
     @extend_schema(
         operation_id="caches_recover",
+        summary="Recover a cache from the network tier after its node was lost",
         tags=["caches"],
         request=None,
         parameters=RATE_LIMIT_HEADERS,

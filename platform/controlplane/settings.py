@@ -208,7 +208,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_THROTTLE_CLASSES": ["tenants.ratelimit.TenantRateThrottle"],
     "EXCEPTION_HANDLER": "core.errors.exception_handler",
-    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_SCHEMA_CLASS": "controlplane.openapi.AutoSchema",  # lists only the schemes each operation accepts
     "DEFAULT_PAGINATION_CLASS": "core.pagination.BoundedLimitOffsetPagination",
     "PAGE_SIZE": 50,
     "UNAUTHENTICATED_USER": None,
@@ -219,6 +219,14 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
+    # The schemes the REST API accepts: no session cookie (the console's sessions are refused there; there is no
+    # other sign-in page). controlplane.openapi narrows each operation further and adds its curl sample.
+    "AUTHENTICATION_WHITELIST": [
+        "tenants.authentication.ApiKeyAuthentication",
+        "controlplane.authentication.NonConsoleBasicAuthentication",
+        "fleet.authentication.NodeCredentialAuthentication",
+    ],
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "controlplane.openapi.add_code_samples"],
     "REDOC_DIST": "SIDECAR",  # the docs pages work without internet access: every asset is served from here
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",

@@ -1,7 +1,8 @@
 from django.http import JsonResponse
-from django.urls import include, path
+from django.urls import include, path, re_path
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
+from controlplane import api_root
 from controlplane.metrics import metrics_view
 from core import errors
 
@@ -13,6 +14,10 @@ def healthz(request):
 
 
 urlpatterns = [
+    path("", api_root.site_root, name="site-root"),
+    path("api/", api_root.api_redirect),
+    path("api/v1", api_root.api_redirect),
+    path("api/v1/", api_root.api_root, name="api-root"),
     path("healthz", healthz, name="healthz"),
     path("metrics", metrics_view, name="metrics"),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
@@ -25,6 +30,7 @@ urlpatterns = [
     path("api/v1/", include("billing.urls")),
     path("api/v1/", include("privacy.urls")),
     path("api/v1/", include("audit.urls")),
+    re_path(r"^api/(?P<path>.*)$", api_root.api_not_found),  # after every API route: unknown is a JSON 404
     path("console/", include("console.urls")),
     path("", include("caches.well_known_urls")),
     path("", include("audit.well_known_urls")),

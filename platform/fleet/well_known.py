@@ -30,6 +30,7 @@ class PlatformCaApi(APIView):
 
     @extend_schema(
         operation_id="platform_ca",
+        summary="The platform CA certificate (PEM)",
         tags=["well-known"],
         auth=[],
         responses={

@@ -111,6 +111,7 @@ class EngineListRegisterApi(APIView):
 
     @extend_schema(
         operation_id="engines_list",
+        summary="List engine instances",
         tags=["routing"],
         parameters=RATE_LIMIT_HEADERS,
         responses={200: InstanceOutputSerializer(many=True), **error_responses(*AUTH_ERRORS)},
@@ -122,6 +123,7 @@ class EngineListRegisterApi(APIView):
 
     @extend_schema(
         operation_id="engines_register",
+        summary="Register an engine instance",
         tags=["routing"],
         request=InstanceInputSerializer,
         parameters=RATE_LIMIT_HEADERS,
@@ -146,6 +148,7 @@ class EngineDetailDeregisterApi(APIView):
 
     @extend_schema(
         operation_id="engines_retrieve",
+        summary="Retrieve an engine instance",
         tags=["routing"],
         parameters=RATE_LIMIT_HEADERS,
         responses={200: InstanceOutputSerializer, **error_responses(*AUTH_ERRORS, 404)},
@@ -159,6 +162,7 @@ class EngineDetailDeregisterApi(APIView):
 
     @extend_schema(
         operation_id="engines_deregister",
+        summary="Deregister an engine instance",
         tags=["routing"],
         request=None,
         parameters=RATE_LIMIT_HEADERS,
@@ -178,6 +182,7 @@ class PrefixLookupApi(APIView):
 
     @extend_schema(
         operation_id="engines_lookup",
+        summary="Find where a prompt's prefix is cached",
         tags=["routing"],
         request=LookupInputSerializer,
         parameters=RATE_LIMIT_HEADERS,

@@ -42,13 +42,15 @@ def test_the_docs_page_is_served_without_a_cdn(client):
     assert "redoc" in page.lower() and "cdn.jsdelivr" not in page
 
 
-def test_staff_operations_still_publish_the_session_and_basic_schemes(client):
-    """The REST API's staff authentication classes narrow DRF's (console users refused); the schema must keep
-    naming them as the cookie and basic schemes, or clients and the schema fuzzers lose the staff way in."""
+def test_staff_operations_publish_the_basic_scheme_and_no_session_cookie(client):
+    """The REST API's staff authentication classes narrow DRF's (console users refused); the schema names the basic
+    scheme on staff operations (clients and the schema fuzzers keep the staff way in), never the session cookie
+    (the console's sessions are the only ones issued, and the API refuses them: tests/controlplane/
+    test_api_reference.py), and no API key where staff alone are allowed."""
     schema = client.get("/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json").json()
-    assert {"cookieAuth", "basicAuth"} <= set(schema["components"]["securitySchemes"])
-    staff_list = schema["paths"]["/api/v1/admin/tenants"]["get"]["security"]
-    assert {"cookieAuth": []} in staff_list and {"basicAuth": []} in staff_list
+    assert "basicAuth" in schema["components"]["securitySchemes"]
+    assert "cookieAuth" not in schema["components"]["securitySchemes"]
+    assert schema["paths"]["/api/v1/admin/tenants"]["get"]["security"] == [{"basicAuth": []}]
 
 
 @pytest.mark.django_db
