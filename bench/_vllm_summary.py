@@ -86,7 +86,7 @@ def summarize_run(run: Run, cfg, results: dict) -> None:
     results["ttft_vs_mooncake_store_paired_median"] = paired_median(run, "kcaas_warm", "mooncake_warm")
     hit = lambda name: summaries[name]["cached_tokens"] / summaries[name]["prompt_tokens"]  # noqa: E731
     results["external_hit_rate"] = hit("kcaas_warm") if "kcaas_warm" in summaries else None
-    # the bound's own hit rate: the same whole blocks as the connector's
+    # the bound's own hit rate: whole vLLM blocks (the connector's: whole cache blocks, as fine or finer)
     results["hbm_hit_rate"] = hit("hbm_warm") if "hbm_warm" in summaries else None
     if "mooncake_warm" in summaries:
         results["mooncake_hit_rate"] = hit("mooncake_warm")

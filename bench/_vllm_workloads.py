@@ -10,7 +10,8 @@ Prompts (make_long_prompts; token ids, one seed):
                (multi_turn_answer_tokens, 200) + a new user message of 40-60 tokens; multi_turn_turns turns
                (quick 6, full 10), all the same for every contender.
 Where each contender's prefix comes from (vLLM's prefix caching is off in the KCaaS engines, so a hit there can only
-be the connector's; the same 128-token blocks for hbm and KCaaS, the same tail past the last whole block recomputed):
+be the connector's; hbm hits whole 128-token blocks, vLLM's own grain, and KCaaS the cache's 16-token blocks: each as
+fine as it can be, the rest recomputed):
   long_doc     kcaas_1 (wave 1's engine) computes the seeding prompt and saves it; in wave 3 kcaas_2, an engine that
                never saw the document, loads it from KCaaS for each question (long_doc_kcaas). hbm computes the same
                seeding prompt first (long_doc_hbm_seed), then hits the document in its own prefix cache

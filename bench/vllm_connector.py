@@ -38,9 +38,10 @@ Contenders of workload 1 (their requests interleaved round by round, the order a
                  shared-prefix prompts, which load the system prompt's blocks over the TLS data plane; vLLM alone
                  runs beside it every 4th round (its samples join the recompute figure) unless LMCache runs there.
   hbm_warm       the upper bound: vLLM alone with its own prefix caching on, seeded with the same seeding request,
-                 so every shared prompt hits the system prompt in the engine's own device memory (the same 128-token
-                 blocks: it recomputes the same tail past the last whole block as the connector does). Beside
-                 kcaas_warm in every round of wave 2.
+                 so every shared prompt hits the system prompt in the engine's own device memory: its whole
+                 128-token blocks, the finest grain vLLM's own prefix cache hits on the CPU build, so it recomputes
+                 the tail past the last whole 128-token block (KCaaS's hit is in the cache's 16-token blocks:
+                 kcaas_block_size; each contender as fine as it can be). Beside kcaas_warm in every round of wave 2.
   mooncake_warm  vLLM's MooncakeStoreConnector (kv_both) on a Mooncake Store started here: mooncake_1 runs the same
                  seeding request in wave 1 and exits; a FRESH engine (mooncake_2) serves the shared prompts beside
                  kcaas_warm in every round of wave 2 (bench/_vllm_peers.py). Its saves are asynchronous (Mooncake's
@@ -127,7 +128,7 @@ class BenchConfig:
     system_tokens: int = 2000
     user_tokens_min: int = 40
     user_tokens_max: int = 60
-    kcaas_block_size: int = 128  # the cache's block size (divides vLLM's 128)
+    kcaas_block_size: int = 16  # the cache's block size (divides vLLM's 128): the grain of a KCaaS hit
     cache_device_bytes: int = 1536 << 20  # every prompt saved (wave 1's misses, the document, the turns) fits
     extra_recompute_every: int = 4  # in the warm rounds, vLLM alone also runs every k-th round (side-by-side samples)
     # the second workload (bench/_vllm_workloads.py): a long document and a multi-turn chat

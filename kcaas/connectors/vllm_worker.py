@@ -65,6 +65,7 @@ class ConnectorWorker:
         self._layers: list[torch.Tensor] = []
         self._paged: PagedLayout | None = None
         cpus = io_cpus(config.io_cpus)
+        logger.info("KCaaS connector: I/O threads on CPUs %s", sorted(cpus) if cpus else "as started (not rebound)")
         self._saver = (
             SaveQueue(self.put, config.save_queue_bytes, lambda: self.count(saves_dropped=1), cpus)
             if config.writes and config.save == "async"
