@@ -24,9 +24,9 @@ def scrapes() -> list[tuple[float, list]]:
         ("kcaas_cache_miss_tokens_total", {**a, "cache": "c1"}, 100.0),
         ("kcaas_node_used_bytes", {**a, "tier": "device"}, 10.0),
         ("kcaas_node_used_bytes", {**b, "tier": "device"}, 30.0),
-        ("kcaas_http_request_seconds_bucket", {"route": "caches", "le": "0.1"}, 0.0),
-        ("kcaas_http_request_seconds_bucket", {"route": "caches", "le": "0.5"}, 0.0),
-        ("kcaas_http_request_seconds_bucket", {"route": "caches", "le": "+Inf"}, 0.0),
+        ("kcaas_http_request_duration_seconds_bucket", {"route": "caches", "le": "0.1"}, 0.0),
+        ("kcaas_http_request_duration_seconds_bucket", {"route": "caches", "le": "0.5"}, 0.0),
+        ("kcaas_http_request_duration_seconds_bucket", {"route": "caches", "le": "+Inf"}, 0.0),
         ("kcaas_billing_last_rollup_timestamp_seconds", {}, 990.0),
     ]
     second = [
@@ -35,9 +35,9 @@ def scrapes() -> list[tuple[float, list]]:
         ("kcaas_cache_miss_tokens_total", {**a, "cache": "c1"}, 120.0),
         ("kcaas_node_used_bytes", {**a, "tier": "device"}, 10.0),
         ("kcaas_node_used_bytes", {**b, "tier": "device"}, 30.0),
-        ("kcaas_http_request_seconds_bucket", {"route": "caches", "le": "0.1"}, 50.0),
-        ("kcaas_http_request_seconds_bucket", {"route": "caches", "le": "0.5"}, 100.0),
-        ("kcaas_http_request_seconds_bucket", {"route": "caches", "le": "+Inf"}, 100.0),
+        ("kcaas_http_request_duration_seconds_bucket", {"route": "caches", "le": "0.1"}, 50.0),
+        ("kcaas_http_request_duration_seconds_bucket", {"route": "caches", "le": "0.5"}, 100.0),
+        ("kcaas_http_request_duration_seconds_bucket", {"route": "caches", "le": "+Inf"}, 100.0),
         ("kcaas_billing_last_rollup_timestamp_seconds", {}, 990.0),
     ]
     return [(1000.0, first), (1010.0, second)]
@@ -62,7 +62,7 @@ def test_the_fleet_hit_rate_expression(evaluator):
 
 
 def test_histogram_quantile_interpolates_inside_the_bucket(evaluator):
-    p95 = "histogram_quantile(0.95, sum by (le, route) (rate(kcaas_http_request_seconds_bucket[5m])))"
+    p95 = "histogram_quantile(0.95, sum by (le, route) (rate(kcaas_http_request_duration_seconds_bucket[5m])))"
     [(labels, value)] = evaluator.at(p95, 1).items()
     assert labels == (("route", "caches"),)
     assert value == pytest.approx(0.1 + 0.4 * 0.9)  # rank 9.5 of 10/s, 5/s below 0.1, 5/s in (0.1, 0.5]

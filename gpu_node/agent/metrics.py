@@ -11,6 +11,7 @@ docs/observability.md lists every metric.
 
 from __future__ import annotations
 
+import importlib.metadata
 import threading
 import time
 
@@ -160,6 +161,45 @@ class NodeFigures:
         yield from (total, in_use, age)
 
 
+def build_version() -> str:
+    """The installed kcaas distribution's version (what `pip show kcaas` says), or `unknown` outside an install."""
+    try:
+        return importlib.metadata.version("kcaas")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class BuildInfoCollector:
+    """`kcaas_build_info{version=...} 1`: which build this process runs (join on it: `* on(instance) group_left`)."""
+
+    def collect(self):
+        info = GaugeMetricFamily("kcaas_build_info", "Always 1; the version of the running build", labels=["version"])
+        info.add_metric([build_version()], 1)
+        yield info
+
+
+class LatencyHistogram:
+    """A latency observed into `name` (`*_duration_seconds`, Prometheus' convention) and into `deprecated`, its
+    old name, kept for one release so that dashboards that read it keep working (its HELP says it is deprecated)."""
+
+    def __init__(self, name: str, deprecated: str, documentation: str, labelnames, **options):
+        self.current = Histogram(name, documentation, labelnames, **options)
+        self.deprecated = Histogram(deprecated, f"Deprecated, use {name}: {documentation}", labelnames, **options)
+
+    def labels(self, **labels) -> _Both:
+        """The labelled children of both histograms, observed together."""
+        return _Both(self.current.labels(**labels), self.deprecated.labels(**labels))
+
+
+class _Both:
+    def __init__(self, *children):
+        self._children = children
+
+    def observe(self, seconds: float) -> None:
+        for child in self._children:
+            child.observe(seconds)
+
+
 class NodeMetrics:
     """The metrics registry of one agent: engine counters plus the data plane's own events."""
 
@@ -168,7 +208,9 @@ class NodeMetrics:
         self.registry = CollectorRegistry()
         self.node = NodeFigures(capacity or {"device": cache_registry.device_capacity_bytes})
         self.registry.register(CacheStatsCollector(cache_registry, self.node))
-        self.request_seconds = Histogram(
+        self.registry.register(BuildInfoCollector())
+        self.request_seconds = LatencyHistogram(
+            "kcaas_dataplane_request_duration_seconds",
             "kcaas_dataplane_request_seconds",
             "Data-plane request latency",
             ["op"],

@@ -28,7 +28,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from billing.models import UsageReport
 from core.errors import error_body
-from core.metrics import HTTP_REQUEST_SECONDS, HTTP_REQUESTS
+from core.metrics import BUILD_INFO, HTTP_REQUEST_SECONDS, HTTP_REQUESTS
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +129,7 @@ def _registry() -> CollectorRegistry:
     registry = CollectorRegistry()
     MultiProcessCollector(registry)
     registry.register(_SCRAPE_TIME)
+    registry.register(BUILD_INFO)
     return registry
 
 

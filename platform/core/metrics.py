@@ -12,6 +12,7 @@ code; never a tenant, cache or key id.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import time
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from prometheus_client import (
     disable_created_metrics,
     start_http_server,
 )
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
 disable_created_metrics()  # no `_created` series: they double the series count and no dashboard reads them
@@ -36,14 +38,69 @@ MAX_CODE_LENGTH = 64  # an outcome label longer than this is not one of our erro
 HTTP_REQUESTS = Counter(
     "kcaas_http_requests", "HTTP requests answered, by route name, method and status", ["route", "method", "status"]
 )
-HTTP_REQUEST_SECONDS = Histogram(
-    "kcaas_http_request_seconds", "HTTP request latency by route name", ["route", "method"], buckets=LATENCY_BUCKETS
+
+
+class LatencyHistogram:
+    """A latency observed into `name` (`*_duration_seconds`, Prometheus' convention) and into `deprecated`, its
+    old name, kept for one release so that dashboards that read it keep working (its HELP says it is deprecated)."""
+
+    def __init__(self, name: str, deprecated: str, documentation: str, labelnames=(), **options):
+        self.current = Histogram(name, documentation, labelnames, **options)
+        self.deprecated = Histogram(deprecated, f"Deprecated, use {name}: {documentation}", labelnames, **options)
+
+    def labels(self, **labels) -> _Both:
+        """The labelled children of both histograms, observed together."""
+        return _Both(self.current.labels(**labels), self.deprecated.labels(**labels))
+
+    def observe(self, seconds: float) -> None:
+        """One observation into both (an unlabelled histogram)."""
+        _Both(self.current, self.deprecated).observe(seconds)
+
+
+class _Both:
+    def __init__(self, *children):
+        self._children = children
+
+    def observe(self, seconds: float) -> None:
+        for child in self._children:
+            child.observe(seconds)
+
+
+class BuildInfoCollector:
+    """`kcaas_build_info{version=...} 1`: which build this process runs. Read at scrape time (no per-process file)."""
+
+    def collect(self):
+        info = GaugeMetricFamily("kcaas_build_info", "Always 1; the version of the running build", labels=["version"])
+        info.add_metric([build_version()], 1)
+        yield info
+
+
+def build_version() -> str:
+    """The installed kcaas distribution's version, or `unknown` outside an install."""
+    try:
+        return importlib.metadata.version("kcaas")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+BUILD_INFO = BuildInfoCollector()
+REGISTRY.register(BUILD_INFO)  # a multi-process exporter registers it on its own registry too
+
+HTTP_REQUEST_SECONDS = LatencyHistogram(
+    "kcaas_http_request_duration_seconds",
+    "kcaas_http_request_seconds",
+    "HTTP request latency by route name",
+    ["route", "method"],
+    buckets=LATENCY_BUCKETS,
 )
 CACHE_ATTACHES = Counter("kcaas_cache_attaches", "Cache attaches by outcome (ok or the error code)", ["outcome"])
 PLACEMENT_FAILURES = Counter("kcaas_placement_failures", "Placements refused, by reason", ["reason"])
 NODE_LEASE_EXPIRIES = Counter("kcaas_node_lease_expiries", "Nodes marked lost because their lease expired")
-AUDIT_WRITE_SECONDS = Histogram(
-    "kcaas_audit_write_seconds", "Latency of one audit event write (head lock, hash, insert)", buckets=LATENCY_BUCKETS
+AUDIT_WRITE_SECONDS = LatencyHistogram(
+    "kcaas_audit_write_duration_seconds",
+    "kcaas_audit_write_seconds",
+    "Latency of one audit event write (head lock, hash, insert)",
+    buckets=LATENCY_BUCKETS,
 )
 AUDIT_WRITE_FAILURES = Counter("kcaas_audit_write_failures", "Audit writes that failed (answered audit_unavailable)")
 CELERY_TASKS = Counter("kcaas_celery_tasks", "Celery task outcomes by task name", ["task", "outcome"])
@@ -107,6 +164,7 @@ def serve_worker_metrics(**_):
     if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
         registry = CollectorRegistry()
         MultiProcessCollector(registry)
+        registry.register(BUILD_INFO)
     addr = os.environ.get("KCAAS_WORKER_METRICS_ADDR") or "127.0.0.1"
     server, _thread = start_http_server(int(port), addr=addr, registry=registry)
     return server

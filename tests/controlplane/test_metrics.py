@@ -185,3 +185,41 @@ def test_a_worker_serves_its_own_metrics_on_its_port(db, monkeypatch):
 def test_only_get_reads_metrics(db):
     response = Client().post("/metrics")
     assert response.status_code == 405 and response.json()["error"]["code"] == "method_not_allowed"
+
+
+def _families(body: str) -> dict:
+    return {family.name: family for family in text_string_to_metric_families(body)}
+
+
+def test_latencies_are_duration_seconds_histograms_and_the_old_names_are_kept_deprecated(db):
+    Client().get("/healthz")
+    families = _families(Client().get("/metrics").content.decode())
+    for current, old in (
+        ("kcaas_http_request_duration_seconds", "kcaas_http_request_seconds"),
+        ("kcaas_audit_write_duration_seconds", "kcaas_audit_write_seconds"),
+    ):
+        assert families[current].type == families[old].type == "histogram"
+        assert families[old].documentation.startswith(f"Deprecated, use {current}")
+        assert "deprecated" not in families[current].documentation.lower()
+    after = scrape()
+    for name in ("kcaas_http_request_duration_seconds_count", "kcaas_http_request_seconds_count"):
+        assert value(after, name, route="healthz", method="GET") >= 1
+    histograms = [name for name, family in families.items() if family.type == "histogram"]
+    assert all(name.endswith("_seconds") for name in histograms), histograms
+
+
+def test_the_control_plane_and_a_worker_export_their_build_info(db, monkeypatch):
+    from importlib.metadata import version
+
+    expected = (("version", version("kcaas")),)
+    assert scrape()[("kcaas_build_info", expected)] == 1.0
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    monkeypatch.setenv("KCAAS_WORKER_METRICS_PORT", str(free_port()))
+    server = serve_worker_metrics()
+    try:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}/metrics", timeout=5).read()
+        [sample] = _families(body.decode())["kcaas_build_info"].samples
+        assert sample.labels == dict(expected) and sample.value == 1.0
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -125,3 +125,35 @@ def test_no_created_series_are_exported():
     names = {name for name, _ in samples_of(metrics)}
     assert "kcaas_dataplane_auth_failures_total" in names
     assert not [name for name in names if name.endswith("_created")]
+
+
+def _families_scraped(metrics: NodeMetrics) -> dict:
+    server, _thread = metrics.serve(0)
+    try:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}/metrics", timeout=5).read()
+    finally:
+        server.shutdown()
+    return {family.name: family for family in text_string_to_metric_families(body.decode())}
+
+
+def test_latency_is_a_duration_seconds_histogram_and_the_old_name_is_kept_deprecated():
+    metrics = NodeMetrics(CacheRegistry(device_capacity_bytes=SPEC.block_bytes * 8, device="cpu"))
+    metrics.request_seconds.labels(op="get").observe(0.002)
+    families = _families_scraped(metrics)
+    current, old = families["kcaas_dataplane_request_duration_seconds"], families["kcaas_dataplane_request_seconds"]
+    assert current.type == old.type == "histogram"
+    assert "deprecated" not in current.documentation.lower()
+    assert old.documentation.startswith("Deprecated, use kcaas_dataplane_request_duration_seconds")
+    for family in (current, old):
+        counts = [s for s in family.samples if s.name.endswith("_count")]
+        assert [(s.labels, s.value) for s in counts] == [({"op": "get"}, 1.0)]
+    latencies = [name for name, f in families.items() if f.type == "histogram"]
+    assert all(name.endswith("_seconds") for name in latencies), latencies
+
+
+def test_the_agent_exports_its_build_info():
+    from importlib.metadata import version
+
+    families = _families_scraped(NodeMetrics(CacheRegistry(device_capacity_bytes=SPEC.block_bytes, device="cpu")))
+    [sample] = families["kcaas_build_info"].samples
+    assert sample.labels == {"version": version("kcaas")} and sample.value == 1.0
