@@ -45,3 +45,75 @@ WHOAMI = OpenApiExample(
     response_only=True,
     status_codes=["200"],
 )
+KEY_ONE = OpenApiExample("An active key", value=KEY, response_only=True, status_codes=["200"])
+KEY_REVOKED = OpenApiExample(
+    "Revoked",
+    value={**KEY, "state": "revoked", "revoked_at": "2026-03-02T10:20:00Z"},
+    response_only=True,
+    status_codes=["200"],
+)
+KEY_ROTATE = OpenApiExample("Keep the old key working for an hour", value={"overlap_seconds": 3600}, request_only=True)
+KEY_SUCCESSOR = OpenApiExample(
+    "The successor (the raw key is shown once)",
+    value={
+        **KEY,
+        "id": "8e2f3a4b-5c6d-4e7f-8a90-b1c2d3e4f5a6",
+        "public_id": "Zr4Tn8Vb2Kc6Xq1W",
+        "created_at": "2026-03-02T10:20:00Z",
+        "last_used_at": None,
+        "use_count": 0,
+        "rotated_from": KEY_ID,
+        "key": "kc_live_Zr4Tn8Vb2Kc6Xq1W_EXAMPLEonlyEXAMPLEonlyEXAMPLEonlyEXAMPLEonl4W2vUe",
+    },
+    response_only=True,
+    status_codes=["201"],
+)
+
+# ---- staff: tenants and quotas --------------------------------------------------------------------------------------
+
+TENANT = {"id": TENANT_ID, "name": "acme", "status": "active", "created_at": "2026-03-01T08:00:00Z"}
+TENANT_LIST = OpenApiExample("One page of tenants", value=TENANT, response_only=True, status_codes=["200"])
+TENANT_CREATE = OpenApiExample("A new tenant", value={"name": "acme"}, request_only=True)
+TENANT_CREATED = OpenApiExample("Created", value=TENANT, response_only=True, status_codes=["201"])
+TENANT_ONE = OpenApiExample("An active tenant", value=TENANT, response_only=True, status_codes=["200"])
+TENANT_SUSPEND = OpenApiExample("Suspend", value={"status": "suspended"}, request_only=True)
+TENANT_SUSPENDED = OpenApiExample(
+    "Suspended", value={**TENANT, "status": "suspended"}, response_only=True, status_codes=["200"]
+)
+
+_NO_OVERRIDES = dict.fromkeys(
+    (
+        "max_caches",
+        "max_device_bytes",
+        "max_dram_bytes",
+        "max_ssd_bytes",
+        "max_network_bytes",
+        "max_requests_per_second",
+        "max_data_tokens_outstanding",
+        "max_api_keys",
+    )
+)
+QUOTA = {
+    "tenant_id": TENANT_ID,
+    "max_caches": 10,
+    "max_device_bytes": 64 * 2**30,
+    "max_dram_bytes": 256 * 2**30,
+    "max_ssd_bytes": 1024 * 2**30,
+    "max_network_bytes": 0,
+    "max_requests_per_second": 50,
+    "max_data_tokens_outstanding": 1000,
+    "max_api_keys": 20,
+    "overrides": _NO_OVERRIDES,
+}
+QUOTA_DEFAULTS = OpenApiExample("The defaults, no override", value=QUOTA, response_only=True, status_codes=["200"])
+QUOTA_PATCH = OpenApiExample(
+    "Raise the device limit, reset the rate to the default",
+    value={"max_device_bytes": "128GiB", "max_requests_per_second": None},
+    request_only=True,
+)
+QUOTA_PATCHED = OpenApiExample(
+    "Patched",
+    value={**QUOTA, "max_device_bytes": 128 * 2**30, "overrides": {**_NO_OVERRIDES, "max_device_bytes": 128 * 2**30}},
+    response_only=True,
+    status_codes=["200"],
+)

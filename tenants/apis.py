@@ -179,6 +179,7 @@ class KeyDetailApi(JsonApi):
         operation_id="keys_retrieve",
         tags=["keys"],
         summary="One API key of this tenant",
+        examples=[ex.KEY_ONE],
         parameters=RATE_LIMIT_HEADERS,
         responses={200: KeyOutputSerializer, **error_responses(*AUTH_ERRORS, 404)},
     )
@@ -195,6 +196,7 @@ class KeyRevokeApi(JsonApi):
         operation_id="keys_revoke",
         tags=["keys"],
         summary="Revoke an API key (irreversible)",
+        examples=[ex.KEY_REVOKED],
         request=None,
         parameters=RATE_LIMIT_HEADERS,
         responses={200: KeyOutputSerializer, **error_responses(*AUTH_ERRORS, 404)},
@@ -222,6 +224,7 @@ class KeyRotateApi(JsonApi):
         operation_id="keys_rotate",
         tags=["keys"],
         summary="Rotate an API key: a successor now, the old key expires after the overlap",
+        examples=[ex.KEY_ROTATE, ex.KEY_SUCCESSOR],
         request=InputSerializer,
         parameters=RATE_LIMIT_HEADERS,
         responses={201: IssuedKeyOutputSerializer, **error_responses(*AUTH_ERRORS, 404, 409)},
@@ -265,6 +268,7 @@ class TenantListCreateApi(PaginatedApi):
         operation_id="admin_tenants_list",
         tags=["admin"],
         summary="List tenants (staff)",
+        examples=[ex.TENANT_LIST],
         responses={200: TenantOutputSerializer(many=True), **error_responses(*STAFF_ERRORS)},
     )
     def get(self, request):
@@ -276,6 +280,7 @@ class TenantListCreateApi(PaginatedApi):
         operation_id="admin_tenants_create",
         tags=["admin"],
         summary="Create a tenant (staff)",
+        examples=[ex.TENANT_CREATE, ex.TENANT_CREATED],
         request=InputSerializer,
         responses={201: TenantOutputSerializer, **error_responses(*STAFF_ERRORS, 409)},
     )
@@ -298,6 +303,7 @@ class TenantDetailApi(JsonApi):
         operation_id="admin_tenants_retrieve",
         tags=["admin"],
         summary="One tenant (staff)",
+        examples=[ex.TENANT_ONE],
         responses={200: TenantOutputSerializer, **error_responses(*STAFF_ERRORS, 404)},
     )
     def get(self, request, tenant_id):
@@ -309,6 +315,7 @@ class TenantDetailApi(JsonApi):
         operation_id="admin_tenants_update_status",
         tags=["admin"],
         summary="Suspend or reactivate a tenant (staff)",
+        examples=[ex.TENANT_SUSPEND, ex.TENANT_SUSPENDED],
         request=InputSerializer,
         responses={200: TenantOutputSerializer, **error_responses(*STAFF_ERRORS, 404, 409)},
     )
@@ -382,6 +389,7 @@ class TenantQuotaApi(JsonApi):
         operation_id="admin_tenants_quota_retrieve",
         tags=["admin"],
         summary="A tenant's effective quota and overrides (staff)",
+        examples=[ex.QUOTA_DEFAULTS],
         responses={200: QuotaOutputSerializer, **error_responses(*STAFF_ERRORS, 404)},
     )
     def get(self, request, tenant_id):
@@ -393,6 +401,7 @@ class TenantQuotaApi(JsonApi):
         operation_id="admin_tenants_quota_update",
         tags=["admin"],
         summary="Override quota limits; null resets to the default (staff)",
+        examples=[ex.QUOTA_PATCH, ex.QUOTA_PATCHED],
         request=QuotaPatchSerializer,
         responses={200: QuotaOutputSerializer, **error_responses(*STAFF_ERRORS, 404)},
     )

@@ -29,6 +29,7 @@ from rest_framework.permissions import BasePermission
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from billing import api_examples as ex
 from billing import money, selectors, services
 from billing.errors import InvalidPeriod
 from billing.models import METERS, TIERS, InvoiceStatus
@@ -342,6 +343,7 @@ class UsageApi(APIView):
     @extend_schema(
         operation_id="usage_retrieve",
         summary="Quota limits and current usage",
+        examples=[ex.USAGE],
         tags=["usage"],
         parameters=[
             _TENANT_ID_PARAM,

@@ -45,8 +45,8 @@ ATTACH_REQUEST = OpenApiExample(
     request_only=True,
 )
 ATTACHED = OpenApiExample(
-    "Attached: placed, not yet ready",
-    value={**CACHE, "state": "pending", "node_id": None, "endpoint": "", "epoch": 0, "contents": None},
+    "Attached: placed on a node, provisioning",
+    value={**CACHE, "state": "provisioning", "endpoint": "", "contents": None, "updated_at": CACHE["created_at"]},
     response_only=True,
     status_codes=["201"],
 )
@@ -74,4 +74,21 @@ TOKEN_ISSUED = OpenApiExample(
     },
     response_only=True,
     status_codes=["201"],
+)
+RECOVERING = OpenApiExample(
+    "Re-placed on another node at a new epoch",
+    value={
+        **CACHE,
+        "state": "provisioning",
+        "node_id": "d4e5f6a7-b8c9-4d0e-9f1a-2b3c4d5e6f70",
+        "endpoint": "",
+        "epoch": 2,
+        "contents": None,
+    },
+    response_only=True,
+    status_codes=["202"],
+)
+TOKEN_REVOKED = OpenApiExample("One token revoked", value={"revoked": 1}, response_only=True, status_codes=["200"])
+TOKENS_REVOKED = OpenApiExample(
+    "Every outstanding token revoked", value={"revoked": 4}, response_only=True, status_codes=["200"]
 )

@@ -469,6 +469,7 @@ class DataTokenRevokeApi(APIView):
         parameters=RATE_LIMIT_HEADERS,
         responses={200: DataTokensRevokedSerializer, **error_responses(*AUTH_ERRORS, 404)},
         summary="Revoke one data token of the cache",
+        examples=[ex.TOKEN_REVOKED],
         description=_REVOKE_DESCRIPTION + " 404 for a jti that is not a token of this cache.",
     )
     def post(self, request, cache_id, jti):
@@ -486,6 +487,7 @@ class DataTokensRevokeAllApi(APIView):
         parameters=RATE_LIMIT_HEADERS,
         responses={200: DataTokensRevokedSerializer, **error_responses(*AUTH_ERRORS, 404)},
         summary="Revoke every outstanding data token of the cache",
+        examples=[ex.TOKENS_REVOKED],
         description=_REVOKE_DESCRIPTION,
     )
     def post(self, request, cache_id):

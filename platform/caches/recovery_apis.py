@@ -6,6 +6,7 @@ from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from caches import api_examples as ex
 from caches.apis import CacheOutputSerializer, _tenant_scope
 from caches.recovery import cache_recover
 from core.openapi import AUTH_ERRORS, RATE_LIMIT_HEADERS, error_responses
@@ -20,6 +21,7 @@ class CacheRecoverApi(APIView):
     @extend_schema(
         operation_id="caches_recover",
         summary="Recover a cache from the network tier after its node was lost",
+        examples=[ex.RECOVERING],
         tags=["caches"],
         request=None,
         parameters=RATE_LIMIT_HEADERS,

@@ -11,6 +11,7 @@ from rest_framework.views import APIView
 
 from core.openapi import AUTH_ERRORS, RATE_LIMIT_HEADERS, RejectUnknownFieldsMixin, error_responses
 from core.permissions import ScopePermission
+from routing import api_examples as ex
 from routing import selectors, services
 from tenants.fields import StrictIntegerField
 from tenants.principals import request_tenant
@@ -112,6 +113,7 @@ class EngineListRegisterApi(APIView):
     @extend_schema(
         operation_id="engines_list",
         summary="List engine instances",
+        examples=[ex.INSTANCE_LIST],
         tags=["routing"],
         parameters=RATE_LIMIT_HEADERS,
         responses={200: InstanceOutputSerializer(many=True), **error_responses(*AUTH_ERRORS)},
@@ -124,6 +126,7 @@ class EngineListRegisterApi(APIView):
     @extend_schema(
         operation_id="engines_register",
         summary="Register an engine instance",
+        examples=[ex.REGISTER, ex.REGISTERED],
         tags=["routing"],
         request=InstanceInputSerializer,
         parameters=RATE_LIMIT_HEADERS,
@@ -149,6 +152,7 @@ class EngineDetailDeregisterApi(APIView):
     @extend_schema(
         operation_id="engines_retrieve",
         summary="Retrieve an engine instance",
+        examples=[ex.INSTANCE_LIVE],
         tags=["routing"],
         parameters=RATE_LIMIT_HEADERS,
         responses={200: InstanceOutputSerializer, **error_responses(*AUTH_ERRORS, 404)},
@@ -183,6 +187,7 @@ class PrefixLookupApi(APIView):
     @extend_schema(
         operation_id="engines_lookup",
         summary="Find where a prompt's prefix is cached",
+        examples=[ex.LOOKUP, ex.LOOKUP_HITS],
         tags=["routing"],
         request=LookupInputSerializer,
         parameters=RATE_LIMIT_HEADERS,

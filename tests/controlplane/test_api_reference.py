@@ -21,10 +21,28 @@ EXAMPLED = {
     "caches_attach",
     "caches_retrieve",
     "caches_detach",
+    "caches_recover",
     "caches_tokens_create",
+    "caches_tokens_revoke",
+    "caches_tokens_revoke_all",
     "keys_list",
     "keys_create",
+    "keys_retrieve",
+    "keys_revoke",
+    "keys_rotate",
     "whoami",
+    "engines_list",
+    "engines_register",
+    "engines_retrieve",
+    "engines_deregister",
+    "engines_lookup",
+    "usage_retrieve",
+    "admin_tenants_list",
+    "admin_tenants_create",
+    "admin_tenants_retrieve",
+    "admin_tenants_update_status",
+    "admin_tenants_quota_retrieve",
+    "admin_tenants_quota_update",
 }
 
 
@@ -79,9 +97,9 @@ def test_the_exampled_operations_have_request_and_response_examples(schema, oper
 def test_the_key_example_is_a_well_formed_key(schema):
     from core.keys import is_well_formed
 
-    operation = schema["paths"]["/api/v1/keys"]["post"]
-    issued = next(iter(operation["responses"]["201"]["content"]["application/json"]["examples"].values()))
-    assert is_well_formed(issued["value"]["key"])
+    for operation in (schema["paths"]["/api/v1/keys"]["post"], schema["paths"]["/api/v1/keys/{key_id}/rotate"]["post"]):
+        issued = next(iter(operation["responses"]["201"]["content"]["application/json"]["examples"].values()))
+        assert is_well_formed(issued["value"]["key"])
 
 
 def test_the_schema_names_only_schemes_the_api_accepts(schema):
