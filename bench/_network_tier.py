@@ -54,10 +54,11 @@ from gpu_node.engine.checksum import block_checksum
 from gpu_node.engine.paged_cache import PagedKVCache
 from gpu_node.engine.zeroing import zero
 from gpu_node.tiers import ssd_records
+from gpu_node.tiers.guarded_store import GuardedStore
 from gpu_node.tiers.host_memory import keep_block_buffers_on_heap
 from gpu_node.tiers.lower_tiers import LowerTiers
 from gpu_node.tiers.network_tier import NetworkTier
-from gpu_node.tiers.object_store import GuardedStore, MooncakeObjectStore, default_chunk_blocks
+from gpu_node.tiers.object_store import MooncakeObjectStore, default_chunk_blocks
 from kcaas.spec import KVCacheSpec
 
 GIB = 1 << 30

@@ -147,7 +147,8 @@ def open_network_store(config: AgentConfig):
     connects on first use, on the guard's thread: a store that is down delays nothing (its tier answers misses)."""
     if not config.network_store_master or not config.network_store_metadata:
         return None
-    from gpu_node.tiers.object_store import GuardedStore, MooncakeObjectStore
+    from gpu_node.tiers.guarded_store import GuardedStore
+    from gpu_node.tiers.object_store import MooncakeObjectStore
 
     client = MooncakeObjectStore(config.network_store_master, config.network_store_metadata)
     return GuardedStore(client, timeout_s=config.network_store_timeout)

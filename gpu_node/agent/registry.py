@@ -18,7 +18,7 @@ when a newer epoch wrote it, nor while a provisioning of it is in flight); purge
 tenant's directories, hosted or left over from an earlier run; remove_unplaced_directories (at registration)
 deletes those of every cache the control plane no longer places here, never one hosted or being provisioned.
 A capacity with `network` bytes and a data key gets a network tier when the node has a network store (`network_store`,
-a gpu_node.tiers.object_store.GuardedStore shared by every cache of this process); `network_write_through` (per cache)
+a gpu_node.tiers.guarded_store.GuardedStore shared by every cache of this process); `network_write_through` (per cache)
 makes puts wait until their full blocks are in it. Detach closes it and leaves its objects (the cache may come
 back elsewhere); purge_tenant removes them.
 

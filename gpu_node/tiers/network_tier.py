@@ -38,7 +38,7 @@ from gpu_node.engine.block_hash import BlockHash, BlockLineage, PushedOut
 from gpu_node.engine.checksum import verify_block
 from gpu_node.engine.zeroing import zero
 from gpu_node.tiers import ssd_records
-from gpu_node.tiers.object_store import GuardedStore
+from gpu_node.tiers.guarded_store import GuardedStore
 
 NAME_KEY_LABEL = b"kcaas/network/names/v1"
 AAD_PREFIX = b"kcaas/net/v1/"

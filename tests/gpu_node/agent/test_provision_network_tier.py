@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from gpu_node.agent.registry import CacheRegistry
 from gpu_node.agent.tasks import NETWORK_WRITE_THROUGH_UNSUPPORTED, provision
-from gpu_node.tiers.object_store import GuardedStore, MooncakeObjectStore
+from gpu_node.tiers.guarded_store import GuardedStore
+from gpu_node.tiers.object_store import MooncakeObjectStore
 from kcaas.spec import KVCacheSpec
 
 SPEC = KVCacheSpec(

@@ -14,8 +14,9 @@ import pytest
 from gpu_node.engine.block_hash import BlockHash
 from gpu_node.engine.checksum import block_checksum
 from gpu_node.tiers import object_store
+from gpu_node.tiers.guarded_store import GuardedStore
 from gpu_node.tiers.network_tier import NetworkTier
-from gpu_node.tiers.object_store import GuardedStore, MooncakeObjectStore
+from gpu_node.tiers.object_store import MooncakeObjectStore
 from tests.waiting import eventually
 
 MIB = 1 << 20

@@ -12,9 +12,10 @@ import torch
 
 from gpu_node.engine.block_hash import tokens_as_int32
 from gpu_node.engine.paged_cache import PagedKVCache
+from gpu_node.tiers.guarded_store import GuardedStore
 from gpu_node.tiers.lower_tiers import LowerTiers
 from gpu_node.tiers.network_tier import NetworkTier, object_names
-from gpu_node.tiers.object_store import GuardedStore, MooncakeObjectStore
+from gpu_node.tiers.object_store import MooncakeObjectStore
 from tests.gpu_node.kv_fixtures import prefix_kv, tiny_cache, tiny_latent_spec
 from tests.gpu_node.migration.test_migration_transfer import pki  # noqa: F401 (fixture)
 from tests.waiting import eventually
@@ -320,9 +321,9 @@ def test_a_long_run_is_promoted_in_pipelined_batches_bit_exact(store):
 
 
 def test_closing_the_client_under_a_stuck_call_neither_crashes_nor_calls_it_again(fresh_network_store, monkeypatch):
-    import gpu_node.tiers.object_store as object_store
+    import gpu_node.tiers.guarded_store as guarded_store
 
-    monkeypatch.setattr(object_store, "CLOSE_WAIT_S", 0.5)
+    monkeypatch.setattr(guarded_store, "CLOSE_WAIT_S", 0.5)
     store = client(fresh_network_store.endpoints, timeout_s=0.2)
     assert store.put("kc/close-test/a", b"x" * 1024)
     fresh_network_store.stop_master()
