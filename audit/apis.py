@@ -18,7 +18,7 @@ from rest_framework.response import Response
 from rest_framework.settings import api_settings
 from rest_framework.views import APIView
 
-from audit import exports, queries
+from audit import api_examples, exports, queries
 from audit.actions import AuditAction
 from audit.context import ACTOR_KINDS
 from audit.keys import platform_public_jwk
@@ -318,6 +318,7 @@ class PlatformKeyApi(APIView):
     @extend_schema(
         operation_id="platform_key",
         summary="The platform's public signing key (JWK)",
+        examples=[api_examples.PLATFORM_KEY],
         tags=["well-known"],
         auth=[],
         responses={200: PlatformKeySerializer},

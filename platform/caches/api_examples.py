@@ -92,3 +92,20 @@ TOKEN_REVOKED = OpenApiExample("One token revoked", value={"revoked": 1}, respon
 TOKENS_REVOKED = OpenApiExample(
     "Every outstanding token revoked", value={"revoked": 4}, response_only=True, status_codes=["200"]
 )
+JWKS = OpenApiExample(
+    "The current signing key",
+    value={
+        "keys": [
+            {
+                "kty": "OKP",
+                "crv": "Ed25519",
+                "x": "Eb8SAssQJ6GDOieQvug6DDzmoDo5Lg0D5ePI7f7TYcs",
+                "kid": "xYYm359zE0s8d_mp5QA2G6F185TSPZ1Um4iXbcGyG0Q",
+                "use": "sig",
+                "alg": "EdDSA",
+            }
+        ]
+    },
+    response_only=True,
+    status_codes=["200"],
+)

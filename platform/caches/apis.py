@@ -521,6 +521,7 @@ class JwksApi(APIView):
     @extend_schema(
         operation_id="jwks",
         summary="Public keys that verify data-plane tokens (JWKS)",
+        examples=[ex.JWKS],
         tags=["well-known"],
         auth=[],
         responses={200: OutputSerializer},

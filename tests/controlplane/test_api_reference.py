@@ -43,6 +43,8 @@ EXAMPLED = {
     "admin_tenants_update_status",
     "admin_tenants_quota_retrieve",
     "admin_tenants_quota_update",
+    "jwks",
+    "platform_key",
 }
 
 
