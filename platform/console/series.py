@@ -21,7 +21,6 @@ from fleet.samples import SeriesPoint, resident_series
 
 HOURS = 24
 DAYS = 30
-GIB = Decimal(2**30)
 GB = Decimal(10**9)
 HOUR = timedelta(hours=1)
 
@@ -37,12 +36,30 @@ def _day_range(now: datetime) -> tuple[datetime, datetime]:
     return today - timedelta(days=DAYS - 1), today + timedelta(days=1)
 
 
-def _resident_bars(points: list[SeriesPoint]) -> list[Bar]:
+BYTE_UNITS = (("B", 1), ("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30), ("TiB", 2**40))
+
+
+def byte_unit(largest_bytes: int) -> tuple[str, Decimal]:
+    """(name, bytes) of the largest binary unit that `largest_bytes` reaches (B below 1 KiB): an axis of a few MiB
+    reads 0, 1, 2 MiB, not 0.0005 GiB steps."""
+    name, size = BYTE_UNITS[0]
+    for unit_name, unit_size in BYTE_UNITS:
+        if largest_bytes >= unit_size:
+            name, size = unit_name, unit_size
+    return name, Decimal(size)
+
+
+def _resident_unit(points: list[SeriesPoint]) -> tuple[str, Decimal]:
+    """The unit of the resident chart: picked by its tallest bar (the tiers stacked)."""
+    return byte_unit(max((sum(p.resident_bytes[tier] for tier in TIERS) for p in points), default=0))
+
+
+def _resident_bars(points: list[SeriesPoint], unit: Decimal) -> list[Bar]:
     return [
         Bar(
             label=p.start.strftime("%Y-%m-%d %H:00"),
             tick=p.start.strftime("%H:00"),
-            values={tier: Decimal(p.resident_bytes[tier]) / GIB for tier in TIERS},
+            values={tier: Decimal(p.resident_bytes[tier]) / unit for tier in TIERS},
         )
         for p in points
     ]
@@ -85,12 +102,14 @@ def charts_context(
     now = timezone.now()
     start, end = _hour_range(now)
     hourly = resident_series(start=start, end=end, bucket=HOUR, node_id=node_id, cache_ids=cache_ids)
-    resident, hits = _resident_bars(hourly), _hit_points(hourly)
+    unit_name, unit = _resident_unit(hourly)
+    resident, hits = _resident_bars(hourly, unit), _hit_points(hourly)
     days = _sampled_gb_hour_bars(node_id, now) if node_id is not None else _ledger_bars(tenant_id, now)
     day_start, day_end = _day_range(now)
     return {
-        "resident_chart": stacked_bar_chart(resident, title="Resident GiB per tier per hour", unit="GiB"),
+        "resident_chart": stacked_bar_chart(resident, title=f"Resident {unit_name} per tier per hour", unit=unit_name),
         "resident_bars": resident,
+        "resident_unit": unit_name,
         "hit_chart": line_chart(hits, title="Hit rate per hour", unit="%", top=Decimal(100)),
         "hit_points": hits,
         "gb_hours_chart": stacked_bar_chart(days, title="GB-hours per tier per day", unit="GB-hours"),

@@ -27,7 +27,8 @@ class History:
     cache: object
 
 
-def seed_history(*, name: str = "hist") -> History:
+def seed_history(*, name: str = "hist", resident_scale: int = GIB) -> History:
+    """A node, tenant and ready cache with four hourly heartbeats: device bytes of 1/4 to 1 `resident_scale`, dram 1."""
     for other in Node.objects.filter(state=NodeState.READY):  # so the cache lands on this history's own node
         fleet_services.node_cordon(node_id=other.pk)
     node = make_node(f"{name}-node", device=8 * GIB, dram=16 * GIB, ssd=0)
@@ -38,8 +39,8 @@ def seed_history(*, name: str = "hist") -> History:
     for back, hits, misses in zip(HOURS_BACK, HITS, MISSES, strict=True):
         resident = {
             "cache_id": str(cache.pk),
-            "device_bytes": (back + 1) * GIB // 4,
-            "dram_bytes": GIB,
+            "device_bytes": (back + 1) * resident_scale // 4,
+            "dram_bytes": resident_scale,
             "ssd_bytes": 0,
             "hit_tokens": hits,
             "miss_tokens": misses,

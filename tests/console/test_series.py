@@ -75,3 +75,24 @@ def test_line_chart_places_points_by_value_and_leaves_gaps():
     assert [float(cy) for _, cy in circles] == [240.0, 126.0, 12.0]  # baseline 240, top 12: 0, 50, 100 %
     assert svg.count("<polyline") == 1  # a, then the gap at b, then c-d joined
     assert line_chart([LinePoint("a", "a", None)], title="t", unit="%", top=Decimal(1)) == ""
+
+
+def _y_ticks(svg: str) -> list[str]:
+    return re.findall(r'text-anchor="end" font-size="11" fill="#4f5761">([^<]*)</text>', svg)
+
+
+@pytest.mark.parametrize(
+    "scale,unit,ticks",
+    [
+        (2**20, "MiB", ["0", "0.5", "1", "1.5", "2"]),  # 1.25 to 2 MiB stacked: not 0.0005 GiB steps
+        (300 * 2**10, "KiB", ["0", "200", "400", "600"]),  # 375 to 600 KiB
+        (400, "B", ["0", "200", "400", "600", "800"]),  # 500 to 800 bytes
+        (2**30, "GiB", ["0", "0.5", "1", "1.5", "2"]),
+    ],
+)
+def test_the_resident_axis_picks_its_unit_by_magnitude_with_round_steps(readonly_client, scale, unit, ticks):
+    seed_history(resident_scale=scale)
+    html = readonly_client.get("/console/").content.decode()
+    resident = _chart(html, "resident")
+    assert _y_ticks(resident) == ticks
+    assert f">{unit}</text>" in resident and f"Resident {unit} per tier per hour (UTC)" in html
