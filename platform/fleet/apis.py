@@ -17,6 +17,7 @@ from rest_framework.views import APIView
 
 from core.openapi import error_responses
 from core.permissions import IsStaff
+from fleet import api_examples as ex
 from fleet import selectors, services
 from fleet.authentication import NodeCredentialAuthentication
 from fleet.models import NodeState
@@ -283,6 +284,7 @@ class AdminNodesApi(_AdminApi):
         ],
         responses={200: PageSerializer, **error_responses(400, 401, 403)},
         summary="List nodes (staff)",
+        examples=[ex.NODE_LIST],
     )
     def get(self, request):
         filters = _validated(self.FilterSerializer, request.query_params)
@@ -296,6 +298,7 @@ class AdminNodesApi(_AdminApi):
         request=InputSerializer,
         responses={201: OutputSerializer, **error_responses(400, 401, 403, 409)},
         summary="Create a node and issue its credential (staff)",
+        examples=[ex.NODE_CREATE, ex.NODE_CREATED],
     )
     def post(self, request):
         data = _validated(self.InputSerializer, request.data)
@@ -310,6 +313,7 @@ class AdminNodeDetailApi(_AdminApi):
         tags=["admin"],
         responses={200: NodeDetailSerializer, **error_responses(401, 403, 404)},
         summary="One node with its latest resident-bytes snapshot (staff)",
+        examples=[ex.NODE_DETAIL],
         description=(
             "One node: state, endpoint, lease, capacity, reserved and free bytes per tier, and the resident-bytes "
             "snapshot of its last heartbeat (bytes per tier per cache it hosts). 404 for an unknown id."
@@ -326,6 +330,7 @@ class AdminNodeCordonApi(_AdminApi):
         request=None,
         responses={200: NodeSerializer, **error_responses(401, 403, 404, 409)},
         summary="Cordon a ready node: no new placements, its caches stay (staff; idempotent)",
+        examples=[ex.NODE_CORDONED],
         description=(
             "Stops new placements on a ready (or draining) node; the caches already on it stay and keep serving. "
             "Idempotent: cordoning a cordoned node changes nothing and writes no audit event. 409 "
@@ -343,6 +348,7 @@ class AdminNodeUncordonApi(_AdminApi):
         request=None,
         responses={200: NodeSerializer, **error_responses(401, 403, 404, 409)},
         summary="Return a cordoned or draining node to ready (staff; idempotent)",
+        examples=[ex.NODE_UNCORDONED],
         description=(
             "Returns a cordoned or draining node to `ready`, so placement may choose it again; caches already "
             "migrated away stay where they are. Idempotent on a ready node; 409 invalid_node_state for a lost or "

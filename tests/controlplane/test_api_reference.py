@@ -45,6 +45,11 @@ EXAMPLED = {
     "admin_tenants_quota_update",
     "jwks",
     "platform_key",
+    "admin_nodes_list",
+    "admin_nodes_create",
+    "admin_nodes_retrieve",
+    "admin_nodes_cordon",
+    "admin_nodes_uncordon",
 }
 
 
