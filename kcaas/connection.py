@@ -189,7 +189,7 @@ class Connection:
             failure = APIConnectionError(
                 f"could not fetch the platform CA from {self.url}{tls.CA_PATH}: {exc}",
                 details={"url": self.url},
-                hint="is the control plane running at that URL (`make up`)? Or pass ca= (a PEM file or text)",
+                hint=f"is the control plane running at {self.url} (`make up`)? Or pass ca= (a PEM file or text)",
             )
             raise _certificate_error(failure, self.url, self.url) or failure from None
 

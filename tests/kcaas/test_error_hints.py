@@ -58,3 +58,12 @@ def test_a_node_that_never_finishes_the_tls_handshake_is_named():
         with pytest.raises(DataPlaneError) as caught:
             client.connect()
     assert endpoint in caught.value.hint and "make up" not in caught.value.hint
+
+
+def test_a_control_plane_that_cannot_give_its_ca_is_named_by_its_url():
+    import kcaas
+
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(errors.APIConnectionError) as caught:
+        kcaas.connect(url, "kc_live_nothing", retries=0).ssl_context()
+    assert url in caught.value.hint and "control plane" in caught.value.hint
