@@ -1,4 +1,4 @@
-"""Response examples for the tenant's usage operation of the published reference."""
+"""Request and response examples for the usage, invoice and rate operations of the published reference."""
 
 from __future__ import annotations
 
@@ -35,4 +35,78 @@ USAGE = OpenApiExample(
     },
     response_only=True,
     status_codes=["200"],
+)
+
+# ---- invoices: one 8 GiB device + 32 GiB DRAM cache for a 30-day month (GB = 10^9 bytes) ----------------------------
+
+INVOICE = {
+    "id": "a9b8c7d6-e5f4-4a3b-9c2d-1e0f9a8b7c6d",
+    "tenant_id": "0b7e9f4a-1c2d-4e3f-8a5b-6c7d8e9f0a1b",
+    "month": "2026-04",
+    "status": "final",
+    "currency": "USD",
+    "subtotal": "371.0851743744",
+    "total": "371.09",
+    "generated_at": "2026-05-01T01:00:00Z",
+    "finalised_at": "2026-05-03T00:00:00Z",
+    "lines": [
+        {
+            "cache_id": "5f0c2a8e-3b6d-4e7a-9c1f-2d8b7a6e4c10",
+            "meter": "device_gb_hour",
+            "usage": 22265110462464000,
+            "quantity": "6184.75290624",
+            "unit_price": "0.04",
+            "rate_effective_from": "2026-01-01T00:00:00Z",
+            "amount": "247.3901162496",
+        },
+        {
+            "cache_id": "5f0c2a8e-3b6d-4e7a-9c1f-2d8b7a6e4c10",
+            "meter": "dram_gb_hour",
+            "usage": 89060441849856000,
+            "quantity": "24739.01162496",
+            "unit_price": "0.005",
+            "rate_effective_from": "2026-01-01T00:00:00Z",
+            "amount": "123.6950581248",
+        },
+    ],
+}
+INVOICE_LIST = OpenApiExample(
+    "One page of invoices",
+    value={"count": 1, "next": None, "previous": None, "results": [INVOICE]},
+    response_only=True,
+    status_codes=["200"],
+)
+INVOICE_ONE = OpenApiExample("A final invoice", value=INVOICE, response_only=True, status_codes=["200"])
+
+# ---- staff: the price list ---------------------------------------------------------------------------------------
+
+RATE = {
+    "id": 7,
+    "meter": "device_gb_hour",
+    "unit_price": "0.0400000000",
+    "effective_from": "2026-01-01T00:00:00Z",
+    "created_at": "2025-12-15T09:30:00Z",
+}
+RATE_LIST = OpenApiExample(
+    "One page of rates",
+    value={"count": 1, "next": None, "previous": None, "results": [RATE]},
+    response_only=True,
+    status_codes=["200"],
+)
+RATE_CREATE = OpenApiExample(
+    "A new device price from May",
+    value={"meter": "device_gb_hour", "unit_price": "0.035", "effective_from": "2026-05-01T00:00:00Z"},
+    request_only=True,
+)
+RATE_CREATED = OpenApiExample(
+    "Created",
+    value={
+        "id": 8,
+        "meter": "device_gb_hour",
+        "unit_price": "0.0350000000",
+        "effective_from": "2026-05-01T00:00:00Z",
+        "created_at": "2026-04-20T14:00:00Z",
+    },
+    response_only=True,
+    status_codes=["201"],
 )

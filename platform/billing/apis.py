@@ -488,6 +488,7 @@ class InvoiceListApi(_InvoiceApi):
     @extend_schema(
         operation_id="invoices_list",
         summary="List invoices",
+        examples=[ex.INVOICE_LIST],
         tags=["invoices"],
         parameters=[_TENANT_ID_PARAM, *PAGE_PARAMS, *RATE_LIMIT_HEADERS],
         responses={200: _page_of(InvoiceSerializer, "PaginatedInvoiceList"), **error_responses(*AUTH_ERRORS, 404)},
@@ -505,6 +506,7 @@ class InvoiceDetailApi(_InvoiceApi):
     @extend_schema(
         operation_id="invoices_retrieve",
         summary="Retrieve an invoice",
+        examples=[ex.INVOICE_ONE],
         tags=["invoices"],
         parameters=RATE_LIMIT_HEADERS,
         responses={200: InvoiceSerializer, **error_responses(*AUTH_ERRORS, 404)},
@@ -548,6 +550,7 @@ class AdminRatesApi(APIView):
     @extend_schema(
         operation_id="admin_rates_list",
         summary="List the price list's rates (staff)",
+        examples=[ex.RATE_LIST],
         tags=["admin"],
         parameters=[FilterSerializer, *PAGE_PARAMS],
         responses={200: _page_of(RateSerializer, "PaginatedRateList"), **error_responses(*AUTH_ERRORS)},
@@ -566,6 +569,7 @@ class AdminRatesApi(APIView):
     @extend_schema(
         operation_id="admin_rates_create",
         summary="Add a rate to the price list (staff)",
+        examples=[ex.RATE_CREATE, ex.RATE_CREATED],
         tags=["admin"],
         request=RateSerializer,
         responses={201: RateSerializer, **error_responses(*AUTH_ERRORS, 409)},

@@ -50,6 +50,10 @@ EXAMPLED = {
     "admin_nodes_retrieve",
     "admin_nodes_cordon",
     "admin_nodes_uncordon",
+    "invoices_list",
+    "invoices_retrieve",
+    "admin_rates_list",
+    "admin_rates_create",
 }
 
 
