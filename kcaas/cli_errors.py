@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kcaas.cli_output import Out, jsonable
-from kcaas.errors import APIConnectionError, KcaasError
+from kcaas.errors import APIConnectionError, KcaasError, hint_for
 from kcaas.units import human_bytes
 
 EXIT_API, EXIT_CONNECTION = 1, 3
@@ -138,7 +138,7 @@ def _state_hint(exc: KcaasError) -> str | None:
     if exc.code == "cache_not_ready":
         return "wait until it is ready (kcaas show NAME shows its state), then try again"
     if exc.code == "cache_name_taken":
-        return "pick another name, or use the attached cache: kcaas show NAME"
+        return hint_for(exc.code, exc.message, exc.details)
     if exc.code == "ambiguous":
         return "name it by id, or by an id prefix long enough to be unique"
     if exc.status == 404 or exc.code == "not_found":

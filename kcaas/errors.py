@@ -208,7 +208,20 @@ def hint_for(code: str, message: str, details: dict[str, Any]) -> str | None:
         return "detach caches you no longer need (details.limit names the limit), or ask for a higher quota"
     if code == "cache_not_ready":
         return "wait for the cache to be ready (Client.wait_for) before asking for a data token"
+    if code == "cache_name_taken":
+        return _name_taken_hint(details)
     return None
+
+
+def _name_taken_hint(details: dict[str, Any]) -> str:
+    """The name is held by a cache that is not detached: say which, and the two ways on (use it, or free the name)."""
+    name = details.get("name") or "NAME"
+    held = ", ".join(f"{key} {details[key]}" for key in ("cache_id", "state") if details.get(key))
+    which = f"a cache named {name} already exists ({held})" if held else f"a cache named {name} already exists"
+    return (
+        f"{which}: use it as is (`kcaas show {name}`, kc.cache({name!r})) if its spec fits, or detach it first "
+        f"(`kcaas detach {name} --wait`) or pick another name"
+    )
 
 
 def _certificate_hint(node: str | None, url: str | None) -> str:

@@ -266,8 +266,9 @@ class CacheListAttachApi(APIView):
         },
         description="Attach a cache. 400 invalid_spec / invalid_capacity (network_write_through without "
         "capacity.network too) / validation_error; 403 quota_exceeded (details.limit names the limit) or "
-        "permission_denied; 409 cache_name_taken, idempotency_in_progress or network_tier_absent (capacity.network "
-        "asked of a fleet without a network store); 422 idempotency_key_reused; 503 no_capacity (no node has the "
+        "permission_denied; 409 cache_name_taken (details: the name, and cache_id and state of the cache holding "
+        "it), idempotency_in_progress or network_tier_absent (capacity.network asked of a fleet without a network "
+        "store); 422 idempotency_key_reused; 503 no_capacity (no node has the "
         "device/dram/ssd bytes, or the network store has not the network bytes left: details.largest_free). The "
         "cache is returned `provisioning`; it becomes `ready` (or `failed`) when its node answers.",
     )

@@ -157,8 +157,10 @@ def _attach(
     tenant = tenant_lock(tenant_id=tenant_id)
     if tenant.status != Tenant.Status.ACTIVE:
         raise ConflictError(f"The tenant is {tenant.status}.", code="tenant_inactive")
-    if Cache.objects.filter(tenant_id=tenant.pk, name=name).exclude(state=CacheState.DETACHED).exists():
-        raise CacheNameTaken("A cache with this name is attached.", details={"name": name})
+    taken = Cache.objects.filter(tenant_id=tenant.pk, name=name).exclude(state=CacheState.DETACHED).first()
+    if taken is not None:  # the one that holds the name, so the caller can use it as is or detach it
+        details = {"name": name, "cache_id": str(taken.pk), "state": str(taken.state)}
+        raise CacheNameTaken("A cache with this name is attached.", details=details)
     _check_quota(tenant=tenant, capacity=capacity)
     network_store_reserve(nbytes=capacity["network"])
     node = node_place(capacity={tier: capacity[tier] for tier in NODE_TIERS})

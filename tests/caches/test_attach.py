@@ -184,7 +184,8 @@ def test_each_cache_gets_its_own_hash_key(tenant_a, node):
 
 def test_names_are_unique_among_attached_caches_only(tenant_a, tenant_b, node):
     first = _post(tenant_a.client, attach_body(name="shared")).json()
-    _error(_post(tenant_a.client, attach_body(name="shared")), 409, "cache_name_taken")
+    taken = _error(_post(tenant_a.client, attach_body(name="shared")), 409, "cache_name_taken")
+    assert taken["details"] == {"name": "shared", "cache_id": first["id"], "state": first["state"]}  # which holds it
     assert _post(tenant_b.client, attach_body(name="shared")).status_code == 201  # another tenant: fine
     Cache.objects.filter(pk=first["id"]).update(state=CacheState.DETACHED)
     assert _post(tenant_a.client, attach_body(name="shared")).status_code == 201

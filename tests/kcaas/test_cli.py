@@ -177,6 +177,20 @@ def test_usage_shows_limits_against_use_in_human_bytes(make_tenant, node, sdk, c
     }
 
 
+def test_attaching_a_taken_name_again_names_the_cache_and_how_to_use_or_free_it(make_tenant, node, cli):
+    key = make_tenant().raw_key
+    argv = ("attach", "chat", *SPEC_FLAGS, "--device-bytes", "64KiB", "--timeout", "20")
+    code, out, err = cli(key, *argv)
+    assert code == 0, err
+    cache_id = dict(line.split(":", 1) for line in out.splitlines())["id"].strip()
+    code, out, err = cli(key, *argv)  # the README's attach, run a second time
+    assert code == 1 and out == ""
+    assert err.splitlines()[0] == "error: cache_name_taken: A cache with this name is attached."
+    hint = err.splitlines()[-1]
+    assert hint.startswith(f"hint: a cache named chat already exists (cache_id {cache_id}, state ready): ")
+    assert "`kcaas show chat`" in hint and "`kcaas detach chat --wait`" in hint and "another name" in hint
+
+
 def test_api_errors_exit_1_with_code_message_and_hint(make_tenant, cli):
     code, _, err = cli(make_tenant().raw_key, "show", "00000000-0000-4000-8000-000000000000")
     assert code == 1 and err.splitlines()[0] == "error: not_found: No such cache."

@@ -67,3 +67,13 @@ def test_a_control_plane_that_cannot_give_its_ca_is_named_by_its_url():
     with pytest.raises(errors.APIConnectionError) as caught:
         kcaas.connect(url, "kc_live_nothing", retries=0).ssl_context()
     assert url in caught.value.hint and "control plane" in caught.value.hint
+
+
+def test_a_taken_cache_name_says_which_cache_holds_it_and_the_ways_on():
+    details = {"name": "chat", "cache_id": "8f0c2d4e-0000-4000-8000-000000000000", "state": "ready"}
+    error = errors.ConflictError("A cache with this name is attached.", code="cache_name_taken", details=details)
+    assert "a cache named chat already exists (cache_id 8f0c2d4e-0000-4000-8000-000000000000, state ready)" in (
+        error.hint
+    )
+    assert "`kcaas show chat`" in error.hint and "`kcaas detach chat --wait`" in error.hint
+    assert "another name" in error.hint
