@@ -18,7 +18,11 @@ token's K and V sit inside the slab is the attention backend's business, and it 
     so a latent block is the "concat" layout of one head, and the row crosses unchanged.
 
 So a `PagedLayout` carries, for one block, the flat offset in the slab of every (K/V, token, head, dim) element:
-`offsets`, shaped `[2, block_size, num_kv_heads, head_dim]`. `PagedLayout.probed` takes it from the backend itself:
+`offsets`, shaped `[2, block_size, num_kv_heads, head_dim]`. Every layout known today is affine within each of the
+K and V planes (an offset is base + token x a + head x b + dim x c): then `planes` holds those numbers and gather and
+scatter copy through strided views of vLLM's memory, one copy per plane and run of consecutive blocks, instead of
+an element-by-element map (3-4x faster on the CPU backend's layout); any other permutation takes the map.
+`PagedLayout.probed` takes the offsets from the backend itself:
 it runs the backend's own cache-write op on a probe tensor with values that encode each element's position (small
 integers, exact in every float dtype), reads back where each landed, and refuses a write that is not a permutation
 within one block. `PagedLayout.of` derives it from a backend's documented views, for backends the engine cannot
@@ -75,6 +79,9 @@ class PagedLayout:
     # [2, block_size, num_kv_heads, head_dim] -> flat offset of that element in its block's slab (a permutation)
     offsets: torch.Tensor = field(repr=False, compare=False)
     probed_from_backend: bool = False  # True: `offsets` come from running the backend's own write (`probed`)
+    # where `offsets` is affine in (token, head, dim) within each of the K and V planes (every layout known today):
+    # per plane (base, token stride, head stride, dim stride), so a block is copied through strided views
+    planes: tuple[tuple[int, int, int, int], ...] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in LAYOUTS:
@@ -82,6 +89,7 @@ class PagedLayout:
         expected = (2, self.block_size, self.num_kv_heads, self.head_dim)
         if tuple(self.offsets.shape) != expected or not _is_permutation(self.offsets.flatten()):
             raise ValueError(f"offsets must be a permutation of one block's {expected} elements")
+        object.__setattr__(self, "planes", _affine_planes(self.offsets))
 
     @property
     def block_elements(self) -> int:
@@ -137,6 +145,22 @@ class PagedLayout:
         return cls(kind, heads, block_size, head_dim, offsets, probed_from_backend=True)
 
 
+def _affine_planes(offsets: torch.Tensor) -> tuple[tuple[int, int, int, int], ...] | None:
+    """Per K/V plane, (base, token stride, head stride, dim stride) such that offsets[p, t, h, d] == base + t *
+    token stride + h * head stride + d * dim stride, or None where a plane is no such affine map."""
+    _, bs, heads, dim = offsets.shape
+    t, h, d = torch.arange(bs).view(-1, 1, 1), torch.arange(heads).view(1, -1, 1), torch.arange(dim).view(1, 1, -1)
+    planes = []
+    for plane in offsets:
+        base = int(plane[0, 0, 0])
+        strides = [int(plane[tuple(1 if i == axis else 0 for i in range(3))]) - base if n > 1 else 0
+                   for axis, n in enumerate((bs, heads, dim))]  # fmt: skip
+        if not torch.equal(plane, base + t * strides[0] + h * strides[1] + d * strides[2]):
+            return None
+        planes.append((base, strides[0], strides[1], strides[2]))
+    return tuple(planes)
+
+
 def _paged_dims(layer: torch.Tensor) -> tuple[int, int, int]:
     """(num_kv_heads, block_size, head_dim) of a paged layer; ValueError if it is not [blocks, heads, bs, 2 * dim]."""
     if layer.dim() != 4 or layer.shape[3] % 2:
@@ -168,12 +192,50 @@ def gather(
     first = layers[0]
     if out is None:
         out = torch.empty((len(layers), 2, nb * bs, heads, dim), dtype=first.dtype, device=first.device)
+    if layout.planes is not None:
+        for index, layer in enumerate(layers):
+            for at, k, v in _block_views(layer, layout, block_ids, nb * bs):
+                n = k.shape[0] * k.shape[1]
+                out[index, 0, at : at + n].view(k.shape).copy_(k)
+                out[index, 1, at : at + n].view(v.shape).copy_(v)
+        return out
     ids = torch.tensor(block_ids, dtype=torch.long, device=first.device)
     offsets = layout.offsets.to(first.device).flatten()
     for index, layer in enumerate(layers):
         picked = _slabs(layer, layout).index_select(0, ids).index_select(1, offsets)  # [nb, 2 * bs * heads * dim]
         out[index].view(2, nb, bs, heads, dim).copy_(picked.view(nb, 2, bs, heads, dim).transpose(0, 1))
     return out
+
+
+def _block_views(layer: torch.Tensor, layout: PagedLayout, block_ids: list[int], tokens: int):
+    """For each run of consecutive blocks in `block_ids` holding the first `tokens` tokens: (its first token, its
+    K view, its V view), each view [blocks, tokens per block, heads, dim] over the layer's memory (strided, through
+    `layout.planes`). A run ends inside a block only at the last token: that block is a run of its own, its first
+    tokens only."""
+    assert layout.planes is not None
+    if not layer.is_contiguous():
+        raise ValueError("a paged KV layer must be contiguous (one slab per block)")
+    bs, elements, at = layout.block_size, layout.block_elements, 0
+    for first, count in _runs(block_ids[: -(-tokens // bs)]):
+        whole = min(count, (tokens - at) // bs)
+        parts = [(first, whole, bs)] if whole else []
+        if whole < count:
+            parts.append((first + whole, 1, tokens - at - whole * bs))
+        for block, blocks, per_block in parts:
+            size = (blocks, per_block, layout.num_kv_heads, layout.head_dim)
+            origin = layer.storage_offset() + block * elements
+            k, v = (layer.as_strided(size, (elements, st, sh, sd), origin + base) for base, st, sh, sd in layout.planes)
+            yield at, k, v
+            at += blocks * per_block
+
+
+def _runs(block_ids: list[int]):
+    """(first block, count) of each run of consecutive ids, in order."""
+    start = 0
+    for i in range(1, len(block_ids) + 1):
+        if i == len(block_ids) or block_ids[i] != block_ids[i - 1] + 1:
+            yield block_ids[start], i - start
+            start = i
 
 
 def scatter(layers: list[torch.Tensor], layout: PagedLayout, block_ids: list[int], kv: torch.Tensor) -> None:
@@ -189,6 +251,13 @@ def scatter(layers: list[torch.Tensor], layout: PagedLayout, block_ids: list[int
         )
     first = layers[0]
     kv = kv.to(device=first.device, dtype=first.dtype)
+    if layout.planes is not None:
+        for index, layer in enumerate(layers):
+            for at, k, v in _block_views(layer, layout, block_ids, n):
+                count = k.shape[0] * k.shape[1]
+                k.copy_(kv[index, 0, at : at + count].view(k.shape))
+                v.copy_(kv[index, 1, at : at + count].view(v.shape))
+        return
     whole = n // bs
     if whole:
         _scatter_blocks(layers, layout, block_ids[:whole], kv[:, :, : whole * bs])

@@ -200,3 +200,36 @@ def test_a_write_the_probe_cannot_map_is_refused():
         PagedLayout.probed("cpu", layer, into_the_next_block)
     with pytest.raises(LayoutProbeError, match="unwritten or changed"):
         PagedLayout.probed("cpu", layer, rounds)
+
+
+def scrambled(layout: PagedLayout) -> PagedLayout:
+    """The same block shape with its elements placed by a random permutation: no strided view reaches them."""
+    torch.manual_seed(13)
+    offsets = torch.randperm(layout.block_elements).view(layout.offsets.shape)
+    scrambled = PagedLayout(layout.kind, layout.num_kv_heads, layout.block_size, layout.head_dim, offsets)
+    assert scrambled.planes is None
+    return scrambled
+
+
+@pytest.mark.parametrize("kind", ["cpu", "concat"])
+def test_strided_copies_move_exactly_what_the_element_map_says(kind):
+    """The known layouts take strided views (`planes`); any other permutation the element map: both agree, for
+    whole blocks in runs and out of order, and for tokens ending inside the last block."""
+    torch.manual_seed(17)
+    layers = [torch.randn(NUM_BLOCKS, HEADS, BLOCK, 2 * DIM) for _ in range(2)]
+    fast = PagedLayout.of(kind, layers[0])
+    slow = PagedLayout(fast.kind, fast.num_kv_heads, fast.block_size, fast.head_dim, fast.offsets)
+    object.__setattr__(slow, "planes", None)  # the element map alone
+    assert fast.planes is not None
+    for block_ids in ([2, 3, 4], [5, 1, 2], [6]):
+        assert torch.equal(gather(layers, fast, block_ids), gather(layers, slow, block_ids))
+        for tokens in (len(block_ids) * BLOCK, len(block_ids) * BLOCK - 2):
+            kv = torch.randn(2, 2, tokens, HEADS, DIM)
+            a, b = [layer.clone() for layer in layers], [layer.clone() for layer in layers]
+            scatter(a, fast, block_ids, kv)
+            scatter(b, slow, block_ids, kv)
+            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), (block_ids, tokens)
+    other = scrambled(fast)
+    kv = torch.randn(2, 2, 2 * BLOCK - 1, HEADS, DIM)
+    scatter(layers, other, [3, 4], kv)
+    assert torch.equal(gather(layers, other, [3, 4])[:, :, : 2 * BLOCK - 1], kv)
