@@ -88,6 +88,9 @@ class Indexer:
             if time.monotonic() >= next_refresh:
                 self._guarded(self.refresh)
                 next_refresh = time.monotonic() + self.refresh_s
+            if not self.by_socket:  # no engine to hear: zmq's poll of nothing returns at once (a busy loop)
+                self.stop.wait(self.refresh_s)
+                continue
             for sock, _ in self.poller.poll(timeout=int(self.refresh_s * 1000)):
                 sub = self.by_socket.get(sock)
                 if sub is None:
