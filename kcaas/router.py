@@ -35,11 +35,15 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import ClientConnectorError, ClientError, ClientSession, ClientTimeout, web
+from aiohttp import ClientConnectorError, ClientError, ClientSession, ClientTimeout, ServerDisconnectedError, web
 
 logger = logging.getLogger("kcaas.router")
 POLICIES = ("kv", "least_loaded", "round_robin")
 PROXIED = ("/v1/completions", "/v1/chat/completions")
+
+
+class _NotTaken(Exception):
+    """An instance closed the connection before its answer started (it was going down): like a refusal."""
 
 
 @dataclass
@@ -249,7 +253,7 @@ class Router:
         decision = await self.decide(tokens)
         try:
             return await self._forward(request, body, decision, len(tokens or ()))
-        except ClientConnectorError:  # refused before anything was sent: one other instance may take it
+        except (ClientConnectorError, _NotTaken):  # refused, or dropped before answering: one other instance may
             decision.instance.down_until = time.monotonic() + 2 * self.config.refresh_s
             self.metrics.failovers += 1
             retry = await self.decide(tokens)
@@ -257,7 +261,7 @@ class Router:
                 return self._upstream_failed(retry.instance, "refused the connection")
             try:
                 return await self._forward(request, body, retry, len(tokens or ()))
-            except ClientConnectorError:
+            except (ClientConnectorError, _NotTaken):
                 retry.instance.down_until = time.monotonic() + 2 * self.config.refresh_s
                 return self._upstream_failed(retry.instance, "refused the connection")
 
@@ -282,6 +286,10 @@ class Router:
                 return response
         except ClientConnectorError:
             raise
+        except ServerDisconnectedError as exc:  # an instance going down closed the connection
+            if response is None:  # before its answer started: another instance may take it, as for a refusal
+                raise _NotTaken(str(exc)) from exc
+            return response
         except (ClientError, TimeoutError) as exc:
             if response is not None and response.prepared:
                 return response  # the client saw the answer start: it ends short, as the instance's did
