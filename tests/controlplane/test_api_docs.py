@@ -23,13 +23,6 @@ EXTERNAL_URL = re.compile(r"""(?:https?:)?//(?!testserver[/:"'])[a-z0-9.-]+\.[a-
 HTTP_METHODS = {"get", "post", "put", "patch", "delete"}
 
 
-@pytest.fixture(scope="module")
-def schema():
-    response = Client().get("/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json")
-    assert response.status_code == 200
-    return response.json()
-
-
 def _operations(schema):
     for path, item in schema["paths"].items():
         for method, operation in item.items():
