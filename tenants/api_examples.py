@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from drf_spectacular.utils import OpenApiExample
 
 TENANT_ID = "0b7e9f4a-1c2d-4e3f-8a5b-6c7d8e9f0a1b"
@@ -117,3 +119,20 @@ QUOTA_PATCHED = OpenApiExample(
     response_only=True,
     status_codes=["200"],
 )
+
+
+def curl_samples(method: str, path: str, body: dict | None = None) -> list[dict]:
+    """The reference's curl sample for a tenant-scoped operation staff may call too: the tenant key's request, then
+    the staff form, which names the tenant as the query parameter `?tenant_id=` (as on every tenant-scoped
+    operation; a body's `tenant_id` is deprecated)."""
+
+    def one(url: str, auth: str) -> str:
+        lines = [f'curl -sS "{url}"' if method == "get" else f'curl -sS -X {method.upper()} "{url}"', auth]
+        if body is not None:
+            lines += ['-H "Content-Type: application/json"', "-d '" + json.dumps(body).replace("'", "'\\''") + "'"]
+        return " \\\n  ".join(lines)
+
+    tenant = one(f"$KCAAS_URL{path}", '-H "Authorization: Bearer $KCAAS_API_KEY"')
+    staff = one(f"$KCAAS_URL{path}?tenant_id=$TENANT_ID", '-u "$KCAAS_ADMIN_USER:$KCAAS_ADMIN_PASSWORD"')
+    source = f"{tenant}\n\n# staff (HTTP basic) name the tenant with ?tenant_id=\n{staff}"
+    return [{"lang": "Shell", "label": "curl", "source": source}]

@@ -12,7 +12,7 @@ from datetime import timedelta
 from django.core.validators import RegexValidator
 from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_serializer
+from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_field, extend_schema_serializer
 from rest_framework import serializers, status
 from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
@@ -78,8 +78,59 @@ def _issued(issued: services.IssuedKey) -> dict:
 
 
 _TENANT_ID_PARAM = OpenApiParameter(
-    "tenant_id", OpenApiTypes.UUID, required=False, description="Staff only (required for staff): the tenant."
+    "tenant_id",
+    OpenApiTypes.UUID,
+    required=False,
+    description="Staff only (required for staff): the tenant, as a query parameter, the way staff name the tenant on "
+    "every tenant-scoped operation. A tenant key may leave it out; naming another tenant is a 404.",
 )
+_KEY_TENANT_ID_PARAM = OpenApiParameter(
+    "tenant_id",
+    OpenApiTypes.UUID,
+    required=False,
+    description="Optional for staff: the key must belong to this tenant (else 404). A tenant key may leave it out; "
+    "naming another tenant is a 404.",
+)
+
+
+@extend_schema_field(
+    {
+        "type": "string",
+        "format": "uuid",
+        "deprecated": True,
+        "description": "Deprecated (accepted for one release): staff name the tenant with the query parameter "
+        "`?tenant_id=`. Given both, they must agree (else 400 `tenant_id_conflict`).",
+    }
+)
+class DeprecatedBodyTenantIdField(serializers.UUIDField):
+    """The body's `tenant_id` of POST /keys, from before `?tenant_id=` was the one way: marked deprecated in the
+    schema."""
+
+
+class TenantQuerySerializer(serializers.Serializer):
+    """`?tenant_id=`: how staff name the tenant of a tenant-scoped operation."""
+
+    tenant_id = serializers.UUIDField(required=False)
+
+
+def _query_tenant_id(request):
+    """The `?tenant_id=` query parameter, validated (an empty value is a 400, not "absent"); None when not given."""
+    query = TenantQuerySerializer(data=request.query_params.dict())
+    query.is_valid(raise_exception=True)
+    return query.validated_data.get("tenant_id")
+
+
+def _named_tenant_id(request, body_tenant_id):
+    """The tenant the caller names: `?tenant_id=`, or the deprecated body field `tenant_id` (kept for one release);
+    both given and different is a 400 `tenant_id_conflict`."""
+    query_tenant_id = _query_tenant_id(request)
+    if query_tenant_id is not None and body_tenant_id is not None and query_tenant_id != body_tenant_id:
+        raise ApplicationError(
+            "The query's tenant_id and the body's tenant_id differ: name the tenant once, as ?tenant_id=.",
+            code="tenant_id_conflict",
+            details={"query": str(query_tenant_id), "body": str(body_tenant_id)},
+        )
+    return query_tenant_id if query_tenant_id is not None else body_tenant_id
 
 
 def _caller_scopes_cover(request, wanted) -> None:
@@ -98,9 +149,6 @@ def _caller_scopes_cover(request, wanted) -> None:
 class KeyListCreateApi(PaginatedApi):
     permission_classes = [ScopePermission]
     scope_resource = "keys"
-
-    class FilterSerializer(serializers.Serializer):
-        tenant_id = serializers.UUIDField(required=False)
 
     @extend_schema_serializer(component_name="KeyCreate")
     class InputSerializer(RejectUnknownFieldsMixin, serializers.Serializer):
@@ -125,7 +173,7 @@ class KeyListCreateApi(PaginatedApi):
             max_value=MAX_KEY_LIFETIME_SECONDS,
             help_text="Lifetime of the key; null or absent: it never expires (revoke or rotate it instead).",
         )
-        tenant_id = serializers.UUIDField(required=False, help_text="Staff only (required for staff).")
+        tenant_id = DeprecatedBodyTenantIdField(required=False)
 
     @extend_schema(
         operation_id="keys_list",
@@ -134,12 +182,11 @@ class KeyListCreateApi(PaginatedApi):
         examples=[ex.KEY_LIST],
         parameters=[_TENANT_ID_PARAM, *RATE_LIMIT_HEADERS],
         responses={200: KeyOutputSerializer(many=True), **error_responses(*AUTH_ERRORS, 404)},
+        extensions={"x-codeSamples": ex.curl_samples("get", "/api/v1/keys")},
     )
     def get(self, request):
-        """Newest first, paginated. Staff name the tenant with `tenant_id`; a tenant key sees only its own keys."""
-        query = self.FilterSerializer(data=request.query_params.dict())
-        query.is_valid(raise_exception=True)
-        tenant = request_tenant(request, query.validated_data.get("tenant_id"))
+        """Newest first, paginated. Staff name the tenant with `?tenant_id=`; a tenant key sees only its own keys."""
+        tenant = request_tenant(request, _query_tenant_id(request))
         return self.paginated(selectors.api_key_list(tenant=tenant), KeyOutputSerializer)
 
     @extend_schema(
@@ -148,15 +195,18 @@ class KeyListCreateApi(PaginatedApi):
         summary="Issue an API key; the raw key is in this response only",
         examples=[ex.KEY_CREATE, ex.KEY_ISSUED],
         request=InputSerializer,
-        parameters=RATE_LIMIT_HEADERS,
+        parameters=[_TENANT_ID_PARAM, *RATE_LIMIT_HEADERS],
         responses={201: IssuedKeyOutputSerializer, **error_responses(*AUTH_ERRORS, 404, 409)},
+        extensions={"x-codeSamples": ex.curl_samples("post", "/api/v1/keys", ex.KEY_CREATE.value)},
     )
     def post(self, request):
-        """Scopes are `<resource>:<action>`; a key may only grant scopes it holds. The raw key is returned once."""
+        """Scopes are `<resource>:<action>`; a key may only grant scopes it holds. The raw key is returned once.
+        Staff name the tenant with `?tenant_id=` (the body's `tenant_id` is deprecated; given both, they must
+        agree, else 400 `tenant_id_conflict`)."""
         body = self.InputSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         data = body.validated_data
-        tenant = request_tenant(request, data.get("tenant_id"))
+        tenant = request_tenant(request, _named_tenant_id(request, data.get("tenant_id")))
         _caller_scopes_cover(request, data["scopes"])
         lifetime = data["expires_in_seconds"]
         expires_at = timezone.now() + timedelta(seconds=lifetime) if lifetime is not None else None
@@ -165,9 +215,11 @@ class KeyListCreateApi(PaginatedApi):
 
 
 def _visible_key(request, key_id):
-    """The key if this caller may see it: staff any, a tenant key only its tenant's (else 404)."""
-    user = request.user
-    tenant = user.tenant if isinstance(user, TenantPrincipal) else None
+    """The key if this caller may see it: staff any (or, with `?tenant_id=`, only that tenant's), a tenant key only
+    its tenant's (else 404)."""
+    tenant_id = _query_tenant_id(request)
+    named = isinstance(request.user, TenantPrincipal) or tenant_id is not None
+    tenant = request_tenant(request, tenant_id) if named else None
     return selectors.api_key_get(key_id=key_id, tenant=tenant)
 
 
@@ -180,7 +232,7 @@ class KeyDetailApi(JsonApi):
         tags=["keys"],
         summary="One API key of this tenant",
         examples=[ex.KEY_ONE],
-        parameters=RATE_LIMIT_HEADERS,
+        parameters=[_KEY_TENANT_ID_PARAM, *RATE_LIMIT_HEADERS],
         responses={200: KeyOutputSerializer, **error_responses(*AUTH_ERRORS, 404)},
     )
     def get(self, request, key_id):
@@ -198,8 +250,9 @@ class KeyRevokeApi(JsonApi):
         summary="Revoke an API key (irreversible)",
         examples=[ex.KEY_REVOKED],
         request=None,
-        parameters=RATE_LIMIT_HEADERS,
+        parameters=[_KEY_TENANT_ID_PARAM, *RATE_LIMIT_HEADERS],
         responses={200: KeyOutputSerializer, **error_responses(*AUTH_ERRORS, 404)},
+        extensions={"x-codeSamples": ex.curl_samples("post", "/api/v1/keys/$KEY_ID/revoke")},
     )
     def post(self, request, key_id):
         """Revoked keys are refused from now on (401 `api_key_revoked`); revoking twice keeps the first time."""
@@ -226,7 +279,7 @@ class KeyRotateApi(JsonApi):
         summary="Rotate an API key: a successor now, the old key expires after the overlap",
         examples=[ex.KEY_ROTATE, ex.KEY_SUCCESSOR],
         request=InputSerializer,
-        parameters=RATE_LIMIT_HEADERS,
+        parameters=[_KEY_TENANT_ID_PARAM, *RATE_LIMIT_HEADERS],
         responses={201: IssuedKeyOutputSerializer, **error_responses(*AUTH_ERRORS, 404, 409)},
     )
     def post(self, request, key_id):
