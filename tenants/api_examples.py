@@ -75,7 +75,11 @@ KEY_SUCCESSOR = OpenApiExample(
 
 TENANT = {"id": TENANT_ID, "name": "acme", "status": "active", "created_at": "2026-03-01T08:00:00Z"}
 TENANT_LIST = OpenApiExample("One page of tenants", value=TENANT, response_only=True, status_codes=["200"])
-TENANT_CREATE = OpenApiExample("A new tenant", value={"name": "acme"}, request_only=True)
+TENANT_CREATE = OpenApiExample(
+    "A new tenant with 8 GiB of device memory",
+    value={"name": "acme", "quota": {"max_device_bytes": "8GiB"}},
+    request_only=True,
+)
 TENANT_CREATED = OpenApiExample("Created", value=TENANT, response_only=True, status_codes=["201"])
 TENANT_ONE = OpenApiExample("An active tenant", value=TENANT, response_only=True, status_codes=["200"])
 TENANT_SUSPEND = OpenApiExample("Suspend", value={"status": "suspended"}, request_only=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from django.core.validators import RegexValidator
+from django.db import transaction
 from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_field, extend_schema_serializer
@@ -122,8 +123,12 @@ def _query_tenant_id(request):
 
 def _named_tenant_id(request, body_tenant_id):
     """The tenant the caller names: `?tenant_id=`, or the deprecated body field `tenant_id` (kept for one release);
-    both given and different is a 400 `tenant_id_conflict`."""
+    both given and different is a 400 `tenant_id_conflict`. A tenant key naming another tenant either way is a 404
+    first, as everywhere (so a key only ever learns that its own tenant exists)."""
     query_tenant_id = _query_tenant_id(request)
+    if isinstance(request.user, TenantPrincipal):
+        for named in (query_tenant_id, body_tenant_id):
+            request_tenant(request, named)  # its own tenant (or none named), else 404
     if query_tenant_id is not None and body_tenant_id is not None and query_tenant_id != body_tenant_id:
         raise ApplicationError(
             "The query's tenant_id and the body's tenant_id differ: name the tenant once, as ?tenant_id=.",
@@ -297,91 +302,6 @@ class KeyRotateApi(JsonApi):
 STAFF_ERRORS = (400, 401, 403)
 
 
-class TenantOutputSerializer(serializers.Serializer):
-    id = serializers.UUIDField()
-    name = serializers.CharField()
-    status = serializers.ChoiceField(choices=Tenant.Status.choices)
-    created_at = serializers.DateTimeField()
-
-
-class TenantListCreateApi(PaginatedApi):
-    permission_classes = [IsStaff]
-
-    @extend_schema_serializer(component_name="TenantCreate")
-    class InputSerializer(RejectUnknownFieldsMixin, serializers.Serializer):
-        name = StrictCharField(
-            max_length=services.TENANT_NAME_MAX_LENGTH,
-            trim_whitespace=False,  # checked as sent, as the schema's pattern is: "\rname" is refused, not trimmed
-            validators=[
-                RegexValidator(services.NONBLANK_NAME_PATTERN, "Not blank. " + services.NAME_CHARACTERS_MESSAGE)
-            ],
-        )
-
-    @extend_schema(
-        operation_id="admin_tenants_list",
-        tags=["admin"],
-        summary="List tenants (staff)",
-        examples=[ex.TENANT_LIST],
-        responses={200: TenantOutputSerializer(many=True), **error_responses(*STAFF_ERRORS)},
-    )
-    def get(self, request):
-        """All tenants (id, name, status, created_at), oldest first, paginated with limit/offset. Staff only: a
-        tenant key is refused with 403."""
-        return self.paginated(selectors.tenant_list(), TenantOutputSerializer)
-
-    @extend_schema(
-        operation_id="admin_tenants_create",
-        tags=["admin"],
-        summary="Create a tenant (staff)",
-        examples=[ex.TENANT_CREATE, ex.TENANT_CREATED],
-        request=InputSerializer,
-        responses={201: TenantOutputSerializer, **error_responses(*STAFF_ERRORS, 409)},
-    )
-    def post(self, request):
-        """A new active tenant with default quotas; names are unique (409 `tenant_name_taken`)."""
-        body = self.InputSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        tenant = services.tenant_create(name=body.validated_data["name"])
-        return Response(TenantOutputSerializer(tenant).data, status=status.HTTP_201_CREATED)
-
-
-class TenantDetailApi(JsonApi):
-    permission_classes = [IsStaff]
-
-    @extend_schema_serializer(component_name="TenantStatusUpdate")
-    class InputSerializer(serializers.Serializer):
-        status = serializers.ChoiceField(choices=[Tenant.Status.ACTIVE, Tenant.Status.SUSPENDED], required=False)
-
-    @extend_schema(
-        operation_id="admin_tenants_retrieve",
-        tags=["admin"],
-        summary="One tenant (staff)",
-        examples=[ex.TENANT_ONE],
-        responses={200: TenantOutputSerializer, **error_responses(*STAFF_ERRORS, 404)},
-    )
-    def get(self, request, tenant_id):
-        """One tenant by id: its name, status (active or suspended) and creation time; 404 for an unknown id. Its
-        quota is at .../quota, its erasure and export under the privacy operations."""
-        return Response(TenantOutputSerializer(selectors.tenant_get(tenant_id=tenant_id)).data)
-
-    @extend_schema(
-        operation_id="admin_tenants_update_status",
-        tags=["admin"],
-        summary="Suspend or reactivate a tenant (staff)",
-        examples=[ex.TENANT_SUSPEND, ex.TENANT_SUSPENDED],
-        request=InputSerializer,
-        responses={200: TenantOutputSerializer, **error_responses(*STAFF_ERRORS, 404, 409)},
-    )
-    def patch(self, request, tenant_id):
-        """Set `status` to `suspended` (its keys are refused with 401 `tenant_inactive`) or back to `active`."""
-        body = self.InputSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        tenant = selectors.tenant_get(tenant_id=tenant_id)
-        if "status" in body.validated_data:  # PATCH semantics: an empty body changes nothing
-            tenant = services.tenant_set_status(tenant=tenant, status=body.validated_data["status"])
-        return Response(TenantOutputSerializer(tenant).data)
-
-
 def _quota_field(field: str, **kwargs) -> serializers.IntegerField:
     low, high = services.QUOTA_BOUNDS[field]
     return StrictIntegerField(min_value=low, max_value=high, **kwargs)
@@ -424,6 +344,101 @@ QuotaPatchSerializer = _quota_serializer(
     required=False,
     allow_null=True,
 )
+
+
+class TenantOutputSerializer(serializers.Serializer):
+    id = serializers.UUIDField()
+    name = serializers.CharField()
+    status = serializers.ChoiceField(choices=Tenant.Status.choices)
+    created_at = serializers.DateTimeField()
+
+
+class TenantListCreateApi(PaginatedApi):
+    permission_classes = [IsStaff]
+
+    @extend_schema_serializer(component_name="TenantCreate")
+    class InputSerializer(RejectUnknownFieldsMixin, serializers.Serializer):
+        name = StrictCharField(
+            max_length=services.TENANT_NAME_MAX_LENGTH,
+            trim_whitespace=False,  # checked as sent, as the schema's pattern is: "\rname" is refused, not trimmed
+            validators=[
+                RegexValidator(services.NONBLANK_NAME_PATTERN, "Not blank. " + services.NAME_CHARACTERS_MESSAGE)
+            ],
+        )
+        quota = QuotaPatchSerializer(
+            required=False,
+            help_text="Initial quota overrides, as PATCH .../quota takes them; set with the tenant, or nothing is "
+            "created.",
+        )
+
+    @extend_schema(
+        operation_id="admin_tenants_list",
+        tags=["admin"],
+        summary="List tenants (staff)",
+        examples=[ex.TENANT_LIST],
+        responses={200: TenantOutputSerializer(many=True), **error_responses(*STAFF_ERRORS)},
+    )
+    def get(self, request):
+        """All tenants (id, name, status, created_at), oldest first, paginated with limit/offset. Staff only: a
+        tenant key is refused with 403."""
+        return self.paginated(selectors.tenant_list(), TenantOutputSerializer)
+
+    @extend_schema(
+        operation_id="admin_tenants_create",
+        tags=["admin"],
+        summary="Create a tenant (staff)",
+        examples=[ex.TENANT_CREATE, ex.TENANT_CREATED],
+        request=InputSerializer,
+        responses={201: TenantOutputSerializer, **error_responses(*STAFF_ERRORS, 409)},
+    )
+    def post(self, request):
+        """A new active tenant with default quotas, or the `quota` overrides given (in the same transaction: a refused
+        value creates nothing); names are unique (409 `tenant_name_taken`)."""
+        body = self.InputSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        with transaction.atomic():
+            tenant = services.tenant_create(name=body.validated_data["name"])
+            quota = body.validated_data.get("quota")
+            if quota:
+                services.quota_update(tenant=tenant, **quota)
+        return Response(TenantOutputSerializer(tenant).data, status=status.HTTP_201_CREATED)
+
+
+class TenantDetailApi(JsonApi):
+    permission_classes = [IsStaff]
+
+    @extend_schema_serializer(component_name="TenantStatusUpdate")
+    class InputSerializer(serializers.Serializer):
+        status = serializers.ChoiceField(choices=[Tenant.Status.ACTIVE, Tenant.Status.SUSPENDED], required=False)
+
+    @extend_schema(
+        operation_id="admin_tenants_retrieve",
+        tags=["admin"],
+        summary="One tenant (staff)",
+        examples=[ex.TENANT_ONE],
+        responses={200: TenantOutputSerializer, **error_responses(*STAFF_ERRORS, 404)},
+    )
+    def get(self, request, tenant_id):
+        """One tenant by id: its name, status (active or suspended) and creation time; 404 for an unknown id. Its
+        quota is at .../quota, its erasure and export under the privacy operations."""
+        return Response(TenantOutputSerializer(selectors.tenant_get(tenant_id=tenant_id)).data)
+
+    @extend_schema(
+        operation_id="admin_tenants_update_status",
+        tags=["admin"],
+        summary="Suspend or reactivate a tenant (staff)",
+        examples=[ex.TENANT_SUSPEND, ex.TENANT_SUSPENDED],
+        request=InputSerializer,
+        responses={200: TenantOutputSerializer, **error_responses(*STAFF_ERRORS, 404, 409)},
+    )
+    def patch(self, request, tenant_id):
+        """Set `status` to `suspended` (its keys are refused with 401 `tenant_inactive`) or back to `active`."""
+        body = self.InputSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        tenant = selectors.tenant_get(tenant_id=tenant_id)
+        if "status" in body.validated_data:  # PATCH semantics: an empty body changes nothing
+            tenant = services.tenant_set_status(tenant=tenant, status=body.validated_data["status"])
+        return Response(TenantOutputSerializer(tenant).data)
 
 
 def _quota_data(tenant: Tenant) -> dict:

@@ -67,10 +67,11 @@ def test_a_tenant_key_cannot_cross_to_another_tenant(make_tenant, make_key, wher
     assert _create(client, query=str(mine.pk)).status_code == 201  # its own tenant, named, is fine
 
 
-def test_a_tenant_key_naming_its_own_tenant_and_another_is_refused(make_tenant, make_key):
+def test_a_tenant_key_naming_its_own_tenant_and_another_is_a_404_not_a_conflict(make_tenant, make_key):
     mine, theirs = make_tenant(), make_tenant()
     client = key_client(make_key(mine).raw_key)
-    assert_error(_create(client, query=str(mine.pk), body_tenant=str(theirs.pk)), 400, "tenant_id_conflict")
+    assert_error(_create(client, query=str(mine.pk), body_tenant=str(theirs.pk)), 404, "not_found")
+    assert_error(_create(client, query=str(theirs.pk), body_tenant=str(mine.pk)), 404, "not_found")
     assert_error(_create(client, query=str(theirs.pk), body_tenant=str(theirs.pk)), 404, "not_found")
     assert not ApiKey.objects.filter(tenant=theirs).exists()
 
