@@ -4,6 +4,7 @@ objects as misses, delete and erasure reaching the store, and a store that is do
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 
@@ -183,7 +184,19 @@ def test_blocks_the_store_evicted_are_misses_never_errors(fresh_network_store):
     reader.attach_tiers(LowerTiers(0, None, NetworkTier(store, keys.data_key, 1 << 40)))
     served = [served_exact(reader, tokens) for tokens in sequences]
     assert min(served) < 32  # the store evicted some: misses, never errors or wrong KV
-    assert max(served) > 0  # and kept others (which ones is the store's choice: puts it refused while full, too)
+    # Which blocks survive the flood is the store's choice (it refuses puts while full and evicts in the background:
+    # in one CI run it kept none of these). What must hold: once it has made room, the tier stores and serves again.
+    # One block at a time: at its high watermark the store frees 5% of its segment per eviction (3.2 MiB), less than
+    # a sequence's 8 blocks, so part of every sequence-sized put is refused there for as long as puts keep coming.
+    fresh = (seq(4, 200_000 + 4 * i) for i in itertools.count())
+
+    def a_block_put_now_is_served() -> bool:
+        tokens = next(fresh)
+        put(writer, tokens)
+        return served_exact(reader, tokens) == 4
+
+    assert eventually(a_block_put_now_is_served, timeout=30.0, interval=0.2)
+    assert store.num_faults == 0  # a full store refuses puts: that is not a fault of the store
     store.close()
 
 
