@@ -11,19 +11,25 @@ from datetime import UTC, datetime
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from django.contrib.auth import get_user_model
 from django.core.files.uploadedfile import SimpleUploadedFile
+from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
 
 from audit import chain
 from audit.actions import AuditAction
-from audit.context import Actor
+from audit.context import Actor, acting_as
 from audit.digests import audit_digest_sign
 from audit.keys import b64url, platform_public_jwk, public_jwk_of
 from audit.models import AuditEvent
+from audit.services import audit_record
 from console import roles
-from tenants.models import Tenant
+from tenants import services as tenant_services
+from tenants.models import ApiKey, Tenant
 from tests.audit.events_support import staff  # noqa: F401  (fixture)
 from tests.audit.helpers import next_second, record
 from tests.console.conftest import csrf_token
+from tests.console.nodes_fixtures import attach, make_node
 
 pytestmark = pytest.mark.django_db
 EVENTS, EXPORT, VERIFY = "/console/audit/", "/console/audit/export", "/console/audit/verify"
@@ -80,8 +86,9 @@ def test_events_are_listed_newest_first_with_every_column(readonly_client, trail
     assert "newest first" in body and "UTC" in body and page["Cache-Control"] == "no-store"
     assert "key.revoked" in body and "key:k2" in body and "acme" in body and "globex" in body
     assert f'href="?tenant={trail[0].tenant_id}"' in body
-    assert "<details>" in body and "&quot;revoked&quot;: true" in body  # new values, in a disclosure
-    assert trail[0].occurred_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S") in body
+    assert '<details class="event-more">' in body and "&quot;revoked&quot;: true" in body  # values, in a disclosure
+    at = trail[0].occurred_at.astimezone(UTC)
+    assert f'<time datetime="{at.isoformat()}" title="{at.isoformat()}">{at:%m-%d %H:%M:%S}</time>' in body
     assert 'type="datetime-local"' in body and '<select name="action"' in body
 
 
@@ -112,7 +119,8 @@ def test_times_are_read_and_shown_as_utc_whatever_the_server_zone(readonly_clien
     page = readonly_client.get(EVENTS, {"from": iso(trail[2].occurred_at)})
     assert seqs(page)[-2:] == [trail[3].seq, trail[2].seq]
     assert trail[0].seq not in seqs(page)
-    assert trail[2].occurred_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S") in text(page)
+    at = trail[2].occurred_at.astimezone(UTC)
+    assert f'datetime="{at.isoformat()}"' in text(page) and f">{at:%m-%d %H:%M:%S}</time>" in text(page)
     assert seqs(readonly_client.get(EVENTS, {"to": "2000-01-01T00:00"})) == []  # the browser's minute precision
 
 
@@ -154,6 +162,200 @@ def test_bad_filters_are_a_400_with_the_form_errors(readonly_client, trail, quer
     assert ROW_SEQ.findall(body) == []  # no rows under a refused filter
     field = list(query)[-1]  # the field the error belongs to
     assert f'aria-invalid="true" aria-describedby="id_{field}_error"' in body and f'id="id_{field}_error"' in body
+
+
+def test_filters_live_in_the_url_prefill_the_form_and_survive_paging_and_row_links(readonly_client, tenants):
+    acme, _ = tenants
+    mine = [record(acme.pk, actor=Actor("key", "pager"), new={"n": n}).seq for n in range(53)]
+    record(acme.pk, actor=Actor("key", "pager"), action=AuditAction.KEY_REVOKED)  # another action
+    query = {
+        "from": "2000-01-01T00:00:00",
+        "to": "2999-01-01T00:00:00",
+        "tenant": "acme",
+        "actor": "key:pager",
+        "action": "quota.updated",
+        "target": f"tenant:{acme.pk}",
+    }
+    first = readonly_client.get(EVENTS, query)
+    assert seqs(first) == mine[::-1][:50]
+    body = text(first)
+    for name, value in query.items():  # the form shows the filters the URL holds
+        if name != "action":
+            assert f'name="{name}" value="{value}"' in body, name
+    assert '<option value="quota.updated" selected>quota.updated</option>' in body
+    kept = "from=2000-01-01T00%3A00%3A00&to=2999-01-01T00%3A00%3A00&tenant=acme&actor=key%3Apager&action=quota.updated"
+    kept += f"&target=tenant%3A{acme.pk}"
+    next_link = re.search(r'href="\?([^"]+)" rel="next"', body).group(1).replace("&amp;", "&")
+    assert next_link == kept + "&page=2"
+    second = readonly_client.get(EVENTS + "?" + next_link)
+    assert seqs(second) == mine[::-1][50:] and "Page 2 of 2 (53 in all)" in text(second)
+    # a row's tenant link swaps the tenant for its id and keeps the other filters (and drops the page)
+    tenant_link = kept.replace("tenant=acme", f"tenant={acme.pk}").replace("&", "&amp;")
+    assert f'href="?{tenant_link}"' in text(second)
+
+
+def test_the_target_filter(readonly_client, tenants, trail):
+    acme, globex = tenants
+    assert seqs(readonly_client.get(EVENTS, {"target": f"tenant:{globex.pk}"})) == [trail[2].seq]
+    assert seqs(readonly_client.get(EVENTS, {"target": "tenant"})) == [e.seq for e in trail[::-1]]
+    assert seqs(readonly_client.get(EVENTS, {"target": "node"})) == []
+    refused = readonly_client.get(EVENTS, {"target": "Not a target!"})
+    assert refused.status_code == 400 and "A target is `type` or `type:id`" in text(refused)
+
+
+# ---- names beside the ids --------------------------------------------------------------------------------------------
+
+
+def event(*, actor: Actor, target_type: str, target_id="", tenant_id=None, action=AuditAction.QUOTA_UPDATED):
+    with transaction.atomic(), acting_as(actor):
+        return audit_record(
+            action=action, target_type=target_type, target_id=target_id, tenant_id=tenant_id, new={"n": 1}
+        )
+
+
+def a_key(tenant, name: str) -> ApiKey:
+    return ApiKey.objects.get(
+        pk=tenant_services.api_key_issue(tenant=tenant, scopes=["caches:read"], name=name).api_key.pk
+    )
+
+
+@pytest.fixture
+def named(tenants):
+    """Events whose actors and targets are a console user, an API key, a node, a cache and a tenant."""
+    acme, globex = tenants
+    alice = get_user_model().objects.create_user("alice-operator")
+    key = a_key(acme, "ci-deployer")
+    node = make_node("gpu-node-7")
+    cache = attach(acme, "llama-prefixes")
+    return {
+        "alice": alice,
+        "key": key,
+        "node": node,
+        "cache": cache,
+        "events": [
+            event(actor=Actor("user", str(alice.pk)), target_type="tenant", target_id=globex.pk, tenant_id=globex.pk),
+            event(actor=Actor("key", key.public_id), target_type="api_key", target_id=key.pk, tenant_id=acme.pk),
+            event(actor=Actor("node", str(node.pk)), target_type="cache", target_id=cache.pk, tenant_id=acme.pk),
+            event(actor=Actor("user", str(alice.pk)), target_type="node", target_id=node.pk),
+        ],
+    }
+
+
+def cells(response, label: str) -> list[str]:
+    """The text of every cell of one column (tags dropped, whitespace collapsed), top row first."""
+    found = re.findall(rf'<td data-label="{label}">(.*?)</td>', text(response), flags=re.S)
+    return [" ".join(re.sub(r"<[^>]+>", " ", cell).split()) for cell in found]
+
+
+def test_actors_tenants_and_targets_are_named_beside_their_ids(readonly_client, tenants, named):
+    acme, globex = tenants
+    page = readonly_client.get(EVENTS, {"from": iso(named["events"][0].occurred_at)})
+    alice, key, node, cache = named["alice"], named["key"], named["node"], named["cache"]
+    assert cells(page, "Actor") == [
+        f"alice-operator user:{alice.pk}",
+        f"gpu-node-7 node:{str(node.pk)[:8]}…",
+        f"ci-deployer (acme) key:{key.public_id}",
+        f"alice-operator user:{alice.pk}",
+    ]
+    assert cells(page, "Tenant") == [
+        "none",
+        f"acme {str(acme.pk)[:8]}…",
+        f"acme {str(acme.pk)[:8]}…",
+        f"globex {str(globex.pk)[:8]}…",
+    ]
+    assert cells(page, "Target") == [
+        f"gpu-node-7 node:{str(node.pk)[:8]}…",
+        f"llama-prefixes (acme) cache:{str(cache.pk)[:8]}…",
+        f"ci-deployer (acme) api_key:{str(key.pk)[:8]}…",
+        f"globex tenant:{str(globex.pk)[:8]}…",
+    ]
+    body = text(page)
+    # the whole ids stay on the page: in the links' titles and under "More"
+    assert f'title="Show only the events about node:{node.pk}"' in body
+    assert f'title="Show only the events of node:{node.pk}"' in body
+    assert f"<code>cache:{cache.pk}</code>" in body and f"<code>{acme.pk}</code>" in body
+    assert f'&amp;actor=node%3A{node.pk}"' in body and f'&amp;target=cache%3A{cache.pk}"' in body  # filter links
+
+
+def test_names_cost_a_constant_number_of_queries_per_page(readonly_client, tenants):
+    acme, _ = tenants
+    readonly_client.get(EVENTS)  # the session's first-request work done
+
+    def queries_for_page() -> int:
+        with CaptureQueriesContext(connection) as captured:
+            assert readonly_client.get(EVENTS).status_code == 200
+        return len(captured)
+
+    users = get_user_model().objects
+    first_user = users.create_user("only-one")
+    event(actor=Actor("user", str(first_user.pk)), target_type="tenant", target_id=acme.pk, tenant_id=acme.pk)
+    one_row = queries_for_page()
+    for n in range(12):  # every row names other objects of every kind
+        tenant = Tenant.objects.create(name=f"many-{n}")
+        user = users.create_user(f"user-{n}")
+        key = a_key(tenant, f"key-{n}")
+        node = make_node(f"node-{n}")
+        cache = attach(tenant, f"cache-{n}")
+        event(actor=Actor("user", str(user.pk)), target_type="api_key", target_id=key.pk, tenant_id=tenant.pk)
+        event(actor=Actor("key", key.public_id), target_type="cache", target_id=cache.pk, tenant_id=tenant.pk)
+        event(actor=Actor("node", str(node.pk)), target_type="node", target_id=node.pk)
+        event(actor=Actor("user", str(user.pk)), target_type="console_user", target_id=str(user.pk))
+    assert AuditEvent.objects.count() > 50
+    many_rows = queries_for_page()
+    assert many_rows == one_row + 3, (one_row, many_rows)  # + keys, nodes, caches: one query each, not one per row
+    page = readonly_client.get(EVENTS)
+    assert "key-11 (many-11)" in text(page) and "cache-11 (many-11)" in text(page) and "node-11" in text(page)
+
+
+def test_gone_objects_show_their_id_and_deleted_and_nothing_erasure_removed(readonly_client, tenants, named):
+    acme, globex = tenants
+    alice_pk = named["alice"].pk
+    named["alice"].delete()
+    ghost_node = "6c6f7374-0000-4000-8000-000000000001"
+    event(actor=Actor("node", ghost_node), target_type="node", target_id=ghost_node)
+    Tenant.objects.filter(pk=acme.pk).update(name="erased-0123456789", status=Tenant.Status.ERASED)
+    ApiKey.objects.filter(tenant=acme).update(name="")
+    page = readonly_client.get(EVENTS, {"from": iso(named["events"][0].occurred_at)})
+    key, cache = named["key"], named["cache"]
+    assert cells(page, "Actor") == [
+        f"node:{ghost_node[:8]}… (deleted)",
+        f"user:{alice_pk} (deleted)",
+        f"gpu-node-7 node:{str(named['node'].pk)[:8]}…",
+        f"key:{key.public_id} (deleted)",
+        f"user:{alice_pk} (deleted)",
+    ]
+    assert cells(page, "Tenant")[2:] == [f"{str(acme.pk)[:8]}… (deleted)"] * 2 + [f"globex {str(globex.pk)[:8]}…"]
+    assert cells(page, "Target")[2:4] == [
+        f"cache:{str(cache.pk)[:8]}… (deleted)",
+        f"api_key:{str(key.pk)[:8]}… (deleted)",
+    ]
+    body = text(page)
+    for erased in ("erased-0123456789", "acme", "llama-prefixes", "ci-deployer"):
+        assert erased not in body, erased
+
+
+def test_a_pseudonymised_events_ids_name_nothing(readonly_client):
+    pseudonym = "70736575-646f-4000-8000-000000000002"
+    event(actor=Actor("key", f"pseudonym:{pseudonym}"), target_type="tenant", target_id=pseudonym, tenant_id=pseudonym)
+    page = readonly_client.get(EVENTS, {"action": "quota.updated"})
+    assert cells(page, "Actor") == ["key:pseudony… (deleted)"]
+    assert cells(page, "Tenant") == [f"{pseudonym[:8]}… (deleted)"]
+
+
+def test_names_are_escaped(readonly_client):
+    evil = Tenant.objects.create(name='<script>alert("t")</script>')
+    key = ApiKey.objects.create(
+        tenant=evil,
+        name="<img src=x onerror=alert(1)>",
+        public_id="evilkey01",
+        secret_hash="0" * 64,
+        scopes=["caches:read"],
+    )
+    event(actor=Actor("key", key.public_id), target_type="api_key", target_id=key.pk, tenant_id=evil.pk)
+    body = text(readonly_client.get(EVENTS))
+    assert "<script>alert" not in body and "<img src=x" not in body
+    assert "&lt;script&gt;alert(&quot;t&quot;)&lt;/script&gt;" in body
+    assert "&lt;img src=x onerror=alert(1)&gt; (&lt;script&gt;" in body
 
 
 # ---- roles -----------------------------------------------------------------------------------------------------------

@@ -1,7 +1,10 @@
 """Console pages: the audit trail (events with filters), a verifiable export, and a verifier for uploaded exports.
 
-- Events (`console:audit`, every role): filters validated by a Django form (bad values are a 400 with the form's
-  errors), then exactly the REST list's read (`audit.queries.audit_event_list`), newest first, 50 a page.
+- Events (`console:audit`, every role): filters in the query string (a GET form, pre-filled from the URL, kept by
+  the pager and by each row's actor, tenant and target links), validated by a Django form (bad values are a 400 with
+  the form's errors), then exactly the REST list's read (`audit.queries.audit_event_list`, plus a target filter),
+  newest first, 50 a page. Names beside the ids come from `console.audit_names` (one query per kind of object for the
+  whole page; a deleted or erased object is its id and "(deleted)").
 - Export (`console:audit_export`, capability audit.export): GET shows the form, POST (CSRF) streams the export
   through `audit.exports.audit_export_begin` + `export_response`, the function the REST export calls, so the
   records, digests, platform key and the AUDIT_EXPORTED event (actor user:<pk>) are the same.
@@ -32,14 +35,16 @@ from audit.apis import ACTOR_PATTERN
 from audit.context import ACTOR_KINDS
 from audit.keys import platform_public_jwk
 from console.access import console_view, error_page, page_context
+from console.audit_names import audit_names
 from core.ids import as_uuid
-from tenants.selectors import tenant_by_name_or_id, tenant_list
+from tenants.selectors import tenant_by_name_or_id
 
 PAGE_SIZE = 50
 DEFAULT_VERIFY_MAX_BYTES = 64 * 1024 * 1024
 MULTIPART_SLACK = 64 * 1024  # boundaries and the CSRF field around the file in a multipart body
 MAX_PROBLEMS_SHOWN = 500
-FILTER_KEYS = ("from", "to", "tenant", "actor", "action")
+FILTER_KEYS = ("from", "to", "tenant", "actor", "action", "target")
+TARGET_PATTERN = r"^[a-z_]{1,40}(:[!-~]{1,200})?$"
 
 
 # ---- forms -----------------------------------------------------------------------------------------------------------
@@ -126,6 +131,13 @@ class EventFilterForm(RangeForm):
         label="Action",
         error_messages={"invalid_choice": "Choose an action from the list (a name such as tenant.created)."},
     )
+    target = forms.RegexField(
+        TARGET_PATTERN,
+        required=False,
+        max_length=241,
+        label="Target (type or type:id)",
+        error_messages={"invalid": "A target is `type` or `type:id` (e.g. node, cache:<id>, api_key:<id>)."},
+    )
 
 
 class ExportForm(RangeForm):
@@ -158,7 +170,8 @@ class VerifyForm(forms.Form):
 
 @console_view()
 def index(request):
-    """The trail, filtered as the REST list filters it, newest first; bad filters are a 400 with the form errors."""
+    """The trail, filtered as the REST list filters it (and by target), newest first; bad filters are a 400 with the
+    form errors. The names beside the ids come from one query per kind of object for the whole page."""
     form = EventFilterForm(request.GET)
     context = page_context(request, title="Audit events", section="audit", form=form, page=None, rows=[])
     if not form.is_valid():
@@ -173,36 +186,47 @@ def index(request):
         actor_id=actor_id or None,
         action=filters["action"],
     )
+    target_type, _, target_id = (filters["target"] or "").partition(":")
+    if target_type:
+        events = events.filter(target_type=target_type)
+    if target_id:
+        events = events.filter(target_id=target_id)
     page = Paginator(events.reverse(), PAGE_SIZE).get_page(request.GET.get("page"))
-    names = dict(tenant_list().filter(pk__in={e.tenant_id for e in page if e.tenant_id}).values_list("pk", "name"))
+    names = audit_names(page)
     query = _filter_query(request.GET)
-    export_query = _filter_query(request.GET, keys=("from", "to", "tenant"))
     context.update(
         listed=True,
         page=page,
-        rows=[_row(event, names) for event in page],
+        rows=[_row(event, names, request.GET) for event in page],
         query=query,
         filtered=bool(query),
-        export_query=export_query,
+        export_query=_filter_query(request.GET, keys=("from", "to", "tenant")),
     )
     return render(request, "console/audit/events.html", context)
 
 
-def _filter_query(params, keys=FILTER_KEYS) -> str:
-    """The filters of `params` that are set, urlencoded (pager links and the export link keep them)."""
-    return urlencode([(key, params[key]) for key in keys if params.get(key)])
+def _filter_query(params, keys=FILTER_KEYS, **replaced: str) -> str:
+    """The filters of `params` that are set, with `replaced` ones swapped in, urlencoded (pager links, the export
+    link and the links of a row's actor, tenant and target keep them)."""
+    values = {key: params.get(key, "") for key in keys} | replaced
+    return urlencode([(key, value) for key, value in values.items() if value])
 
 
-def _row(event, tenant_names: dict) -> dict:
+def _row(event, names, params) -> dict:
     try:
         action_name = AuditAction(event.action).code_name
     except ValueError:
         action_name = f"unknown ({event.action})"
+    actor, tenant, target = names.actor(event), names.tenant(event), names.target(event)
     return {
         "event": event,
-        "actor": f"{event.actor_kind}:{event.actor_id}" if event.actor_id else event.actor_kind,
+        "actor": actor,
         "action_name": action_name,
-        "tenant_name": tenant_names.get(event.tenant_id, ""),
+        "tenant": tenant,
+        "target": target,
+        "actor_query": _filter_query(params, actor=actor.full),
+        "tenant_query": _filter_query(params, tenant=tenant.id) if tenant else "",
+        "target_query": _filter_query(params, target=target.full),
         "old": _json(event.old_values),
         "new": _json(event.new_values),
         "changed": event.old_values is not None or event.new_values is not None,
