@@ -193,8 +193,13 @@ class AuditEventListApi(APIView):
             ),
         ],
         responses={200: AuditEventSerializer(many=True), **_errors(400, 401, 403, 404, 429)},
-        description="The audit trail in seq order. Staff read every tenant's events; a tenant key with audit:read "
-        "reads its own tenant's. 400 invalid_range when from is not before to.",
+        examples=[api_examples.EVENT_LIST, api_examples.INVALID_RANGE, api_examples.SCOPE_MISSING],
+        description="One page of the audit trail in seq order, filtered by time range, tenant, actor and action: "
+        "who did what to which resource, when, from where, with the values before and after, and each event's "
+        "link in the hash chain. Staff (basic auth) read every tenant's events; a tenant key holding audit:read "
+        "(or audit:write) reads its own tenant's only. Errors: 400 invalid_range (from not before to) or "
+        "validation_error; 403 permission_denied with details.required_scope for a key without audit:read; 404 "
+        "for another tenant's tenant_id named by a tenant key; 429 rate_limited.",
     )
     def get(self, request):
         filters = _validated(self.FilterSerializer, request.query_params)
@@ -244,10 +249,20 @@ class AuditExportApi(APIView):
             (200, "text/csv"): OpenApiResponse(OpenApiTypes.STR, description="CSV export."),
             **_errors(400, 401, 403, 404, 429, 503),
         },
-        description="A verifiable export of [from, to) (default: everything until now), streamed as a file: a "
-        "header, the events (witnesses for other tenants' events in a tenant export), the digests anchoring them "
-        "and the platform key. Verify offline with `python audit/chain.py verify FILE` (docs/compliance.md). "
-        "Records an audit.exported event.",
+        examples=[
+            api_examples.AUDIT_EXPORT_JSONL,
+            api_examples.AUDIT_EXPORT_CSV,
+            api_examples.INVALID_RANGE,
+            api_examples.SCOPE_MISSING,
+        ],
+        description="A verifiable export of [from, to) (default: everything until now), streamed as a file "
+        "(JSONL or CSV): a header naming the range, filter and platform key, the events (witnesses for other "
+        "tenants' events in a tenant export), the signed digests anchoring them, and a last record signing all "
+        "of them. Verify offline with `python audit/chain.py verify FILE` (docs/compliance.md). Staff export "
+        "everything (or one tenant_id); a tenant key holding audit:read exports its own tenant's events. Records "
+        "an audit.exported event before it streams. Errors: 400 invalid_range or validation_error; 403 "
+        "permission_denied for a key without audit:read; 404 for another tenant's tenant_id; 429 rate_limited; "
+        "503 audit_unavailable when the export could not be recorded (nothing is exported then).",
     )
     def get(self, request):
         filters = _validated(self.FilterSerializer, request.query_params)
@@ -285,7 +300,12 @@ class AuditDigestListApi(APIView):
         tags=["audit"],
         parameters=_RANGE_PARAMS,
         responses={200: AuditDigestSerializer(many=True), **_errors(400, 401, 403, 429)},
-        description="Signed digests of the chain's head, one per period, oldest first (staff only).",
+        examples=[api_examples.DIGEST_LIST, api_examples.INVALID_RANGE],
+        description="One page of the signed digests of the chain's head, one per period (hourly by default), "
+        "oldest first: each names the last event before its period_end, chains to the previous digest and is "
+        "signed with the platform key (/.well-known/kcaas-platform-key.json), so an export's events can be "
+        "checked against them. Staff only (basic auth): a tenant key gets 403 permission_denied. Errors: 400 "
+        "invalid_range (from not before to); 401 without credentials; 429 rate_limited.",
     )
     def get(self, request):
         filters = _validated(RangeSerializer, request.query_params)

@@ -110,3 +110,44 @@ RATE_CREATED = OpenApiExample(
     response_only=True,
     status_codes=["201"],
 )
+
+# ---- node agents: node-7's fifth usage report since its restart at 14:30 (its one cache, fp16 Llama-3-8B) --------
+
+USAGE_REPORT = OpenApiExample(
+    "Absolute bytes per tier and counters since the agent's boot",
+    value={
+        "boot_id": "2c4e6a8b-0d1f-4a3c-9e5b-7d9f1b3d5f70",
+        "sequence": 5,
+        "sampled_at": "2026-03-02T14:35:00Z",
+        "caches": [
+            {
+                "cache_id": "5f0c2a8e-3b6d-4e7a-9c1f-2d8b7a6e4c10",
+                "device_bytes": 6 * GIB,
+                "dram_bytes": 11 * GIB,
+                "ssd_bytes": 0,
+                "network_bytes": 0,
+                "bytes_written_total": 3 * GIB,
+                "tokens_served_total": 98_304,
+            }
+        ],
+    },
+    request_only=True,
+)
+USAGE_REPORT_ACK = OpenApiExample(
+    "Recorded",
+    value={"duplicate": False, "late": False, "accepted": 1, "refused": []},
+    response_only=True,
+    status_codes=["200"],
+)
+USAGE_REPORT_FROM_THE_FUTURE = OpenApiExample(
+    "A node clock ten minutes ahead",
+    value={
+        "error": {
+            "code": "invalid_usage_report",
+            "message": "sampled_at is ahead of the control plane's clock by more than the allowed skew.",
+            "details": {"sampled_at": "2026-03-02T14:45:00+00:00", "max_skew_seconds": 300},
+        }
+    },
+    response_only=True,
+    status_codes=["400"],
+)

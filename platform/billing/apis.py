@@ -154,8 +154,15 @@ class NodeUsageReportApi(APIView):
         request=InputSerializer,
         responses={200: OutputSerializer, **error_responses(400, 401)},
         summary="Report the calling node's per-cache usage (absolute snapshots and counters since boot)",
-        description="Idempotent on (node, boot_id, sequence). 400 validation_error or invalid_usage_report (a "
-        "sampled_at ahead of the control plane's clock by more than KCAAS_USAGE_MAX_CLOCK_SKEW_SECONDS).",
+        examples=[ex.USAGE_REPORT, ex.USAGE_REPORT_ACK, ex.USAGE_REPORT_FROM_THE_FUTURE],
+        description="Called by a node agent, with its node credential, about once a minute: the bytes each cache "
+        "it hosts holds per tier at sampled_at (absolute) and the bytes written and tokens served since the "
+        "agent's boot (counters), which billing meters into GB-hours. Idempotent on (node, boot_id, sequence): a "
+        "repeat answers duplicate true and changes nothing; a report older than KCAAS_USAGE_GRACE_SECONDS answers "
+        "late true and is ignored; entries for caches not placed on the node are refused (listed in `refused`, "
+        "audited) and the others stored. Errors: 400 validation_error, or invalid_usage_report for a sampled_at "
+        "ahead of the control plane's clock by more than KCAAS_USAGE_MAX_CLOCK_SKEW_SECONDS; 401 for anything but "
+        "a valid node credential.",
     )
     def post(self, request):
         data = _validated(self.InputSerializer, request.data)

@@ -109,3 +109,44 @@ JWKS = OpenApiExample(
     response_only=True,
     status_codes=["200"],
 )
+
+# ---- staff: draining node-7, which hosts the cache above -----------------------------------------------------------
+
+NODE_DRAINED = OpenApiExample(
+    "Draining: its one ready cache is moving to another node",
+    value={
+        "node_id": NODE_ID,
+        "migrations": [
+            {
+                "id": "2e4a6c8e-0b1d-4f3a-8c5e-7a9b1c3d5e7f",
+                "cache_id": CACHE_ID,
+                "source_id": NODE_ID,
+                "target_id": "d4e5f6a7-b8c9-4d0e-9f1a-2b3c4d5e6f70",
+                "epoch_from": 1,
+                "epoch_to": 2,
+                "reason": "drain",
+                "state": "pending",
+            }
+        ],
+    },
+    response_only=True,
+    status_codes=["200"],
+)
+NODE_NOT_DRAINABLE = OpenApiExample(
+    "A lost node cannot be drained",
+    value={
+        "error": {
+            "code": "invalid_node_state",
+            "message": "A lost node cannot be drained.",
+            "details": {"state": "lost", "allowed": ["cordoned", "ready"]},
+        }
+    },
+    response_only=True,
+    status_codes=["409"],
+)
+NODE_UNKNOWN = OpenApiExample(
+    "No such node",
+    value={"error": {"code": "not_found", "message": "No such node.", "details": {"node_id": NODE_ID}}},
+    response_only=True,
+    status_codes=["404"],
+)

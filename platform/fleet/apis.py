@@ -119,12 +119,17 @@ class NodeRegisterApi(_NodeApi):
         request=InputSerializer,
         responses={200: OutputSerializer, **error_responses(400, 401, 409)},
         summary="Register (or re-register after a restart) the calling node agent",
+        examples=[ex.REGISTER_REQUEST, ex.REGISTERED, ex.CSR_REFUSED],
         description=(
             "Called by a node agent at start-up and after every restart, with its node credential: records its "
             "endpoint and capacity, renews its lease, and (with a csr) issues its certificate from the platform "
-            "CA. The answer lists the caches the control plane believes it hosts; those it no longer holds (named "
-            "in `caches` of the request) are provisioned again, empty, and marked emptied. Also: revoked tokens "
-            "and the caches whose SSD blocks it may keep."
+            "CA. The answer lists the caches the control plane believes it hosts; those it no longer holds (not "
+            "named in `caches` of the request) are provisioned again, empty, and marked emptied. Also: revoked "
+            "tokens and the caches whose SSD blocks it may keep. Only a node credential (`Bearer kc_node_...`, "
+            "issued by POST /api/v1/admin/nodes) is accepted: anything else is 401. Errors: 400 validation_error, "
+            "invalid_sealing_key, or csr_malformed | csr_signature_invalid | csr_key_unsupported (a bad CSR "
+            "refuses the whole registration); 401 for a missing, unknown or revoked credential; 409 "
+            "endpoint_in_use when another live node answers on the endpoint."
         ),
     )
     def post(self, request):
@@ -177,7 +182,16 @@ class NodeHeartbeatApi(_NodeApi):
         request=InputSerializer,
         responses={200: OutputSerializer, **error_responses(400, 401, 409)},
         summary="Renew the calling node's lease; report capacity and resident bytes per cache",
-        description="A lost node is answered 409 reregister_required: it must call register again.",
+        examples=[ex.HEARTBEAT_REQUEST, ex.HEARTBEAT_ACK, ex.REREGISTER_REQUIRED],
+        description=(
+            "Called by a node agent every heartbeat_interval_seconds with its node credential: renews its lease "
+            "(a node whose lease passes is marked lost and its caches re-placed), records its capacity and, when "
+            "`resident` is sent, the absolute resident bytes per cache (which replace the previous snapshot; a "
+            "ready cache the node no longer reports is provisioned again). The answer carries the data tokens "
+            "revoked on its caches, which it must refuse until their exp. Errors: 400 validation_error; 401 for "
+            "anything but a valid node credential; 409 reregister_required for a lost or never-registered node, "
+            "which must call register again."
+        ),
     )
     def post(self, request):
         data = _validated(self.InputSerializer, request.data)
@@ -213,8 +227,15 @@ class NodeCertificateApi(_NodeApi):
         request=InputSerializer,
         responses={200: OutputSerializer, **error_responses(400, 401, 409)},
         summary="Renew the calling node's certificate from a fresh CSR",
-        description="400 csr_malformed | csr_signature_invalid | csr_key_unsupported; 409 reregister_required for "
-        "a lost or unregistered node.",
+        examples=[ex.RENEW_REQUEST, ex.RENEWED, ex.CSR_REFUSED, ex.RENEWAL_REREGISTER_REQUIRED],
+        description=(
+            "Called by a node agent, with its node credential, at half of its certificate's lifetime "
+            "(KCAAS_NODE_CERT_HOURS, 12 hours by default): a new certificate from the platform CA for the ECDSA "
+            "P-256 key of the CSR, naming spiffe://kcaas/node/<id> and the node's endpoint (nothing else of the "
+            "CSR is used), and the CA certificate. Audited (node.certificate_issued). Errors: 400 csr_malformed | "
+            "csr_signature_invalid | csr_key_unsupported; 401 for anything but a valid node credential; 409 "
+            "reregister_required for a lost or never-registered node."
+        ),
     )
     def post(self, request):
         data = _validated(self.InputSerializer, request.data)

@@ -16,6 +16,7 @@ from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework.permissions import AllowAny
 from rest_framework.views import APIView
 
+from fleet import api_examples
 from fleet.pki import platform_ca_pem
 
 PEM_MEDIA_TYPE = "application/x-pem-file"
@@ -33,6 +34,7 @@ class PlatformCaApi(APIView):
         summary="The platform CA certificate (PEM)",
         tags=["well-known"],
         auth=[],
+        examples=[api_examples.PLATFORM_CA],
         responses={
             (200, PEM_MEDIA_TYPE): OpenApiResponse(
                 OpenApiTypes.STR,
@@ -42,7 +44,8 @@ class PlatformCaApi(APIView):
         description=(
             "The platform CA certificate (PEM) that signs node certificates, followed by the data-plane CA when "
             "one is configured: what an SDK or engine trusts for the TLS 1.3 data plane and what node agents "
-            "trust for migration's mutual TLS. Public, no authentication, cacheable for five minutes."
+            "trust for migration's mutual TLS. Public: anyone may call it, with no credentials and no rate limit; "
+            "cacheable for five minutes. It has no error answers of its own."
         ),
     )
     def get(self, request):
