@@ -1,10 +1,11 @@
 """Request and response examples for the audit room's operations of the published reference.
 
-Every value is true of one example trail, signed by an example platform key (PLATFORM_KEY, whose private half is
-sha256 of a public label, so anyone can regenerate it; tests/controlplane/test_api_reference.py verifies each
-signature): tenant acme's cache `llama3-8b-chat` attached by its key `q7Hc2LkPx4Rt9Wm2` (event 1041) and made ready
-(1043), another tenant's event between them (1042), and the two hourly digests around them. The export example is
-that tenant's export of 10:00-11:00, JSONL and CSV: `python audit/chain.py verify` accepts it.
+Every value is true of one example trail, signed by an example platform key (PLATFORM_KEY: its private half is the
+sha256 of EXAMPLE_KEY_LABEL, so anyone can sign more examples with it; tests/controlplane/test_api_reference.py
+checks that and verifies each signature): tenant acme's cache `llama3-8b-chat` attached by its key
+`q7Hc2LkPx4Rt9Wm2` (event 1041) and made ready (1043), another tenant's event between them (1042), and the two
+hourly digests around them. The export example is that tenant's export of 10:00-11:00, JSONL and CSV:
+`python audit/chain.py verify` accepts it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ TENANT_ID = "0b7e9f4a-1c2d-4e3f-8a5b-6c7d8e9f0a1b"
 CACHE_ID = "5f0c2a8e-3b6d-4e7a-9c1f-2d8b7a6e4c10"
 NODE_ID = "c3d4e5f6-a7b8-4c9d-8e0f-1a2b3c4d5e6f"
 KEY_PUBLIC_ID = "q7Hc2LkPx4Rt9Wm2"
+EXAMPLE_KEY_LABEL = "kcaas reference example platform key"  # Ed25519 private key: sha256 of this, never a real one
 
 JWK = {
     "crv": "Ed25519",

@@ -71,8 +71,11 @@ NODE_UNCORDONED = OpenApiExample("Ready again", value=NODE, response_only=True, 
 
 
 # ---- node agents: node-7 restarts at 14:30 still holding its cache, heartbeats, renews its certificate at half-life --
-# The PEMs are real: an example platform CA (its key is sha256 of a public label), node-7's certificate for the key of
-# its CSR (spiffe://kcaas/node/<id> and its endpoint's name), issued at 14:30 (12 hours) and renewed at 20:30.
+# The PEMs are real: an example platform CA (its P-256 key is the sha256 of EXAMPLE_CA_LABEL, its certificate what
+# fleet.pki makes of that key), node-7's certificate for the key of its CSR (the sha256 of EXAMPLE_NODE_KEY_LABEL;
+# spiffe://kcaas/node/<id> and its endpoint's name), issued at 14:30 (12 hours) and renewed at 20:30.
+EXAMPLE_CA_LABEL = "kcaas reference example CA"
+EXAMPLE_NODE_KEY_LABEL = "kcaas reference example node-7"
 
 CA_PEM = (
     "-----BEGIN CERTIFICATE-----\n"

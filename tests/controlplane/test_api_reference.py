@@ -5,6 +5,7 @@ verifiers; and the reference names only the authentication schemes that the live
 
 import base64
 import datetime as dt
+import hashlib
 import uuid
 from datetime import timedelta
 
@@ -12,12 +13,14 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.x509.oid import NameOID
 from django.contrib.auth import get_user_model
 from django.test import Client
 from django.utils import timezone
 from rest_framework.test import APIClient
 
+from audit.keys import public_jwk_of
 from console import access
 from tenants import services
 from tenants.scopes import ALL_SCOPES
@@ -257,6 +260,8 @@ def test_the_audit_examples_verify_under_the_example_platform_key():
     from audit import chain
 
     assert ex.JWK["kid"] == chain.jwk_thumbprint(ex.JWK)
+    example_key = Ed25519PrivateKey.from_private_bytes(hashlib.sha256(ex.EXAMPLE_KEY_LABEL.encode()).digest())
+    assert public_jwk_of(example_key.public_key()) == ex.JWK == ex.PLATFORM_KEY.value
     for text in (ex.EXPORT_JSONL, ex.EXPORT_CSV):  # what `python audit/chain.py verify` checks
         report = chain.verify_export(text.splitlines(keepends=True), trusted_key_jwk=ex.JWK)
         assert [str(problem) for problem in report.problems] == []
@@ -291,6 +296,13 @@ def test_the_node_certificate_examples_are_issued_by_the_example_ca_for_the_csr_
     from kcaas.node_protocol.sealing import public_key_bytes
 
     ca = x509.load_pem_x509_certificate(ex.CA_PEM.encode())
+    ca_key = ec.derive_private_key(
+        int.from_bytes(hashlib.sha256(ex.EXAMPLE_CA_LABEL.encode()).digest()), ec.SECP256R1()
+    )
+    assert pki._ca_certificate(ca_key) == ca  # what the platform makes of that key
+    node_key = ec.derive_private_key(
+        int.from_bytes(hashlib.sha256(ex.EXAMPLE_NODE_KEY_LABEL.encode()).digest()), ec.SECP256R1()
+    )
     assert ca.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == pki.CA_COMMON_NAME
     assert ex.PLATFORM_CA.value == ex.CA_PEM == ex.REGISTERED.value["ca_certificate"]
     raw = serialization.PublicFormat.SubjectPublicKeyInfo
@@ -300,6 +312,7 @@ def test_the_node_certificate_examples_are_issued_by_the_example_ca_for_the_csr_
     ):
         cert = x509.load_pem_x509_certificate(cert_pem.encode())
         cert.verify_directly_issued_by(ca)
+        assert cert.public_key() == node_key.public_key()
         assert isinstance(cert.public_key(), ec.EllipticCurvePublicKey)
         assert cert.public_key().public_bytes(serialization.Encoding.DER, raw) == pki.csr_public_key(
             csr_pem
