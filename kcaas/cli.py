@@ -5,10 +5,12 @@
     kcaas ls
     kcaas show chat
     kcaas usage --json
+    kcaas admin tenants create acme --device-bytes 8GiB      # platform administrators: kcaas/cli_admin.py
 
 Configuration: `--url` / KCAAS_URL (default http://127.0.0.1:8000, what `make up` serves) and `--api-key` /
-KCAAS_API_KEY. The key is never printed: every line written to stderr is scrubbed of it (and of anything shaped like
-a KCaaS key), and the SDK keeps it out of its errors.
+KCAAS_API_KEY; `kcaas admin ...` takes KCAAS_ADMIN_USER (default admin) and KCAAS_ADMIN_PASSWORD instead (HTTP
+basic). The key (or password) is never printed: every line written to stderr is scrubbed of it (and of anything
+shaped like a KCaaS key), and the SDK keeps it out of its errors.
 
 Naming: wherever a cache or key id is taken, so is its name or an id prefix (kcaas/cli_resolve.py).
 
@@ -37,6 +39,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kcaas.cli_admin import add_admin_commands, admin_client, with_admin_hint
 from kcaas.cli_engines import add_engine_commands
 from kcaas.cli_errors import EXIT_API, EXIT_CONNECTION, UsageError, report, unreadable_answer  # noqa: F401
 from kcaas.cli_output import KEY_SHAPE, TABLE_WIDTH, Out, human_bytes, parse_bytes, short_ids, table, when
@@ -63,6 +66,7 @@ EPILOG = f"""\
 environment:
   KCAAS_URL      the control plane's URL, as --url (default {DEFAULT_URL}, `make up`'s)
   KCAAS_API_KEY  the tenant API key, as --api-key (never printed)
+  KCAAS_ADMIN_USER, KCAAS_ADMIN_PASSWORD  `kcaas admin ...`: a platform administrator
 
 names: caches and keys are taken by id, by name, or by an id prefix as `kcaas ls` prints it.
 ls: detached caches are left out unless --all; failed ones are listed (they hold quota
@@ -309,7 +313,8 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="kcaas",
-        description="KCaaS command line: caches, data tokens, API keys, usage, engine instances.",
+        description="KCaaS command line: caches, data tokens, API keys, usage, engine instances; `kcaas admin`: "
+        "tenants, quotas and their keys.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -396,6 +401,7 @@ def _parser() -> argparse.ArgumentParser:
     rotate.add_argument("key", help=key_help)
     rotate.add_argument("--overlap", type=int, metavar="S", help="seconds the old key keeps working")
     add_engine_commands(commands, command, _Parser)
+    add_admin_commands(commands, command, _Parser)
     return parser
 
 
@@ -427,6 +433,15 @@ def _drop_stdout() -> None:
         os.close(devnull)
 
 
+def _client(url: str, api_key: str) -> Client:
+    if not api_key:
+        raise UsageError("no API key: set KCAAS_API_KEY or pass --api-key")
+    try:
+        return Client(url, api_key, retry_budget=INTERACTIVE_RETRY_BUDGET_SECONDS)
+    except ValueError as exc:
+        raise UsageError(f"{exc} (got --url/KCAAS_URL {url!r})") from None
+
+
 def _run(argv: Sequence[str] | None) -> int:
     """Parse argv and run its command: the exit code, with every failure but a closed stdout reported."""
     try:
@@ -434,15 +449,12 @@ def _run(argv: Sequence[str] | None) -> int:
     except SystemExit as exc:  # --help (0) or a usage error (2, already printed)
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     url = args.url or os.environ.get("KCAAS_URL") or DEFAULT_URL
+    admin = getattr(args, "admin", False)
     api_key = args.api_key or os.environ.get("KCAAS_API_KEY") or ""
-    out = Out(args.json, api_key)
+    password = os.environ.get("KCAAS_ADMIN_PASSWORD", "").strip() if admin else ""
+    out = Out(args.json, password if admin else api_key)  # the secret in use is scrubbed from stderr
     try:
-        if not api_key:
-            raise UsageError("no API key: set KCAAS_API_KEY or pass --api-key")
-        try:
-            client = Client(url, api_key, retry_budget=INTERACTIVE_RETRY_BUDGET_SECONDS)
-        except ValueError as exc:
-            raise UsageError(f"{exc} (got --url/KCAAS_URL {url!r})") from None
+        client = admin_client(url, password, INTERACTIVE_RETRY_BUDGET_SECONDS) if admin else _client(url, api_key)
         with client:
             try:
                 args.handler(client, args, out)
@@ -453,7 +465,7 @@ def _run(argv: Sequence[str] | None) -> int:
         out.note(f"kcaas: error: {exc}")
         return EXIT_USAGE
     except KcaasError as exc:
-        return report(out, exc, url)
+        return report(out, with_admin_hint(exc) if admin else exc, url)
     except KeyboardInterrupt:
         out.note("\ninterrupted")
         return EXIT_INTERRUPTED

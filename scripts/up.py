@@ -32,7 +32,8 @@ is 0600 in 0700 directories; `secure_var_dir` brings a var/ left by an older run
 Address: the API listens on KCAAS_URL's host and port when KCAAS_URL is set (http://HOST:PORT: the variable `make
 demo`, `kcaas` and the SDK read, so one export points all of them at the same place), else on KCAAS_HOST /
 KCAAS_PORT (default 127.0.0.1:8000); the banner ends with the `export KCAAS_URL=... KCAAS_API_KEY=...` line to paste
-into another shell. Each agent's data plane is on the next port up (8001, 8002, ...).
+into another shell, and the operator's (`operator shell: export KCAAS_URL=... KCAAS_ADMIN_USER=admin
+KCAAS_ADMIN_PASSWORD=...`, for `kcaas admin ...`). Each agent's data plane is on the next port up (8001, 8002, ...).
 
 --agents defaults to KCAAS_AGENTS, else 1. --bootstrap-only does the first steps (migrate, login, key, node
 credentials, TLS files; node files under KCAAS_NODE_SECRETS_DIR when set), prints them and exits: the one-shot
@@ -538,6 +539,8 @@ def banner(url: str, boot: dict, node_envs: list[dict], processes: dict) -> str:
         f"  try: curl -H 'Authorization: Bearer {key}' {url}/api/v1/whoami\n"
         f"  in another shell (kcaas, make demo, the SDK):\n"
         f"    export KCAAS_URL={url} KCAAS_API_KEY={key}\n"
+        f"  operator shell: export KCAAS_URL={url} KCAAS_ADMIN_USER=admin KCAAS_ADMIN_PASSWORD={boot['password']}\n"
+        f"    (kcaas admin tenants create NAME, kcaas admin keys create --tenant NAME, kcaas.admin())\n"
         f"Ctrl-C stops everything."
     )
 
