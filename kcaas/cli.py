@@ -401,7 +401,7 @@ def _parser() -> argparse.ArgumentParser:
     rotate.add_argument("key", help=key_help)
     rotate.add_argument("--overlap", type=int, metavar="S", help="seconds the old key keeps working")
     add_engine_commands(commands, command, _Parser)
-    add_admin_commands(commands, command, _Parser)
+    add_admin_commands(commands, command, _Parser, _keys_table)
     return parser
 
 

@@ -174,10 +174,8 @@ class _TenantKeys:
 
 
 def cmd_keys_ls(client: AdminClient, args, out: Out) -> None:
-    from kcaas.cli import _keys_table  # the tenant's `kcaas keys ls` table (kcaas.cli imports this module)
-
     keys = client.list_keys(args.tenant)
-    out.result(keys, lambda: _keys_table(keys, args.wide))
+    out.result(keys, lambda: args.keys_table(keys, args.wide))
 
 
 def cmd_keys_revoke(client: AdminClient, args, out: Out) -> None:
@@ -202,8 +200,11 @@ def _quota_flags(parser: argparse.ArgumentParser) -> None:
         )
 
 
-def add_admin_commands(commands, command: Callable[..., argparse.ArgumentParser], parser_class) -> None:
-    """`kcaas admin tenants ...|keys ...` under `commands` (command: kcaas.cli's subcommand maker)."""
+def add_admin_commands(
+    commands, command: Callable[..., argparse.ArgumentParser], parser_class, keys_table: Callable[..., str]
+) -> None:
+    """`kcaas admin tenants ...|keys ...` under `commands` (command: kcaas.cli's subcommand maker; keys_table: the
+    table `kcaas keys ls` prints, which `kcaas admin keys ls` prints too)."""
     admin = commands.add_parser(
         "admin",
         help="platform administration: tenants, quotas, their keys (HTTP basic)",
@@ -246,6 +247,7 @@ def add_admin_commands(commands, command: Callable[..., argparse.ArgumentParser]
     keys_ls = admin_command(sub, "ls", cmd_keys_ls, "list a tenant's keys")
     keys_ls.add_argument("--tenant", required=True, help=tenant_help)
     keys_ls.add_argument("--wide", action="store_true", help="full ids, public ids and creation times")
+    keys_ls.set_defaults(keys_table=keys_table)
     revoke = admin_command(sub, "revoke", cmd_keys_revoke, "revoke a tenant's key now")
     revoke.add_argument("key", help="the key: its id, id prefix, name or public id")
     revoke.add_argument("--tenant", required=True, help=tenant_help)
