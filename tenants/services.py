@@ -110,10 +110,12 @@ def _check_not_confusable(name: str) -> None:
 
 
 @transaction.atomic
-def tenant_create(*, name: str) -> Tenant:
+def tenant_create(*, name: str, quota: dict[str, int | None] | None = None) -> Tenant:
     """A new active tenant with an all-default Quota row. The name is normalized (NFKC, stripped) and checked
     (tenants.names: 400 for a refused character); names are unique (409 ``tenant_name_taken``) and may not look like
-    another tenant's (409 ``tenant_name_confusable``)."""
+    another tenant's (409 ``tenant_name_confusable``). ``quota``: initial overrides, as quota_update takes them, set
+    in the same transaction (``quota.updated`` after ``tenant.created``); a refused value creates nothing."""
+    limits = _validate_limits(quota or {})
     name = _display_name("name", name or "", max_length=TENANT_NAME_MAX_LENGTH, allow_blank=False)
     _check_not_confusable(name)
     try:
@@ -129,6 +131,9 @@ def tenant_create(*, name: str) -> Tenant:
         tenant_id=tenant.pk,
         new={"name": tenant.name, "status": tenant.status},
     )
+    overrides = {field: value for field, value in limits.items() if value is not None}
+    if overrides:
+        quota_update(tenant=tenant, **overrides)
     return tenant
 
 

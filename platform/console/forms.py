@@ -11,7 +11,8 @@ import re
 from django import forms
 
 from tenants.quota_values import BYTE_FIELDS, BYTE_UNITS, QuotaValueError, quota_value_parse, string_pattern
-from tenants.services import QUOTA_BOUNDS
+from tenants.scopes import ALL_SCOPES
+from tenants.services import KEY_NAME_MAX_LENGTH, QUOTA_BOUNDS, TENANT_NAME_MAX_LENGTH
 
 QUOTA_LABELS = {
     "max_caches": "Caches",
@@ -95,3 +96,56 @@ class QuotaForm(forms.Form):
             except forms.ValidationError as error:
                 self.add_error(field, error)
         return cleaned
+
+
+class TenantCreateForm(QuotaForm):
+    """A new tenant: its name, and its initial quota limits (QuotaForm's fields, blank: the default). The name's
+    characters and uniqueness are the service's to check (tenants.services.tenant_create); its errors are put on the
+    field by the view."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        name = forms.CharField(
+            max_length=TENANT_NAME_MAX_LENGTH,
+            label="Name",
+            help_text=f"Unique; at most {TENANT_NAME_MAX_LENGTH} characters. The tenant's developers see it.",
+            strip=True,
+        )
+        self.fields = {"name": name, **self.fields}
+
+    def quota(self) -> dict[str, int | None]:
+        """The limits typed, for tenants.services.tenant_create(quota=...) (None: the default)."""
+        return {field: self.cleaned_data[field] for field in QUOTA_BOUNDS}
+
+
+KEY_LIFETIME_MAX_DAYS = 5 * 366  # the REST API's longest lifetime (tenants.apis.MAX_KEY_LIFETIME_SECONDS)
+SCOPE_CHOICES = [(scope, scope) for scope in ALL_SCOPES]
+
+
+class ApiKeyIssueForm(forms.Form):
+    """A new API key for a tenant, as POST /api/v1/keys takes it: a name (optional), its scopes (at least one of
+    tenants.scopes.ALL_SCOPES; write implies read), and an optional lifetime in whole days (blank: it never
+    expires). `nonce` is the one-time token of this form (console.pages.tenant_onboarding): a resubmission issues
+    nothing."""
+
+    name = forms.CharField(
+        required=False,
+        max_length=KEY_NAME_MAX_LENGTH,
+        label="Name",
+        help_text="Optional: where the key is used, e.g. “prod engines”.",
+        strip=True,
+    )
+    scopes = forms.MultipleChoiceField(
+        choices=SCOPE_CHOICES,
+        label="Scopes",
+        help_text="What the key may do; write includes read. An engine needs caches:write.",
+        error_messages={"required": "Choose at least one scope."},
+    )
+    expires_in_days = forms.IntegerField(
+        required=False,
+        min_value=1,
+        max_value=KEY_LIFETIME_MAX_DAYS,
+        label="Expires after (days)",
+        help_text=f"Blank: never (revoke or rotate it instead). At most {KEY_LIFETIME_MAX_DAYS} days.",
+    )
+    nonce = forms.CharField(max_length=64, required=False)

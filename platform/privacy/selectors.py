@@ -10,7 +10,7 @@ from audit.services import tenant_pseudonym
 from core.errors import ConflictError, NotFoundError
 from core.ids import as_uuid
 from privacy import receipt as receipts
-from privacy.models import ErasureJob, ErasureState, PurgeState
+from privacy.models import CANCELLABLE_STATES, ErasureJob, ErasureState, PurgeState
 from tenants.models import Tenant
 
 
@@ -22,6 +22,14 @@ def erasure_job_for_tenant(*, tenant_id) -> ErasureJob:
     if job is None:
         raise NotFoundError("No erasure job for this tenant.")
     return job
+
+
+def erasures_not_started(*, tenant_ids: Iterable) -> dict:
+    """{tenant id: its erasure job that has not started yet (pending or scheduled: inside the grace window, still
+    cancellable)} for those of `tenant_ids` that have one (one query)."""
+    wanted = {as_uuid(tenant_id) for tenant_id in tenant_ids} - {None}
+    jobs = ErasureJob.objects.filter(tenant_id__in=wanted, state__in=CANCELLABLE_STATES)
+    return {job.tenant_id: job for job in jobs}
 
 
 def erasure_receipt_job(*, tenant_id) -> ErasureJob:

@@ -1,5 +1,6 @@
 """Console pages: tenants — the list, one tenant's detail (quota against usage, keys, caches, usage chart,
-invoices), and the operator's actions on it (quota edit, key revoke, suspend/reactivate).
+invoices, a scheduled erasure's warning), and the operator's actions on it (quota edit, key revoke,
+suspend/reactivate). Creating a tenant and issuing its keys: console.pages.tenant_onboarding (routes below).
 
 No business logic here: reads go through the rooms' selectors, every change through the same service the REST API
 calls (tenants.services.quota_update / api_key_revoke / tenant_set_status), which validates again, takes the
@@ -26,6 +27,7 @@ from caches.token_cascade import data_tokens_revoke_cascade
 from console.access import console_view, error_page, page_context
 from console.charts import daily_bars, stacked_bar_chart
 from console.forms import BYTE_FIELDS, QUOTA_LABELS, QuotaForm, TenantSearchForm, limit_text
+from console.pages import tenant_onboarding
 from console.series import charts_context
 from kcaas.units import human_bytes
 from tenants import selectors as tenant_selectors
@@ -50,7 +52,8 @@ def _month_start(now: datetime) -> datetime:
 
 
 def _list_rows(tenants: list[Tenant]) -> list[dict]:
-    """Per tenant of one page: live caches, device bytes reserved, GB-hours this month, active keys (4 queries)."""
+    """Per tenant of one page: live caches, device bytes reserved, GB-hours this month, active keys, an erasure not
+    started yet (5 queries)."""
     ids = [tenant.pk for tenant in tenants]
     now = timezone.now()
     usage = cache_selectors.cache_usage_by_tenant(tenant_ids=ids)
@@ -58,6 +61,7 @@ def _list_rows(tenants: list[Tenant]) -> list[dict]:
         tenant_ids=ids, start=_month_start(now), end=now + timedelta(hours=1)
     )
     keys = tenant_selectors.active_key_counts(tenant_ids=ids, now=now)
+    erasures = tenant_onboarding.erasures_by_tenant(ids)
     return [
         {
             "tenant": tenant,
@@ -66,6 +70,7 @@ def _list_rows(tenants: list[Tenant]) -> list[dict]:
             "device_text": human_bytes(usage[tenant.pk].capacity_bytes["device"]),
             "gb_hours": gb_hours.get(tenant.pk, 0),
             "keys_active": keys.get(tenant.pk, 0),
+            "erasure": erasures.get(tenant.pk),
         }
         for tenant in tenants
     ]
@@ -195,6 +200,7 @@ def _detail_context(tenant: Tenant, *, quota_form: QuotaForm | None = None) -> d
         ],
         "invoices": [{"invoice": invoice, "lines": len(invoice.lines.all())} for invoice in invoices],
         "max_rows": MAX_ROWS,
+        "erasure": tenant_onboarding.erasure_warning(tenant),
         **_chart_context(tenant),
         **charts_context(tenant_id=tenant.pk, cache_ids=_cache_ids(tenant)),
         "scope": f"tenant {tenant.name}",
@@ -333,9 +339,11 @@ def tenant_status(request, tenant_id):
 
 urlpatterns = [
     path("", index, name="tenants"),
+    path("new", tenant_onboarding.tenant_new, name="tenant_new"),
     path("<uuid:tenant_id>/", detail, name="tenant"),
     path("<uuid:tenant_id>/usage", usage, name="tenant_usage"),
     path("<uuid:tenant_id>/quota", quota_update, name="quota_update"),
     path("<uuid:tenant_id>/status", tenant_status, name="tenant_status"),
+    path("<uuid:tenant_id>/keys/new", tenant_onboarding.key_issue, name="key_issue"),
     path("<uuid:tenant_id>/keys/<uuid:key_id>/revoke", key_revoke, name="key_revoke"),
 ]

@@ -96,6 +96,10 @@ def test_screenshots_of_the_main_pages(signed_in, shots):
     _shoot(page, shots, "overview", "/console/", expect="acme-robotics")
     _shoot(page, shots, "tenants", "/console/tenants/", expect="globex-research")
     _shoot(page, shots, "tenant-detail", f"/console/tenants/{acme.pk}/", expect="llama-3-8b")
+    _shoot(page, shots, "tenant-new", "/console/tenants/new", expect="Initial quota")
+    umbrella = tenants["umbrella-labs"]
+    _shoot(page, shots, "tenant-erasure", f"/console/tenants/{umbrella.pk}/", expect="Erasure scheduled for")
+    _shoot(page, shots, "key-new", f"/console/tenants/{acme.pk}/keys/new", expect="Scopes")
     _shoot(page, shots, "nodes", "/console/nodes/", expect="cordoned")
     node_id = acme.caches.get().node_id
     _shoot(page, shots, "node-detail", f"/console/nodes/{node_id}/", expect="acme-robotics")
