@@ -167,7 +167,7 @@ def test_drain_confirmation_lists_the_caches_that_will_move(operator_client, pla
     confirm = operator_client.get(f"/console/nodes/{small.pk}/drain")
     assert confirm.status_code == 200
     assert b"Will move: acme / kv" in confirm.content
-    assert b"Stays for now (provisioning): acme / warming" in confirm.content
+    assert b"Not moved (provisioning, not ready), stays: acme / warming" in confirm.content
     assert _state(small) == "ready" and not Migration.objects.exists() and not _events(AuditAction.NODE_DRAINING)
     cache.refresh_from_db()
     assert (cache.state, cache.node_id) == ("ready", small.pk)
@@ -279,3 +279,97 @@ def test_agent_registry_counters_reach_the_overview_through_the_heartbeat(operat
     assert (entry["hit_tokens"], entry["miss_tokens"]) == (32, 8)
     heartbeat(placed["small"], registry.resident_snapshot())
     assert '<p class="stat" id="hit-rate">80.0%</p>' in operator_client.get("/console/").content.decode()
+
+
+# ---- what a confirmation promises ------------------------------------------------------------------------------------
+
+
+def _page(answer) -> str:
+    """The page's text as a reader sees it (HTML-escaped quotes back)."""
+    return answer.content.decode().replace("&#x27;", "'")
+
+
+def test_drain_of_the_only_node_says_its_caches_stay_and_needs_the_name_typed(operator_client):
+    solo = make_node("solo", device=40 * BLOCK)
+    cache = make_ready(attach(make_tenant("acme"), "kv"))
+    confirm = operator_client.get(f"/console/nodes/{solo.pk}/drain")
+    page = _page(confirm)
+    assert confirm.status_code == 200
+    assert "Drain node solo? No other node can take its caches: it is the fleet's only node." in page
+    assert (
+        "Its 1 ready cache cannot be migrated. It stays on node solo, ready and serving their tenants, and nothing "
+        "moves it later on its own (drain again once another node has room)." in page
+    )
+    assert "every new cache is refused (no capacity) until a node is uncordoned or added" in page
+    assert "Cannot move, stays on this node: acme / kv" in page
+    assert "migrated to another node" not in page and "Will move" not in page
+    assert 'id="id_confirm" name="confirm"' in page and "Type <strong>solo</strong> to confirm" in page
+    for typed in ({}, {"confirm": "SOLO"}, {"confirm": "solo2"}):  # not confirmed: a 400, nothing changed
+        refused = operator_client.post(f"/console/nodes/{solo.pk}/drain", typed)
+        assert refused.status_code == 400 and "Type the node's name to confirm" in _page(refused)
+        assert 'aria-invalid="true"' in _page(refused)
+    assert _state(solo) == "ready" and not _events(AuditAction.NODE_DRAINING)
+    answer = operator_client.post(f"/console/nodes/{solo.pk}/drain", {"confirm": " solo "}, follow=True)
+    assert "Node solo: ready -&gt; draining. 0 cache migration(s) started." in _page(answer)
+    assert "1 ready cache(s) did not start moving" in _page(answer)
+    cache.refresh_from_db()
+    assert _state(solo) == "draining" and (cache.state, cache.node_id) == ("ready", solo.pk)  # what the page said
+    assert not Migration.objects.exists() and len(_events(AuditAction.NODE_DRAINING)) == 1
+
+
+@pytest.mark.parametrize("other_state", ["cordoned", "draining", "lost"])
+def test_drain_when_no_other_node_takes_caches(operator_client, placed, other_state):
+    small, large = placed["small"], placed["large"]
+    if other_state == "lost":
+        Node.objects.filter(pk=large.pk).update(state="lost")
+    else:
+        (fleet_services.node_cordon if other_state == "cordoned" else fleet_services.node_drain)(node_id=large.pk)
+    page = _page(operator_client.get(f"/console/nodes/{small.pk}/drain"))
+    assert "No other node can take its caches: every other node is cordoned, draining, lost" in page
+    assert "Its 1 ready cache cannot be migrated. It stays on node small" in page
+    assert "Type <strong>small</strong> to confirm" in page
+    assert operator_client.post(f"/console/nodes/{small.pk}/drain").status_code == 400
+    assert _state(small) == "ready"
+
+
+def test_drain_with_other_nodes_keeps_the_migration_wording_and_counts_them(operator_client, placed):
+    small = placed["small"]
+    make_node("spare", device=80 * BLOCK)
+    fleet_services.node_cordon(node_id=make_node("fenced", device=80 * BLOCK).pk)  # takes no new caches
+    page = _page(operator_client.get(f"/console/nodes/{small.pk}/drain"))
+    assert (
+        "Drain node small? It takes no new caches and each ready cache on it is migrated to another node: "
+        "2 other nodes can take new caches now." in page
+    )
+    assert "Will move: acme / kv (2 other nodes with room for it now)" in page
+    assert "cannot be migrated" not in page and 'name="confirm"' not in page  # one click, as before
+
+
+def test_drain_says_which_ready_cache_no_other_node_has_room_for(operator_client):
+    big, roomy = make_node("big", device=200 * BLOCK), make_node("roomy", device=80 * BLOCK)
+    tenant = make_tenant("acme")
+    huge = make_ready(attach(tenant, "huge", device=100 * BLOCK))  # fits only on big
+    fleet_services.node_cordon(node_id=roomy.pk)
+    small_one = make_ready(attach(tenant, "tiny", device=8 * BLOCK))
+    fleet_services.node_uncordon(node_id=roomy.pk)
+    assert huge.node_id == big.pk and small_one.node_id == big.pk  # roomy (80 blocks) has room for tiny only
+    page = _page(operator_client.get(f"/console/nodes/{big.pk}/drain"))
+    assert "1 other node can take new caches now." in page
+    assert "1 of its 2 ready caches cannot be migrated: no other node has room for it. It stays on node big" in page
+    assert "Cannot move, stays on this node: acme / huge" in page
+    assert "Will move: acme / tiny (1 other node with room for it now)" in page
+    assert "Type <strong>big</strong> to confirm" in page
+
+
+def test_cordon_and_uncordon_state_their_consequences(operator_client, placed):
+    small, large = placed["small"], placed["large"]
+    page = _page(operator_client.get(f"/console/nodes/{small.pk}/cordon"))
+    assert "It takes no new caches; the caches on it stay and keep serving." in page
+    assert "every new cache is refused" not in page  # large still takes new caches
+    fleet_services.node_cordon(node_id=large.pk)
+    page = _page(operator_client.get(f"/console/nodes/{small.pk}/cordon"))
+    assert "once node small is cordoned every new cache is refused (no capacity)" in page
+    fleet_services.node_drain(node_id=small.pk)
+    page = _page(operator_client.get(f"/console/nodes/{small.pk}/uncordon"))
+    assert "Uncordon node small? It takes new caches again." in page
+    assert "migrations of its caches already under way go on" in page

@@ -1,10 +1,13 @@
 """Console pages: nodes — the list (filter by state, polled), a node's detail (tiers, hosted caches, migrations;
 polled while a migration runs) and the operator's actions cordon, uncordon and drain.
 
-Each action is GET (the confirmation page, which changes nothing) then POST, and calls exactly what the REST API
-calls: fleet.services.node_cordon / node_uncordon (POST /api/v1/admin/nodes/{id}/cordon, /uncordon) and
-caches.migration.node_drain_caches (POST /api/v1/admin/nodes/{id}/drain). Those services lock the node, refuse a
-transition its state does not allow (409, nothing changed) and write the audit event as the signed-in user.
+Each action is GET (the confirmation page, which changes nothing and states what the action does to the node's
+caches and to the fleet's placements) then POST, and calls exactly what the REST API calls: fleet.services.node_cordon
+/ node_uncordon (POST /api/v1/admin/nodes/{id}/cordon, /uncordon) and caches.migration.node_drain_caches (POST
+/api/v1/admin/nodes/{id}/drain). Those services lock the node, refuse a transition its state does not allow (409,
+nothing changed) and write the audit event as the signed-in user. A drain that cannot migrate every ready cache (no
+other node takes new caches, or none has room for one) says so and which caches stay, and needs the node's name
+typed (`DrainPlan`).
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
 from caches.migration import node_drain_caches
-from caches.models import ACTIVE_MIGRATION_STATES, TIERS, CacheState
-from caches.selectors import caches_hosted_on, hosted_cache_counts, migrations_of_node
+from caches.models import ACTIVE_MIGRATION_STATES, NODE_TIERS, TIERS, CacheState
+from caches.selectors import HostedCache, caches_hosted_on, hosted_cache_counts, migrations_of_node
 from console.access import console_view, page_context
 from console.pages.overview import tenant_url
 from console.series import charts_context
@@ -166,33 +169,127 @@ def detail_live(request, node_id: uuid.UUID):
 class NodeAction:
     name: str  # the URL name's suffix and the verb in messages
     button: str
-    question: str
     danger: bool
 
 
-CORDON = NodeAction("cordon", "Cordon", "Cordon node {name}? It takes no new caches; the caches on it stay.", False)
-UNCORDON = NodeAction("uncordon", "Uncordon", "Uncordon node {name}? It takes new caches again.", False)
-DRAIN = NodeAction(
-    "drain",
-    "Drain",
-    "Drain node {name}? It takes no new caches and every ready cache on it is migrated to another node.",
-    True,
-)
+CORDON = NodeAction("cordon", "Cordon", False)
+UNCORDON = NodeAction("uncordon", "Uncordon", False)
+DRAIN = NodeAction("drain", "Drain", True)
+DRAINABLE = (NodeState.READY, NodeState.CORDONED)  # fleet.services.node_drain refuses the other states (409)
+NOT_TAKING = "cordoned, draining, lost, still registering or past its lease"
 
 
-def _confirm(request, node: Node, action: NodeAction, details: list[str]):
+def _placement_targets(node: Node) -> list[Node]:
+    """The other nodes placement may choose now (fleet.services.node_place: ready with a live lease); where a drain
+    of `node` can move its caches, and what keeps taking new caches once `node` does not."""
+    live = fleet_selectors.node_list(state=NodeState.READY).filter(lease_expires_at__gt=timezone.now())
+    return list(live.exclude(pk=node.pk))
+
+
+def _fits(target: Node, capacity: dict[str, int]) -> bool:
+    free = target.free
+    return all(free.get(tier, 0) >= wanted for tier, wanted in capacity.items() if tier in free and wanted > 0)
+
+
+@dataclass(frozen=True, slots=True)
+class DrainPlan:
+    """What a drain of a node does now, as caches.migration.node_drain_caches does it: the node takes no new caches,
+    and each ready cache on it is migrated to where placement puts it; a ready cache that no other node has room for
+    is not migrated (node_place refuses it) and stays on the node, ready and serving, with nothing retrying it (a
+    later drain tries again); caches not ready are not moved. `fits` counts the targets with room for each cache
+    alone: caches moved together may not all fit, and the outcome is reported after the drain."""
+
+    node: Node
+    targets: int  # other nodes that take new caches now
+    moving: list[tuple[HostedCache, int]]  # (a ready cache, how many targets have room for it now)
+    stuck: list[HostedCache]  # ready caches no target has room for: they stay
+    staying: list[HostedCache]  # caches that are not ready: the drain does not move them
+
+    @property
+    def needs_typed_confirmation(self) -> bool:
+        """A drain that cannot move every ready cache (or leaves no node taking new caches) is confirmed by typing
+        the node's name."""
+        return self.targets == 0 or bool(self.stuck)
+
+
+def drain_plan(node: Node) -> DrainPlan:
+    targets = _placement_targets(node)
+    hosted = caches_hosted_on(node=node)
+    moving, stuck = [], []
+    for cache in hosted:
+        if cache.state != CacheState.READY:
+            continue
+        room = sum(_fits(target, {t: cache.capacity_bytes.get(t, 0) for t in NODE_TIERS}) for target in targets)
+        if room:
+            moving.append((cache, room))
+        else:
+            stuck.append(cache)
+    staying = [c for c in hosted if c.state != CacheState.READY]
+    return DrainPlan(node=node, targets=len(targets), moving=moving, stuck=stuck, staying=staying)
+
+
+def _nodes(count: int) -> str:
+    return f"{count} other node" + ("" if count == 1 else "s")
+
+
+def _stay(count: int, name: str) -> str:
+    """What becomes of `count` ready caches a drain of node `name` cannot migrate (node_drain_caches leaves them)."""
+    they, stay = ("It", "stays") if count == 1 else ("They", "stay")
+    return (
+        f"{they} {stay} on node {name}, ready and serving their tenants, and nothing moves "
+        f"{'it' if count == 1 else 'them'} later on its own (drain again once another node has room)."
+    )
+
+
+def _drain_text(plan: DrainPlan) -> tuple[str, str, list[str]]:
+    """(question, warning, details) of a drain's confirmation: what happens to every cache and to placement."""
+    name, ready = plan.node.name, len(plan.moving) + len(plan.stuck)
+    details = [f"Current state: {plan.node.state}."]
+    details += [f"Will move: {c.tenant_name} / {c.name} ({_nodes(n)} with room for it now)" for c, n in plan.moving]
+    details += [f"Cannot move, stays on this node: {c.tenant_name} / {c.name}" for c in plan.stuck]
+    if not ready:
+        details.append("No ready cache is on this node.")
+    details += [f"Not moved ({c.state}, not ready), stays: {c.tenant_name} / {c.name}" for c in plan.staying]
+    if plan.targets == 0:
+        alone = not fleet_selectors.node_list().exclude(pk=plan.node.pk).exists()
+        why = "it is the fleet's only node" if alone else f"every other node is {NOT_TAKING}"
+        question = f"Drain node {name}? No other node can take its caches: {why}."
+        lost = f"Its {ready} ready cache{'' if ready == 1 else 's'} cannot be migrated. {_stay(ready, name)} "
+        warning = (lost if ready else "") + (
+            f"Node {name} takes no new caches, and no other node does: every new cache is refused (no capacity) "
+            "until a node is uncordoned or added."
+        )
+        return question, warning, details
+    question = (
+        f"Drain node {name}? It takes no new caches and each ready cache on it is migrated to another node: "
+        f"{_nodes(plan.targets)} can take new caches now."
+    )
+    warning = ""
+    if plan.stuck:
+        stuck = len(plan.stuck)
+        which = (
+            f"{stuck} of its {ready} ready caches" if stuck < ready else f"Its ready cache{'' if stuck == 1 else 's'}"
+        )
+        warning = f"{which} cannot be migrated: no other node has room for {'it' if stuck == 1 else 'them'}. " + _stay(
+            stuck, name
+        )
+    return question, warning, details
+
+
+def _confirm(request, node: Node, action: NodeAction, question: str, details: list[str], *, status: int = 200, **extra):
     context = page_context(
         request,
         section="nodes",
         title=f"{action.button} node {node.name}",
-        question=action.question.format(name=node.name),
+        question=question,
         details=details,
         button=action.button,
         danger=action.danger,
         action_url=reverse(f"console:node_{action.name}", args=[node.pk]),
         cancel_url=reverse("console:node", args=[node.pk]),
+        **extra,
     )
-    return render(request, "console/confirm.html", context)
+    return render(request, "console/confirm.html", context, status=status)
 
 
 def _done(request, node: Node, old_state: str, extra: str = ""):
@@ -203,44 +300,82 @@ def _done(request, node: Node, old_state: str, extra: str = ""):
     return redirect("console:node", node_id=node.pk)
 
 
-def _state_change(request, node_id: uuid.UUID, action: NodeAction, service):
+def _cordon_question(node: Node) -> tuple[str, str]:
+    question = f"Cordon node {node.name}? It takes no new caches; the caches on it stay and keep serving."
+    if node.state == NodeState.READY and not _placement_targets(node):
+        return question, (
+            f"No other node takes new caches (each is {NOT_TAKING}): once node {node.name} is cordoned every new "
+            "cache is refused (no capacity) until a node is uncordoned or added."
+        )
+    return question, ""
+
+
+def _uncordon_question(node: Node) -> tuple[str, str]:
+    question = f"Uncordon node {node.name}? It takes new caches again."
+    if node.state == NodeState.DRAINING:
+        return question, (
+            "This stops nothing the drain started: migrations of its caches already under way go on and move those "
+            "caches away; caches not moved stay here."
+        )
+    return question, ""
+
+
+def _state_change(request, node_id: uuid.UUID, action: NodeAction, service, question):
     node = fleet_selectors.node_get(node_id=node_id)  # 404 not_found
     if request.method == "GET":
-        return _confirm(request, node, action, [f"Current state: {node.state}."])
+        text, warning = question(node)
+        return _confirm(request, node, action, text, [f"Current state: {node.state}."], warning=warning)
     return _done(request, service(node_id=node.pk), node.state)  # a refusal raises: 409 page, nothing changed
 
 
 @console_view("nodes.edit", methods=("GET", "POST"))
 def cordon(request, node_id: uuid.UUID):
-    return _state_change(request, node_id, CORDON, fleet_services.node_cordon)
+    return _state_change(request, node_id, CORDON, fleet_services.node_cordon, _cordon_question)
 
 
 @console_view("nodes.edit", methods=("GET", "POST"))
 def uncordon(request, node_id: uuid.UUID):
-    return _state_change(request, node_id, UNCORDON, fleet_services.node_uncordon)
+    return _state_change(request, node_id, UNCORDON, fleet_services.node_uncordon, _uncordon_question)
 
 
-def _drain_details(node: Node) -> list[str]:
-    hosted = caches_hosted_on(node=node)
-    moving = [c for c in hosted if c.state == CacheState.READY]
-    lines = [f"Current state: {node.state}."]
-    lines += [f"Will move: {c.tenant_name} / {c.name}" for c in moving] or ["No ready cache is on this node."]
-    lines += [f"Stays for now ({c.state}): {c.tenant_name} / {c.name}" for c in hosted if c not in moving]
-    return lines
+def _drain_confirm(request, plan: DrainPlan, *, error: str = "", status: int = 200):
+    question, warning, details = _drain_text(plan)
+    typed = plan.needs_typed_confirmation and plan.node.state in DRAINABLE
+    return _confirm(
+        request,
+        plan.node,
+        DRAIN,
+        question,
+        details,
+        warning=warning,
+        confirm_text=plan.node.name if typed else "",
+        confirm_error=error,
+        status=status,
+    )
 
 
 @console_view("nodes.edit", methods=("GET", "POST"))
 def drain(request, node_id: uuid.UUID):
+    """GET: the confirmation, with what happens to each cache; POST: caches.migration.node_drain_caches. A drain that
+    cannot move every ready cache (or leaves no node taking new caches) also needs the node's name typed; the plan is
+    computed again on POST, so a fleet that changed since the GET is confirmed as it is now."""
     node = fleet_selectors.node_get(node_id=node_id)  # 404 not_found
+    plan = drain_plan(node)
     if request.method == "GET":
-        return _confirm(request, node, DRAIN, _drain_details(node))
+        return _drain_confirm(request, plan)
+    typed = request.POST.get("confirm", "").strip()
+    if plan.needs_typed_confirmation and node.state in DRAINABLE and typed != node.name:
+        error = "Type the node's name to confirm: its caches cannot all be migrated. Nothing changed."
+        return _drain_confirm(request, plan, error=error, status=400)
     old_state = node.state
     started = node_drain_caches(node_id=node.pk)  # a refusal raises: 409 page, nothing changed
     node.refresh_from_db()
     ready_left = len([c for c in caches_hosted_on(node=node) if c.state == CacheState.READY]) - len(started)
     extra = f" {len(started)} cache migration(s) started."
     if ready_left > 0:
-        extra += f" {ready_left} ready cache(s) did not start moving (no room elsewhere, or already moving)."
+        extra += (
+            f" {ready_left} ready cache(s) did not start moving (no room elsewhere, or already moving): they stay here."
+        )
     return _done(request, node, old_state, extra)
 
 
