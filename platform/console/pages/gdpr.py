@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass
 
 from django import forms
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth import get_user_model
 from django.core.paginator import Paginator
@@ -95,6 +96,12 @@ def _label(tenant_id) -> str:
     return selectors.erasure_tenant_labels(tenant_ids=[tenant_id]).get(tenant_id, str(tenant_id))
 
 
+def _duration(seconds: int) -> str:
+    if seconds % 3600 == 0:
+        return f"{seconds // 3600} hour" + ("" if seconds == 3600 else "s")
+    return f"{seconds} s"
+
+
 def _when(moment) -> str:
     return timezone.localtime(moment).strftime("%Y-%m-%d %H:%M UTC") if moment else "—"
 
@@ -134,8 +141,11 @@ def _request_confirmation(request, tenant: Tenant, *, error: str = "", status: i
         title="Request an erasure",
         danger=True,
         button="Request erasure",
-        question=f"Erase every piece of personal data of {tenant.name}? After the grace window its keys are revoked, "
-        "its caches detached and purged on every node, and its key material destroyed. This cannot be undone.",
+        question=f"Erase every piece of personal data of {tenant.name}? It starts after a grace window of "
+        f"{_duration(settings.KCAAS_ERASURE_GRACE_SECONDS)}, until when it can be cancelled. Then its API keys and "
+        "data tokens are revoked, its caches detached and purged on every node, its key material destroyed (what was "
+        "sealed under it can never be read again), its name and its keys' and caches' names replaced by pseudonyms, "
+        "and its audit events pseudonymised. Once it runs this cannot be undone.",
         details=details,
         action_url=reverse("console:erasure_request", args=[tenant.pk]),
         cancel_url=reverse("console:gdpr"),
