@@ -32,7 +32,7 @@ from tenants.models import ApiKey, Tenant
 from tenants.selectors import tenant_list
 
 SHORT_ID_CHARS = 8  # a UUID shows its first 8 hex digits; the full id is in the title and the details
-LONGEST_SHOWN_WHOLE = 16  # ids up to this long (a key's public id, a user pk) are shown whole
+LONGEST_SHOWN_WHOLE = 10  # ids up to this long (a user pk) are shown whole
 
 # Which kind of object an actor kind or target type names: the id space Ref resolution looks it up in.
 ACTOR_KIND_OBJECT = {"user": "user", "key": "key_public_id", "node": "node"}

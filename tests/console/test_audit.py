@@ -254,7 +254,7 @@ def test_actors_tenants_and_targets_are_named_beside_their_ids(readonly_client, 
     assert cells(page, "Actor") == [
         f"alice-operator user:{alice.pk}",
         f"gpu-node-7 node:{str(node.pk)[:8]}…",
-        f"ci-deployer (acme) key:{key.public_id}",
+        f"ci-deployer (acme) key:{key.public_id[:8]}…",
         f"alice-operator user:{alice.pk}",
     ]
     assert cells(page, "Tenant") == [
@@ -321,7 +321,7 @@ def test_gone_objects_show_their_id_and_deleted_and_nothing_erasure_removed(read
         f"node:{ghost_node[:8]}… (deleted)",
         f"user:{alice_pk} (deleted)",
         f"gpu-node-7 node:{str(named['node'].pk)[:8]}…",
-        f"key:{key.public_id} (deleted)",
+        f"key:{key.public_id[:8]}… (deleted)",
         f"user:{alice_pk} (deleted)",
     ]
     assert cells(page, "Tenant")[2:] == [f"{str(acme.pk)[:8]}… (deleted)"] * 2 + [f"globex {str(globex.pk)[:8]}…"]

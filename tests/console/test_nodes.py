@@ -298,7 +298,7 @@ def test_drain_of_the_only_node_says_its_caches_stay_and_needs_the_name_typed(op
     assert "Drain node solo? No other node can take its caches: it is the fleet's only node." in page
     assert (
         "Its 1 ready cache cannot be migrated. It stays on node solo, ready and serving their tenants, and nothing "
-        "moves it later on its own (drain again once another node has room)." in page
+        "moves it later on its own (drain again once another node can take it)." in page
     )
     assert "every new cache is refused (no capacity) until a node is uncordoned or added" in page
     assert "Cannot move, stays on this node: acme / kv" in page

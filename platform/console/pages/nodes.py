@@ -237,7 +237,8 @@ def _stay(count: int, name: str) -> str:
     they, stay = ("It", "stays") if count == 1 else ("They", "stay")
     return (
         f"{they} {stay} on node {name}, ready and serving their tenants, and nothing moves "
-        f"{'it' if count == 1 else 'them'} later on its own (drain again once another node has room)."
+        f"{'it' if count == 1 else 'them'} later on its own (drain again once another node can take "
+        f"{'it' if count == 1 else 'them'})."
     )
 
 
