@@ -313,8 +313,8 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="kcaas",
-        description="KCaaS command line: caches, data tokens, API keys, usage, engine instances; `kcaas admin`: "
-        "tenants, quotas and their keys.",
+        description="KCaaS command line: caches, data tokens, API keys, usage, engine instances;\n"
+        "`kcaas admin`: tenants, their quotas and keys (platform administrators).",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

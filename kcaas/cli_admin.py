@@ -43,6 +43,23 @@ tenants are taken by name or id; sizes as 8GiB, 512MiB or bytes; `default` reset
 exit codes: 0 done, 1 refused by the API, 2 usage error, 3 no usable answer from --url."""
 
 
+ADMIN_DESCRIPTION = """\
+tenant onboarding for platform administrators (kcaas.admin(), HTTP basic):
+
+  kcaas admin tenants create acme --device-bytes 8GiB --dram-bytes 32GiB
+  kcaas admin tenants ls
+  kcaas admin tenants show acme                   # NAME_OR_ID, with its quota
+  kcaas admin tenants quota acme --device-bytes 16GiB --caches default
+  kcaas admin tenants suspend acme                # and: reactivate acme
+  kcaas admin keys create --tenant acme --name onboarding [--scope caches:write,usage:read]
+  kcaas admin keys ls --tenant acme
+  kcaas admin keys revoke KEY --tenant acme
+
+Quota flags are the API's limits without `max_` (--caches, --device-bytes, ...); sizes take
+units (512MiB, 8GiB); `default` resets a limit. `keys create` prints the secret once, then
+the tenant's `export KCAAS_URL=... KCAAS_API_KEY=...` line."""
+
+
 def _limit_value(parse: Callable[[str], int]) -> Callable[[str], int | None]:
     def convert(text: str) -> int | None:
         return None if text.strip().lower() == "default" else parse(text)
@@ -208,7 +225,8 @@ def add_admin_commands(
     admin = commands.add_parser(
         "admin",
         help="platform administration: tenants, quotas, their keys (HTTP basic)",
-        description=__doc__,
+        description=ADMIN_DESCRIPTION,
+        epilog=ADMIN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     groups = admin.add_subparsers(dest="admin_group", required=True, metavar="GROUP", parser_class=parser_class)

@@ -229,3 +229,22 @@ def test_make_ups_banner_has_the_operator_shell_line():
     assert [line for line in lines if line.startswith("export ")] == [
         "export KCAAS_URL=http://127.0.0.1:8000 KCAAS_API_KEY=kc_live_x_y"
     ]  # the README session test pastes the one line that starts with export
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["admin"],
+        ["admin", "tenants"],
+        ["admin", "tenants", "create"],
+        ["admin", "tenants", "quota"],
+        ["admin", "keys", "create"],
+        ["admin", "keys", "revoke"],
+    ],
+)
+def test_admin_help_fits_100_columns_and_names_the_environment(argv, capsys):
+    assert main([*argv, "--help"]) == 0
+    text = capsys.readouterr().out
+    assert all(len(line) <= 100 for line in text.splitlines())
+    if argv != ["admin", "tenants"]:
+        assert "KCAAS_ADMIN_PASSWORD" in text
