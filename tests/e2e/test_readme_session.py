@@ -12,7 +12,15 @@ import signal
 import subprocess
 import sys
 
-from tests.e2e.up_support import REPO, SERVICE_ENV, assert_session_gone, kill_session, read_banner, start_script
+from tests.e2e.up_support import (
+    REPO,
+    SERVICE_ENV,
+    assert_session_gone,
+    kill_session,
+    make_recipe,
+    read_banner,
+    start_script,
+)
 from tests.faults import free_port
 
 MARKER = "<!-- readme-session:"
@@ -33,13 +41,6 @@ def readme_session() -> list[str]:
             commands.append(pending + line)
         pending = ""
     return commands
-
-
-def make_recipe(target: str) -> str:
-    """The command the Makefile's `target` runs after `install` (which the test's .venv already satisfies)."""
-    makefile = (REPO / "Makefile").read_text()
-    recipe = re.search(rf"^{target}: install\n\t(.+)$", makefile, re.MULTILINE).group(1)
-    return recipe.replace("$(PY)", sys.executable)
 
 
 def test_the_readme_first_session_works_on_make_up(tmp_path):

@@ -85,3 +85,10 @@ def kill_session(process: subprocess.Popen) -> None:
 def assert_session_gone(process: subprocess.Popen) -> None:
     leftovers = subprocess.run(["pgrep", "-s", str(process.pid)], capture_output=True, text=True).stdout.split()
     assert leftovers == []  # no child of the script outlives it
+
+
+def make_recipe(target: str) -> str:
+    """The command the Makefile's `target` runs after `install` (which the test's .venv already satisfies)."""
+    makefile = (REPO / "Makefile").read_text()
+    recipe = re.search(rf"^{target}: install\n\t(.+)$", makefile, re.MULTILINE).group(1)
+    return recipe.replace("$(PY)", sys.executable)
