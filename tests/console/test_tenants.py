@@ -431,6 +431,7 @@ def test_operator_revokes_a_key_after_confirming_and_the_api_refuses_it(operator
     confirm = operator_client.get(url)
     assert confirm.status_code == 200 and f'action="{url}"' in text(confirm)
     assert "Revoke key" in text(confirm) and issued.raw_key not in text(confirm)
+    assert "data tokens it minted are revoked" in text(confirm)  # the whole consequence, not only the key
     assert ApiKey.objects.get(pk=issued.api_key.pk).revoked_at is None  # GET only asks
     page = followed_messages(operator_client, operator_client.post(url))
     assert f"The key kc_live_{issued.api_key.public_id}_… (old laptop) was revoked: active -&gt; revoked." in page

@@ -279,7 +279,8 @@ def key_revoke(request, tenant_id, key_id):
             "console/confirm.html",
             title="Revoke API key",
             question=f"Revoke the key {handle} of tenant {tenant.name}? Requests with it are refused "
-            "from then on. This cannot be undone.",
+            "from then on, and the data tokens it minted are revoked on the nodes: engines reading or writing "
+            "caches with them are disconnected now and must get a token with another key. This cannot be undone.",
             details=[f"Scopes: {', '.join(api_key.scopes)}", f"State: {api_key.state}"],
             action_url=request.path,
             button="Revoke key",
