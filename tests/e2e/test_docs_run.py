@@ -1,7 +1,9 @@
 """The docs run as written, in order, on one `make up` (tests/e2e/docs_run.py turns their blocks into one bash
-session): the README's first session; docs/first-hour.md from the operator's `make up` through onboarding a tenant
-(`kcaas admin`) to that tenant's vLLM engine hitting the cache; docs/sdk.md. `make up` runs on the embedded defaults
-in the test's own var/ directory, on a free port; the model is a tiny random Llama built offline."""
+session): the README's first session (make up listening where KCAAS_URL says, `make demo` reporting hits);
+docs/first-hour.md from the operator's `make up` through onboarding a tenant (`kcaas admin`) to that tenant's vLLM
+engine hitting the cache, and transformers reading the KV vLLM stored; docs/sdk.md; docs/vllm.md. `make up` runs on
+the embedded defaults in the test's own var/ directory, on a free port; the model is a tiny random Llama built
+offline."""
 
 from __future__ import annotations
 
@@ -119,3 +121,21 @@ def test_the_docs_run_as_written_in_order_on_one_make_up(tmp_path, vllm_models):
     assert len(turns) == 3 and turns[0] == 0 and turns[-1] == 288, printed[-4000:]  # the tenant's vLLM hits
     assert re.search(r"hit rate\s+[1-9][\d.]*%", printed)  # make demo
     assert re.search(r"\bmy-llama\b.*\bready\b", printed)  # kcaas ls, as the tenant
+    assert "PrefixReuse(num_prompt_tokens=300, num_cached_tokens=288)" in printed  # transformers reads vLLM's KV
+
+
+def test_make_demo_pointed_where_nothing_listens_names_kcaas_url(tmp_path):
+    nowhere = subprocess.run(
+        make_recipe("demo").split(),
+        cwd=REPO,
+        env={
+            **{k: v for k, v in os.environ.items() if k not in SERVICE_ENV and not k.startswith("KCAAS_")},
+            "KCAAS_URL": f"http://127.0.0.1:{free_port()}",
+            "KCAAS_API_KEY": "kc_live_" + "x" * 60,
+            "KCAAS_VAR_DIR": str(tmp_path),
+        },
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert nowhere.returncode != 0 and "KCAAS_URL" in nowhere.stderr, nowhere.stderr
