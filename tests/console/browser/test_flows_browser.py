@@ -67,7 +67,7 @@ def test_start_and_cancel_an_erasure(signed_in, shots):
     assert job.state == "scheduled" and job.requested_by == f"user:{user.pk}"
     row = page.get_by_role("row").filter(has_text="acme-robotics")
     assert "scheduled" in row.inner_text()
-    page.screenshot(path=str(shots / "gdpr.png"), full_page=True)
+    page.screenshot(path=str(shots / "gdpr-flow.png"), full_page=True)
 
     row.get_by_role("link", name="Cancel…").click()
     page.get_by_role("button", name="Cancel the erasure").click()

@@ -1,6 +1,7 @@
-"""The main pages with a small but realistic fleet behind them, at laptop and phone width: each page renders with
-its data, has no accessibility problem the checker knows, raises no script error, and its screenshot is written
-(docs/console/*.png come from `KCAAS_CONSOLE_SCREENSHOTS=docs/console pytest tests/console/browser -k screenshots`)."""
+"""Every page with a small but realistic fleet behind it, at laptop (1280 px) and phone (390 px) width: each page
+renders with its data, has no accessibility problem the checker knows, raises no script error, and its screenshot is
+written (docs/console/*.png come from `KCAAS_CONSOLE_SCREENSHOTS=docs/console pytest tests/console/browser -k
+screenshots`). The confirmations before what cannot be undone are pages too, and are shot with their warning."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from console import roles
 from fleet import services as fleet_services
 from privacy import services as privacy_services
 from tenants import services as tenant_services
-from tests.console.browser.conftest import LAPTOP, PHONE, accessibility_problems
+from tests.console.browser.conftest import LAPTOP, accessibility_problems
 from tests.console.nodes_fixtures import GIB, attach, heartbeat, make_node, make_ready, make_tenant
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -78,14 +79,20 @@ def _usage(cache, *, days: int, device: int, dram: int, ssd: int) -> None:
     LedgerHour.objects.bulk_create(rows)
 
 
-def _shoot(page, shots, name: str, path: str, *, expect: str) -> None:
-    for width_name, size in (("laptop", LAPTOP), ("phone", PHONE)):
+PHONE_390 = {"width": 390, "height": 844}  # the docs' phone (the layout tests also hold at 375 px)
+
+
+def _shoot(page, shots, name: str, path: str | None, *, expect: str) -> None:
+    """Both widths of the page at `path` (None: the page as it is now, a POST's answer)."""
+    for width_name, size in (("laptop", LAPTOP), ("phone", PHONE_390)):
         page.set_viewport_size(size)
-        page.goto(page.base + path)
+        if path is not None:
+            page.goto(page.base + path)
         assert expect in page.locator("main").inner_text(), f"{path} lacks {expect!r}"
         assert accessibility_problems(page) == [], (path, width_name)
         # The laptop shot is the whole page; the phone shot is what a phone shows first (one screen).
         page.screenshot(path=str(shots / f"{name}-{width_name}.png"), full_page=size is LAPTOP)
+        assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth"), (path, width_name)
         assert (shots / f"{name}-{width_name}.png").stat().st_size > 10_000
 
 
@@ -100,11 +107,21 @@ def test_screenshots_of_the_main_pages(signed_in, shots):
     umbrella = tenants["umbrella-labs"]
     _shoot(page, shots, "tenant-erasure", f"/console/tenants/{umbrella.pk}/", expect="Erasure scheduled for")
     _shoot(page, shots, "key-new", f"/console/tenants/{acme.pk}/keys/new", expect="Scopes")
+    page.get_by_label("Name").first.fill("ci-runner")
+    page.get_by_role("button", name="Issue API key").click()
+    _shoot(page, shots, "key-issued", None, expect="kc_live_")
+    key = acme.api_keys.get(name="ci-runner")
+    _shoot(page, shots, "key-revoke", f"/console/tenants/{acme.pk}/keys/{key.pk}/revoke", expect="data tokens")
+    _shoot(page, shots, "tenant-suspend", f"/console/tenants/{acme.pk}/status?status=suspended", expect="Suspend")
     _shoot(page, shots, "nodes", "/console/nodes/", expect="cordoned")
     node_id = acme.caches.get().node_id
     _shoot(page, shots, "node-detail", f"/console/nodes/{node_id}/", expect="acme-robotics")
+    _shoot(page, shots, "node-drain", f"/console/nodes/{node_id}/drain", expect="Drain")
     _shoot(page, shots, "audit", "/console/audit/", expect="tenant.created")
+    _shoot(page, shots, "audit-export", "/console/audit/export", expect="Export")
     _shoot(page, shots, "gdpr", "/console/gdpr/", expect="umbrella-labs")
+    _shoot(page, shots, "gdpr-erasure-new", "/console/gdpr/erasures/new", expect="erasure")
+    _shoot(page, shots, "gdpr-export", "/console/gdpr/export", expect="Export")
     page.set_viewport_size(LAPTOP)  # "Requested by" is one of the columns a phone leaves out
     page.goto(page.base + "/console/gdpr/")
     assert f"{user.username} (user:{user.pk})" in page.locator("main").inner_text()
