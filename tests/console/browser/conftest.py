@@ -116,7 +116,7 @@ def signed_in(page, transactional_db):
 
 _A11Y_PROBLEMS_JS = """() => {
   const problems = [];
-  const visible = (el) => !!(el.offsetWidth || el.offsetHeight || el.getClientRects().length);
+  const visible = (el) => (el.checkVisibility ? el.checkVisibility() : !!(el.offsetWidth || el.offsetHeight || el.getClientRects().length));  // checkVisibility: not inside a closed <details>
   for (const el of document.querySelectorAll('input, select, textarea')) {
     if (el.type === 'hidden' || !visible(el)) continue;
     const named = (el.labels && el.labels.length) || el.getAttribute('aria-label') || el.getAttribute('aria-labelledby');

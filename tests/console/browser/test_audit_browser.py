@@ -101,6 +101,12 @@ def test_one_card_per_event_at_390_px_with_names_and_no_sideways_scroll(signed_i
         if cell_box:  # hidden cells have none
             assert cell_box["x"] + cell_box["width"] <= PHONE_390["width"] + 0.5, cell_box
     assert accessibility_problems(page) == []
+    first = page.locator("table.audit tbody tr").first.bounding_box()
+    assert first["y"] < PHONE_390["height"], first  # the filters fold away: the first event is on the first screen
+    page.get_by_text("Filters", exact=True).click()
+    assert page.get_by_label("Action").is_visible()
+    page.goto(page.base + "/console/audit/?action=key.revoked")  # filters set: they stay open
+    assert page.get_by_label("Action").is_visible() and page.get_by_text("Filters (active)").is_visible()
 
 
 def test_filters_stay_in_the_url_across_pages(signed_in):
