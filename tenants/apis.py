@@ -20,7 +20,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from core.errors import ApplicationError
-from core.openapi import AUTH_ERRORS, RATE_LIMIT_HEADERS, RejectUnknownFieldsMixin, error_responses
+from core.openapi import AUTH_ERRORS, RATE_LIMIT_HEADERS, STAFF_TENANT_ID, RejectUnknownFieldsMixin, error_responses
 from core.pagination import BoundedLimitOffsetPagination
 from core.permissions import IsStaff, ScopePermission
 from tenants import api_examples as ex
@@ -78,13 +78,7 @@ def _issued(issued: services.IssuedKey) -> dict:
     return {**KeyOutputSerializer(issued.api_key).data, "key": issued.raw_key}
 
 
-_TENANT_ID_PARAM = OpenApiParameter(
-    "tenant_id",
-    OpenApiTypes.UUID,
-    required=False,
-    description="Staff only (required for staff): the tenant, as a query parameter, the way staff name the tenant on "
-    "every tenant-scoped operation. A tenant key may leave it out; naming another tenant is a 404.",
-)
+_TENANT_ID_PARAM = STAFF_TENANT_ID
 _KEY_TENANT_ID_PARAM = OpenApiParameter(
     "tenant_id",
     OpenApiTypes.UUID,

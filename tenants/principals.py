@@ -76,7 +76,9 @@ def request_tenant(request, tenant_id=None) -> Tenant:
         return user.tenant
     if is_staff_user(user):
         if tenant_id is None:
-            raise ApplicationError("Staff must name the tenant (tenant_id).", code="tenant_required")
+            raise ApplicationError(
+                "Staff must name the tenant: add ?tenant_id=<uuid> to the URL.", code="tenant_required"
+            )
         wanted = as_uuid(tenant_id)
         tenant = Tenant.objects.filter(pk=wanted).first() if wanted is not None else None
         if tenant is None:

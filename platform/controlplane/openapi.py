@@ -33,7 +33,8 @@ SCHEME_DESCRIPTIONS = {
     "POST /api/v1/keys; its scopes decide which operations it may call.",
     "basicAuth": "Platform administrators only (staff without a console role), e.g. for automation. Console users "
     "are refused here: their password alone would bypass the console's second factor. A tenant operation called "
-    "this way must name the tenant (`tenant_id`).",
+    "this way names the tenant with the `tenant_id` query parameter (`?tenant_id=...`), on every tenant-scoped "
+    "operation alike.",
 }
 
 

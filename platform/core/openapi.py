@@ -71,6 +71,14 @@ def error_responses(*status_codes: int) -> dict[int, OpenApiResponse]:
 # Errors every tenant-authenticated endpoint can return, on top of its own.
 AUTH_ERRORS = (400, 401, 403, 429)
 
+STAFF_TENANT_ID = OpenApiParameter(
+    "tenant_id",
+    OpenApiTypes.UUID,
+    required=False,
+    description="Staff only (required for staff): the tenant, as a query parameter, the way staff name the tenant on "
+    "every tenant-scoped operation. A tenant key may leave it out; naming another tenant is a 404.",
+)
+
 RATE_LIMIT_HEADERS = [
     OpenApiParameter(name, OpenApiTypes.INT, location=OpenApiParameter.HEADER, response=[429], description=text)
     for name, text in (

@@ -1,6 +1,7 @@
 """REST API of the routing room (docs/routing.md): a tenant registers its engine instances, and asks which of them
 holds the longest prefix of a prompt. Scope `caches` (a lookup, though a POST, needs only caches:read). The tenant
-is the API key's, never the body's: another tenant's instance id is a 404, and its instances never appear."""
+is the API key's (staff name it with `?tenant_id=`), never the body's: another tenant's instance id is a 404, and its
+instances never appear."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from rest_framework import serializers, status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from core.openapi import AUTH_ERRORS, RATE_LIMIT_HEADERS, RejectUnknownFieldsMixin, error_responses
+from core.openapi import AUTH_ERRORS, RATE_LIMIT_HEADERS, STAFF_TENANT_ID, RejectUnknownFieldsMixin, error_responses
 from core.permissions import ScopePermission
 from routing import api_examples as ex
 from routing import selectors, services
@@ -115,12 +116,12 @@ class EngineListRegisterApi(APIView):
         summary="List engine instances",
         examples=[ex.INSTANCE_LIST],
         tags=["routing"],
-        parameters=RATE_LIMIT_HEADERS,
+        parameters=[STAFF_TENANT_ID, *RATE_LIMIT_HEADERS],
         responses={200: InstanceOutputSerializer(many=True), **error_responses(*AUTH_ERRORS)},
         description="The tenant's engine instances and their index state. Needs caches:read.",
     )
     def get(self, request):
-        tenant = request_tenant(request)
+        tenant = request_tenant(request, request.query_params.get("tenant_id"))
         return Response(InstanceOutputSerializer(selectors.instances_list(tenant_id=tenant.id), many=True).data)
 
     @extend_schema(
@@ -129,7 +130,7 @@ class EngineListRegisterApi(APIView):
         examples=[ex.REGISTER, ex.REGISTERED],
         tags=["routing"],
         request=InstanceInputSerializer,
-        parameters=RATE_LIMIT_HEADERS,
+        parameters=[STAFF_TENANT_ID, *RATE_LIMIT_HEADERS],
         responses={201: InstanceOutputSerializer, **error_responses(*AUTH_ERRORS, 409)},
         description=(
             "Register an engine instance (vLLM with `--kv-events-config` publishing over ZMQ): the indexer "
@@ -138,7 +139,7 @@ class EngineListRegisterApi(APIView):
         ),
     )
     def post(self, request):
-        tenant = request_tenant(request)
+        tenant = request_tenant(request, request.query_params.get("tenant_id"))
         data = InstanceInputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         instance = services.instance_register(tenant=tenant, **data.validated_data)
@@ -154,12 +155,12 @@ class EngineDetailDeregisterApi(APIView):
         summary="Retrieve an engine instance",
         examples=[ex.INSTANCE_LIVE],
         tags=["routing"],
-        parameters=RATE_LIMIT_HEADERS,
+        parameters=[STAFF_TENANT_ID, *RATE_LIMIT_HEADERS],
         responses={200: InstanceOutputSerializer, **error_responses(*AUTH_ERRORS, 404)},
         description="One engine instance of the tenant. Needs caches:read.",
     )
     def get(self, request, instance_id):
-        tenant = request_tenant(request)
+        tenant = request_tenant(request, request.query_params.get("tenant_id"))
         return Response(
             InstanceOutputSerializer(selectors.instance_get(instance_id=instance_id, tenant_id=tenant.id)).data
         )
@@ -169,12 +170,12 @@ class EngineDetailDeregisterApi(APIView):
         summary="Deregister an engine instance",
         tags=["routing"],
         request=None,
-        parameters=RATE_LIMIT_HEADERS,
+        parameters=[STAFF_TENANT_ID, *RATE_LIMIT_HEADERS],
         responses={204: None, **error_responses(*AUTH_ERRORS, 404)},
         description="Forget an engine instance and what the index holds of it. Needs caches:write.",
     )
     def delete(self, request, instance_id):
-        tenant = request_tenant(request)
+        tenant = request_tenant(request, request.query_params.get("tenant_id"))
         services.instance_deregister(instance_id=instance_id, tenant_id=tenant.id)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
@@ -190,7 +191,7 @@ class PrefixLookupApi(APIView):
         examples=[ex.LOOKUP, ex.LOOKUP_HITS],
         tags=["routing"],
         request=LookupInputSerializer,
-        parameters=RATE_LIMIT_HEADERS,
+        parameters=[STAFF_TENANT_ID, *RATE_LIMIT_HEADERS],
         responses={200: LookupOutputSerializer, **error_responses(*AUTH_ERRORS)},
         description=(
             "For a prompt's token ids and a model: each live instance of the tenant serving that model, and each "
@@ -200,7 +201,7 @@ class PrefixLookupApi(APIView):
         ),
     )
     def post(self, request):
-        tenant = request_tenant(request)
+        tenant = request_tenant(request, request.query_params.get("tenant_id"))
         data = LookupInputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         answer = selectors.prefix_lookup(tenant_id=tenant.id, **data.validated_data)

@@ -105,3 +105,18 @@ def test_the_schema_documents_the_query_form_and_deprecates_the_body_field(schem
         source = operation["x-codeSamples"][0]["source"]
         assert "?tenant_id=$TENANT_ID" in source and "-u " in source and "Bearer" in source
     assert '"tenant_id"' not in create["x-codeSamples"][0]["source"]  # the deprecated body form is not shown
+
+
+def test_staff_name_the_tenant_the_same_way_on_the_routing_endpoints(staff_client, make_tenant):
+    from tests.routing.conftest import engine_body
+
+    acme, other = make_tenant(), make_tenant()
+    error = assert_error(staff_client.get("/api/v1/engines"), 400, "tenant_required")
+    assert "?tenant_id=" in error["message"]
+    made = staff_client.post(f"/api/v1/engines?tenant_id={acme.pk}", engine_body("gpu-0"), format="json")
+    assert made.status_code == 201, made.content
+    listed = staff_client.get(f"/api/v1/engines?tenant_id={acme.pk}").json()
+    assert [engine["name"] for engine in listed] == ["gpu-0"]
+    assert staff_client.get(f"/api/v1/engines?tenant_id={other.pk}").json() == []  # another tenant's: not there
+    instance = made.json()["id"]
+    assert staff_client.get(f"/api/v1/engines/{instance}?tenant_id={other.pk}").status_code == 404
