@@ -26,7 +26,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PAGES = ("README.md", "docs/first-hour.md", "docs/sdk.md", "docs/vllm.md", "docs/routing.md", "docs/operations.md")
+PAGES = (
+    "README.md",
+    "docs/first-hour.md",
+    "docs/admin-cli.md",
+    "docs/sdk.md",
+    "docs/vllm.md",
+    "docs/routing.md",
+    "docs/operations.md",
+)
 RUNNABLE = ("sh", "bash", "python")
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(.+?)\s*-->")
 FENCE = re.compile(r"^(\s*)```(\S*)\s*$")

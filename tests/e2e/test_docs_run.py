@@ -32,6 +32,17 @@ def test_every_fenced_block_of_the_docs_says_what_it_is():
     assert docs_run.unlabelled_blocks(ALL_PAGES) == []
 
 
+def test_every_page_with_commands_is_in_the_run():
+    outside = [
+        block.where
+        for page in ALL_PAGES
+        if page not in docs_run.PAGES
+        for block in docs_run.blocks(page)
+        if block.lang in docs_run.RUNNABLE
+    ]
+    assert outside == [], "add the page to docs_run.PAGES (in reading order), or say what the blocks are"
+
+
 def test_a_block_not_run_says_why():
     for page in docs_run.PAGES:
         for block in docs_run.blocks(page):
