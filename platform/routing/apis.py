@@ -117,7 +117,7 @@ class EngineListRegisterApi(APIView):
         examples=[ex.INSTANCE_LIST],
         tags=["routing"],
         parameters=[STAFF_TENANT_ID, *RATE_LIMIT_HEADERS],
-        responses={200: InstanceOutputSerializer(many=True), **error_responses(*AUTH_ERRORS)},
+        responses={200: InstanceOutputSerializer(many=True), **error_responses(*AUTH_ERRORS, 404)},
         description="The tenant's engine instances and their index state. Needs caches:read.",
     )
     def get(self, request):
@@ -131,7 +131,7 @@ class EngineListRegisterApi(APIView):
         tags=["routing"],
         request=InstanceInputSerializer,
         parameters=[STAFF_TENANT_ID, *RATE_LIMIT_HEADERS],
-        responses={201: InstanceOutputSerializer, **error_responses(*AUTH_ERRORS, 409)},
+        responses={201: InstanceOutputSerializer, **error_responses(*AUTH_ERRORS, 404, 409)},
         description=(
             "Register an engine instance (vLLM with `--kv-events-config` publishing over ZMQ): the indexer "
             "subscribes to its events and keeps which blocks it holds. Its hosts must lie in the networks the "
@@ -192,7 +192,7 @@ class PrefixLookupApi(APIView):
         tags=["routing"],
         request=LookupInputSerializer,
         parameters=[STAFF_TENANT_ID, *RATE_LIMIT_HEADERS],
-        responses={200: LookupOutputSerializer, **error_responses(*AUTH_ERRORS)},
+        responses={200: LookupOutputSerializer, **error_responses(*AUTH_ERRORS, 404)},
         description=(
             "For a prompt's token ids and a model: each live instance of the tenant serving that model, and each "
             "ready cache of the tenant (whatever its model: compare its fingerprint), with the longest contiguous "
