@@ -64,7 +64,8 @@ def keep_draining(process: subprocess.Popen, lines: list[str]) -> None:
 
 def reported_pids(banner: str, agents: int) -> dict[str, int]:
     """The banner's `processes` line (name -> pid): web server, worker, beat, KV indexer and `agents` node agents."""
-    pids = {name: int(pid) for name, pid in re.findall(r"(\S+)=(\d+)", banner.split("processes", 1)[1])}
+    line = banner.split("processes", 1)[1].splitlines()[0]  # that line only: later ones hold `VAR=value` exports
+    pids = {name: int(pid) for name, pid in re.findall(r"(\S+)=(\d+)", line)}
     assert set(pids) == {"web", "worker", "beat", "indexer", *(f"agent-{n}" for n in range(1, agents + 1))}
     return pids
 
