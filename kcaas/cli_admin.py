@@ -1,21 +1,8 @@
 """`kcaas admin ...`: tenant onboarding for platform administrators, over kcaas.admin() (kcaas/client_admin.py).
+The commands and their flags: ADMIN_DESCRIPTION and ADMIN_EPILOG below (what `kcaas admin -h` prints) and
+docs/admin-cli.md.
 
-    kcaas admin tenants create acme --device-bytes 8GiB --dram-bytes 32GiB
-    kcaas admin tenants ls
-    kcaas admin tenants show acme                       # NAME_OR_ID, with its quota
-    kcaas admin tenants quota acme --device-bytes 16GiB --caches default
-    kcaas admin tenants suspend acme                    # and: reactivate acme
-    kcaas admin keys create --tenant acme --name onboarding [--scope caches:write,usage:read]
-    kcaas admin keys ls --tenant acme
-    kcaas admin keys revoke KEY --tenant acme
-
-Credentials: HTTP basic as KCAAS_ADMIN_USER (default admin) with KCAAS_ADMIN_PASSWORD; `make up` prints both on its
-banner and writes the password to var/secrets/admin-password. The password is never printed.
-
-Quota flags are the API's limits without `max_`: --caches, --device-bytes, --dram-bytes, --ssd-bytes,
---network-bytes, --requests-per-second, --data-tokens-outstanding, --api-keys. Byte sizes take units as
-`kcaas attach` does (512MiB, 8GiB); `default` resets a limit to the platform default.
-
+Credentials: HTTP basic as KCAAS_ADMIN_USER (default admin) with KCAAS_ADMIN_PASSWORD; the password is never printed.
 `keys create` prints the secret once on stdout, then `export KCAAS_URL=... KCAAS_API_KEY=...` for the tenant's shell.
 Output, `--json` and exit codes are the other commands' (kcaas/cli.py): a refused password is 1 with the API's code
 (`authentication_failed`), no password at all a usage error (2).

@@ -32,10 +32,10 @@ from datetime import datetime
 from typing import Any
 
 from kcaas.client_transport import API_PREFIX, RestTransport, _segment
+from kcaas.connection import DEFAULT_URL
 from kcaas.errors import KcaasError, NotFoundError
 from kcaas.resources import ApiKeyInfo, IssuedKey, _parse_time
 
-DEFAULT_URL = "http://127.0.0.1:8000"  # what `make up` serves
 DEFAULT_ADMIN_USER = "admin"  # the administrator `make up` creates
 # The API's quota limits (PATCH /admin/tenants/{id}/quota); byte limits also take unit strings ("8GiB").
 QUOTA_LIMITS = (
