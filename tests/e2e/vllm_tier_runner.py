@@ -3,7 +3,7 @@ tests/e2e/test_vllm_tier.py. Never imported by the main venv's pytest (not test_
 
     $KCAAS_VLLM_PYTHON tests/e2e/vllm_tier_runner.py < job.json
 
-The job (one JSON line): {"command": "store" | "load" | "get-worker", "extra_config": {...}  # vLLM's
+The job (one JSON line): {"command": "store" | "load", "extra_config": {...}  # vLLM's
 kv_connector_extra_config, secondary_tiers and all; "model", "dtype", "layers", "kv_heads", "head_dim",
 "block_size", "keys": [hex], "seed", "pause_after_lookup": false}.
 
@@ -29,9 +29,6 @@ import uuid
 
 def main() -> None:
     job = json.loads(sys.stdin.readline())
-    if job["command"] == "get-worker":
-        print(json.dumps(get_worker(job)), flush=True)
-        return
     manager = make_spec(job).get_manager()
     try:
         result = store(manager, job) if job["command"] == "store" else load(manager, job)
@@ -75,15 +72,6 @@ def make_spec(job: dict):
         ),
     )
     return OffloadingSpecFactory.create_spec(config)
-
-
-def get_worker(job: dict) -> dict:
-    """Whether this vLLM build runs the offloading worker (the GPU->CPU copier) at all."""
-    try:
-        make_spec(job).get_worker(None)
-    except Exception as exc:  # noqa: BLE001 - the refusal is what is reported
-        return {"refused": f"{type(exc).__name__}: {exc}"}
-    return {"refused": None}
 
 
 def store(manager, job: dict) -> dict:
