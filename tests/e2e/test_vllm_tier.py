@@ -10,11 +10,13 @@ then run end to end.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import time
 
 import pytest
+import torch
 
 from kcaas.connectors.named_pages import page_tokens
 from kcaas.connectors.vllm_tier_io import ChunkGeometry
@@ -22,6 +24,7 @@ from kcaas.spec import KVCacheSpec
 from tests.e2e.vllm_support import (  # noqa: F401 - fixtures
     PROMPTS,
     REPO,
+    connector_job,
     engine_job,
     engine_spec,
     requires_vllm,
@@ -117,11 +120,11 @@ def run(job: dict, env: dict[str, str]) -> dict:
     return TierRun(job, env).finish()
 
 
-def named_page_lookups(tenant, cache) -> list[int]:
+def named_page_lookups(tenant, cache, keys=KEYS) -> list[int]:
     """What the node holds of each chunk's named page, asked with the tenant's own data plane."""
     geometry = ChunkGeometry(tokens_per_chunk=16, payload_bytes=CHUNK_BYTES, layout="direct-ws1")
     dp = tenant.data_plane(cache)
-    return dp.lookup_batch([page_tokens(geometry.namespace, k, 16) for k in KEYS])
+    return dp.lookup_batch([page_tokens(geometry.namespace, k, 16) for k in keys])
 
 
 def test_chunks_stored_by_one_process_load_byte_for_byte_in_a_fresh_one(live_server, vllm_agent, tenants, pki):
@@ -140,6 +143,46 @@ def test_chunks_stored_by_one_process_load_byte_for_byte_in_a_fresh_one(live_ser
 
     elsewhere = run(job("load", extra_config(live_server.url, pki)), other.env())
     assert set(elsewhere["final"].values()) == {"MISS"}, elsewhere  # the data token names the other tenant's cache
+
+
+def test_kv_vllm_computed_survives_the_tier_and_an_engine_fed_it_answers_as_vllm_alone(
+    live_server, vllm_agent, tenants, pki, vllm_models, vllm_processes, tmp_path
+):
+    """The chain the CPU build allows: a vLLM engine computes a prompt (its KCaaSConnector only saves: the reference
+    output is vLLM's own), its KV goes through the tier in one process and out in a fresh one, equal to the byte;
+    a fresh engine given that KV (through the full connector, the one path into an engine here) answers the prompt
+    token for token as vLLM alone did."""
+    owner = tenants()
+    model = vllm_models["llama"]
+    spec = engine_spec(model, block_size=16)
+    source, tier, fed = (owner.attach(name, spec) for name in ("computed", "tier", "fed"))
+    prompt = PROMPTS["a_seed"]  # 276 tokens: the engine saves its two whole 128-token blocks
+    url = live_server.url
+    computed = vllm_processes.run(
+        connector_job(model, [prompt], role="kv_producer", url=url, cache="computed", pki=pki), owner.env(), "alone"
+    )
+    assert computed["num_cached_tokens"] == [0], "vLLM computed the whole prompt itself"
+    n, kv = owner.data_plane(source).get(prompt[:256])
+    assert n == 256
+    chunks = [kv[:, :, i : i + 16].contiguous() for i in range(0, 256, 16)]  # one 16-token offload chunk each
+    kv_file, out_file = tmp_path / "computed.kv", tmp_path / "loaded.kv"
+    kv_file.write_bytes(b"".join(c.numpy().tobytes() for c in chunks))
+    keys = [hashlib.sha256(bytes(str(prompt[: i + 16]), "ascii")).digest() for i in range(0, 256, 16)]
+    shape = {"model": model, "keys": [k.hex() for k in keys]}
+    extra = extra_config(url, pki)
+    run({**job("store", extra, kv_file=str(kv_file)), **shape}, owner.env())
+    loaded = run({**job("load", extra, out_file=str(out_file)), **shape}, owner.env())
+    assert set(loaded["final"].values()) == {"HIT"}, loaded
+    assert out_file.read_bytes() == kv_file.read_bytes(), "the KV vLLM computed, to the byte"
+    assert named_page_lookups(owner, tier, keys) == [16] * len(keys)
+
+    back = torch.frombuffer(bytearray(out_file.read_bytes()), dtype=torch.float32).view(16, *chunks[0].shape)
+    owner.data_plane(fed).put(prompt[:256], torch.cat(list(back), dim=2))
+    answered = vllm_processes.run(
+        connector_job(model, [prompt], role="kv_consumer", url=url, cache="fed", pki=pki), owner.env(), "fed"
+    )
+    assert answered["num_cached_tokens"] == [256], "the fresh engine used the KV that went through the tier"
+    assert answered["outputs"] == computed["outputs"], "token for token what vLLM alone answered"
 
 
 def test_a_node_that_dies_before_the_load_fails_it_and_vllm_recomputes(live_server, vllm_agent, tenants, pki):

@@ -5,7 +5,9 @@ tests/e2e/test_vllm_tier.py. Never imported by the main venv's pytest (not test_
 
 The job (one JSON line): {"command": "store" | "load", "extra_config": {...}  # vLLM's
 kv_connector_extra_config, secondary_tiers and all; "model", "dtype", "layers", "kv_heads", "head_dim",
-"block_size", "keys": [hex], "seed", "pause_after_lookup": false}.
+"block_size", "keys": [hex], "seed", "kv_file": null, "out_file": null, "pause_after_lookup": false}.
+`kv_file`: the chunks' KV back to back (else seeded random values); `out_file`: where `load` writes the loaded
+chunks back to back, in key order.
 
 The manager comes from vLLM's own factory (OffloadingSpecFactory: spec_name TieringOffloadingSpec, which builds the
 CPU primary tier in /dev/shm and the tier from `secondary_tiers` by type + module_path). What no CPU build can run
@@ -76,7 +78,6 @@ def make_spec(job: dict):
 
 def store(manager, job: dict) -> dict:
     import numpy as np
-    import torch
     from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 
     slots = np.asarray(manager.primary_tier.get_kv_memoryview())
@@ -84,12 +85,11 @@ def store(manager, job: dict) -> dict:
     request = ReqContext(req_id="store")
     manager.on_new_request(request)
     prepared = manager.prepare_store(keys, request)
-    generator = torch.Generator().manual_seed(job["seed"])
-    payload = job["layers"] * 2 * job["block_size"] * job["kv_heads"] * job["head_dim"] * 4
+    payload = chunk_bytes(job)
+    chunks = given_chunks(job, len(keys), payload)
     digests = {}
     for key, slot in zip(prepared.keys_to_store, prepared.store_spec.chunk_ids):
-        kv = torch.randn(payload // 4, generator=generator, dtype=torch.float32)  # the worker's GPU->CPU copy
-        slots[int(slot), :payload] = kv.view(torch.uint8).numpy()
+        slots[int(slot), :payload] = chunks[keys.index(key)]  # where the worker's GPU->CPU copy would write
         digests[key.hex()] = hashlib.sha256(slots[int(slot), :payload].tobytes()).hexdigest()
     manager.complete_store(prepared.keys_to_store, request)
     manager.on_request_finished(request)
@@ -117,14 +117,33 @@ def load(manager, job: dict) -> dict:
     digests = {}
     if hits:
         slots = np.asarray(manager.primary_tier.get_kv_memoryview())
-        payload = job["layers"] * 2 * job["block_size"] * job["kv_heads"] * job["head_dim"] * 4
+        payload = chunk_bytes(job)
         spec = manager.prepare_load(hits, request)
-        for key, slot in zip(hits, spec.chunk_ids):
-            digests[key.hex()] = hashlib.sha256(slots[int(slot), :payload].tobytes()).hexdigest()
+        loaded = [slots[int(slot), :payload].tobytes() for slot in spec.chunk_ids]  # what the worker would copy
+        digests = {key.hex(): hashlib.sha256(chunk).hexdigest() for key, chunk in zip(hits, loaded)}
+        if job.get("out_file"):
+            with open(job["out_file"], "wb") as f:
+                f.write(b"".join(loaded))
         manager.complete_load(hits, request)
     manager.on_request_finished(request)
     step_until(manager, lambda: not manager.has_pending_work())
     return {"first": first, "looked_up": looked, "final": final, "digests": digests, "load_s": load_s}
+
+
+def chunk_bytes(job: dict) -> int:
+    return job["layers"] * 2 * job["block_size"] * job["kv_heads"] * job["head_dim"] * 4  # float32 K and V
+
+
+def given_chunks(job: dict, count: int, payload: int):
+    """Each chunk's KV: the job's `kv_file` (chunks back to back), else seeded random float32 values."""
+    import numpy as np
+
+    if job.get("kv_file"):
+        raw = np.fromfile(job["kv_file"], dtype=np.uint8)
+        assert raw.size == count * payload, f"{job['kv_file']}: {raw.size} bytes, not {count} chunks of {payload}"
+        return raw.reshape(count, payload)
+    values = np.random.default_rng(job["seed"]).standard_normal(count * payload // 4, dtype=np.float32)
+    return values.view(np.uint8).reshape(count, payload)
 
 
 def settle(manager, keys, request, pending: set) -> dict[str, str]:
