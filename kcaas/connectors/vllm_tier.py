@@ -77,13 +77,14 @@ class KCaaSTier(SecondaryTierManager):
         self.session = CacheSession(config, _ChunkLayout.of(offloading_spec, geometry, config))
         try:
             slots = np.asarray(primary_kv_view)  # zero copy: the primary tier's mmap, one row per slot
-            self.store = ChunkStore(self.session, geometry, slots, timeout=config.io_timeout_s)
-            self._transfers = TransferThread(self.store.for_thread())
+            store = ChunkStore(self.session, geometry, slots, timeout=config.io_timeout_s)  # checks the cache
         except BaseException:
             self.session.close()
             raise
-        self._lookups = _Lookups(self.store, tier_type)
-        self._jobs_keys: dict[int, list[OffloadKey]] = {}
+        self.geometry = geometry
+        self._transfers = TransferThread(store)
+        self._lookups = _Lookups(store, tier_type)
+        self._jobs_keys: dict[int, list[OffloadKey]] = {}  # job id -> its keys, until its JobResult is taken
 
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -135,7 +136,6 @@ class KCaaSTier(SecondaryTierManager):
         """Stop both threads (queued transfers finish as failures) and close the session."""
         self._lookups.shutdown()
         self._transfers.close()
-        self.store.close()
         self.session.close()
 
     def _submit(self, job_metadata: TransferJob, *, is_load: bool) -> None:
