@@ -8,12 +8,17 @@ STAMP  := $(VENV)/.installed-$(shell cat locks/main.txt pyproject.toml gpu_node/
 VLLM_VENV  := .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat locks/vllm.txt pyproject.toml | sha1sum | cut -c1-12)
+# A third for SGLang's HiCache storage interface (kcaas.connectors.sglang): sglang --no-deps, and only what importing
+# that interface needs (locks/sglang.in says why the lock is hand-kept).
+SGLANG_VENV  := .venv-sglang
+SGLANG_PY    := $(SGLANG_VENV)/bin/python
+SGLANG_STAMP := $(SGLANG_VENV)/.installed-$(shell cat locks/sglang.txt pyproject.toml | sha1sum | cut -c1-12)
 # `make lock`'s tool (pip-tools, itself from locks/tools.txt).
 LOCK_VENV  := .venv-lock
 PIP_COMPILE = CUSTOM_COMPILE_COMMAND="make lock" $(LOCK_VENV)/bin/pip-compile -q --generate-hashes --strip-extras --no-emit-find-links --no-emit-index-url
 LOCK_ARGS  ?= --upgrade
 
-.PHONY: install vllm-venv lock check-latest lint test bench up cluster demo clean
+.PHONY: install vllm-venv sglang-venv lock check-latest lint test bench up cluster demo clean
 
 # The server's environment: exactly locks/main.txt (pip refuses a package the lock does not pin, or whose hash
 # differs), the SDK editable on top, then the checkout on the path and the node's C extension (scripts/server_env.py).
@@ -39,6 +44,17 @@ $(VLLM_STAMP): locks/vllm.txt pyproject.toml
 
 vllm-venv: $(VLLM_STAMP)
 
+# SGLang's environment: exactly locks/sglang.txt (--no-deps: sglang's own requirements are its CUDA build's), then the
+# SDK alone (editable). --no-compile: byte-compiling torch, triton and sglang at install doubles the install's time;
+# Python compiles the few modules the tests import on first use.
+$(SGLANG_STAMP): locks/sglang.txt pyproject.toml
+	test -x $(SGLANG_PY) || $(PY_SYS) -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -m pip install -q --no-compile --no-deps --require-hashes -r locks/sglang.txt
+	$(SGLANG_PY) -m pip install -q --no-deps --no-build-isolation -e .
+	rm -f $(SGLANG_VENV)/.installed-* && touch $(SGLANG_STAMP)
+
+sglang-venv: $(SGLANG_STAMP)
+
 # Refresh the locks on purpose (newest releases pyproject.toml allows; LOCK_ARGS="--upgrade-package NAME" for one),
 # then `make test` and commit them together. pip's find-links supply torch's CPU build from this machine's disk.
 $(LOCK_VENV)/.installed: locks/tools.txt
@@ -54,6 +70,7 @@ lock: $(LOCK_VENV)/.installed
 		-o locks/server.txt pyproject.toml locks/bootstrap.in locks/server.in
 	$(PIP_COMPILE) $(LOCK_ARGS) --unsafe-package torchvision --unsafe-package torchaudio --unsafe-package torchcodec \
 		--extra vllm -o locks/vllm.txt pyproject.toml locks/bootstrap.in locks/vllm.in
+	@echo "locks/sglang.txt is hand-kept (locks/sglang.in): refresh its shared pins from locks/vllm.txt by hand"
 
 # The newest releases pyproject.toml allows, in scratch venvs, against a smoke subset (scripts/check_latest.sh): it
 # reports what broke and exits 1 then; it is not part of `make test` (a release must never turn CI red by itself).
@@ -78,11 +95,12 @@ lint: install
 # keeps its recursion depth in interpreter-wide state: a worker or server thread logging a traceback while pytest
 # renders a failure (also with ast) corrupts it, and pytest dies with an INTERNALERROR that hides the failure.
 # Without column ranges no traceback draws carets, so only pytest's own thread parses.
-test: install vllm-venv
+test: install vllm-venv sglang-venv
 	@$(MAKE) --no-print-directory lint
 	@eval "$$(scripts/services.sh)" && KCAAS_CHROMIUM="$$(scripts/browser.sh)" && \
 	DATABASE_URL="$$DATABASE_URL" REDIS_URL=redis://127.0.0.1:6379/15 CELERY_BROKER_URL=redis://127.0.0.1:6379/14 \
-	KCAAS_CHROMIUM="$$KCAAS_CHROMIUM" KCAAS_VLLM_PYTHON=$(abspath $(VLLM_PY)) TRITON_INTERPRET=1 PYTHONNODEBUGRANGES=1 $(PY) -m pytest -q
+	KCAAS_CHROMIUM="$$KCAAS_CHROMIUM" KCAAS_VLLM_PYTHON=$(abspath $(VLLM_PY)) \
+	KCAAS_SGLANG_PYTHON=$(abspath $(SGLANG_PY)) TRITON_INTERPRET=1 PYTHONNODEBUGRANGES=1 $(PY) -m pytest -q
 
 bench: install
 	@scripts/services.sh >/dev/null
@@ -106,4 +124,4 @@ demo: install
 	$(PY) scripts/demo.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(LOCK_VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(LOCK_VENV) .pytest_cache

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
+from tests.e2e.sglang_support import sglang_python
 from tests.e2e.vllm_support import vllm_python
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,7 +77,8 @@ def test_hugging_face_kernels_and_ours_live_side_by_side(where, tmp_path):
 
 
 # Every module of every room (tests/test_layering.py's list) in one process, after transformers has loaded its
-# `kernels`; the vLLM connector's modules import vllm, which lives in the engine's venv (`make vllm-venv`).
+# `kernels`; the vLLM connector's modules import vllm, which lives in the engine's venv (`make vllm-venv`), and the
+# SGLang backend imports sglang, which lives in its own (`make sglang-venv`; its helper modules import here).
 EVERY_ROOM = r"""
 import importlib, json, sys
 import django
@@ -86,7 +88,7 @@ transformers.LlamaConfig()
 from tests.test_layering import modules
 failed = {}
 for name in sorted(modules()):
-    if name.endswith("__main__") or name.startswith(("kcaas.connectors.vllm")):
+    if name.endswith("__main__") or name.startswith("kcaas.connectors.vllm") or name == "kcaas.connectors.sglang":
         continue
     try:
         importlib.import_module(name)
@@ -136,12 +138,14 @@ def test_the_sdk_wheel_installs_only_the_kcaas_package(tmp_path):
     assert not [name for name in names if name.endswith((".so", ".c"))], "no compiled server code in the SDK"
 
 
-def test_the_engine_venv_has_the_sdk_and_no_server_room(tmp_path):
-    """.venv-vllm is an engine's environment (locks/vllm.txt, then the SDK): the connector imports against vLLM, and
-    no server room, nor anything of ours named `kernels`, is importable there from another directory."""
-    python = vllm_python()
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_the_engine_venv_has_the_sdk_and_no_server_room(engine, tmp_path):
+    """.venv-vllm and .venv-sglang are engines' environments (their lock, then the SDK): the connector imports against
+    the engine, and no server room, nor anything of ours named `kernels`, is importable there from another
+    directory."""
+    python = vllm_python() if engine == "vllm" else sglang_python()
     probe = (
-        "import importlib.util, json, kcaas.connectors.vllm\n"
+        f"import importlib.util, json, kcaas.connectors.{engine}\n"
         "names = ('gpu_node', 'kcaas_kernels', 'kernels', 'tenants', 'audit', 'bench', 'core', 'controlplane')\n"
         "print(json.dumps({n: getattr(importlib.util.find_spec(n), 'origin', None) for n in names}))\n"
     )

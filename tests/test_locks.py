@@ -23,6 +23,7 @@ LOCK_EXTRAS = {
     "main.txt": ("control", "node", "gpu", "dev", "network", "hf"),
     "server.txt": ("control", "node", "gpu", "network"),
     "vllm.txt": ("vllm",),
+    "sglang.txt": (),  # hand-kept (locks/sglang.in): its requirements are that file's, checked below
 }
 PIN = re.compile(r"^([A-Za-z0-9_.\-]+)==(\S+?)(?:\s*;.*?)?\s*\\?$")
 
@@ -70,6 +71,24 @@ def test_the_lock_satisfies_pyproject(lock):
             elif not requirement.specifier.contains(Version(locked[name][0]), prereleases=True):
                 problems.append(f"[{extra}] {requirement}: the lock has {locked[name][0]}")
     assert not problems, f"{lock} is stale (run `make lock`):\n" + "\n".join(problems)
+
+
+def test_the_sglang_lock_pins_what_its_input_names_and_shares_the_vllm_pins():
+    """locks/sglang.txt is written by hand: every requirement of locks/sglang.in is in it at an allowed version, and
+    a package both engine locks hold has one version and as many hashes (copied: one wheel in pip's cache)."""
+    locked = pins("sglang.txt")
+    lines = [line.split("#")[0].strip() for line in (LOCKS / "sglang.in").read_text().splitlines()]
+    wanted = [Requirement(line) for line in lines if line]
+    problems = [
+        str(r)
+        for r in wanted
+        if canonicalize_name(r.name) not in locked
+        or not r.specifier.contains(Version(locked[canonicalize_name(r.name)][0].split("+")[0]), prereleases=True)
+    ]
+    assert not problems, f"locks/sglang.txt does not satisfy locks/sglang.in: {problems}"
+    vllm = pins("vllm.txt")
+    drift = {name: (pin, vllm[name]) for name, pin in locked.items() if name in vllm and vllm[name] != pin}
+    assert not drift, f"locks/sglang.txt and locks/vllm.txt pin these differently: {drift}"
 
 
 def test_the_image_lock_is_a_subset_of_the_tested_lock():
