@@ -32,6 +32,7 @@ PAGES = (
     "docs/admin-cli.md",
     "docs/sdk.md",
     "docs/vllm.md",
+    "docs/sglang.md",
     "docs/routing.md",
     "docs/operations.md",
 )
