@@ -45,7 +45,7 @@ $(VLLM_STAMP): locks/vllm.txt pyproject.toml
 vllm-venv: $(VLLM_STAMP)
 
 # SGLang's environment: exactly locks/sglang.txt (--no-deps: sglang's own requirements are its CUDA build's), then the
-# SDK alone (editable). --no-compile: byte-compiling torch, triton and sglang at install doubles the install's time;
+# SDK alone (editable). --no-compile: byte-compiling torch, triton and sglang at install more than doubled its time;
 # Python compiles the few modules the tests import on first use.
 $(SGLANG_STAMP): locks/sglang.txt pyproject.toml
 	test -x $(SGLANG_PY) || $(PY_SYS) -m venv $(SGLANG_VENV)

@@ -2,7 +2,7 @@
 `--hicache-storage-backend-extra-config`), the namespace its pages are named in, and the page I/O over the data plane.
 
 - `HiCacheConfig.from_extra(extra)`: kcaas_url, cache, ca_file, api_key_env, io_timeout_s, model_fingerprint; the
-  keys SGLang itself reads there (backend_name, module_path, class_name, interface_v1) are passed over;
+  keys SGLang itself reads there (SGLANG_KEYS: the dynamic backend's, interface_v1, prefetch knobs) are passed over;
 - `page_namespace(...)`: which engine pages share names: MLA pages once for every TP rank, MHA pages per TP rank,
   always per pipeline stage and attention-CP rank and per host-memory byte order (a page's bytes are SGLang's);
 - `PageStore`: exists / put / get of whole pages, each page its own one-page sequence of named-page token ids
@@ -22,7 +22,20 @@ from kcaas.dataplane import DataPlaneError
 
 logger = logging.getLogger(__name__)
 
-SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
+# keys SGLang itself reads in the same extra config (the dynamic backend's, the v1 switch, its prefetch knobs)
+SGLANG_KEYS = frozenset(
+    {
+        "backend_name",
+        "module_path",
+        "class_name",
+        "interface_v1",
+        "prefetch_threshold",
+        "prefetch_timeout_base",
+        "prefetch_timeout_per_ki_token",
+        "hicache_storage_pass_prefix_keys",
+        "tp_lcm_size",
+    }
+)
 KNOWN_KEYS = frozenset({"kcaas_url", "cache", "api_key_env", "ca_file", "io_timeout_s", "model_fingerprint"})
 NAMESPACE = "sglang"  # named_pages' namespace of every SGLang page (the rest of the name: page_namespace)
 IO_ERRORS = (DataPlaneError, OSError, ValueError)  # what a page I/O turns into a miss (a timeout is an OSError)
