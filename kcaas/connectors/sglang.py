@@ -81,10 +81,11 @@ class KCaaSHiCacheStorage(HiCacheStorage):
             cp_size=sc.attn_cp_size,
         )
         timeout = self.config.io_timeout_s
-        reads = self.session.data_plane(timeout=timeout, overloaded_retries=2)
-        writes = self.session.data_plane(timeout=timeout, overloaded_retries=2)
+        lookups, reads, writes = (self.session.data_plane(timeout=timeout, overloaded_retries=2) for _ in range(3))
         # the two paths store a page in different byte orders (regions vs SGLang's flat data page): never one name
-        self._stores = {path: PageStore(reads, writes, f"{namespace}/{path}", page_size) for path in ("v1", "flat")}
+        self._stores = {
+            path: PageStore(lookups, reads, writes, f"{namespace}/{path}", page_size) for path in ("v1", "flat")
+        }
         self.store = self._stores["v1" if self.v1 else "flat"]
         logger.info("KCaaS HiCache storage: cache %s, pages named %s/...", self.session.cache.id, namespace)
 

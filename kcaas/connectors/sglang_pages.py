@@ -96,11 +96,12 @@ def page_namespace(
 
 
 class PageStore:
-    """Whole pages of `page_size` tokens of a cache, named by (namespace, key). Readers and writers use their own
-    data-plane clients (SGLang prefetches and backs up on separate threads); each client serializes its own calls."""
+    """Whole pages of `page_size` tokens of a cache, named by (namespace, key). Lookups, reads and writes each use
+    their own data-plane client (SGLang asks what exists, prefetches and backs up on three threads of its own; a
+    client serializes its calls, so an exists never waits behind a long get)."""
 
-    def __init__(self, reads, writes, namespace: str, page_size: int):
-        self._reads, self._writes = reads, writes
+    def __init__(self, lookups, reads, writes, namespace: str, page_size: int):
+        self._lookups, self._reads, self._writes = lookups, reads, writes
         self.namespace, self.page_size = namespace, page_size
 
     def tokens(self, key: str):
@@ -112,7 +113,7 @@ class PageStore:
         if not keys:
             return 0
         try:
-            held = self._reads.lookup_batch([self.tokens(k) for k in keys])
+            held = self._lookups.lookup_batch([self.tokens(k) for k in keys])
         except IO_ERRORS as exc:
             logger.warning("KCaaS HiCache lookup of %d pages failed (a miss): %s", len(keys), exc)
             return 0
@@ -143,5 +144,5 @@ class PageStore:
         return [n >= self.page_size for n, _ in answers]
 
     def close(self) -> None:
-        for client in (self._reads, self._writes):
+        for client in (self._lookups, self._reads, self._writes):
             client.close()

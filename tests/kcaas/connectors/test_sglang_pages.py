@@ -64,7 +64,7 @@ def test_layouts_pipeline_stages_and_cp_ranks_never_share_names():
 
 
 def test_a_pages_tokens_are_the_named_page_of_its_namespace_and_key():
-    store = PageStore(None, None, "page_first/mla/v1", page_size=16)
+    store = PageStore(None, None, None, "page_first/mla/v1", page_size=16)
     assert bytes(store.tokens("ab12")) == bytes(page_tokens("sglang", "page_first/mla/v1/ab12", 16))
-    assert bytes(store.tokens("ab12")) != bytes(PageStore(None, None, "page_first/tp0of2/v1", 16).tokens("ab12"))
+    assert bytes(store.tokens("ab12")) != bytes(PageStore(None, None, None, "page_first/tp0of2/v1", 16).tokens("ab12"))
     assert store.exists_prefix([]) == 0 and store.put([], []) == [] and store.get([], []) == []
