@@ -9,7 +9,8 @@ tests/e2e/sglang_host_pool.py (SGLang's own zero-copy pointer functions over a p
   the tensor path (batch_set / batch_get of flat pages); exists counts the leading pages held;
 - another tenant, with a cache of the same name and layout, finds nothing and reads nothing;
 - MLA: two TP ranks, one copy: the non-writer rank writes nothing, reads the writer's pages; MHA: each rank its own;
-- errors: a cache of another layout refuses at start (SGLang does not start); the node killed: exists 0, gets False
+- errors: a cache of another layout, or of blocks larger than SGLang's pages, refuses at start (SGLang does not
+  start); the node killed: exists 0, gets False
   and the host pages untouched, sets False, each within the I/O timeout, never an exception into SGLang.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import pytest
 
 from kcaas.connectors.named_pages import page_tokens
+from kcaas.spec import KVCacheSpec
 from tests.e2e.sglang_support import (
     PAGE_SIZE,
     RunnerFailed,
@@ -157,9 +159,15 @@ def test_mla_ranks_share_one_copy_and_mha_ranks_keep_their_own(live_server, pki,
 def test_a_cache_of_another_layout_refuses_at_start(live_server, pki, vllm_agent, tenants):
     a = tenants()
     a.attach("hicache", mha_spec())
+    a.attach("coarse", KVCacheSpec(**{**mha_spec().to_dict(), "block_size": 8}))  # blocks larger than SGLang's pages
     with pytest.raises(RunnerFailed) as failed:
         run_sglang(job(backend_extra(live_server.url, "hicache", pki), mla_pool(), [], is_mla=True), a.key)
-    assert "ConnectorSetupError" in failed.value.stderr and "another KV layout" in failed.value.stderr
+    assert "ConnectorSetupError: KCaaS connector: cache 'hicache' was attached for another KV layout" in (
+        failed.value.stderr
+    )
+    with pytest.raises(RunnerFailed) as failed:
+        run_sglang(job(backend_extra(live_server.url, "coarse", pki), mha_pool(), []), a.key)
+    assert "block_size 8, which does not divide SGLang's --page-size 4" in failed.value.stderr
 
 
 def test_a_node_that_is_gone_makes_misses_and_failed_sets_without_waiting(live_server, pki, vllm_agent, tenants):
