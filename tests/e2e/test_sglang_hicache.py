@@ -4,14 +4,14 @@ kcaas.connectors.sglang.KCaaSHiCacheStorage: the live control plane, a node agen
 tenants and keys. Each runner is a fresh SGLang-side process; its host pool is the stand-in of
 tests/e2e/sglang_host_pool.py (SGLang's own zero-copy pointer functions over a pool of each layout).
 
-- pages set by one process come back byte-identical in a fresh one, into other host slots, for MHA layer_first (a K
-  and a V region per layer: one staging copy), MHA page_first and MLA page_first (one region: in place), and over
-  the tensor path (batch_set / batch_get of flat pages); exists counts the leading pages held;
+- pages set by one process come back byte-identical in a fresh one, into other host slots: MHA layer_first (a K and
+  a V region per layer) and page_first (a K and a V region) through one staging copy, MLA page_first (one region)
+  in place, and the tensor path (batch_set / batch_get of flat pages); exists counts the leading pages held;
 - another tenant, with a cache of the same name and layout, finds nothing and reads nothing;
 - MLA: two TP ranks, one copy: the non-writer rank writes nothing, reads the writer's pages; MHA: each rank its own;
 - errors: a cache of another layout, or of blocks larger than SGLang's pages, refuses at start (SGLang does not
-  start); the node killed: exists 0, gets False
-  and the host pages untouched, sets False, each within the I/O timeout, never an exception into SGLang.
+  start); the node killed: exists 0, gets False and the host pages untouched, sets False, each within the I/O
+  timeout, never an exception into SGLang.
 """
 
 from __future__ import annotations
