@@ -67,11 +67,7 @@ class KCaaSHiCacheStorage(HiCacheStorage):
             ca_file=self.config.ca_file,
             io_timeout_s=self.config.io_timeout_s,
         )
-        try:
-            self.session = CacheSession(connector, layout, self._environ)
-        except ConnectorSetupError as exc:  # the shared session speaks of vLLM's blocks: here they are SGLang's pages
-            message = str(exc).removeprefix("KCaaS connector: ").replace("vLLM's block size", "SGLang's --page-size")
-            raise ConnectorSetupError(message) from None
+        self.session = CacheSession(connector, layout, self._environ)
         page_size = int(mem_pool_host.page_size)
         self.pages = HostPages(mem_pool_host, self.session.spec, page_size)
         namespace = page_namespace(

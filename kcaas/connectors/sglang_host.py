@@ -18,6 +18,7 @@ import torch
 from kcaas.connectors.vllm_session import ConnectorSetupError, EngineLayout
 from kcaas.spec import KVCacheSpec, latent_head_shape
 
+PAGE_SIZE_NAME = "SGLang's --page-size"  # the engine's block, as the messages name it
 KV_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -30,7 +31,13 @@ def engine_layout(pool, *, is_mla: bool, model_fingerprint: str) -> EngineLayout
         raise ConnectorSetupError(f"the host pool's dtype {pool.dtype} is not one of {sorted(KV_DTYPES.values())}")
     if not is_mla:
         return EngineLayout(
-            model_fingerprint, pool.layer_num, pool.head_num, pool.head_dim, kv_dtype, block_size=pool.page_size
+            model_fingerprint,
+            pool.layer_num,
+            pool.head_num,
+            pool.head_dim,
+            kv_dtype,
+            block_size=pool.page_size,
+            block_name=PAGE_SIZE_NAME,
         )
     rank, rope = int(pool.kv_lora_rank), int(pool.qk_rope_head_dim)
     if int(getattr(pool, "kv_cache_dim", rank + rope)) != rank + rope:
@@ -43,6 +50,7 @@ def engine_layout(pool, *, is_mla: bool, model_fingerprint: str) -> EngineLayout
         dim,
         kv_dtype,
         block_size=pool.page_size,
+        block_name=PAGE_SIZE_NAME,
         attention="mla",
         kv_lora_rank=rank,
         qk_rope_head_dim=rope,

@@ -14,6 +14,7 @@ import os
 import threading
 import uuid
 from dataclasses import dataclass
+from typing import Protocol
 
 from kcaas.client import Client
 from kcaas.connectors.io_threads import parse_cpu_list
@@ -137,6 +138,7 @@ class EngineLayout:
     attention: str = "mha"
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
+    block_name: str = "vLLM's block size"  # what the engine calls its block, for the messages that name it
 
     def spec_with(self, cache_spec: KVCacheSpec) -> KVCacheSpec:
         """This engine's identity in the cache's block size and storage dtype (what the cache must equal)."""
@@ -154,10 +156,23 @@ class EngineLayout:
         )
 
 
+class EngineIdentity(Protocol):
+    """What CacheSession checks a cache against: the engine's block (the cache's block size must divide it), what
+    the engine calls that block, and the spec the cache must equal in the cache's own block size."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def block_name(self) -> str: ...
+
+    def spec_with(self, cache_spec: KVCacheSpec) -> KVCacheSpec: ...
+
+
 class CacheSession:
     """The cache an engine uses, opened and checked (module docstring). `data_plane()` makes a client of it."""
 
-    def __init__(self, config: ConnectorConfig, engine: EngineLayout, environ=os.environ):
+    def __init__(self, config: ConnectorConfig, engine: EngineIdentity, environ=os.environ):
         self.config = config
         key = environ.get(config.api_key_env)
         if not key:
@@ -196,12 +211,12 @@ class CacheSession:
             raise ConnectorSetupError(f"cache {wanted!r} is {caches[0].state}, not ready")
         return ready[0]
 
-    def _checked_spec(self, engine: EngineLayout) -> KVCacheSpec:
+    def _checked_spec(self, engine: EngineIdentity) -> KVCacheSpec:
         cache_spec = self.cache.spec
         if engine.block_size % cache_spec.block_size:
             raise ConnectorSetupError(
                 f"cache {self.config.cache!r} has block_size {cache_spec.block_size}, which "
-                f"does not divide vLLM's block size {engine.block_size}"
+                f"does not divide {engine.block_name} {engine.block_size}"
             )
         try:
             wanted = engine.spec_with(cache_spec)

@@ -193,8 +193,9 @@ def chunk_geometry(offloading_spec: OffloadingSpec, primary_kv_view: memoryview)
     parallel = config.parallel
     copies = 1 if offloading_spec.replicated_layout else parallel.world_size
     payload = config.worker_kv_bytes_per_block * offloading_spec.blocks_per_chunk * copies
-    if payload <= 0 or payload > primary_kv_view.strides[0]:
-        raise ConnectorSetupError(f"vLLM's chunk of {payload} bytes does not fit its {primary_kv_view.strides[0]}")
+    slot_bytes = (primary_kv_view.strides or (primary_kv_view.nbytes,))[0]
+    if payload <= 0 or payload > slot_bytes:
+        raise ConnectorSetupError(f"vLLM's chunk of {payload} bytes does not fit its {slot_bytes}-byte slot")
     layout = "canonical" if config.canonical_layout else f"{config.kv_cache_layout or 'direct'}-ws{copies}"
     tokens = config.groups[0].tokens_per_block * offloading_spec.blocks_per_chunk
     return ChunkGeometry(tokens_per_chunk=tokens, payload_bytes=payload, layout=layout)
@@ -202,13 +203,14 @@ def chunk_geometry(offloading_spec: OffloadingSpec, primary_kv_view: memoryview)
 
 @dataclass(frozen=True)
 class _ChunkLayout:
-    """What CacheSession checks a cache against (its EngineLayout's two members), for a tier that knows vLLM's
+    """What CacheSession checks a cache against (an EngineIdentity), for a tier that knows vLLM's
     model name, dtype and chunk size but not its heads: the cache's own sizes, this engine's fingerprint and dtype
     (ChunkStore then checks that the cache's bytes per token fill a chunk exactly)."""
 
     model_fingerprint: str
     kv_dtype: str
     block_size: int  # tokens per chunk: the cache's block size must divide it
+    block_name: str = "vLLM's offload chunk"
 
     @classmethod
     def of(cls, offloading_spec: OffloadingSpec, geometry: ChunkGeometry, config: ConnectorConfig) -> _ChunkLayout:
