@@ -49,7 +49,7 @@ class HitConfig:
     probed_gets: int
 
 
-QUICK = HitConfig(rounds=5, warmup_rounds=1, gets_per_round=3, probed_gets=8)
+QUICK = HitConfig(rounds=3, warmup_rounds=1, gets_per_round=1, probed_gets=4)
 FULL = HitConfig(rounds=15, warmup_rounds=2, gets_per_round=5, probed_gets=30)
 
 
