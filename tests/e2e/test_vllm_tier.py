@@ -11,8 +11,7 @@ then run end to end.
 from __future__ import annotations
 
 import hashlib
-import json
-import subprocess
+import itertools
 import time
 
 import pytest
@@ -24,6 +23,7 @@ from kcaas.spec import KVCacheSpec
 from tests.e2e.vllm_support import (  # noqa: F401 - fixtures
     PROMPTS,
     REPO,
+    VllmProcess,
     connector_job,
     engine_job,
     engine_spec,
@@ -33,7 +33,6 @@ from tests.e2e.vllm_support import (  # noqa: F401 - fixtures
     vllm_agent_launcher,
     vllm_models,
     vllm_processes,
-    vllm_python,
 )
 
 pytestmark = [requires_vllm, pytest.mark.django_db(transaction=True)]
@@ -81,43 +80,20 @@ def job(command: str, extra: dict, **more) -> dict:
             "keys": [k.hex() for k in KEYS], "seed": 7, **more}  # fmt: skip
 
 
-class TierRun:
-    """One runner process: the job on stdin, its JSON lines on stdout, stderr quoted when it fails."""
-
-    def __init__(self, job: dict, env: dict[str, str]):
-        self.process = subprocess.Popen(
-            [vllm_python(), str(RUNNER)],
-            cwd=REPO,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        self.process.stdin.write(json.dumps(job) + "\n")
-        self.process.stdin.flush()
-
-    def line(self) -> dict:
-        line = self.process.stdout.readline()
-        if not line:
-            self.process.wait(timeout=30)
-            pytest.fail(f"tier runner exited {self.process.returncode}:\n{self.process.stderr.read()[-6000:]}")
-        return json.loads(line)
-
-    def go(self) -> None:
-        self.process.stdin.write("next\n")
-        self.process.stdin.flush()
-
-    def finish(self, timeout: float = 120.0) -> dict:
-        result = self.line()
-        self.process.stdin.close()
-        assert self.process.wait(timeout=timeout) == 0, self.process.stderr.read()[-6000:]
-        return result
+_RUNS = itertools.count()
 
 
-def run(job: dict, env: dict[str, str]) -> dict:
-    return TierRun(job, env).finish()
+def tier_process(job: dict, env: dict[str, str], workdir) -> VllmProcess:
+    """One runner process (its stderr to a file in workdir, its answers read with deadlines)."""
+    return VllmProcess(job, env, workdir, f"tier-{job['command']}-{next(_RUNS)}", args=[str(RUNNER)])
+
+
+def run(job: dict, env: dict[str, str], workdir) -> dict:
+    """One runner process to its end: its answer (fails the test, quoting its stderr, if it fails)."""
+    process = tier_process(job, env, workdir)
+    result = process.message(timeout=120)
+    assert process.close(timeout=120) == 0, process.failure("exited non-zero")
+    return result
 
 
 def named_page_lookups(tenant, cache, keys=KEYS) -> list[int]:
@@ -127,21 +103,26 @@ def named_page_lookups(tenant, cache, keys=KEYS) -> list[int]:
     return dp.lookup_batch([page_tokens(geometry.namespace, k, 16) for k in keys])
 
 
-def test_chunks_stored_by_one_process_load_byte_for_byte_in_a_fresh_one(live_server, vllm_agent, tenants, pki):
+def test_chunks_stored_by_one_process_load_byte_for_byte_in_a_fresh_one(
+    live_server, vllm_agent, tenants, pki, tmp_path
+):
     owner, other = tenants(), tenants()
     cache = owner.attach("tier", tier_spec())
     other.attach("tier", tier_spec())  # the same name and layout, another tenant
-    stored = run(job("store", extra_config(live_server.url, pki)), owner.env())
+    stored = run(job("store", extra_config(live_server.url, pki)), owner.env(), tmp_path)
     assert len(stored["digests"]) == len(KEYS)
     assert named_page_lookups(owner, cache) == [16] * len(KEYS), "every chunk is a whole one-page sequence"
 
-    loaded = run(job("load", extra_config(live_server.url, pki)), owner.env())
+    # asked in reverse order, each chunk lands in another CPU slot than it was stored from: a tier that moved
+    # slot i's bytes by the chunk's position instead of vLLM's slot ids would answer other bytes
+    reverse = [k.hex() for k in reversed(KEYS)]
+    loaded = run(job("load", extra_config(live_server.url, pki), keys=reverse), owner.env(), tmp_path)
     assert set(loaded["first"].values()) == {"RETRY"}, loaded  # the first lookup is asynchronous
     assert set(loaded["looked_up"].values()) == {"HIT_PENDING"}, loaded  # found: promoted into the CPU tier
     assert set(loaded["final"].values()) == {"HIT"}, loaded
     assert loaded["digests"] == stored["digests"]
 
-    elsewhere = run(job("load", extra_config(live_server.url, pki)), other.env())
+    elsewhere = run(job("load", extra_config(live_server.url, pki)), other.env(), tmp_path)
     assert set(elsewhere["final"].values()) == {"MISS"}, elsewhere  # the data token names the other tenant's cache
 
 
@@ -170,8 +151,8 @@ def test_kv_vllm_computed_survives_the_tier_and_an_engine_fed_it_answers_as_vllm
     keys = [hashlib.sha256(bytes(str(prompt[: i + 16]), "ascii")).digest() for i in range(0, 256, 16)]
     shape = {"model": model, "keys": [k.hex() for k in keys]}
     extra = extra_config(url, pki)
-    run({**job("store", extra, kv_file=str(kv_file)), **shape}, owner.env())
-    loaded = run({**job("load", extra, out_file=str(out_file)), **shape}, owner.env())
+    run({**job("store", extra, kv_file=str(kv_file)), **shape}, owner.env(), tmp_path)
+    loaded = run({**job("load", extra, out_file=str(out_file)), **shape}, owner.env(), tmp_path)
     assert set(loaded["final"].values()) == {"HIT"}, loaded
     assert out_file.read_bytes() == kv_file.read_bytes(), "the KV vLLM computed, to the byte"
     assert named_page_lookups(owner, tier, keys) == [16] * len(keys)
@@ -185,28 +166,31 @@ def test_kv_vllm_computed_survives_the_tier_and_an_engine_fed_it_answers_as_vllm
     assert answered["outputs"] == computed["outputs"], "token for token what vLLM alone answered"
 
 
-def test_a_node_that_dies_before_the_load_fails_it_and_vllm_recomputes(live_server, vllm_agent, tenants, pki):
+def test_a_node_that_dies_before_the_load_fails_it_and_vllm_recomputes(live_server, vllm_agent, tenants, pki, tmp_path):
     owner = tenants()
     owner.attach("tier", tier_spec())
-    run(job("store", extra_config(live_server.url, pki)), owner.env())
-    loading = TierRun(job("load", extra_config(live_server.url, pki), pause_after_lookup=True), owner.env())
-    assert set(loading.line()["looked_up"].values()) == {"HIT_PENDING"}
+    run(job("store", extra_config(live_server.url, pki)), owner.env(), tmp_path)
+    loading = tier_process(
+        job("load", extra_config(live_server.url, pki), pause_after_lookup=True), owner.env(), tmp_path
+    )
+    assert set(loading.message(timeout=120)["looked_up"].values()) == {"HIT_PENDING"}
     vllm_agent.kill()
     started = time.monotonic()
     loading.go()
-    result = loading.finish()
+    result = loading.message(timeout=120)
+    assert loading.close(timeout=120) == 0, loading.failure("exited non-zero")
     assert set(result["final"].values()) == {"MISS"}, result  # failed loads: no chunk served, vLLM recomputes
     assert result["digests"] == {}
     assert time.monotonic() - started < 30 * IO_TIMEOUT_S, "the failure came within the I/O timeouts, no hang"
 
 
-def test_a_cache_of_another_layout_is_refused_at_start(live_server, vllm_agent, tenants, pki):
+def test_a_cache_of_another_layout_is_refused_at_start(live_server, vllm_agent, tenants, pki, tmp_path):
     owner = tenants()
     owner.attach("tier", KVCacheSpec(**{**tier_spec().to_dict(), "head_dim": 64}))
-    process = TierRun(job("store", extra_config(live_server.url, pki)), owner.env())
-    process.process.stdin.close()
-    assert process.process.wait(timeout=120) != 0
-    stderr = process.process.stderr.read()
+    code, stderr = tier_process(job("store", extra_config(live_server.url, pki)), owner.env(), tmp_path).failed_start(
+        120
+    )
+    assert code != 0
     assert "KCaaS connector:" in stderr and "bytes of KV a token" in stderr, stderr[-3000:]
 
 

@@ -88,16 +88,17 @@ def runner_env(api_key: str | None = None, **extra: str) -> dict[str, str]:
 
 
 class VllmProcess:
-    """One `vllm_runner.py generate` process: the job on its first stdin line, its JSON lines read with deadlines
+    """One `vllm_runner.py generate` process (or another runner script of the vLLM venv: `args`): the job on its
+    first stdin line, its JSON lines read with deadlines
     (a reader thread), stderr to a file. Its own process group, killed at `close()` if still there."""
 
-    def __init__(self, job: dict, env: dict[str, str], workdir: Path, name: str):
+    def __init__(self, job: dict, env: dict[str, str], workdir: Path, name: str, args: list[str] | None = None):
         self.name = name
         self.stderr_path = Path(workdir) / f"vllm-{name}.stderr"
         self._stderr = open(self.stderr_path, "w+")
         self.started = time.monotonic()
         self.process = subprocess.Popen(
-            [vllm_python(), str(RUNNER), "generate"],
+            [vllm_python(), *(args or [str(RUNNER), "generate"])],
             cwd=REPO,
             env=env,
             stdin=subprocess.PIPE,
