@@ -2,8 +2,8 @@
 runs in the SGLang venv's interpreter, KCAAS_SGLANG_PYTHON, through tests/e2e/sglang_runner.py: `make test` sets it and
 builds that venv, elsewhere the tests skip saying so).
 
-- `sglang_python()`: the interpreter, or skip; `requires_sglang`: the same as a mark;
-- `run_sglang(job, env)`: one runner process to its end: its answers by step, or the failure with its stderr;
+- `sglang_python()`: the interpreter, or skip;
+- `run_sglang(job, api_key)`: one runner process to its end: its answers by step, or the failure with its stderr;
 - `backend_extra(url, cache, pki)`: SGLang's extra config naming kcaas.connectors.sglang (the v1 zero-copy path);
 - `mha_pool` / `mla_pool` / `mha_spec` / `mla_spec`: tiny host pools and the caches that match them.
 """
